@@ -1,0 +1,201 @@
+"""Wire types of the agent stream: one tagged union of msgspec Structs.
+
+Every WebSocket binary message is exactly one of these, MessagePack-encoded,
+tagged by its class name in the ``type`` field. Rules for evolving them
+(msgspec's schema-evolution guide): a new field always gets a default, a
+field's type never changes, nothing is renumbered because nothing is
+positional. Unknown fields are *ignored*, not refused: agents and control
+planes are upgraded one at a time, and a newer agent's extra field must not
+take a node out of the fleet. Incompatible changes bump the subprotocol
+version instead (see ``version.py``).
+
+Unknowns are not zeros: a field the agent could not find out is ``None``
+(memory, temperature, ...), never ``0``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class _Wire(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base of the nested (untagged) wire structs."""
+
+
+# --- inventory --------------------------------------------------------------
+
+
+class Memory(_Wire, frozen=True):
+    total_bytes: int | None = None
+    available_bytes: int | None = None
+
+
+class Gpu(_Wire, frozen=True):
+    index: int
+    uuid: str = ""
+    name: str = ""
+    pci_bus_id: str = ""
+    memory_total_mib: int | None = None
+    memory_used_mib: int | None = None
+    memory_free_mib: int | None = None
+    utilization_pct: int | None = None
+    temperature_c: int | None = None
+    driver_version: str = ""
+    compute_capability: str = ""
+    healthy: bool = True
+    problems: list[str] = []  # in words: "pending retired pages", ...
+
+
+class IbPort(_Wire, frozen=True):
+    port: int
+    state: str = ""  # "ACTIVE", "DOWN", ...
+    rate: str = ""
+
+
+class IbAdapter(_Wire, frozen=True):
+    name: str
+    ports: list[IbPort] = []
+    fabric: str = ""  # cannot be discovered; comes from configuration
+
+
+class Engine(_Wire, frozen=True):
+    name: str  # "llama.cpp", "vllm", "ray"
+    version: str = ""
+    path: str = ""
+
+
+class WeightCopy(_Wire, frozen=True):
+    model: str
+    path: str
+    format: str = ""  # "gguf", "hf"
+    size_bytes: int | None = None
+    storage: Literal["local", "shared", "unknown"] = "unknown"
+    filesystem: str = ""  # mount type: "ext4", "nfs4", "lustre", ...
+    storage_id: str = ""  # identifies one shared filer seen from many nodes
+
+
+class Inventory(_Wire, frozen=True):
+    hostname: str = ""
+    address: str = ""
+    cpus: int | None = None
+    memory: Memory = msgspec.field(default_factory=Memory)
+    gpus: list[Gpu] = []
+    infiniband: list[IbAdapter] = []
+    fabric: str = ""
+    engines: list[Engine] = []
+    weights: list[WeightCopy] = []
+    weights_scanned: bool = False  # False: never asked to look (not "looked, found none")
+    labels: dict[str, str] = {}
+
+
+# --- shards -----------------------------------------------------------------
+
+ShardState = Literal["starting", "ready", "draining", "stopping", "stopped", "failed"]
+
+
+class ShardSpec(_Wire, frozen=True):
+    """Everything an agent needs to run one shard, and to describe it back."""
+
+    shard_id: str
+    replica_id: str
+    model: str
+    profile: str
+    engine: str  # "llama.cpp", "vllm", "vllm-ray"
+    rank: int = 0
+    world_size: int = 1
+    gpus: list[int] = []
+    host: str = "127.0.0.1"
+    port: int = 0
+    model_path: str = ""
+    engine_args: list[str] = []
+    env: dict[str, str] = {}
+    settings: dict[str, str | int | float | bool] = {}
+    startup_timeout_s: float = 600.0
+    head_address: str = ""  # multi-node: where rank 0's Ray head listens
+
+
+class ShardReport(_Wire, frozen=True):
+    spec: ShardSpec
+    state: ShardState
+    pid: int | None = None
+    detail: str = ""
+
+
+# --- messages ---------------------------------------------------------------
+
+
+class Message(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag_field="type", tag=True
+):
+    """Base of every message on the stream."""
+
+
+class Register(Message, frozen=True):
+    """Up, first message of every connection: who I am, what I have, what I run.
+
+    ``shards`` lists *every* shard the agent runs; an empty list is news (the
+    control plane lets go of whatever it believed this node runs).
+    """
+
+    node_id: str
+    inventory: Inventory
+    shards: list[ShardReport] = []
+    agent_version: str = ""
+
+
+class RegisterAck(Message, frozen=True):
+    """Down: registration accepted; heartbeat at this interval."""
+
+    node_id: str
+    heartbeat_interval_s: float
+    server_version: str = ""
+
+
+class Heartbeat(Message, frozen=True):
+    """Up: memory every time, the inventory only when it changed."""
+
+    seq: int
+    sent_at: float  # the agent's wall clock, seconds since the epoch
+    memory: Memory = msgspec.field(default_factory=Memory)
+    inventory: Inventory | None = None
+
+
+class ShardStatus(Message, frozen=True):
+    """Up: a shard moved; on failure, the engine's output tail says why."""
+
+    shard_id: str
+    state: ShardState
+    detail: str = ""
+    output_tail: list[str] = []
+    pid: int | None = None
+
+
+class StartShard(Message, frozen=True):
+    spec: ShardSpec
+
+
+class StopShard(Message, frozen=True):
+    shard_id: str
+    grace_s: float = 10.0
+
+
+class DrainShard(Message, frozen=True):
+    shard_id: str
+    grace_s: float = 60.0
+
+
+UpMessage = Register | Heartbeat | ShardStatus
+DownMessage = RegisterAck | StartShard | StopShard | DrainShard
+AnyMessage = Register | Heartbeat | ShardStatus | RegisterAck | StartShard | StopShard | DrainShard
+
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Register,
+    Heartbeat,
+    ShardStatus,
+    RegisterAck,
+    StartShard,
+    StopShard,
+    DrainShard,
+)
