@@ -1,0 +1,1 @@
+"""The node agent: discovery, the outbound stream to the control plane, reconnects."""

@@ -1,0 +1,129 @@
+"""Load a TOML file into a typed config, apply ``KEY=VALUE`` overrides, validate.
+
+Overrides are applied to the raw mapping *before* it is typed, so a value given
+on the command line is checked by exactly the same rules as one in the file.
+Unknown keys are refused (a typo in a config file must not silently fall back
+to a default). Relative paths are resolved against the config file's folder,
+so a config works from any working directory.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from llmgw.config.errors import ConfigError
+
+T = TypeVar("T", bound=msgspec.Struct)
+
+_AT = re.compile(r"\s*-\s*at\s*`\$(?P<path>[^`]*)`\s*$")
+
+
+def load_config(
+    kind: type[T], path: str | Path | None, overrides: Sequence[str] = ()
+) -> tuple[T, Path]:
+    """Return the validated config and the folder relative paths are resolved against.
+
+    Raises:
+        ConfigError: naming the file (or "command line"), the key and the problem.
+    """
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    base = Path.cwd()
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        base = p.resolve().parent
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise ConfigError(source, "", f"cannot read: {exc.strerror or exc}") from None
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    for item in overrides:
+        _apply_override(raw, item)
+    try:
+        config = msgspec.convert(raw, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        key, problem = _split_validation(str(exc))
+        if key and _key_from_override(key, overrides):
+            source = f"{source} (overridden on the command line)"
+        raise ConfigError(source, key, problem) from None
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError as exc:
+            raise ConfigError(source, exc.key, exc.problem) from None
+    return config, base
+
+
+def parse_hostport(
+    value: str, *, key: str = "", default_port: int | None = None
+) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port``, or (with a default port) a bare host -> (host, port)."""
+    text = value.strip()
+    port_text: str | None
+    if text.startswith("["):
+        end = text.find("]")
+        rest = text[end + 1 :] if end >= 0 else "x"
+        if end < 0 or (rest and not rest.startswith(":")):
+            raise ConfigError("", key, f"{value!r} is not [address]:port")
+        host, port_text = text[1:end], (rest[1:] if rest else None)
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:  # a name, an IPv4 address or a bare IPv6 literal: no port
+        host, port_text = text, None
+    if not host:
+        raise ConfigError("", key, f"{value!r} has no host")
+    if port_text is None:
+        if default_port is None:
+            raise ConfigError("", key, f"{value!r} has no port (write host:port)")
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError("", key, f"{value!r}: port {port_text!r} is not a number in 0-65535")
+    return host, int(port_text)
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError("command line", item, "an override is written KEY=VALUE")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError("command line", key, f"{part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _split_validation(message: str) -> tuple[str, str]:
+    m = _AT.search(message)
+    if not m:
+        return "", message
+    path = m.group("path").lstrip(".")
+    problem = message[: m.start()]
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", problem)
+    if unknown:
+        field = unknown.group(1)
+        return (f"{path}.{field}" if path else field), "unknown key (is it misspelt?)"
+    problem = problem.replace("Expected", "expected", 1)
+    return path, problem
+
+
+def _key_from_override(key: str, overrides: Sequence[str]) -> bool:
+    return any(o.partition("=")[0].strip() == key for o in overrides)

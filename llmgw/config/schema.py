@@ -1,0 +1,148 @@
+"""The shapes of ``server.toml`` and ``agent.toml``, with their bounds.
+
+Every config struct refuses unknown keys. Cross-field rules live in
+``validate`` so that each one is written once and names the key it is about.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from llmgw.config.errors import ConfigError
+from llmgw.config.loader import parse_hostport
+
+DAY_S = 86_400.0
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+def _positive(key: str, value: float, *, at_most: float | None = None) -> None:
+    if value <= 0:
+        raise ConfigError("", key, f"must be greater than 0, got {value}")
+    if at_most is not None and value > at_most:
+        raise ConfigError("", key, f"must be at most {at_most:g}, got {value}")
+
+
+def resolve(base: Path, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+class TlsFiles(_Section):
+    ca: str = "pki/ca.pem"
+    cert: str = ""
+    key: str = ""
+
+
+class AgentStreamConfig(_Section):
+    listen: str = "0.0.0.0:7443"
+    ca: str = "pki/ca.pem"
+    cert: str = "pki/server.pem"
+    key: str = "pki/server-key.pem"
+    max_message_bytes: int = 1024 * 1024
+    handshake_timeout_s: float = 10.0
+    send_timeout_s: float = 10.0
+
+
+class LivenessConfig(_Section):
+    heartbeat_interval_s: float = 5.0
+    unreachable_after_s: float = 15.0
+    lost_after_s: float = 60.0
+
+
+class AdminConfig(_Section):
+    listen: str = "127.0.0.1:7444"
+    token: str = ""
+    token_file: str = ""  # default: <state_dir>/admin-token, created on first start
+
+
+class ServerConfig(_Section):
+    state_dir: str = "state"
+    log_level: str = "info"
+    agent_stream: AgentStreamConfig = msgspec.field(default_factory=AgentStreamConfig)
+    liveness: LivenessConfig = msgspec.field(default_factory=LivenessConfig)
+    admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+
+    def validate(self) -> None:
+        parse_hostport(self.agent_stream.listen, key="agent_stream.listen")
+        parse_hostport(self.admin.listen, key="admin.listen")
+        lv = self.liveness
+        _positive("liveness.heartbeat_interval_s", lv.heartbeat_interval_s, at_most=3600)
+        _positive("liveness.unreachable_after_s", lv.unreachable_after_s, at_most=DAY_S)
+        _positive("liveness.lost_after_s", lv.lost_after_s, at_most=7 * DAY_S)
+        if lv.unreachable_after_s <= lv.heartbeat_interval_s:
+            raise ConfigError(
+                "",
+                "liveness.unreachable_after_s",
+                f"must be longer than liveness.heartbeat_interval_s ({lv.heartbeat_interval_s:g})"
+                ", or every node would flap",
+            )
+        if lv.lost_after_s <= lv.unreachable_after_s:
+            raise ConfigError(
+                "",
+                "liveness.lost_after_s",
+                f"must be longer than liveness.unreachable_after_s ({lv.unreachable_after_s:g})",
+            )
+        _positive("agent_stream.max_message_bytes", self.agent_stream.max_message_bytes)
+        _positive(
+            "agent_stream.handshake_timeout_s", self.agent_stream.handshake_timeout_s, at_most=300
+        )
+        _positive("agent_stream.send_timeout_s", self.agent_stream.send_timeout_s, at_most=300)
+        _check_log_level(self.log_level)
+
+
+class InventoryOverrides(_Section):
+    """What is written wins over what is discovered."""
+
+    address: str = ""
+    cpus: int | None = None
+    memory_gb: float | None = None
+    fabric: str = ""
+    labels: dict[str, str] = {}
+
+
+class BackoffConfig(_Section):
+    initial_s: float = 0.5
+    max_s: float = 30.0
+
+
+class AgentConfig(_Section):
+    control_plane: list[str] = []
+    ca: str = "pki/ca.pem"
+    cert: str = ""  # default: pki/<node_id>.pem
+    key: str = ""  # default: pki/<node_id>-key.pem
+    node_id: str = ""  # default: the hostname
+    state_dir: str = "agent-state"
+    log_level: str = "info"
+    connect_timeout_s: float = 10.0
+    handshake_timeout_s: float = 10.0
+    backoff: BackoffConfig = msgspec.field(default_factory=BackoffConfig)
+    inventory: InventoryOverrides = msgspec.field(default_factory=InventoryOverrides)
+
+    def validate(self) -> None:
+        if not self.control_plane:
+            raise ConfigError(
+                "", "control_plane", 'no control plane address given (write ["host:7443"])'
+            )
+        for i, address in enumerate(self.control_plane):
+            parse_hostport(address, key=f"control_plane[{i}]")
+        _positive("connect_timeout_s", self.connect_timeout_s, at_most=300)
+        _positive("handshake_timeout_s", self.handshake_timeout_s, at_most=300)
+        _positive("backoff.initial_s", self.backoff.initial_s, at_most=3600)
+        _positive("backoff.max_s", self.backoff.max_s, at_most=3600)
+        if self.backoff.max_s < self.backoff.initial_s:
+            raise ConfigError("", "backoff.max_s", "must be at least backoff.initial_s")
+        if self.inventory.memory_gb is not None:
+            _positive("inventory.memory_gb", self.inventory.memory_gb)
+        if self.inventory.cpus is not None:
+            _positive("inventory.cpus", self.inventory.cpus)
+        _check_log_level(self.log_level)
+
+
+def _check_log_level(level: str) -> None:
+    if level.lower() not in {"debug", "info", "warning", "error"}:
+        raise ConfigError("", "log_level", f"{level!r} is not one of debug, info, warning, error")

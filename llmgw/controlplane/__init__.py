@@ -1,0 +1,1 @@
+"""The control plane: node table and liveness, the agent stream listener, the dispatcher."""

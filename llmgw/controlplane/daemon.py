@@ -1,0 +1,91 @@
+"""``llmgw server``: wire the control plane's parts together and serve."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from pathlib import Path
+
+import trio
+
+from llmgw.admin.api import AdminApi
+from llmgw.config import ConfigError, ServerConfig, parse_hostport
+from llmgw.config.schema import resolve
+from llmgw.controlplane.nodes import LivenessPolicy
+from llmgw.controlplane.service import ControlPlane
+from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
+from llmgw.http import HttpServer
+from llmgw.tls.contexts import server_context
+
+log = logging.getLogger("llmgw.server")
+
+
+def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
+    """The admin token: written in config, read from a file, or created once.
+
+    A created token is written 0600 to the state directory, so ``ctl`` on the
+    same machine can find it and nobody has to invent one before the first start.
+    """
+    if config.admin.token:
+        return config.admin.token, None
+    if config.admin.token_file:
+        path = resolve(base, config.admin.token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError("", "admin.token_file", f"cannot read {path}: {exc.strerror}") from None
+        if not token:
+            raise ConfigError("", "admin.token_file", f"{path} is empty")
+        return token, path
+    path = resolve(base, config.state_dir) / "admin-token"
+    try:
+        return path.read_text().strip(), path
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    log.info("created admin token in %s", path)
+    return token, path
+
+
+def _show(listener: trio.SocketListener) -> str:
+    host, port, *_ = listener.socket.getsockname()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(config: ServerConfig, base: Path) -> None:
+    """Run the control plane until cancelled."""
+    sc = config.agent_stream
+    ssl_context = server_context(resolve(base, sc.ca), resolve(base, sc.cert), resolve(base, sc.key))
+    token, _ = admin_token(config, base)
+    lv = config.liveness
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=lv.unreachable_after_s, lost_after=lv.lost_after_s),
+        heartbeat_interval=lv.heartbeat_interval_s,
+    )
+    stream = AgentStreamServer(
+        control,
+        ssl_context,
+        StreamLimits(
+            handshake_timeout=sc.handshake_timeout_s,
+            idle_timeout=lv.lost_after_s,
+            send_timeout=sc.send_timeout_s,
+            max_message_bytes=sc.max_message_bytes,
+        ),
+    )
+    admin = HttpServer(AdminApi(control, token), name="admin")
+    stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
+    admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(stream.serve, stream_host, stream_port)
+        log.info("agent stream listening on %s", ", ".join(_show(x) for x in listeners))
+        await nursery.start(control.run_liveness)
+        admin_listeners = await nursery.start(admin.serve_tcp, admin_host, admin_port)
+        log.info(
+            "admin API listening on %s",
+            ", ".join(f"http://{_show(x)}" for x in admin_listeners),
+        )

@@ -1,0 +1,64 @@
+"""Prometheus metrics of the control plane, on a registry of its own.
+
+A registry per server (not the library's global one) keeps test servers in
+one process apart. Label values are bounded: states, message types and
+refusal reasons, never node ids or request ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmgw.controlplane.nodes import NodeState
+
+
+class _NodesCollector(Collector):
+    def __init__(self, counts: Callable[[], dict[NodeState, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("llmgw_nodes", "Nodes by liveness state", labels=["state"])
+        for state, n in self._counts().items():
+            family.add_metric([state.value], n)
+        yield family
+
+
+class ControlPlaneMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.connects = Counter(
+            "llmgw_agent_stream_connects", "Agent streams registered", registry=r
+        )
+        self.refusals = Counter(
+            "llmgw_agent_stream_refusals",
+            "Agent streams refused or closed for a protocol fault, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.messages = Counter(
+            "llmgw_agent_messages", "Messages received from agents, by type", ["type"], registry=r
+        )
+        self.commands = Counter(
+            "llmgw_commands_dispatched", "Commands sent to agents, by type", ["type"], registry=r
+        )
+        self.heartbeat_delay = Histogram(
+            "llmgw_heartbeat_delay_seconds",
+            "From the agent sending a heartbeat to the control plane processing it "
+            "(agent wall clock against ours: meaningful only with synchronised clocks)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=r,
+        )
+        self.liveness_changes = Counter(
+            "llmgw_node_state_changes",
+            "Node liveness transitions, by new state",
+            ["state"],
+            registry=r,
+        )
+
+    def watch_nodes(self, counts: Callable[[], dict[NodeState, int]]) -> None:
+        self.registry.register(_NodesCollector(counts))

@@ -1,0 +1,188 @@
+"""The node table and node liveness, as pure code over an explicit clock.
+
+Liveness: a node is Ready while its stream is up and it heartbeats; it is
+Unreachable as soon as its stream drops or it has been silent for
+``unreachable_after``; it is Lost once silent for ``lost_after`` (connected
+or not). Both bounds are finite, so no node stays in limbo. The stream layer
+calls ``register``/``heartbeat``/``disconnected``; a periodic ``sweep`` moves
+silent nodes along. Each returns the changes it made, for logs and metrics.
+
+``now`` is a monotonic clock (trio's); ``wall`` is the wall clock, kept only
+for display ("last seen 3 s ago" must survive a reader on another machine).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import attrs
+import msgspec
+
+from llmgw.protocol.messages import Heartbeat, Inventory, ShardReport
+
+
+class NodeState(StrEnum):
+    READY = "Ready"
+    UNREACHABLE = "Unreachable"
+    LOST = "Lost"
+
+
+@attrs.frozen
+class LivenessPolicy:
+    unreachable_after: float
+    lost_after: float
+
+
+@attrs.frozen
+class Change:
+    node_id: str
+    old: NodeState | None  # None: first seen
+    new: NodeState
+    why: str
+
+
+@attrs.define
+class Node:
+    node_id: str
+    inventory: Inventory
+    peer: str  # where its stream came from
+    connection: int  # generation of the stream that owns this node now
+    connected: bool
+    state: NodeState
+    last_seen: float
+    last_seen_wall: float
+    registered_at_wall: float
+    shards: list[ShardReport] = attrs.Factory(list)
+    last_heartbeat_seq: int = -1
+
+    @property
+    def address(self) -> str:
+        return self.inventory.address or self.peer.rsplit(":", 1)[0].strip("[]")
+
+
+def liveness(node: Node, now: float, policy: LivenessPolicy) -> tuple[NodeState, str]:
+    silent = now - node.last_seen
+    if silent >= policy.lost_after:
+        return NodeState.LOST, f"silent for {silent:.0f} s (lost after {policy.lost_after:g} s)"
+    if not node.connected:
+        return NodeState.UNREACHABLE, "agent stream closed"
+    if silent >= policy.unreachable_after:
+        return (
+            NodeState.UNREACHABLE,
+            f"no heartbeat for {silent:.1f} s (unreachable after {policy.unreachable_after:g} s)",
+        )
+    return NodeState.READY, "heartbeating"
+
+
+def inventory_changes(old: Inventory, new: Inventory) -> list[str]:
+    """What changed that an operator would want to read about, in words."""
+    out: list[str] = []
+    before = {e.name: e.version for e in old.engines}
+    after = {e.name: e.version for e in new.engines}
+    for name, version in after.items():
+        if name not in before:
+            out.append(f"now has {name} {version}".rstrip())
+        elif before[name] != version:
+            out.append(f"now has {name} {version} (was {before[name]})")
+    out.extend(f"no longer has {name}" for name in before.keys() - after.keys())
+    if old.memory.total_bytes != new.memory.total_bytes and new.memory.total_bytes is not None:
+        out.append(f"now has {new.memory.total_bytes / 2**30:.1f} GiB of memory")
+    if len(old.gpus) != len(new.gpus):
+        out.append(f"now has {len(new.gpus)} GPUs (was {len(old.gpus)})")
+    return out
+
+
+@attrs.define
+class NodeTable:
+    policy: LivenessPolicy
+    nodes: dict[str, Node] = attrs.Factory(dict)
+
+    def register(
+        self,
+        node_id: str,
+        inventory: Inventory,
+        shards: list[ShardReport],
+        *,
+        peer: str,
+        connection: int,
+        now: float,
+        wall: float,
+    ) -> tuple[list[Change], list[str]]:
+        """A node registered on a fresh stream; returns state changes and inventory news."""
+        node = self.nodes.get(node_id)
+        news: list[str] = []
+        if node is None:
+            node = Node(
+                node_id=node_id,
+                inventory=inventory,
+                peer=peer,
+                connection=connection,
+                connected=True,
+                state=NodeState.READY,
+                last_seen=now,
+                last_seen_wall=wall,
+                registered_at_wall=wall,
+                shards=list(shards),
+            )
+            self.nodes[node_id] = node
+            return [Change(node_id, None, NodeState.READY, "registered")], news
+        news = inventory_changes(node.inventory, inventory)
+        node.inventory = inventory
+        node.peer = peer
+        node.connection = connection
+        node.connected = True
+        node.last_seen = now
+        node.last_seen_wall = wall
+        node.registered_at_wall = wall
+        node.shards = list(shards)
+        node.last_heartbeat_seq = -1
+        return self._set(node, NodeState.READY, "registered"), news
+
+    def heartbeat(
+        self, node_id: str, connection: int, hb: Heartbeat, *, now: float, wall: float
+    ) -> tuple[list[Change], list[str]]:
+        node = self.nodes.get(node_id)
+        if node is None or node.connection != connection:
+            return [], []  # from a stream that has since been replaced
+        node.last_seen = now
+        node.last_seen_wall = wall
+        node.last_heartbeat_seq = hb.seq
+        inventory = hb.inventory if hb.inventory is not None else node.inventory
+        if hb.memory.total_bytes is not None or hb.memory.available_bytes is not None:
+            inventory = msgspec.structs.replace(inventory, memory=hb.memory)
+        news: list[str] = []
+        if inventory != node.inventory:
+            news = inventory_changes(node.inventory, inventory)
+            node.inventory = inventory
+        return self._set(node, NodeState.READY, "heartbeating"), news
+
+    def disconnected(self, node_id: str, connection: int, *, now: float) -> list[Change]:
+        node = self.nodes.get(node_id)
+        if node is None or node.connection != connection:
+            return []
+        node.connected = False
+        state, why = liveness(node, now, self.policy)
+        return self._set(node, state, why)
+
+    def sweep(self, now: float) -> list[Change]:
+        changes: list[Change] = []
+        for node in self.nodes.values():
+            if node.state is NodeState.LOST:
+                continue
+            state, why = liveness(node, now, self.policy)
+            if state is not node.state:
+                changes.extend(self._set(node, state, why))
+        return changes
+
+    def counts(self) -> dict[NodeState, int]:
+        out = dict.fromkeys(NodeState, 0)
+        for node in self.nodes.values():
+            out[node.state] += 1
+        return out
+
+    @staticmethod
+    def _set(node: Node, state: NodeState, why: str) -> list[Change]:
+        if node.state is state:
+            return []
+        old, node.state = node.state, state
+        return [Change(node.node_id, old, state, why)]

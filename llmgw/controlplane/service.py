@@ -1,0 +1,123 @@
+"""The control plane's core: what happens when agents register, heartbeat and go.
+
+The stream listener calls these methods synchronously (no awaits inside), so
+the node table never sees a half-applied update. Later stages hook placement
+and reconciliation in here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from llmgw import __version__
+from llmgw.controlplane.dispatcher import AgentConnection, Dispatcher
+from llmgw.controlplane.metrics import ControlPlaneMetrics
+from llmgw.controlplane.nodes import Change, LivenessPolicy, NodeTable
+from llmgw.protocol.messages import Heartbeat, Register, RegisterAck, ShardStatus
+
+log = logging.getLogger("llmgw.controlplane")
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        *,
+        policy: LivenessPolicy,
+        heartbeat_interval: float,
+        metrics: ControlPlaneMetrics | None = None,
+        clock: Callable[[], float] = trio.current_time,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.policy = policy
+        self.heartbeat_interval = heartbeat_interval
+        self.metrics = metrics or ControlPlaneMetrics()
+        self.nodes = NodeTable(policy)
+        self.dispatcher = Dispatcher(self.metrics)
+        self.metrics.watch_nodes(self.nodes.counts)
+        self._clock = clock
+        self._wall = wall
+        self._generations = itertools.count(1)
+
+    def new_generation(self) -> int:
+        return next(self._generations)
+
+    def registered(self, conn: AgentConnection, msg: Register) -> RegisterAck:
+        changes, news = self.nodes.register(
+            msg.node_id,
+            msg.inventory,
+            msg.shards,
+            peer=conn.peer,
+            connection=conn.generation,
+            now=self._clock(),
+            wall=self._wall(),
+        )
+        self.dispatcher.attach(conn)
+        self.metrics.connects.inc()
+        inv = msg.inventory
+        log.info(
+            "node %s registered from %s (agent %s, %d GPUs, %d shards running)",
+            msg.node_id,
+            conn.peer,
+            msg.agent_version or "?",
+            len(inv.gpus),
+            len(msg.shards),
+        )
+        self._report(changes, news, msg.node_id)
+        return RegisterAck(
+            node_id=msg.node_id,
+            heartbeat_interval_s=self.heartbeat_interval,
+            server_version=__version__,
+        )
+
+    def heartbeat(self, conn: AgentConnection, hb: Heartbeat) -> None:
+        wall = self._wall()
+        self.metrics.heartbeat_delay.observe(max(0.0, wall - hb.sent_at))
+        changes, news = self.nodes.heartbeat(
+            conn.node_id, conn.generation, hb, now=self._clock(), wall=wall
+        )
+        self._report(changes, news, conn.node_id)
+
+    def shard_status(self, conn: AgentConnection, status: ShardStatus) -> None:
+        if status.state == "failed":
+            tail = "\n    ".join(status.output_tail[-20:])
+            log.warning(
+                "node %s: shard %s failed: %s%s",
+                conn.node_id,
+                status.shard_id,
+                status.detail,
+                f"\n    {tail}" if tail else "",
+            )
+        else:
+            log.info("node %s: shard %s is %s", conn.node_id, status.shard_id, status.state)
+
+    def disconnected(self, conn: AgentConnection) -> None:
+        self.dispatcher.detach(conn)
+        changes = self.nodes.disconnected(conn.node_id, conn.generation, now=self._clock())
+        self._report(changes, [], conn.node_id)
+
+    def sweep(self) -> None:
+        self._report(self.nodes.sweep(self._clock()), [], None)
+
+    async def run_liveness(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Move silent nodes along, checking often enough to be late by a small fraction."""
+        tick = min(1.0, self.policy.unreachable_after / 10)
+        task_status.started()
+        while True:
+            await trio.sleep(tick)
+            self.sweep()
+
+    def _report(self, changes: list[Change], news: list[str], node_id: str | None) -> None:
+        for c in changes:
+            self.metrics.liveness_changes.labels(c.new.value).inc()
+            if c.old is not None:
+                level = logging.INFO if c.new.value == "Ready" else logging.WARNING
+                log.log(level, "node %s is %s (was %s): %s", c.node_id, c.new, c.old, c.why)
+        for line in news:
+            log.info("node %s %s", node_id, line)

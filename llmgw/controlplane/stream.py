@@ -1,0 +1,226 @@
+"""The agent stream listener: TLS, WebSocket and session, in a thin trio shell.
+
+Theory of operation
+-------------------
+Each accepted TCP connection gets its own handler and its own nursery (the
+WebSocket reader lives there), so ending the handler ends every task of the
+connection. The handler:
+
+1. does the TLS handshake itself, bounded by ``handshake_timeout`` (a
+   plaintext client or one that offers no certificate would otherwise hang
+   the handler), and reads the verified client certificate's common name;
+2. reads the WebSocket upgrade and negotiates the subprotocol (the protocol
+   version); a mismatch is rejected during the upgrade with the reason in the
+   body;
+3. feeds every binary message to a sans-I/O ``Session`` and hands the result to
+   the ``ControlPlane``. A protocol error closes the stream with the error's
+   code and reason, logged here too, so both sides can say why.
+
+Every wait is bounded: the handshake and the first message by
+``handshake_timeout``, every later message by the lost-node timeout (an agent
+that stays silent that long is closed), every send by ``send_timeout``.
+Whatever happens, the connection is closed within ``CLOSE_TIMEOUT`` of the
+handler ending, shielded, so a shutdown is never held up by a slow peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+
+import attrs
+import trio
+from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
+
+from llmgw.controlplane.dispatcher import AgentConnection
+from llmgw.controlplane.service import ControlPlane
+from llmgw.protocol import CloseCode, ProtocolError, Role, Session, negotiate
+from llmgw.protocol.errors import OutOfOrder, VersionMismatch
+from llmgw.protocol.messages import Heartbeat, Register, ShardStatus
+from llmgw.tls.contexts import peer_common_name
+from llmgw.wsio import CLOSE_TIMEOUT, close_quietly, close_ws
+
+log = logging.getLogger("llmgw.controlplane.stream")
+
+
+@attrs.frozen
+class StreamLimits:
+    handshake_timeout: float = 10.0
+    idle_timeout: float = 60.0  # the lost-node timeout
+    send_timeout: float = 10.0
+    max_message_bytes: int = 1024 * 1024
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port, *_ = stream.socket.getpeername()
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class AgentStreamServer:
+    def __init__(
+        self, control: ControlPlane, ssl_context: ssl.SSLContext, limits: StreamLimits
+    ) -> None:
+        self.control = control
+        self.ssl_context = ssl_context
+        self.limits = limits
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self.handle, listeners)
+            task_status.started(listeners)
+
+    async def handle(self, tcp: trio.SocketStream) -> None:
+        """Serve one connection; nothing it does can take the listener down."""
+        try:
+            await self._handle(tcp)
+        except Exception:
+            log.exception("agent stream from %s failed unexpectedly", _peer(tcp))
+
+    async def _handle(self, tcp: trio.SocketStream) -> None:
+        peer = _peer(tcp)
+        tls = trio.SSLStream(tcp, self.ssl_context, server_side=True)
+        try:
+            with trio.fail_after(self.limits.handshake_timeout):
+                await tls.do_handshake()
+        except trio.TooSlowError:
+            self._refused(
+                peer,
+                "tls_timeout",
+                f"no TLS handshake within {self.limits.handshake_timeout:g} s "
+                "(a plaintext client, or one that offered no certificate?)",
+            )
+            await close_quietly(tls)
+            return
+        except (trio.BrokenResourceError, ssl.SSLError) as exc:
+            self._refused(peer, "tls", f"TLS handshake failed: {_tls_reason(exc)}")
+            await close_quietly(tls)
+            return
+        identity = peer_common_name(tls)
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._upgrade_and_run(nursery, tls, peer, identity)
+                nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, ConnectionClosed, ssl.SSLError) as exc:
+            log.info("agent stream from %s broke: %s", peer, exc)
+        finally:
+            await close_quietly(tls)
+
+    async def _upgrade_and_run(
+        self,
+        nursery: trio.Nursery,
+        tls: trio.SSLStream[trio.SocketStream],
+        peer: str,
+        identity: str | None,
+    ) -> None:
+        limits = self.limits
+        try:
+            with trio.fail_after(limits.handshake_timeout):
+                request = await wrap_server_stream(
+                    nursery, tls, max_message_size=limits.max_message_bytes
+                )
+        except trio.TooSlowError:
+            self._refused(peer, "upgrade_timeout", "no WebSocket upgrade in time")
+            return
+        try:
+            subprotocol = negotiate(request.proposed_subprotocols)
+        except VersionMismatch as exc:
+            self._refused(peer, "version", f"{exc.reason} (certificate {identity!r})")
+            with trio.move_on_after(CLOSE_TIMEOUT):
+                await request.reject(400, body=f"version mismatch: {exc.reason}".encode())
+            return
+        ws = await request.accept(subprotocol=subprotocol)
+        session = Session(
+            Role.CONTROL_PLANE, peer_identity=identity, max_message_bytes=limits.max_message_bytes
+        )
+        opened: list[AgentConnection] = []
+        try:
+            await self._run(ws, session, peer, opened)
+        except ProtocolError as exc:
+            self._refused(peer, type(exc).__name__, exc.reason, identity=identity)
+            await close_ws(ws, exc.code, exc.close_reason)
+        except ConnectionClosed as exc:
+            r = exc.reason
+            log.info(
+                "agent %s (%s) closed its stream: %s %s",
+                session.node_id or identity,
+                peer,
+                r.code if r else "",
+                (r.reason or r.name) if r else "",
+            )
+        finally:
+            # asked to close (replaced, stalled), or the server is shutting down
+            if opened and ws.closed is None:
+                await close_ws(ws, opened[0].close_code, opened[0].close_reason)
+
+    async def _run(
+        self,
+        ws: WebSocketConnection,
+        session: Session,
+        peer: str,
+        opened: list[AgentConnection],
+    ) -> None:
+        """Run one registered session; cancelling ``conn.cancel_scope`` ends it."""
+        limits = self.limits
+        with trio.move_on_after(limits.handshake_timeout) as waiting:
+            first = session.receive(await ws.get_message())
+        if waiting.cancelled_caught:
+            raise OutOfOrder(f"no Register within {limits.handshake_timeout:g} s of connecting")
+        assert isinstance(first, Register)  # the session allows nothing else first
+        conn = AgentConnection(
+            node_id=first.node_id,
+            generation=self.control.new_generation(),
+            peer=peer,
+            ws=ws,
+            session=session,
+            send_timeout=limits.send_timeout,
+            cancel_scope=trio.CancelScope(),
+        )
+        opened.append(conn)
+        self.control.metrics.messages.labels("Register").inc()
+        try:
+            with conn.cancel_scope:
+                await conn.send(self.control.registered(conn, first))
+                while True:
+                    with trio.move_on_after(limits.idle_timeout):
+                        message = session.receive(await ws.get_message())
+                        self.control.metrics.messages.labels(type(message).__name__).inc()
+                        if isinstance(message, Heartbeat):
+                            self.control.heartbeat(conn, message)
+                        elif isinstance(message, ShardStatus):
+                            self.control.shard_status(conn, message)
+                        continue
+                    raise _Silent(limits.idle_timeout)
+        except _Silent as exc:
+            conn.close_code, conn.close_reason = CloseCode.SILENT, str(exc)
+            log.warning("node %s: %s; closing its stream", conn.node_id, exc)
+            await close_ws(ws, conn.close_code, conn.close_reason)
+        finally:
+            self.control.disconnected(conn)
+
+    def _refused(self, peer: str, reason: str, detail: str, *, identity: str | None = None) -> None:
+        self.control.metrics.refusals.labels(reason).inc()
+        who = f"{peer} (certificate {identity!r})" if identity else peer
+        log.warning("refused agent stream from %s: %s", who, detail)
+
+
+class _Silent(Exception):
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"nothing received for {timeout:g} s")
+
+
+def _tls_reason(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc.__context__
+    for e in (exc, cause):
+        if isinstance(e, ssl.SSLError):
+            return e.reason or str(e)
+    return str(cause or exc) or type(exc).__name__
