@@ -34,7 +34,9 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
         try:
             token = path.read_text().strip()
         except OSError as exc:
-            raise ConfigError("", "admin.token_file", f"cannot read {path}: {exc.strerror}") from None
+            raise ConfigError(
+                "", "admin.token_file", f"cannot read {path}: {exc.strerror}"
+            ) from None
         if not token:
             raise ConfigError("", "admin.token_file", f"{path} is empty")
         return token, path
@@ -60,7 +62,9 @@ def _show(listener: trio.SocketListener) -> str:
 async def serve(config: ServerConfig, base: Path) -> None:
     """Run the control plane until cancelled."""
     sc = config.agent_stream
-    ssl_context = server_context(resolve(base, sc.ca), resolve(base, sc.cert), resolve(base, sc.key))
+    ssl_context = server_context(
+        resolve(base, sc.ca), resolve(base, sc.cert), resolve(base, sc.key)
+    )
     token, _ = admin_token(config, base)
     lv = config.liveness
     control = ControlPlane(
