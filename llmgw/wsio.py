@@ -8,6 +8,8 @@ short deadline (so a peer that never answers cannot hold a shutdown up).
 from __future__ import annotations
 
 import ssl
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
@@ -29,3 +31,19 @@ async def close_quietly(stream: trio.abc.AsyncResource) -> None:
             await stream.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
             pass
+
+
+@contextmanager
+def single_error() -> Iterator[None]:
+    """Re-raise a nursery's lone exception as itself.
+
+    A session's nursery wraps whatever ends it in an ExceptionGroup; the
+    callers that log *why* a stream ended want the one exception back (a
+    close code and reason, a TLS error). Groups of several stay groups.
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+            raise group.exceptions[0] from group
+        raise

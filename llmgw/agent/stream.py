@@ -53,7 +53,7 @@ from llmgw.protocol.messages import (
     StartShard,
     StopShard,
 )
-from llmgw.wsio import close_quietly, close_ws
+from llmgw.wsio import close_quietly, close_ws, single_error
 
 log = logging.getLogger("llmgw.agent")
 
@@ -111,7 +111,17 @@ class AgentStream:
         except HandshakeError as exc:
             log.error("WebSocket handshake with %s failed: %s", where, exc)
         except trio.TooSlowError:
-            log.error("control plane %s did not answer in time (during %s)", where, state.stage)
+            if state.stage == "WebSocket upgrade":
+                # TLS 1.3 finishes the client's handshake before the server checks
+                # the client certificate, and the server's alert does not reach us
+                log.error(
+                    "control plane %s completed TLS but never answered the WebSocket upgrade: "
+                    "it most likely refused this agent's certificate (expired, from another "
+                    "CA, or none); the control plane's log names the reason",
+                    where,
+                )
+            else:
+                log.error("control plane %s did not answer in time (during %s)", where, state.stage)
         except ssl.SSLCertVerificationError as exc:
             log.error("control plane %s certificate rejected: %s", where, exc.verify_message or exc)
         except ssl.SSLError as exc:
@@ -136,22 +146,23 @@ class AgentStream:
             state.stage = "TLS handshake"
             with trio.fail_after(s.handshake_timeout):
                 await tls.do_handshake()
-            async with trio.open_nursery() as nursery:
-                state.stage = "WebSocket upgrade"
-                with trio.fail_after(s.handshake_timeout):
-                    ws = await wrap_client_stream(
-                        nursery,
-                        tls,
-                        host,
-                        "/agent",
-                        subprotocols=[SUBPROTOCOL],
-                        max_message_size=s.max_message_bytes,
-                    )
-                try:
-                    await self._registered_session(ws, where, state)
-                finally:
-                    await close_ws(ws, CloseCode.GOING_AWAY, "agent shutting down")
-                nursery.cancel_scope.cancel()
+            with single_error():
+                async with trio.open_nursery() as nursery:
+                    state.stage = "WebSocket upgrade"
+                    with trio.fail_after(s.handshake_timeout):
+                        ws = await wrap_client_stream(
+                            nursery,
+                            tls,
+                            host,
+                            "/agent",
+                            subprotocols=[SUBPROTOCOL],
+                            max_message_size=s.max_message_bytes,
+                        )
+                    try:
+                        await self._registered_session(ws, where, state)
+                    finally:
+                        await close_ws(ws, CloseCode.GOING_AWAY, "agent shutting down")
+                    nursery.cancel_scope.cancel()
         finally:
             await close_quietly(tls)
 
@@ -181,12 +192,15 @@ class AgentStream:
             s.node_id,
             ack.heartbeat_interval_s,
         )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._heartbeats, ws, session, ack.heartbeat_interval_s, inventory)
-            while True:
-                command = session.receive(await ws.get_message())
-                for reply in self.handle_command(command):
-                    await ws.send_message(session.send(reply))
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    self._heartbeats, ws, session, ack.heartbeat_interval_s, inventory
+                )
+                while True:
+                    command = session.receive(await ws.get_message())
+                    for reply in self.handle_command(command):
+                        await ws.send_message(session.send(reply))
 
     async def _heartbeats(
         self, ws: WebSocketConnection, session: Session, interval: float, sent: Inventory

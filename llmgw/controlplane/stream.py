@@ -38,7 +38,7 @@ from llmgw.protocol import CloseCode, ProtocolError, Role, Session, negotiate
 from llmgw.protocol.errors import OutOfOrder, VersionMismatch
 from llmgw.protocol.messages import Heartbeat, Register, ShardStatus
 from llmgw.tls.contexts import peer_common_name
-from llmgw.wsio import CLOSE_TIMEOUT, close_quietly, close_ws
+from llmgw.wsio import CLOSE_TIMEOUT, close_quietly, close_ws, single_error
 
 log = logging.getLogger("llmgw.controlplane.stream")
 
@@ -107,9 +107,10 @@ class AgentStreamServer:
             return
         identity = peer_common_name(tls)
         try:
-            async with trio.open_nursery() as nursery:
-                await self._upgrade_and_run(nursery, tls, peer, identity)
-                nursery.cancel_scope.cancel()
+            with single_error():
+                async with trio.open_nursery() as nursery:
+                    await self._upgrade_and_run(nursery, tls, peer, identity)
+                    nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, ConnectionClosed, ssl.SSLError) as exc:
             log.info("agent stream from %s broke: %s", peer, exc)
         finally:
@@ -150,6 +151,11 @@ class AgentStreamServer:
             await close_ws(ws, exc.code, exc.close_reason)
         except ConnectionClosed as exc:
             r = exc.reason
+            if r is not None and r.code == CloseCode.MESSAGE_TOO_BIG:
+                # the WebSocket layer enforces the limit before the session sees the message
+                detail = f"message larger than the limit of {limits.max_message_bytes} bytes"
+                self._refused(peer, "MessageTooLarge", detail, identity=identity)
+                return
             log.info(
                 "agent %s (%s) closed its stream: %s %s",
                 session.node_id or identity,

@@ -1,0 +1,65 @@
+"""What the management API says about the fleet: JSON shapes shared with ``ctl``."""
+
+from __future__ import annotations
+
+import msgspec
+
+from llmgw.controlplane.nodes import Node
+from llmgw.protocol.messages import Gpu
+
+
+class GpuView(msgspec.Struct, kw_only=True):
+    index: int
+    name: str
+    healthy: bool
+    problems: list[str]
+    memory_total_mib: int | None
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    node_id: str
+    address: str
+    peer: str
+    state: str
+    connected: bool
+    last_seen: float  # wall clock, seconds since the epoch
+    registered_at: float
+    cpus: int | None
+    memory_total_bytes: int | None
+    memory_available_bytes: int | None
+    gpus: list[GpuView]
+    engines: dict[str, str]
+    fabric: str
+    labels: dict[str, str]
+    shards: int
+
+
+def _gpu(g: Gpu) -> GpuView:
+    return GpuView(
+        index=g.index,
+        name=g.name,
+        healthy=g.healthy,
+        problems=list(g.problems),
+        memory_total_mib=g.memory_total_mib,
+    )
+
+
+def node_view(node: Node) -> NodeView:
+    inv = node.inventory
+    return NodeView(
+        node_id=node.node_id,
+        address=node.address,
+        peer=node.peer,
+        state=node.state.value,
+        connected=node.connected,
+        last_seen=node.last_seen_wall,
+        registered_at=node.registered_at_wall,
+        cpus=inv.cpus,
+        memory_total_bytes=inv.memory.total_bytes,
+        memory_available_bytes=inv.memory.available_bytes,
+        gpus=[_gpu(g) for g in inv.gpus],
+        engines={e.name: e.version for e in inv.engines},
+        fabric=inv.fabric,
+        labels=dict(inv.labels),
+        shards=len(node.shards),
+    )

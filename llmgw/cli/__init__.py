@@ -1,0 +1,126 @@
+"""The ``llmgw`` command: ``server``, ``agent`` and ``ctl``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import cyclopts
+import trio
+
+from llmgw import __version__
+from llmgw.cli.cert import cert_app
+from llmgw.cli.ctl import ctl_app
+from llmgw.cli.runtime import fail, run_until_signalled, setup_logging
+from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config
+from llmgw.tls import TLSConfigError
+
+app = cyclopts.App(
+    name="llmgw",
+    help="Run open-weight LLMs on your own GPU fleet behind one OpenAI-compatible endpoint.",
+    version=__version__,
+)
+ctl_app.command(cert_app)
+app.command(ctl_app)
+
+Overrides = Annotated[
+    list[str] | None,
+    cyclopts.Parameter(
+        name=["--set", "-s"],
+        help="Override one config key, KEY=VALUE with a dotted key "
+        "(e.g. --set liveness.lost_after_s=30). Repeatable; wins over the file.",
+    ),
+]
+
+
+@app.command
+def server(
+    config: Annotated[Path | None, cyclopts.Parameter(name=["--config", "-c"])] = None,
+    *,
+    set_: Overrides = None,
+    agent_listen: str | None = None,
+    admin_listen: str | None = None,
+    log_level: str | None = None,
+) -> int:
+    """Run the control plane: accept agent streams (mutual TLS), keep the node table, and
+    serve the management API on the admin listener.
+
+    Parameters
+    ----------
+    config
+        TOML file (see packaging/server.example.toml). Relative paths in it are
+        resolved against its folder.
+    agent_listen
+        Where agents dial in, HOST:PORT (same as --set agent_stream.listen=...).
+    admin_listen
+        The management API, HOST:PORT; loopback by default.
+    log_level
+        debug, info, warning or error.
+    """
+    overrides = list(set_ or [])
+    for key, value in (
+        ("agent_stream.listen", agent_listen),
+        ("admin.listen", admin_listen),
+        ("log_level", log_level),
+    ):
+        if value is not None:
+            overrides.append(f"{key}={_quote(value)}")
+    from llmgw.controlplane import daemon
+
+    try:
+        cfg, base = load_config(ServerConfig, config, overrides)
+        setup_logging(cfg.log_level)
+        trio.run(run_until_signalled, lambda: daemon.serve(cfg, base))
+    except (ConfigError, TLSConfigError) as exc:
+        return fail("llmgw server", str(exc))
+    return 0
+
+
+@app.command
+def agent(
+    config: Annotated[Path | None, cyclopts.Parameter(name=["--config", "-c"])] = None,
+    *,
+    set_: Overrides = None,
+    control_plane: list[str] | None = None,
+    node_id: str | None = None,
+    log_level: str | None = None,
+) -> int:
+    """Run the node agent: dial the control plane over mutual TLS, register this node,
+    heartbeat, and reconnect forever with jittered backoff.
+
+    Parameters
+    ----------
+    config
+        TOML file (see packaging/agent.example.toml): the control plane's
+        addresses and the TLS files; everything else is discovered.
+    control_plane
+        HOST:PORT of the control plane's agent stream (repeatable).
+    node_id
+        Node id; defaults to the hostname and must equal the certificate's common name.
+    log_level
+        debug, info, warning or error.
+    """
+    overrides = list(set_ or [])
+    if control_plane:
+        overrides.append("control_plane=[" + ", ".join(_quote(a) for a in control_plane) + "]")
+    if node_id is not None:
+        overrides.append(f"node_id={_quote(node_id)}")
+    if log_level is not None:
+        overrides.append(f"log_level={_quote(log_level)}")
+    from llmgw.agent import daemon
+
+    try:
+        cfg, base = load_config(AgentConfig, config, overrides)
+        setup_logging(cfg.log_level)
+        trio.run(run_until_signalled, lambda: daemon.serve(cfg, base))
+    except (ConfigError, TLSConfigError) as exc:
+        return fail("llmgw agent", str(exc))
+    return 0
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,184 @@
+"""``llmgw ctl``: see and steer the fleet through the management API."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cyclopts
+import httpx
+import msgspec
+
+from llmgw.admin.views import NodeView
+from llmgw.cli.runtime import fail
+from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
+from llmgw.config.schema import resolve
+
+ctl_app = cyclopts.App(
+    name="ctl",
+    help="See and steer the fleet through the control plane's management API.",
+)
+
+DEFAULT_ADMIN_URL = "http://127.0.0.1:7444"
+TIMEOUT_S = 10.0
+
+
+class CtlError(Exception):
+    pass
+
+
+@cyclopts.Parameter(name="*")
+@dataclass
+class Target:
+    """Which control plane to talk to, and how to prove we may.
+
+    Parameters
+    ----------
+    config
+        The server's config file: the admin address and token are read from it.
+        [env: LLMGW_SERVER_CONFIG]
+    admin_url
+        The management API's URL. [env: LLMGW_ADMIN_URL; default http://127.0.0.1:7444]
+    token
+        Admin bearer token. [env: LLMGW_ADMIN_TOKEN]
+    token_file
+        File holding the admin token. [env: LLMGW_ADMIN_TOKEN_FILE]
+    """
+
+    config: Path | None = None
+    admin_url: str | None = None
+    token: str | None = None
+    token_file: Path | None = None
+
+    def resolve(self) -> tuple[str, str]:
+        url = self.admin_url or os.environ.get("LLMGW_ADMIN_URL")
+        token = self.token or os.environ.get("LLMGW_ADMIN_TOKEN")
+        token_file = self.token_file or _env_path("LLMGW_ADMIN_TOKEN_FILE")
+        config = self.config or _env_path("LLMGW_SERVER_CONFIG")
+        if config is not None:
+            cfg, base = load_config(ServerConfig, config)
+            if url is None:
+                host, port = parse_hostport(cfg.admin.listen, key="admin.listen")
+                if host in ("0.0.0.0", "::", ""):
+                    host = "127.0.0.1"
+                url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+            if token is None and token_file is None:
+                token = cfg.admin.token or None
+                if token is None:
+                    token_file = resolve(
+                        base, cfg.admin.token_file or f"{cfg.state_dir}/admin-token"
+                    )
+        if token is None and token_file is not None:
+            try:
+                token = token_file.read_text().strip()
+            except OSError as exc:
+                raise CtlError(
+                    f"cannot read admin token file {token_file}: {exc.strerror}"
+                ) from None
+        if not token:
+            raise CtlError(
+                "no admin token: pass --token, --token-file or --config SERVER.toml "
+                "(or set LLMGW_ADMIN_TOKEN)"
+            )
+        return (url or DEFAULT_ADMIN_URL).rstrip("/"), token
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
+def get(target: Target, path: str) -> Any:
+    url, token = target.resolve()
+    try:
+        response = httpx.get(
+            url + path, headers={"authorization": f"Bearer {token}"}, timeout=TIMEOUT_S
+        )
+    except httpx.HTTPError as exc:
+        raise CtlError(f"cannot reach the management API at {url}: {exc}") from None
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text.strip()[:200]
+        raise CtlError(f"{url}{path}: HTTP {response.status_code}: {message}")
+    return response.json()
+
+
+def _ago(wall: float, now: float) -> str:
+    s = max(0.0, now - wall)
+    if s < 60:
+        return f"{s:.0f}s ago"
+    if s < 3600:
+        return f"{s / 60:.0f}m ago"
+    return f"{s / 3600:.1f}h ago"
+
+
+def _mem(total: int | None) -> str:
+    return "-" if total is None else f"{total / 2**30:.0f}G"
+
+
+def _gpus(node: NodeView) -> str:
+    if not node.gpus:
+        return "0"
+    bad = [g for g in node.gpus if not g.healthy]
+    if not bad:
+        return str(len(node.gpus))
+    why = "; ".join(f"GPU {g.index}: {', '.join(g.problems) or 'unhealthy'}" for g in bad)
+    return f"{len(node.gpus)} ({len(bad)} unhealthy: {why})"
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def render_nodes(nodes: list[NodeView], now: float) -> str:
+    rows = [["NODE", "ADDRESS", "STATE", "LAST SEEN", "GPUS", "MEM"]]
+    for n in nodes:
+        rows.append(
+            [
+                n.node_id,
+                n.address,
+                n.state,
+                _ago(n.last_seen, now),
+                _gpus(n),
+                _mem(n.memory_total_bytes),
+            ]
+        )
+    return table(rows)
+
+
+def _run(program: str, fn: Any) -> int:
+    try:
+        fn()
+    except (CtlError, ConfigError) as exc:
+        return fail(program, str(exc))
+    return 0
+
+
+@ctl_app.command
+def nodes(*, target: Target | None = None, json: bool = False) -> int:
+    """List the nodes the control plane knows: state, address, when last seen, GPUs, memory.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a table.
+    """
+
+    def run() -> None:
+        data = get(target or Target(), "/v1/nodes")
+        views = msgspec.convert(data["nodes"], list[NodeView])
+        if json:
+            sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+        else:
+            print(render_nodes(views, time.time()))
+
+    return _run("llmgw ctl nodes", run)

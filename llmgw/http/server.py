@@ -1,0 +1,265 @@
+"""A lean HTTP/1.1 server on trio, parsing with httptools (llhttp).
+
+Theory of operation
+===================
+
+Accepting. One accept task per listener takes connections, sets TCP_NODELAY,
+detaches the socket from trio's wrapper and spawns one task per connection
+(``_connection.Connection.run``). Beyond ``max_connections`` a connection is
+answered with a canned 503 and closed on the spot, with no task spawned.
+
+The connection loop. A connection serves one request at a time:
+
+1. Read until a request head is complete. Bytes go to one
+   ``httptools.HttpRequestParser`` per connection; its callbacks build a
+   ``_Message`` per request in a queue. The parser may complete several
+   pipelined requests from one read; they wait in the queue, in order, so no
+   early byte is lost. Waiting for the first byte of a request is bounded by
+   ``keepalive_timeout_s`` (``header_timeout_s`` on a fresh connection) and
+   ends quietly; from the first byte, the head must arrive within
+   ``header_timeout_s`` or the client gets 408.
+2. Answer ``Expect: 100-continue``, then read the body within
+   ``body_timeout_s``. Limits are enforced inside the parser callbacks
+   (431/413 as soon as a bound is crossed, Content-Length checked up front).
+3. Run the handler, then write the response: head and a small body in one
+   ``send``; a streamed body chunk by chunk as it is produced.
+4. Keep the connection or close it. Any error the server answers itself
+   (400, 408, 413, 431, 501, ...) closes the connection; a server-side close
+   half-closes first and drains input for a moment, so the kernel does not
+   answer unread input with a reset that would destroy the response.
+
+Sockets are non-blocking stdlib sockets driven with
+``trio.lowlevel.wait_readable`` / ``wait_writable``: an operation that can
+complete at once is one system call with no trip through the scheduler, and
+a task blocks only when the kernel says it must. Every blocking wait sits in
+a cancel scope with a deadline from ``ServerLimits``.
+
+Disconnect watching. While a handler runs (including while its streamed
+body is written), a second task per connection, the watcher, reads the
+socket. EOF or a reset cancels the handler's cancel scope at once, which is
+how an abandoned request cancels its upstream work. Bytes that arrive
+instead (pipelined requests) are kept for the main task, in order. The
+watcher is spawned once per connection and parked between requests: waking
+it is a ``reschedule`` and ending its watch is a ``cancel``, which trio turns
+into a synchronous withdrawal of its readiness wait, so the main task can
+read the socket right away. The watcher checks, before every read, that the
+request it watches is still running; it never takes bytes meant for the main
+task's next read.
+
+Drain. ``drain()`` stops the accept tasks and closes the listeners, wakes
+every connection that is idle between requests so it closes, and makes
+every other connection answer its current request with
+``Connection: close``. ``serve()`` returns when the last connection has
+finished. Cancelling ``serve()`` instead cancels everything at once:
+handlers are cancelled and every socket closed before it returns.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import Any
+
+import trio
+
+from . import _wire
+from ._connection import Connection
+from .types import ErrorBody, Handler, ServerLimits, default_error_body
+
+logger = logging.getLogger("llmgw.http")
+
+# accept() errors that concern only the connection being accepted.
+_ACCEPT_SKIP = frozenset(
+    getattr(errno, name)
+    for name in (
+        "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET",
+        "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH", "EAGAIN", "EWOULDBLOCK",
+    )
+    if hasattr(errno, name)
+)
+# accept() errors that mean the process is out of resources for now.
+_ACCEPT_BACKOFF = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
+_ACCEPT_BACKOFF_S = 0.1
+_WARN_INTERVAL_S = 10.0
+
+
+class _Throttled:
+    """A warning logged at most once per interval, with a count of the rest."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.last = -_WARN_INTERVAL_S
+        self.suppressed = 0
+
+    def warn(self, *args: object) -> None:
+        now = trio.current_time()
+        if now - self.last < _WARN_INTERVAL_S:
+            self.suppressed += 1
+            return
+        logger.warning(self.message + " (%d more since last report)", *args, self.suppressed)
+        self.last = now
+        self.suppressed = 0
+
+
+class HttpServer:
+    """HTTP/1.1 server for one handler; see the module docstring."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        limits: ServerLimits = ServerLimits(),  # noqa: B008 (frozen, so sharing is safe)
+        error_body: ErrorBody | None = None,
+        name: str = "http",
+    ) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.name = name
+        self._error_body = error_body or default_error_body
+        self._draining = False
+        self._open = 0
+        self._in_flight = 0
+        self._connections: set[Connection] = set()
+        self._accept_scopes: set[trio.CancelScope] = set()
+        self._busy = _wire.error_response(
+            default_error_body, 503, "server is at its connection limit", keep_alive=False
+        )
+        self._warn_busy = _Throttled("%s: connection limit %d reached, refusing connections")
+        self._warn_accept = _Throttled("%s: accept failed: %s; backing off")
+
+    # ------------------------------------------------------------------ metrics
+    @property
+    def open_connections(self) -> int:
+        """Connections accepted and not yet closed."""
+        return self._open
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose handler is running or whose response is being written."""
+        return self._in_flight
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def error_body(self, status: int, message: str) -> tuple[str, bytes]:
+        """The configured error body; the default one if it fails."""
+        try:
+            return self._error_body(status, message)
+        except Exception:
+            logger.exception("%s: error_body failed", self.name)
+            return default_error_body(status, message)
+
+    # ------------------------------------------------------------------ serving
+    async def serve(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve on `listeners` until cancelled or drained.
+
+        Calls ``task_status.started()`` once accepting. The listeners are
+        closed when accepting stops."""
+        await self._serve(listeners, task_status, None)
+
+    async def serve_tcp(
+        self,
+        host: str,
+        port: int,
+        *,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Listen on `host`:`port` (0 picks a port) and serve.
+
+        ``task_status.started(listeners)`` lets the caller learn the bound port."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        await self._serve(listeners, task_status, listeners)
+
+    async def _serve(
+        self, listeners: list[trio.SocketListener], task_status: Any, started: object
+    ) -> None:
+        async with trio.open_nursery() as connections:
+            accept_scope = trio.CancelScope()
+            self._accept_scopes.add(accept_scope)
+            if self._draining:
+                accept_scope.cancel()
+            try:
+                with accept_scope:
+                    async with trio.open_nursery() as accepting:
+                        for listener in listeners:
+                            accepting.start_soon(self._accept_loop, listener, connections)
+                        task_status.started(started)
+            finally:
+                self._accept_scopes.discard(accept_scope)
+                for listener in listeners:
+                    listener.socket.close()
+
+    def drain(self) -> None:
+        """Stop accepting, close idle connections, finish in-flight requests.
+
+        ``serve()`` returns once every connection has finished; bound that
+        with a deadline of your own."""
+        self._draining = True
+        for scope in self._accept_scopes:
+            scope.cancel()
+        for conn in self._connections:
+            if conn.idle_scope is not None:
+                conn.idle_scope.cancel()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        listening = listener.socket
+        limit = self.limits.max_connections
+        while True:
+            try:
+                accepted, address = await listening.accept()
+            except OSError as exc:
+                if exc.errno in _ACCEPT_SKIP:
+                    continue
+                if exc.errno in _ACCEPT_BACKOFF:
+                    self._warn_accept.warn(self.name, exc)
+                    await trio.sleep(_ACCEPT_BACKOFF_S)
+                    continue
+                raise
+            sock = socket.socket(fileno=accepted.detach())
+            sock.setblocking(False)
+            if self._open >= limit:
+                self._refuse(sock)
+                continue
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
+            if isinstance(address, tuple):
+                client = (str(address[0]), int(address[1]))
+            else:
+                client = (str(address), 0)
+            self._open += 1
+            nursery.start_soon(self._run_connection, sock, client)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """Over the connection limit: a best-effort 503, then close."""
+        self._warn_busy.warn(self.name, self.limits.max_connections)
+        try:
+            sock.send(self._busy)
+        except OSError:
+            pass
+        sock.close()
+
+    async def _run_connection(self, sock: socket.socket, client: tuple[str, int]) -> None:
+        conn = Connection(self, sock, client)
+        self._connections.add(conn)
+        try:
+            async with trio.open_nursery() as nursery:
+                conn.nursery = nursery
+                await conn.run()
+                nursery.cancel_scope.cancel()
+        except Exception:
+            logger.exception("%s: connection from %s:%d failed", self.name, *client)
+        finally:
+            self._connections.discard(conn)
+            self._open -= 1
+            trio.lowlevel.notify_closing(sock)
+            sock.close()

@@ -1,0 +1,110 @@
+"""The data that crosses the boundary between the HTTP server and its handler."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Sequence
+from typing import overload
+
+import attrs
+
+
+@attrs.frozen
+class Headers:
+    """Request headers in arrival order, names already lower-cased.
+
+    A list scan beats a dict for the handful of headers a request carries, and
+    it keeps repeated headers and their order without extra work per request.
+    """
+
+    raw: Sequence[tuple[str, str]]
+
+    @overload
+    def get(self, name: str) -> str | None: ...
+    @overload
+    def get(self, name: str, default: str) -> str: ...
+    def get(self, name: str, default: str | None = None) -> str | None:
+        """The first value of `name` (any case), or `default`."""
+        name = name.lower()
+        for key, value in self.raw:
+            if key == name:
+                return value
+        return default
+
+    def get_all(self, name: str) -> list[str]:
+        """Every value of `name` (any case), in arrival order."""
+        name = name.lower()
+        return [value for key, value in self.raw if key == name]
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        name = name.lower()
+        return any(key == name for key, _ in self.raw)
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self.raw)
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+
+@attrs.frozen
+class Request:
+    """One complete request: head and whole body, read before the handler runs."""
+
+    method: str
+    path: str
+    query: str
+    headers: Headers
+    body: bytes
+    client: tuple[str, int]
+    http_version: str
+
+
+@attrs.define
+class Response:
+    """What a handler returns.
+
+    A bytes body goes out with Content-Length. An async iterable body is
+    written chunk by chunk as it is produced (Transfer-Encoding: chunked),
+    unless the handler set Content-Length itself. The server owns framing:
+    handlers must not set Transfer-Encoding; `Connection: close` is honoured.
+    """
+
+    status: int
+    headers: list[tuple[str, str]] = attrs.Factory(list)
+    body: bytes | AsyncIterable[bytes] = b""
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+ErrorBody = Callable[[int, str], tuple[str, bytes]]
+"""(status, message) -> (content type, body) for responses the server makes itself."""
+
+
+def default_error_body(status: int, message: str) -> tuple[str, bytes]:
+    """`{"error": {"message": ..., "code": status}}` as JSON."""
+    body = json.dumps({"error": {"message": message, "code": status}}).encode()
+    return "application/json", body
+
+
+@attrs.frozen
+class ServerLimits:
+    """Bounds on everything a client can make the server wait for or hold."""
+
+    max_header_bytes: int = 16 * 1024
+    """Request line plus headers (and, separately, chunked trailers); over -> 431."""
+    max_body_bytes: int = 1024 * 1024
+    """Declared Content-Length or counted chunked body; over -> 413."""
+    header_timeout_s: float = 10.0
+    """From the first byte of a request to its complete head -> 408. Also how long a
+    fresh connection may stay silent before it is closed quietly."""
+    body_timeout_s: float = 30.0
+    """From the complete head (or the 100 Continue) to the complete body -> 408."""
+    keepalive_timeout_s: float = 75.0
+    """Idle time between requests on a kept-alive connection -> closed quietly."""
+    write_timeout_s: float = 30.0
+    """Longest wait for the client to take more response bytes -> connection closed."""
+    max_connections: int = 10_000
+    """Open connections beyond this are answered 503 at once and closed."""
