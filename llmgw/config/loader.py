@@ -61,6 +61,8 @@ def load_config(
         try:
             validate()
         except ConfigError as exc:
+            if exc.key and _key_from_override(exc.key, overrides):
+                source = f"{source} (overridden on the command line)"
             raise ConfigError(source, exc.key, exc.problem) from None
     return config, base
 
@@ -112,18 +114,22 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
 
 
 def _split_validation(message: str) -> tuple[str, str]:
+    """msgspec's "Expected `int`, got `str` - at `$.a.b`" -> ("a.b", "expected `int`, got `str`")."""
     m = _AT.search(message)
-    if not m:
-        return "", message
-    path = m.group("path").lstrip(".")
-    problem = message[: m.start()]
+    path, problem = (
+        ("", message) if m is None else (m.group("path").lstrip("."), message[: m.start()])
+    )
     unknown = re.match(r"Object contains unknown field `([^`]*)`", problem)
     if unknown:
         field = unknown.group(1)
         return (f"{path}.{field}" if path else field), "unknown key (is it misspelt?)"
-    problem = problem.replace("Expected", "expected", 1)
-    return path, problem
+    return path, problem.replace("Expected", "expected", 1)
 
 
 def _key_from_override(key: str, overrides: Sequence[str]) -> bool:
-    return any(o.partition("=")[0].strip() == key for o in overrides)
+    """Whether an override set this key (or a key inside it, or the section holding it)."""
+    for item in overrides:
+        given = item.partition("=")[0].strip()
+        if given == key or given.startswith(key + ".") or key.startswith(given + "."):
+            return True
+    return False

@@ -1,0 +1,180 @@
+"""Real ``llmgw`` processes for tests: start, read their logs, signal, time their exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tests.conftest import Pki
+
+
+class Daemon:
+    def __init__(self, name: str, args: list[str], workdir: Path) -> None:
+        self.name = name
+        self.args = args
+        self.workdir = workdir
+        self.log_path = workdir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        log = self.log_path.open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", *self.args],
+            cwd=self.workdir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        log.close()
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    async def wait_log(self, pattern: str, *, count: int = 1, timeout: float = 15) -> re.Match[str]:
+        """Wait until the log holds ``count`` matches of ``pattern``; return the last."""
+        rx = re.compile(pattern)
+        with trio.move_on_after(timeout):
+            while True:
+                found = list(rx.finditer(self.log()))
+                if len(found) >= count:
+                    return found[count - 1]
+                if self.proc is not None and self.proc.poll() is not None:
+                    break
+                await trio.sleep(0.05)
+        raise AssertionError(
+            f"{self.name}: no {count}x {pattern!r} in log (exit {self.returncode()}):\n{self.log()}"
+        )
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> float:
+        """Signal the process and return how long it took to exit."""
+        assert self.proc is not None
+        start = trio.current_time()
+        self.proc.send_signal(sig)
+        with trio.fail_after(timeout):
+            while self.proc.poll() is None:
+                await trio.sleep(0.005)
+        return trio.current_time() - start
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def write_server_config(
+    workdir: Path,
+    pki: Pki,
+    *,
+    stream_port: int = 0,
+    heartbeat: float = 0.2,
+    unreachable_after: float = 1.0,
+    lost_after: float = 2.5,
+) -> Path:
+    path = workdir / "server.toml"
+    path.write_text(
+        f"""
+state_dir = "state"
+[agent_stream]
+listen = "127.0.0.1:{stream_port}"
+ca = "{pki.ca}"
+cert = "{pki.server_cert}"
+key = "{pki.server_key}"
+handshake_timeout_s = 2
+[liveness]
+heartbeat_interval_s = {heartbeat}
+unreachable_after_s = {unreachable_after}
+lost_after_s = {lost_after}
+[admin]
+listen = "127.0.0.1:0"
+"""
+    )
+    return path
+
+
+def write_agent_config(
+    workdir: Path,
+    pki: Pki,
+    node: str,
+    port: int,
+    *,
+    cert_node: str | None = None,
+    memory_gb: float | None = None,
+) -> Path:
+    cert, key = pki.agent(cert_node or node)
+    path = workdir / f"agent-{node}.toml"
+    inventory = f"\n[inventory]\nmemory_gb = {memory_gb}\n" if memory_gb else ""
+    path.write_text(
+        f"""
+control_plane = ["127.0.0.1:{port}"]
+node_id = "{node}"
+ca = "{pki.ca}"
+cert = "{cert}"
+key = "{key}"
+state_dir = "agent-{node}"
+handshake_timeout_s = 2
+[backoff]
+initial_s = 0.1
+max_s = 0.5
+{inventory}"""
+    )
+    return path
+
+
+class Server(Daemon):
+    stream_port: int
+    admin_url: str
+
+    async def ready(self, *, count: int = 1) -> Server:
+        m = await self.wait_log(r"agent stream listening on 127\.0\.0\.1:(\d+)", count=count)
+        self.stream_port = int(m.group(1))
+        m = await self.wait_log(r"admin API listening on (http://\S+)", count=count)
+        self.admin_url = m.group(1)
+        return self
+
+    async def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        result = await trio.run_process(
+            [
+                sys.executable,
+                "-m",
+                "llmgw",
+                "ctl",
+                *args,
+                "--admin-url",
+                self.admin_url,
+                "--token-file",
+                str(self.workdir / "state" / "admin-token"),
+            ],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"ctl {args} failed: {result.stderr.decode()}")
+        return result
+
+    async def nodes(self) -> dict[str, Any]:
+        result = await self.ctl("nodes", "--json")
+        return {n["node_id"]: n for n in json.loads(result.stdout)["nodes"]}
+
+    async def wait_node(self, node: str, state: str, timeout: float = 15) -> dict[str, Any]:
+        with trio.move_on_after(timeout):
+            while True:
+                nodes = await self.nodes()
+                if node in nodes and nodes[node]["state"] == state:
+                    return nodes[node]
+                await trio.sleep(0.1)
+        raise AssertionError(f"{node} never became {state}: {await self.nodes()}\n{self.log()}")

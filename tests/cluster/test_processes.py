@@ -1,0 +1,157 @@
+"""``llmgw server``, ``llmgw agent`` and ``llmgw ctl`` as separate processes, over real TLS."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from tests.cluster.procs import Daemon, Server, write_agent_config, write_server_config
+from tests.cluster.proxy import Proxy
+from tests.conftest import Pki
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[list[Daemon]]:
+    started: list[Daemon] = []
+    yield started
+    for d in started:
+        d.kill()
+
+
+async def start_server(cluster: list[Daemon], tmp_path: Path, pki: Pki, **kw: float) -> Server:
+    write_server_config(tmp_path, pki, **kw)  # type: ignore[arg-type]
+    server = Server("server", ["server", "--config", "server.toml"], tmp_path)
+    cluster.append(server.start())
+    return await server.ready()
+
+
+def start_agent(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki, node: str, port: int, **kw: object
+) -> Daemon:
+    config = write_agent_config(tmp_path, pki, node, port, **kw)  # type: ignore[arg-type]
+    agent = Daemon(f"agent-{node}", ["agent", "--config", config.name], tmp_path)
+    cluster.append(agent.start())
+    return agent
+
+
+async def test_agent_registers_and_shows_in_ctl_nodes(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki)
+    start_agent(cluster, tmp_path, pki, "n1", server.stream_port, memory_gb=12)
+    node = await server.wait_node("n1", "Ready")
+    assert node["memory_total_bytes"] == 12 * 2**30
+    assert node["address"] == "127.0.0.1"
+    table = (await server.ctl("nodes")).stdout.decode()
+    header, row = table.splitlines()[:2]
+    assert header.split() == ["NODE", "ADDRESS", "STATE", "LAST", "SEEN", "GPUS", "MEM"]
+    assert row.split()[:3] == ["n1", "127.0.0.1", "Ready"]
+    assert row.split()[-1] == "12G"
+
+
+async def test_killed_agent_goes_unreachable_then_lost(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki, unreachable_after=1.0, lost_after=2.5)
+    agent = start_agent(cluster, tmp_path, pki, "n1", server.stream_port)
+    await server.wait_node("n1", "Ready")
+    await agent.stop(signal.SIGKILL)
+    await server.wait_node("n1", "Unreachable", timeout=5)
+    await server.wait_node("n1", "Lost", timeout=10)
+    await server.wait_log(r"node n1 is Lost \(was Unreachable\): silent for")
+
+
+async def test_agent_reconnects_by_itself_after_a_server_restart(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki)
+    agent = start_agent(cluster, tmp_path, pki, "n1", server.stream_port)
+    await server.wait_node("n1", "Ready")
+    port = server.stream_port
+    await server.stop(signal.SIGKILL)
+    # same port, fresh process, empty node table
+    write_server_config(tmp_path, pki, stream_port=port)
+    server.start()
+    await server.ready(count=2)
+    await server.wait_node("n1", "Ready")
+    await agent.wait_log(r"registered with control plane .* as node n1", count=2)
+
+
+async def test_agent_reconnects_after_its_connection_is_severed(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki)
+    proxy = Proxy(server.stream_port)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(proxy.serve)
+        agent = start_agent(cluster, tmp_path, pki, "n1", port)
+        await agent.wait_log(r"registered with control plane")
+        assert proxy.sever() == 1
+        await agent.wait_log(r"registered with control plane", count=2)
+        assert proxy.opened == 2
+        await server.wait_log(r"node n1 registered from", count=2)
+        await server.wait_node("n1", "Ready")
+        nursery.cancel_scope.cancel()
+
+
+async def test_refused_certificate_is_explained_in_both_logs(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki)
+    agent = start_agent(cluster, tmp_path, pki, "n3", server.stream_port, cert_node="n1")
+    claim = r"certificate is for 'n1' but agent claims node id 'n3'"
+    await agent.wait_log(r"refused this agent \(node n3\): 4001 IDENTITY_MISMATCH: " + claim)
+    await server.wait_log(r"refused agent stream from 127\.0\.0\.1:\d+ \(certificate 'n1'\): " + claim)
+    assert "n3" not in await server.nodes()
+    assert "err=None" not in agent.log()
+
+
+async def test_sigterm_stops_both_daemons_within_a_second_closing_cleanly(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    # an hour between heartbeats: the agent sits blocked reading the stream
+    server = await start_server(
+        cluster, tmp_path, pki, heartbeat=3600, unreachable_after=7200, lost_after=9000
+    )
+    agent = start_agent(cluster, tmp_path, pki, "n1", server.stream_port)
+    await server.wait_node("n1", "Ready")
+    await trio.sleep(0.3)
+    took = await agent.stop(signal.SIGTERM)
+    assert took < 1.0, f"agent took {took:.2f} s to stop"
+    assert agent.returncode() == 0
+    await server.wait_log(r"agent n1 \(.*\) closed its stream: 1001 agent shutting down")
+    took = await server.stop(signal.SIGINT)
+    assert took < 1.0, f"server took {took:.2f} s to stop"
+    assert server.returncode() == 0
+
+
+async def test_bad_config_exits_2_with_one_line_naming_file_and_key(
+    tmp_path: Path, pki: Pki
+) -> None:
+    config = write_server_config(tmp_path, pki)
+    config.write_text(config.read_text().replace("lost_after_s = 2.5", 'lost_after_s = "soon"'))
+    result = await trio.run_process(
+        ["python", "-m", "llmgw", "server", "--config", str(config)],
+        capture_stderr=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.decode().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0] == (
+        f"llmgw server: {config}: liveness.lost_after_s: expected `float`, got `str`"
+    )
+    result = await trio.run_process(
+        ["python", "-m", "llmgw", "agent", "--set", "backof.max_s=3"],
+        capture_stderr=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert result.stderr.decode().strip() == (
+        "llmgw agent: defaults (overridden on the command line): backof: unknown key (is it misspelt?)"
+    )
