@@ -1,0 +1,140 @@
+"""Run a whole local fleet on this machine: CA, control plane, agents.
+
+Used by ``tools/fleet`` (the README's first command). Everything lives under
+``--dir`` (default ``.llmgw/fleet``) and is reused on the next run: the CA is
+made once, like a real installation's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+
+from llmgw.admin.views import NodeView
+from llmgw.cli.ctl import render_nodes
+from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dir", type=Path, default=Path(".llmgw/fleet"))
+    parser.add_argument("--agents", type=int, default=1, help="how many agents (default 1)")
+    parser.add_argument("--stream-port", type=int, default=7443)
+    parser.add_argument("--admin-port", type=int, default=7444)
+    parser.add_argument(
+        "--check", action="store_true", help="start, wait until every node is Ready, stop"
+    )
+    args = parser.parse_args()
+    d: Path = args.dir.resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname()
+    nodes = [host] if args.agents == 1 else [f"{host}-{i}" for i in range(1, args.agents + 1)]
+
+    pki = d / "pki"
+    if not (pki / "ca.pem").exists():
+        init_ca(pki)
+    ca = load_ca(pki)
+    if not (pki / "server.pem").exists():
+        issue_server(ca, ["127.0.0.1", "::1", "localhost"], pki)
+    for node in nodes:
+        if not (pki / f"{node}.pem").exists():
+            issue_agent(ca, node, pki)
+
+    (d / "server.toml").write_text(
+        f"""state_dir = "state"
+[agent_stream]
+listen = "127.0.0.1:{args.stream_port}"
+[admin]
+listen = "127.0.0.1:{args.admin_port}"
+"""
+    )
+    for node in nodes:
+        (d / f"agent-{node}.toml").write_text(
+            f'control_plane = ["127.0.0.1:{args.stream_port}"]\n'
+            f'node_id = "{node}"\nstate_dir = "agent-{node}"\n'
+        )
+
+    llmgw = [sys.executable, "-m", "llmgw"]
+    procs = [subprocess.Popen([*llmgw, "server", "--config", "server.toml"], cwd=d)]
+    try:
+        token_file = d / "state" / "admin-token"
+        url = f"http://127.0.0.1:{args.admin_port}"
+        _wait(lambda: token_file.exists() and _up(url), "the control plane to start", procs)
+        for node in nodes:
+            procs.append(
+                subprocess.Popen([*llmgw, "agent", "--config", f"agent-{node}.toml"], cwd=d)
+            )
+        token = token_file.read_text().strip()
+        _wait(lambda: _ready(url, token) >= len(nodes), "every agent to register", procs)
+        views = msgspec.convert(_nodes(url, token), list[NodeView])
+        print("\n" + render_nodes(views, time.time()), flush=True)
+        print(
+            f"\nlocal fleet is up: {len(nodes)} agent(s), control plane on 127.0.0.1:{args.stream_port}"
+            f"\n  .venv/bin/llmgw ctl nodes --config {d / 'server.toml'}"
+            f"\n  logs above; Ctrl-C stops everything\n",
+            flush=True,
+        )
+        if not args.check:
+            stop = threading.Event()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            while not stop.wait(0.5):
+                if any(p.poll() is not None for p in procs):
+                    print("fleet: a daemon exited; stopping the rest", file=sys.stderr)
+                    break
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _nodes(url: str, token: str) -> list[dict[str, object]]:
+    r = httpx.get(url + "/v1/nodes", headers={"authorization": f"Bearer {token}"}, timeout=2)
+    r.raise_for_status()
+    nodes: list[dict[str, object]] = r.json()["nodes"]
+    return nodes
+
+
+def _ready(url: str, token: str) -> int:
+    try:
+        return sum(n["state"] == "Ready" for n in _nodes(url, token))
+    except httpx.HTTPError:
+        return 0
+
+
+def _wait(done: object, what: str, procs: list[subprocess.Popen[bytes]], timeout: float = 30) -> None:
+    assert callable(done)
+    deadline = time.monotonic() + timeout
+    while not done():
+        for p in procs:
+            if p.poll() is not None:
+                raise SystemExit(f"fleet: {' '.join(map(str, p.args))} exited ({p.returncode})")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"fleet: gave up waiting for {what} after {timeout:g} s")
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
