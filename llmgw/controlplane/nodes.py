@@ -142,8 +142,8 @@ class NodeTable:
         self, node_id: str, connection: int, hb: Heartbeat, *, now: float, wall: float
     ) -> tuple[list[Change], list[str]]:
         node = self.nodes.get(node_id)
-        if node is None or node.connection != connection:
-            return [], []  # from a stream that has since been replaced
+        if node is None or node.connection != connection or not node.connected:
+            return [], []  # from a stream that has since closed or been replaced
         node.last_seen = now
         node.last_seen_wall = wall
         node.last_heartbeat_seq = hb.seq

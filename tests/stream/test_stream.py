@@ -136,7 +136,7 @@ async def test_plaintext_clients_are_refused(pki: Pki) -> None:
 
 async def test_wrong_protocol_version_is_rejected_during_upgrade(pki: Pki) -> None:
     async with with_healthy_neighbour(pki) as plane:
-        with trio.fail_after(5), pytest.raises(ConnectionRejected) as info:  # noqa: PT012
+        with trio.fail_after(5), pytest.raises(ConnectionRejected) as info:
             async with raw_ws(plane, subprotocols=["llmgw.agent.v9"]):
                 pass
         assert info.value.status_code == 400
@@ -154,7 +154,11 @@ def _register(node: str = "n3") -> bytes:
     ("frames", "code", "reason"),
     [
         ([b"\xc1\x00garbage"], CloseCode.MALFORMED, "MalformedMessage"),
-        ([msgspec.msgpack.encode({"type": "Reboot"})], CloseCode.UNKNOWN_TYPE, "UnknownMessageType"),
+        (
+            [msgspec.msgpack.encode({"type": "Reboot"})],
+            CloseCode.UNKNOWN_TYPE,
+            "UnknownMessageType",
+        ),
         ([b"\x00" * 70_000], CloseCode.MESSAGE_TOO_BIG, "MessageTooLarge"),
         ([encode(Heartbeat(seq=1, sent_at=0))], CloseCode.OUT_OF_ORDER, "OutOfOrder"),
         ([_register(), _register()], CloseCode.OUT_OF_ORDER, "OutOfOrder"),
