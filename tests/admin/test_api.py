@@ -1,0 +1,105 @@
+"""The management API over the project's HTTP server: auth, routes, metrics."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+
+from llmgw.admin.api import AdminApi
+from llmgw.controlplane.nodes import LivenessPolicy
+from llmgw.controlplane.service import ControlPlane
+from llmgw.http import HttpServer
+from llmgw.protocol.messages import Gpu, Inventory, Memory
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+async def admin(nursery: trio.Nursery) -> tuple[str, ControlPlane]:
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
+    )
+    inventory = Inventory(
+        address="10.1.2.3",
+        memory=Memory(total_bytes=64 << 30),
+        gpus=[
+            Gpu(index=0, name="NVIDIA H200"),
+            Gpu(index=1, name="NVIDIA H200", healthy=False, problems=["pending retired pages"]),
+        ],
+    )
+    control.nodes.register("n1", inventory, [], peer="10.1.2.3:555", connection=1, now=0, wall=0)
+    control.nodes.register("n2", Inventory(), [], peer="10.1.2.4:555", connection=2, now=0, wall=0)
+    listeners = await nursery.start(HttpServer(AdminApi(control, TOKEN)).serve_tcp, "127.0.0.1", 0)
+    port = listeners[0].socket.getsockname()[1]
+    return f"http://127.0.0.1:{port}", control
+
+
+async def test_every_route_but_healthz_needs_the_token(admin: tuple[str, ControlPlane]) -> None:
+    url, _ = admin
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        assert (await client.get("/healthz")).json() == {"status": "ok"}
+        for path in ("/v1/nodes", "/metrics"):
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}):
+                r = await client.get(path, headers=headers)
+                assert r.status_code == 401
+                assert "admin token" in r.json()["error"]["message"]
+        r = await client.get("/nope", headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 404
+        r = await client.post("/v1/nodes", headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 405
+
+
+async def test_nodes_shows_memory_unknown_as_null_and_unhealthy_gpus(
+    admin: tuple[str, ControlPlane],
+) -> None:
+    url, _ = admin
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        r = await client.get("/v1/nodes", headers={"authorization": f"Bearer {TOKEN}"})
+    nodes = {n["node_id"]: n for n in r.json()["nodes"]}
+    assert nodes["n1"]["memory_total_bytes"] == 64 << 30
+    assert nodes["n2"]["memory_total_bytes"] is None  # unknown, not 0
+    assert nodes["n1"]["address"] == "10.1.2.3"
+    assert nodes["n2"]["address"] == "10.1.2.4"  # from the stream's peer
+    bad = [g for g in nodes["n1"]["gpus"] if not g["healthy"]]
+    assert bad == [
+        {
+            "index": 1,
+            "name": "NVIDIA H200",
+            "healthy": False,
+            "problems": ["pending retired pages"],
+            "memory_total_mib": None,
+        }
+    ]
+
+
+async def test_metrics_are_prometheus_text(admin: tuple[str, ControlPlane]) -> None:
+    url, control = admin
+    control.nodes.sweep(16)  # both nodes go Unreachable
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        r = await client.get("/metrics", headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.headers["content-type"].startswith("text/plain")
+    assert 'llmgw_nodes{state="Unreachable"} 2.0' in r.text
+    assert 'llmgw_nodes{state="Ready"} 0.0' in r.text
+    assert "llmgw_heartbeat_delay_seconds_bucket" in r.text
+
+
+def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> None:
+    from llmgw.admin.views import node_view
+    from llmgw.cli.ctl import render_nodes
+
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
+    )
+    inv = Inventory(
+        gpus=[Gpu(index=0), Gpu(index=1, healthy=False, problems=["remapped-row failure"])],
+        memory=Memory(total_bytes=8 << 30),
+    )
+    control.nodes.register("a", inv, [], peer="1.1.1.1:1", connection=1, now=0, wall=100)
+    control.nodes.register("b", Inventory(), [], peer="1.1.1.2:1", connection=2, now=0, wall=100)
+    text = render_nodes([node_view(n) for n in control.nodes.nodes.values()], now=130)
+    lines = text.splitlines()
+    assert lines[1].split()[:4] == ["a", "1.1.1.1", "Ready", "30s"]
+    assert "2 (1 unhealthy: GPU 1: remapped-row failure)" in lines[1]
+    assert lines[1].endswith("8G")
+    assert lines[2].endswith("-")
