@@ -25,7 +25,7 @@ REQUEST = b"GET /v1/ping HTTP/1.1\r\nHost: bench\r\nUser-Agent: bench\r\nAccept:
 BODY = b'{"object":"ping","ok":true}'
 
 
-def serve() -> None:
+def serve(yielding: bool) -> None:
     """Subprocess side: serve until stdin closes."""
     import trio
 
@@ -35,6 +35,8 @@ def serve() -> None:
     headers = [("content-type", "application/json")]
 
     async def handler(request: Request) -> Response:
+        if yielding:  # a handler that blocks, as real ones do: the disconnect watcher engages
+            await trio.lowlevel.checkpoint()
         return Response(200, headers, BODY)
 
     async def main() -> None:
@@ -113,12 +115,15 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000, help="per concurrency level")
     parser.add_argument("--seconds", type=float, default=10.0, help="per concurrency level")
     parser.add_argument("-c", "--concurrency", type=int, action="append")
+    parser.add_argument(
+        "--yielding", action="store_true", help="the handler yields to trio once per request"
+    )
     args = parser.parse_args()
     if args.serve:
-        serve()
+        serve(args.yielding)
         return
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve"],
+        [sys.executable, __file__, "--serve", *(["--yielding"] if args.yielding else [])],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -8,9 +8,7 @@ from http import HTTPStatus
 
 from .types import ErrorBody
 
-_STATUS_LINES: dict[int, str] = {
-    int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n" for s in HTTPStatus
-}
+_STATUS_LINES: dict[int, str] = {int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n" for s in HTTPStatus}
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"

@@ -22,7 +22,11 @@ The connection loop. A connection serves one request at a time:
    ``body_timeout_s``. Limits are enforced inside the parser callbacks
    (431/413 as soon as a bound is crossed, Content-Length checked up front).
 3. Run the handler, then write the response: head and a small body in one
-   ``send``; a streamed body chunk by chunk as it is produced.
+   ``send``; a streamed body chunk by chunk as it is produced (chunked
+   encoding, or close-delimited for an HTTP/1.0 client). A handler that
+   raises gets a logged 500; once a stream's head is out, a failure can only
+   cut the connection. Pipelined requests already buffered are served with a
+   checkpoint in between, so one client cannot monopolise the scheduler.
 4. Keep the connection or close it. Any error the server answers itself
    (400, 408, 413, 431, 501, ...) closes the connection; a server-side close
    half-closes first and drains input for a moment, so the kernel does not
@@ -73,8 +77,17 @@ logger = logging.getLogger("llmgw.http")
 _ACCEPT_SKIP = frozenset(
     getattr(errno, name)
     for name in (
-        "ECONNABORTED", "EPROTO", "ENETDOWN", "ENOPROTOOPT", "EHOSTDOWN", "ENONET",
-        "EHOSTUNREACH", "EOPNOTSUPP", "ENETUNREACH", "EAGAIN", "EWOULDBLOCK",
+        "ECONNABORTED",
+        "EPROTO",
+        "ENETDOWN",
+        "ENOPROTOOPT",
+        "EHOSTDOWN",
+        "ENONET",
+        "EHOSTUNREACH",
+        "EOPNOTSUPP",
+        "ENETUNREACH",
+        "EAGAIN",
+        "EWOULDBLOCK",
     )
     if hasattr(errno, name)
 )
@@ -260,6 +273,7 @@ class HttpServer:
             logger.exception("%s: connection from %s:%d failed", self.name, *client)
         finally:
             self._connections.discard(conn)
+            conn.dispose()
             self._open -= 1
             trio.lowlevel.notify_closing(sock)
             sock.close()
