@@ -14,6 +14,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin.views import node_view
+from llmgw.controlplane.fabrics import fleet_status
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
 
@@ -36,6 +37,7 @@ class AdminApi:
         self._token = token.encode()
         self._routes = {
             ("GET", "/v1/nodes"): self.nodes,
+            ("GET", "/v1/status"): self.status,
             ("GET", "/metrics"): self.metrics,
         }
 
@@ -63,6 +65,9 @@ class AdminApi:
             node_view(n) for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id)
         ]
         return json_response(200, {"nodes": views})
+
+    async def status(self, request: Request) -> Response:
+        return json_response(200, fleet_status(self.control.nodes.nodes.values()))
 
     async def metrics(self, request: Request) -> Response:
         body = generate_latest(self.control.metrics.registry)

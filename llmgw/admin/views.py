@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.controlplane.nodes import Node
-from llmgw.protocol.messages import Gpu
+from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
 
 
 class GpuView(msgspec.Struct, kw_only=True):
@@ -30,6 +30,9 @@ class NodeView(msgspec.Struct, kw_only=True):
     gpus: list[GpuView]
     engines: dict[str, str]
     fabric: str
+    infiniband: list[IbAdapter]
+    weights: list[WeightCopy]
+    weights_scanned: bool
     labels: dict[str, str]
     shards: int
 
@@ -60,6 +63,9 @@ def node_view(node: Node) -> NodeView:
         gpus=[_gpu(g) for g in inv.gpus],
         engines={e.name: e.version for e in inv.engines},
         fabric=inv.fabric,
+        infiniband=list(inv.infiniband),
+        weights=list(inv.weights),
+        weights_scanned=inv.weights_scanned,
         labels=dict(inv.labels),
         shards=len(node.shards),
     )

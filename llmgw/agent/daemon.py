@@ -6,6 +6,8 @@ import logging
 import socket
 from pathlib import Path
 
+import trio
+
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.stream import AgentStream, StreamSettings
 from llmgw.config import AgentConfig, parse_hostport
@@ -37,7 +39,14 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         backoff_initial=config.backoff.initial_s,
         backoff_max=config.backoff.max_s,
     )
-    return AgentStream(settings, InventorySource(config.inventory, addresses[0]))
+    source = InventorySource(
+        config.inventory,
+        addresses[0],
+        discovery=config.discovery,
+        weights=config.weights,
+        base=base,
+    )
+    return AgentStream(settings, source)
 
 
 async def serve(config: AgentConfig, base: Path) -> None:
@@ -47,4 +56,14 @@ async def serve(config: AgentConfig, base: Path) -> None:
         stream.settings.node_id,
         ", ".join(config.control_plane),
     )
-    await stream.run()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(stream.source.run)
+        inv = stream.source.inventory()
+        log.info(
+            "discovered: %d GPUs, %s of memory, engines: %s, %d weight copies",
+            len(inv.gpus),
+            f"{inv.memory.total_bytes / 2**30:.1f} GiB" if inv.memory.total_bytes else "unknown",
+            ", ".join(f"{e.name} {e.version}".strip() for e in inv.engines) or "none",
+            len(inv.weights),
+        )
+        await stream.run()

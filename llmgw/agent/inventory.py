@@ -1,31 +1,49 @@
 """The agent's view of its node: discovered facts, with what is written winning.
 
-Discovery here is what is cheap and certain (hostname, CPUs, memory, the
-route address); overrides from the config file replace any discovered value.
-Memory is read on every heartbeat; the rest is refreshed on its own interval
-and sent only when it changed.
+Discovery runs at start and again every ``discovery.interval_s`` in a task of
+its own (so a slow nvidia-smi never delays a heartbeat); memory is read on
+every heartbeat. ``inventory()`` is the latest discovery with the config's
+overrides applied on top, every time: a value written in config always wins.
 """
 
 from __future__ import annotations
 
-import os
-import socket
+import logging
+from pathlib import Path
 
 import msgspec
+import trio
 
+from llmgw.agent.discovery import Discovered, discover
 from llmgw.agent.discovery.address import route_address
 from llmgw.agent.discovery.memory import read_memory
-from llmgw.config.schema import InventoryOverrides
-from llmgw.protocol.messages import Inventory, Memory
+from llmgw.config.schema import DiscoveryConfig, InventoryOverrides, WeightsConfig
+from llmgw.protocol.messages import Engine, Gpu, Inventory, Memory
+
+log = logging.getLogger("llmgw.agent.discovery")
 
 
 class InventorySource:
-    def __init__(self, overrides: InventoryOverrides, control_plane: tuple[str, int]) -> None:
+    def __init__(
+        self,
+        overrides: InventoryOverrides,
+        control_plane: tuple[str, int],
+        *,
+        discovery: DiscoveryConfig | None = None,
+        weights: WeightsConfig | None = None,
+        base: Path | None = None,
+    ) -> None:
         self.overrides = overrides
         self.control_plane = control_plane
+        self.settings = discovery or DiscoveryConfig()
+        self.weights = weights or WeightsConfig()
+        self.base = base
+        self.discovered: Discovered | None = None
+        self.address = ""
+        self.changed = trio.Event()  # set whenever a refresh changed the inventory
 
     def memory(self) -> Memory:
-        found = read_memory()
+        found = read_memory(Path(self.settings.meminfo))
         total = self.overrides.memory_gb
         if total is None:
             return found
@@ -35,21 +53,77 @@ class InventorySource:
             available = total_bytes
         return Memory(total_bytes=total_bytes, available_bytes=available)
 
+    async def refresh(self) -> None:
+        """Run discovery once; log what failed, in words."""
+        before = self.inventory() if self.discovered is not None else None
+        found = await discover(
+            self.settings, self.weights, ib_fabrics=self.overrides.ib_fabrics, base=self.base
+        )
+        for problem in found.problems:
+            log.warning("discovery: %s", problem)
+        self.discovered = found
+        self.address = route_address(*self.control_plane)
+        log.debug("discovery took %.3f s", found.duration_s)
+        if before is None or not same_inventory(before, self.inventory()):
+            self.changed.set()
+            self.changed = trio.Event()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Discover now, then again every interval, for as long as the agent runs."""
+        await self.refresh()
+        task_status.started()
+        while True:
+            await trio.sleep(self.settings.interval_s)
+            await self.refresh()
+
     def inventory(self) -> Inventory:
+        d = self.discovered
         o = self.overrides
-        address = o.address or route_address(*self.control_plane)
+        gpus: list[Gpu] = list(d.gpus) if d else []
+        if o.gpus is not None:
+            gpus = [
+                Gpu(
+                    index=g.index,
+                    name=g.name,
+                    uuid=g.uuid,
+                    memory_total_mib=g.memory_total_mib,
+                    healthy=g.healthy,
+                    problems=list(g.problems),
+                )
+                for g in o.gpus
+            ]
+        engines: list[Engine] = list(d.engines) if d else []
+        if o.engines is not None:
+            written = {name: Engine(name=name, version=v) for name, v in o.engines.items()}
+            engines = [e for e in engines if e.name not in written] + list(written.values())
+        infiniband = list(d.infiniband) if d else []
+        fabric = o.fabric or next((a.fabric for a in infiniband if a.fabric), "")
         return Inventory(
-            hostname=socket.gethostname(),
-            address=address,
-            cpus=o.cpus if o.cpus is not None else os.cpu_count(),
+            hostname=d.hostname if d else "",
+            address=o.address or self.address,
+            cpus=o.cpus if o.cpus is not None else (d.cpus if d else None),
             memory=self.memory(),
-            fabric=o.fabric,
+            gpus=gpus,
+            infiniband=infiniband,
+            fabric=fabric,
+            engines=engines,
+            weights=list(d.weights) if d else [],
+            weights_scanned=d.weights_scanned if d else False,
             labels=dict(o.labels),
         )
 
 
 def same_inventory(a: Inventory, b: Inventory) -> bool:
-    """Equal but for the memory reading, which travels in every heartbeat anyway."""
-    return msgspec.structs.replace(a, memory=Memory()) == msgspec.structs.replace(
-        b, memory=Memory()
-    )
+    """Equal in what placement uses: memory readings travel in every heartbeat, and a
+    GPU's used memory, utilisation and temperature change on every probe."""
+    return _stable(a) == _stable(b)
+
+
+def _stable(inv: Inventory) -> Inventory:
+    gpus = [
+        msgspec.structs.replace(
+            g, memory_used_mib=None, memory_free_mib=None, utilization_pct=None, temperature_c=None
+        )
+        for g in inv.gpus
+    ]
+    return msgspec.structs.replace(inv, memory=Memory(), gpus=gpus)

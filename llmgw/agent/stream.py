@@ -57,8 +57,6 @@ from llmgw.wsio import close_quietly, close_ws, single_error
 
 log = logging.getLogger("llmgw.agent")
 
-INVENTORY_REFRESH_S = 60.0
-
 
 @attrs.frozen
 class StreamSettings:
@@ -95,46 +93,57 @@ class AgentStream:
             await trio.sleep(delay)
 
     async def session(self, host: str, port: int) -> bool:
-        """One attempt; True when the control plane accepted the registration."""
+        """One attempt; True when the control plane accepted the registration.
+
+        Whatever ends the attempt is logged once, in words, and never escapes:
+        an agent must outlive every failure of its stream.
+        """
         self.sessions_started += 1
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         state = _Attempt()
         try:
             await self._session(host, port, where, state)
-        except ConnectionClosed as exc:
+        except Exception as exc:
+            self._log_failure(where, state, _most_telling(exc))
+        return state.registered
+
+    def _log_failure(self, where: str, state: _Attempt, exc: BaseException) -> None:
+        if isinstance(exc, ConnectionClosed):
             self._log_closed(where, exc, state)
-        except ConnectionRejected as exc:
+        elif isinstance(exc, ConnectionRejected):
             body = (exc.body or b"").decode(errors="replace").strip()
             log.error(
                 "control plane %s refused the stream (HTTP %s): %s", where, exc.status_code, body
             )
-        except HandshakeError as exc:
+        elif isinstance(exc, HandshakeError):
             log.error("WebSocket handshake with %s failed: %s", where, exc)
-        except trio.TooSlowError:
-            if state.stage == "WebSocket upgrade":
-                # TLS 1.3 finishes the client's handshake before the server checks
-                # the client certificate, and the server's alert does not reach us
-                log.error(
-                    "control plane %s completed TLS but never answered the WebSocket upgrade: "
-                    "it most likely refused this agent's certificate (expired, from another "
-                    "CA, or none); the control plane's log names the reason",
-                    where,
-                )
-            else:
-                log.error("control plane %s did not answer in time (during %s)", where, state.stage)
-        except ssl.SSLCertVerificationError as exc:
+        elif isinstance(exc, trio.TooSlowError) and state.stage == "WebSocket upgrade":
+            # TLS 1.3 finishes the client's handshake before the server checks the
+            # client certificate, and the server's alert does not reach us
+            log.error(
+                "control plane %s completed TLS but never answered the WebSocket upgrade: "
+                "it most likely refused this agent's certificate (expired, from another "
+                "CA, or none); the control plane's log names the reason",
+                where,
+            )
+        elif isinstance(exc, trio.TooSlowError):
+            log.error("control plane %s did not answer in time (during %s)", where, state.stage)
+        elif isinstance(exc, ssl.SSLCertVerificationError):
             log.error("control plane %s certificate rejected: %s", where, exc.verify_message or exc)
-        except ssl.SSLError as exc:
+        elif isinstance(exc, ssl.SSLError):
             log.error("TLS with %s failed during %s: %s", where, state.stage, _ssl_reason(exc))
-        except trio.BrokenResourceError as exc:
+        elif isinstance(exc, trio.BrokenResourceError):
             cause = exc.__cause__
             reason = _ssl_reason(cause) if isinstance(cause, ssl.SSLError) else str(cause or exc)
             log.error("stream to %s broke during %s: %s", where, state.stage, reason)
-        except OSError as exc:
+        elif isinstance(exc, OSError):
             log.error("cannot connect to control plane %s: %s", where, exc.strerror or exc)
-        except ProtocolError as exc:
+        elif isinstance(exc, ProtocolError):
             log.error("protocol error with control plane %s: %s", where, exc.reason)
-        return state.registered
+        else:
+            log.error(
+                "stream to %s failed during %s", where, state.stage, exc_info=(type(exc), exc, None)
+            )
 
     async def _session(self, host: str, port: int, where: str, state: _Attempt) -> None:
         s = self.settings
@@ -206,19 +215,14 @@ class AgentStream:
         self, ws: WebSocketConnection, session: Session, interval: float, sent: Inventory
     ) -> None:
         seq = 0
-        refreshed = trio.current_time()
         while True:
             await trio.sleep(interval)
             seq += 1
+            current = self.source.inventory()
             changed: Inventory | None = None
-            if trio.current_time() - refreshed >= INVENTORY_REFRESH_S:
-                refreshed = trio.current_time()
-                current = self.source.inventory()
-                if not same_inventory(current, sent):
-                    changed = sent = current
-            hb = Heartbeat(
-                seq=seq, sent_at=time.time(), memory=self.source.memory(), inventory=changed
-            )
+            if not same_inventory(current, sent):
+                changed = sent = current
+            hb = Heartbeat(seq=seq, sent_at=time.time(), memory=current.memory, inventory=changed)
             await ws.send_message(session.send(hb))
             # the read side may wait forever; a pong proves the control plane is alive
             with trio.fail_after(max(interval, 1.0) * 3):
@@ -274,6 +278,30 @@ class AgentStream:
 class _Attempt:
     stage: str = "connect"
     registered: bool = False
+
+
+_PREFERENCE = (ConnectionClosed, ConnectionRejected, ProtocolError, ssl.SSLError)
+
+
+def _most_telling(exc: BaseException) -> BaseException:
+    """From an exception group, the one error that best says why a stream ended."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        elif not isinstance(e, trio.Cancelled):
+            leaves.append(e)
+
+    walk(exc)
+    for kind in _PREFERENCE:
+        for leaf in leaves:
+            if isinstance(leaf, kind):
+                return leaf
+    return leaves[0] if leaves else exc
 
 
 def _ssl_reason(exc: ssl.SSLError) -> str:

@@ -17,6 +17,7 @@ from llmgw.admin.views import NodeView
 from llmgw.cli.runtime import fail
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.schema import resolve
+from llmgw.controlplane.fabrics import FleetStatus, describe_copies
 
 ctl_app = cyclopts.App(
     name="ctl",
@@ -139,8 +140,12 @@ def table(rows: list[list[str]]) -> str:
     )
 
 
+def _engines(node: NodeView) -> str:
+    return ",".join(f"{k} {v}".strip() for k, v in sorted(node.engines.items())) or "-"
+
+
 def render_nodes(nodes: list[NodeView], now: float) -> str:
-    rows = [["NODE", "ADDRESS", "STATE", "LAST SEEN", "GPUS", "MEM"]]
+    rows = [["NODE", "ADDRESS", "STATE", "LAST SEEN", "MEM", "FABRIC", "ENGINES", "GPUS"]]
     for n in nodes:
         rows.append(
             [
@@ -148,11 +153,42 @@ def render_nodes(nodes: list[NodeView], now: float) -> str:
                 n.address,
                 n.state,
                 _ago(n.last_seen, now),
-                _gpus(n),
                 _mem(n.memory_total_bytes),
+                n.fabric or "-",
+                _engines(n),
+                _gpus(n),
             ]
         )
     return table(rows)
+
+
+def render_status(status: FleetStatus) -> str:
+    rows = [["FABRIC", "NODES", "MODEL", "HELD ON"]]
+    for f in status.fabrics:
+        name = f.fabric or "(no fabric)"
+        if not f.models:
+            rows.append([name, str(len(f.nodes)), "-", "no weights found"])
+        for i, m in enumerate(f.models):
+            first = i == 0
+            rows.append(
+                [
+                    name if first else "",
+                    str(len(f.nodes)) if first else "",
+                    m.model,
+                    describe_copies(m),
+                ]
+            )
+    lines = [table(rows)]
+    if status.warnings:
+        lines.append("")
+        lines.extend(f"warning: {w}" for w in status.warnings)
+    if status.nodes_not_scanning:
+        lines.append("")
+        lines.append(
+            "not looking for weights (no weights dirs configured, no default dir): "
+            + ", ".join(status.nodes_not_scanning)
+        )
+    return "\n".join(lines)
 
 
 def _run(program: str, fn: Any) -> int:
@@ -182,3 +218,24 @@ def nodes(*, target: Target | None = None, json: bool = False) -> int:
             print(render_nodes(views, time.time()))
 
     return _run("llmgw ctl nodes", run)
+
+
+@ctl_app.command
+def status(*, target: Target | None = None, json: bool = False) -> int:
+    """Per fabric: which models its nodes hold, and on what (a shared filer, or N local
+    copies); warns when a model is held in one fabric only.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a table.
+    """
+
+    def run() -> None:
+        data = get(target or Target(), "/v1/status")
+        if json:
+            sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+        else:
+            print(render_status(msgspec.convert(data, FleetStatus)))
+
+    return _run("llmgw ctl status", run)

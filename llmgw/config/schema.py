@@ -95,14 +95,43 @@ class ServerConfig(_Section):
         _check_log_level(self.log_level)
 
 
+class GpuOverride(_Section):
+    index: int
+    name: str = "GPU"
+    uuid: str = ""
+    memory_total_mib: int | None = None
+    healthy: bool = True
+    problems: list[str] = []
+
+
 class InventoryOverrides(_Section):
     """What is written wins over what is discovered."""
 
     address: str = ""
     cpus: int | None = None
     memory_gb: float | None = None
-    fabric: str = ""
+    fabric: str = ""  # the node's fabric; cannot be discovered
+    ib_fabrics: dict[str, str] = {}  # adapter name -> fabric label
     labels: dict[str, str] = {}
+    gpus: list[GpuOverride] | None = None  # replaces what nvidia-smi says
+    engines: dict[str, str] | None = None  # name -> version; replaces probed ones by name
+
+
+class DiscoveryConfig(_Section):
+    """How the agent finds things out; the defaults fit a normal Linux node."""
+
+    interval_s: float = 60.0  # engines, GPUs, weights are probed again this often
+    probe_timeout_s: float = 10.0  # each external command (nvidia-smi, engine --version)
+    nvidia_smi: str = "nvidia-smi"
+    llama_server_search: list[str] = []  # extra glob patterns after PATH and the usual places
+    meminfo: str = "/proc/meminfo"
+    mounts: str = "/proc/mounts"
+    infiniband: str = "/sys/class/infiniband"
+
+
+class WeightsConfig(_Section):
+    dirs: list[str] = []  # where to look for model weights
+    default_dir: str = "/var/lib/llmgw-weights"  # where fetched weights land; always looked in
 
 
 class BackoffConfig(_Section):
@@ -122,6 +151,8 @@ class AgentConfig(_Section):
     handshake_timeout_s: float = 10.0
     backoff: BackoffConfig = msgspec.field(default_factory=BackoffConfig)
     inventory: InventoryOverrides = msgspec.field(default_factory=InventoryOverrides)
+    discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
 
     def validate(self) -> None:
         if not self.control_plane:
@@ -140,6 +171,8 @@ class AgentConfig(_Section):
             _positive("inventory.memory_gb", self.inventory.memory_gb)
         if self.inventory.cpus is not None:
             _positive("inventory.cpus", self.inventory.cpus)
+        _positive("discovery.interval_s", self.discovery.interval_s, at_most=DAY_S)
+        _positive("discovery.probe_timeout_s", self.discovery.probe_timeout_s, at_most=600)
         _check_log_level(self.log_level)
 
 

@@ -48,9 +48,12 @@ async def test_agent_registers_and_shows_in_ctl_nodes(
     assert node["address"] == "127.0.0.1"
     table = (await server.ctl("nodes")).stdout.decode()
     header, row = table.splitlines()[:2]
-    assert header.split() == ["NODE", "ADDRESS", "STATE", "LAST", "SEEN", "GPUS", "MEM"]
-    assert row.split()[:3] == ["n1", "127.0.0.1", "Ready"]
-    assert row.split()[-1] == "12G"
+    assert header.split() == [
+        "NODE", "ADDRESS", "STATE", "LAST", "SEEN", "MEM", "FABRIC", "ENGINES", "GPUS",
+    ]  # fmt: skip
+    cells = row.split()
+    assert cells[:3] == ["n1", "127.0.0.1", "Ready"]
+    assert cells[5:] == ["12G", "-", "-", "0"]
 
 
 async def test_killed_agent_goes_unreachable_then_lost(
@@ -105,7 +108,9 @@ async def test_refused_certificate_is_explained_in_both_logs(
     agent = start_agent(cluster, tmp_path, pki, "n3", server.stream_port, cert_node="n1")
     claim = r"certificate is for 'n1' but agent claims node id 'n3'"
     await agent.wait_log(r"refused this agent \(node n3\): 4001 IDENTITY_MISMATCH: " + claim)
-    await server.wait_log(r"refused agent stream from 127\.0\.0\.1:\d+ \(certificate 'n1'\): " + claim)
+    await server.wait_log(
+        r"refused agent stream from 127\.0\.0\.1:\d+ \(certificate 'n1'\): " + claim
+    )
     assert "n3" not in await server.nodes()
     assert "err=None" not in agent.log()
 

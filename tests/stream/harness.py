@@ -13,7 +13,7 @@ from trio_websocket import WebSocketConnection, wrap_client_stream
 
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.stream import AgentStream, StreamSettings
-from llmgw.config.schema import InventoryOverrides
+from llmgw.config.schema import DiscoveryConfig, InventoryOverrides, WeightsConfig
 from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
@@ -49,7 +49,12 @@ class Plane:
             backoff_max=backoff * 4,
         )
         overrides = InventoryOverrides(memory_gb=memory_gb)
-        return AgentStream(settings, InventorySource(overrides, ("127.0.0.1", self.port)))
+        discovery = DiscoveryConfig(nvidia_smi="/nonexistent/nvidia-smi", llama_server_search=[])
+        weights = WeightsConfig(default_dir="/nonexistent/weights")
+        source = InventorySource(
+            overrides, ("127.0.0.1", self.port), discovery=discovery, weights=weights
+        )
+        return AgentStream(settings, source)
 
     def refusals(self, reason: str) -> float:
         value = self.control.metrics.registry.get_sample_value(

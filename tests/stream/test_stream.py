@@ -26,6 +26,7 @@ from tests.stream.harness import Plane, bare_client_context, control_plane, raw_
 
 @asynccontextmanager
 async def running(plane: Plane, agent: AgentStream) -> AsyncIterator[AgentStream]:
+    await agent.source.refresh()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(agent.run)
         yield agent

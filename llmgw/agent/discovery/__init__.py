@@ -1,1 +1,89 @@
-"""What the agent finds out about its node (each probe a module of its own)."""
+"""What the agent finds out about its node (each probe a module of its own).
+
+``discover`` runs every probe, each bounded and each failing alone: a node
+without nvidia-smi still reports its InfiniBand adapters, engines and weights
+(the reference cut discovery short there on every CPU node).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+
+import attrs
+import trio
+
+from llmgw.agent.discovery.engines import probe_engines
+from llmgw.agent.discovery.gpus import discover_gpus
+from llmgw.agent.discovery.infiniband import read_adapters
+from llmgw.agent.discovery.memory import read_memory
+from llmgw.agent.discovery.storage import parse_mounts
+from llmgw.agent.discovery.weights import scan_weights
+from llmgw.config.schema import DiscoveryConfig, WeightsConfig
+from llmgw.protocol.messages import Engine, Gpu, IbAdapter, Memory, WeightCopy
+
+log = logging.getLogger("llmgw.agent.discovery")
+
+
+@attrs.frozen
+class Discovered:
+    hostname: str
+    cpus: int | None
+    memory: Memory
+    gpus: list[Gpu]
+    infiniband: list[IbAdapter]
+    engines: list[Engine]
+    weights: list[WeightCopy]
+    weights_scanned: bool
+    problems: list[str]  # in words; a probe that failed says so here
+    duration_s: float
+
+
+async def discover(
+    settings: DiscoveryConfig,
+    weights: WeightsConfig,
+    *,
+    ib_fabrics: dict[str, str] | None = None,
+    base: Path | None = None,
+) -> Discovered:
+    started = time.perf_counter()
+    problems: list[str] = []
+    gpu_result = await discover_gpus(settings.nvidia_smi, timeout=settings.probe_timeout_s)
+    if gpu_result.error:
+        problems.append(f"GPUs: {gpu_result.error}")
+    engines = await probe_engines(
+        llama_search=settings.llama_server_search, probe_timeout=settings.probe_timeout_s
+    )
+    dirs = [_resolve(base, d) for d in weights.dirs]
+    default_dir = _resolve(base, weights.default_dir)
+    mounts_text = _read(Path(settings.mounts))
+    copies = await trio.to_thread.run_sync(
+        lambda: scan_weights(dirs, default_dir=default_dir, mounts=parse_mounts(mounts_text))
+    )
+    return Discovered(
+        hostname=socket.gethostname(),
+        cpus=os.cpu_count(),
+        memory=read_memory(Path(settings.meminfo)),
+        gpus=gpu_result.gpus,
+        infiniband=read_adapters(Path(settings.infiniband), ib_fabrics),
+        engines=engines,
+        weights=copies,
+        weights_scanned=bool(dirs) or default_dir.is_dir(),
+        problems=problems,
+        duration_s=time.perf_counter() - started,
+    )
+
+
+def _resolve(base: Path | None, path: str) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or base is None else base / p
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

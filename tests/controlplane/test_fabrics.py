@@ -1,0 +1,79 @@
+"""ctl status's view: per fabric, which models are held, on a filer or in local copies."""
+
+from __future__ import annotations
+
+from llmgw.controlplane.fabrics import describe_copies, fleet_status
+from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
+from llmgw.protocol.messages import Inventory, WeightCopy
+
+NFS = WeightCopy(
+    model="llama-8b",
+    path="/mnt/m/llama-8b",
+    storage="shared",
+    filesystem="nfs4",
+    storage_id="filer:/export",
+)
+
+
+def local(model: str, storage: str = "local") -> WeightCopy:
+    return WeightCopy(model=model, path=f"/data/{model}", storage=storage)  # type: ignore[arg-type]
+
+
+def table(nodes: dict[str, Inventory]) -> NodeTable:
+    t = NodeTable(LivenessPolicy(15, 60))
+    for i, (node, inv) in enumerate(nodes.items()):
+        t.register(node, inv, [], peer="p", connection=i, now=0, wall=0)
+    return t
+
+
+def test_one_filer_seen_from_many_nodes_counts_once_and_local_copies_count_per_node() -> None:
+    t = table(
+        {
+            f"n{i}": Inventory(
+                fabric="ib-a", weights=[NFS, local("qwen-14b")], weights_scanned=True
+            )
+            for i in range(1, 4)
+        }
+    )
+    [fabric] = fleet_status(t.nodes.values()).fabrics
+    llama, qwen = fabric.models
+    assert llama.shared == ["filer:/export"]
+    assert llama.local_nodes == []
+    assert describe_copies(llama) == "shared filer filer:/export"
+    assert describe_copies(qwen) == "3 local copies (n1, n2, n3)"
+
+
+def test_a_model_in_one_fabric_only_is_said_plainly() -> None:
+    t = table(
+        {
+            "a1": Inventory(fabric="ib-a", weights=[NFS], weights_scanned=True),
+            "b1": Inventory(fabric="ib-b", weights=[local("qwen-14b")], weights_scanned=True),
+            "b2": Inventory(fabric="ib-b", weights=[NFS], weights_scanned=True),
+        }
+    )
+    status = fleet_status(t.nodes.values())
+    assert [f.fabric for f in status.fabrics] == ["ib-a", "ib-b"]
+    assert status.warnings == [
+        "qwen-14b is held in fabric ib-b only: ib-a cannot serve it without a copy over "
+        "the management network"
+    ]
+
+
+def test_unclassified_storage_is_never_counted_as_shared() -> None:
+    t = table({"n1": Inventory(weights=[local("m", storage="unknown")], weights_scanned=True)})
+    [model] = fleet_status(t.nodes.values()).fabrics[0].models
+    assert model.shared == []
+    assert model.local_nodes == ["n1"]
+
+
+def test_nodes_never_asked_to_look_are_named_not_counted_as_empty() -> None:
+    t = table({"n1": Inventory(), "n2": Inventory(weights_scanned=True)})
+    status = fleet_status(t.nodes.values())
+    assert status.nodes_not_scanning == ["n1"]
+    assert status.fabrics[0].nodes == ["n1", "n2"]
+
+
+def test_lost_nodes_hold_nothing() -> None:
+    t = table({"n1": Inventory(fabric="ib-a", weights=[local("m")], weights_scanned=True)})
+    t.sweep(61)
+    assert fleet_status(t.nodes.values()).fabrics == []
