@@ -20,7 +20,6 @@ from llmgw.agent.discovery.engines import probe_engines
 from llmgw.agent.discovery.gpus import discover_gpus
 from llmgw.agent.discovery.infiniband import read_adapters
 from llmgw.agent.discovery.memory import read_memory
-from llmgw.agent.discovery.storage import parse_mounts
 from llmgw.agent.discovery.weights import scan_weights
 from llmgw.config.schema import DiscoveryConfig, WeightsConfig
 from llmgw.protocol.messages import Engine, Gpu, IbAdapter, Memory, WeightCopy
@@ -59,10 +58,14 @@ async def discover(
     )
     dirs = [_resolve(base, d) for d in weights.dirs]
     default_dir = _resolve(base, weights.default_dir)
-    mounts_text = _read(Path(settings.mounts))
-    copies = await trio.to_thread.run_sync(
-        lambda: scan_weights(dirs, default_dir=default_dir, mounts=parse_mounts(mounts_text))
-    )
+    mounts_path = Path(settings.mounts)
+
+    def scan() -> tuple[list[WeightCopy], bool]:
+        # in a thread: a hung filer must not stall the event loop
+        copies = scan_weights(dirs, default_dir=default_dir, mounts_path=mounts_path)
+        return copies, bool(dirs) or default_dir.is_dir()
+
+    copies, scanned = await trio.to_thread.run_sync(scan, abandon_on_cancel=True)
     return Discovered(
         hostname=socket.gethostname(),
         cpus=os.cpu_count(),
@@ -71,7 +74,7 @@ async def discover(
         infiniband=read_adapters(Path(settings.infiniband), ib_fabrics),
         engines=engines,
         weights=copies,
-        weights_scanned=bool(dirs) or default_dir.is_dir(),
+        weights_scanned=scanned,
         problems=problems,
         duration_s=time.perf_counter() - started,
     )
@@ -80,10 +83,3 @@ async def discover(
 def _resolve(base: Path | None, path: str) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() or base is None else base / p
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""

@@ -2,9 +2,9 @@
 
 The agent looks in the directories it is told to look in, plus the default
 download directory (``DEFAULT_WEIGHTS_DIR``), which is always looked in. A
-node told nothing and without that directory reports nothing; the caller sets
-``Inventory.weights_scanned`` only when it ran ``scan_weights``, because "never
-looked" is not "looked and found none".
+node told nothing and without that directory reports nothing, as before; the
+caller sets ``Inventory.weights_scanned`` only when there was somewhere to
+look, because "never looked" is not "looked and found none".
 
 Only *complete* weights count. An empty directory is not weights, because a
 half-finished download looks exactly like one; neither is a GGUF file cut
@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -51,7 +52,7 @@ DEFAULT_WEIGHTS_DIR = Path("/var/lib/llmgw-weights")
 # whole file, so only this control file says the download is not done).
 INCOMPLETE_SUFFIXES = (".incomplete", ".part", ".partial", ".downloading", ".crdownload", ".aria2")
 
-# Bounds on the walk: entries looked at in one directory, and directories.
+# Bounds on the walk: entries looked at in one directory; JSON files read whole.
 MAX_DIR_ENTRIES = 10_000
 MAX_JSON_BYTES = 64 << 20  # config.json, index files
 
@@ -332,8 +333,9 @@ def _check_gguf(f: BinaryIO, size: int) -> GgufCheck:
             end = max(end, offset)
             continue
         per_block, block_bytes = block
-        if dims and dims[0] % per_block:
-            raise _Corrupt(f"tensor row of {dims[0]} not a multiple of block {per_block}")
+        row = dims[0] if dims else 1
+        if row % per_block:
+            raise _Corrupt(f"tensor row of {row} not a multiple of block {per_block}")
         end = max(end, offset + n // per_block * block_bytes)
 
     data_start = -(-r.pos // alignment) * alignment
@@ -342,7 +344,7 @@ def _check_gguf(f: BinaryIO, size: int) -> GgufCheck:
         # Vocabulary-only files (ggml-vocab-*.gguf) and the metadata-only
         # first part some splits have: readable, but not a model by itself.
         return GgufCheck("no tensors", tensors=0, needed=needed)
-    if False:
+    if size < needed:
         return GgufCheck(
             f"truncated: {size} bytes, needs at least {needed}", tensors=n_tensors, needed=needed
         )
@@ -543,9 +545,12 @@ def _check_files(files: list[Path], *, safetensors: bool) -> HfCheck:
     total = 0
     for p in files:
         try:
-            size = p.stat().st_size
+            st = p.stat()
         except OSError:
             return HfCheck(f"shard {p.name} missing")
+        if not stat.S_ISREG(st.st_mode):
+            return HfCheck(f"shard {p.name} is not a file")
+        size = st.st_size
         if safetensors:
             reason = safetensors_complete(p)
             if reason:
@@ -587,8 +592,8 @@ def _entries(directory: Path) -> list[os.DirEntry[str]]:
     out: list[os.DirEntry[str]] = []
     try:
         with os.scandir(directory) as it:
-            for entry in it:
-                if len(out) >= MAX_DIR_ENTRIES:
+            for i, entry in enumerate(it):
+                if i >= MAX_DIR_ENTRIES:
                     log.warning("weights: more than %d entries in %s", MAX_DIR_ENTRIES, directory)
                     break
                 if not entry.name.startswith("."):
@@ -612,6 +617,15 @@ def _is_dir(e: os.DirEntry[str]) -> bool:
         return False
 
 
+def _gguf_stem(name: str) -> str:
+    m = _SPLIT.match(name)
+    return m["prefix"] if m else Path(name).stem
+
+
+def _is_projector(name: str) -> bool:
+    return name.lower().startswith("mmproj")
+
+
 def _gguf_models(files: list[Path]) -> Iterator[tuple[str, Path, int]]:
     """(stem, first file, total size) of each whole GGUF model among ``files``.
 
@@ -621,7 +635,7 @@ def _gguf_models(files: list[Path]) -> Iterator[tuple[str, Path, int]]:
     singles: list[Path] = []
     splits: dict[tuple[str, int], dict[int, Path]] = {}
     for p in files:
-        if p.name.lower().startswith("mmproj"):
+        if _is_projector(p.name):
             continue
         m = _SPLIT.match(p.name)
         if m:
@@ -669,12 +683,15 @@ def _size(p: Path) -> int:
 def _model_dir(name: str, directory: Path) -> Iterator[_Found]:
     """A subdirectory (or a hub snapshot) as a model named ``name``: a Hugging
     Face layout, and/or GGUF files (one: the model is ``name``; several:
-    ``name/<stem>`` each)."""
+    ``name/<stem>`` each). "Several" counts the files there, whole or not, so
+    that a second quantisation still downloading does not rename the first
+    when it completes."""
     entries = _entries(directory)
     ggufs = [Path(e.path) for e in entries if e.name.lower().endswith(".gguf") and _is_file(e)]
+    several = len({_gguf_stem(p.name) for p in ggufs if not _is_projector(p.name)}) > 1
     models = list(_gguf_models(ggufs))
     for stem, path, size in models:
-        yield _Found(name if len(models) == 1 else f"{name}/{stem}", path, "gguf", size)
+        yield _Found(f"{name}/{stem}" if several else name, path, "gguf", size)
     hf_like = any(e.name == "config.json" or e.name.endswith(_HF_WEIGHT_SUFFIXES) for e in entries)
     if hf_like:
         check = check_hf(directory)
@@ -734,6 +751,7 @@ def scan_weights(
     *,
     default_dir: Path = DEFAULT_WEIGHTS_DIR,
     mounts: Sequence[Mount] | None = None,
+    mounts_path: Path = Path("/proc/mounts"),
 ) -> list[WeightCopy]:
     """Every whole model in ``dirs`` and ``default_dir`` (always; missing is fine).
 
@@ -745,8 +763,8 @@ def scan_weights(
     so a symlink loop cannot make it wander; each directory listing is
     bounded.
 
-    ``mounts`` defaults to the node's /proc/mounts, read *after* the walk so
-    that automounts the walk triggered are in it.
+    ``mounts`` defaults to the mount table at ``mounts_path``, read *after* the
+    walk so that automounts the walk triggered are in it.
     """
     roots: list[Path] = []
     seen_roots: set[str] = set()
@@ -773,7 +791,7 @@ def scan_weights(
             found.append(f)
 
     if mounts is None:
-        mounts = read_mounts()
+        mounts = read_mounts(mounts_path)
     copies: list[WeightCopy] = []
     for f in found:
         s = classify(f.path, mounts)
