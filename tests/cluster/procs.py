@@ -17,8 +17,11 @@ from tests.conftest import Pki
 
 
 class Daemon:
-    def __init__(self, name: str, args: list[str], workdir: Path) -> None:
+    def __init__(
+        self, name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.name = name
+        self.env = env or {}
         self.args = args
         self.workdir = workdir
         self.log_path = workdir / f"{name}.log"
@@ -26,7 +29,7 @@ class Daemon:
 
     def start(self) -> Daemon:
         log = self.log_path.open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmgw", *self.args],
             cwd=self.workdir,
@@ -113,7 +116,9 @@ def write_agent_config(
     *,
     cert_node: str | None = None,
     memory_gb: float | None = None,
+    extra: str = "",
 ) -> Path:
+    """An agent config; ``extra`` is appended TOML (sections of discovery settings)."""
     cert, key = pki.agent(cert_node or node)
     path = workdir / f"agent-{node}.toml"
     inventory = f"\n[inventory]\nmemory_gb = {memory_gb}\n" if memory_gb else ""
@@ -129,7 +134,8 @@ handshake_timeout_s = 2
 [backoff]
 initial_s = 0.1
 max_s = 0.5
-{inventory}"""
+{inventory}
+{extra}"""
     )
     return path
 
