@@ -13,7 +13,7 @@ import hmac
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw.admin.views import node_view
+from llmgw.admin.views import GpuViews, node_view
 from llmgw.controlplane.fabrics import fleet_status
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
@@ -35,6 +35,7 @@ class AdminApi:
             raise ValueError("the admin API needs a token")
         self.control = control
         self._token = token.encode()
+        self._gpu_views = GpuViews()
         self._routes = {
             ("GET", "/v1/nodes"): self.nodes,
             ("GET", "/v1/status"): self.status,
@@ -62,7 +63,8 @@ class AdminApi:
 
     async def nodes(self, request: Request) -> Response:
         views = [
-            node_view(n) for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id)
+            node_view(n, self._gpu_views)
+            for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id)
         ]
         return json_response(200, {"nodes": views})
 

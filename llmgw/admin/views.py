@@ -47,7 +47,28 @@ def _gpu(g: Gpu) -> GpuView:
     )
 
 
-def node_view(node: Node) -> NodeView:
+class GpuViews:
+    """GPU views, rebuilt only when a node's GPU list changes.
+
+    A heartbeat replaces a node's inventory (its memory reading) but keeps the
+    same GPU list object, so the list's identity says whether anything changed;
+    building 8,000 views on every ``/v1/nodes`` call would stall heartbeats.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[list[Gpu], list[GpuView]]] = {}
+
+    def __call__(self, node: Node) -> list[GpuView]:
+        gpus = node.inventory.gpus
+        hit = self._cache.get(node.node_id)
+        if hit is not None and hit[0] is gpus:
+            return hit[1]
+        views = [_gpu(g) for g in gpus]
+        self._cache[node.node_id] = (gpus, views)
+        return views
+
+
+def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
     inv = node.inventory
     return NodeView(
         node_id=node.node_id,
@@ -60,7 +81,7 @@ def node_view(node: Node) -> NodeView:
         cpus=inv.cpus,
         memory_total_bytes=inv.memory.total_bytes,
         memory_available_bytes=inv.memory.available_bytes,
-        gpus=[_gpu(g) for g in inv.gpus],
+        gpus=gpu_views(node) if gpu_views is not None else [_gpu(g) for g in inv.gpus],
         engines={e.name: e.version for e in inv.engines},
         fabric=inv.fabric,
         infiniband=list(inv.infiniband),

@@ -107,7 +107,7 @@ class ControlPlane:
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Move silent nodes along, checking often enough to be late by a small fraction."""
-        tick = min(1.0, self.policy.unreachable_after / 10)
+        tick = min(0.25, self.policy.unreachable_after / 10)
         task_status.started()
         while True:
             await trio.sleep(tick)
