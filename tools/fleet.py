@@ -124,7 +124,9 @@ def _ready(url: str, token: str) -> int:
         return 0
 
 
-def _wait(done: object, what: str, procs: list[subprocess.Popen[bytes]], timeout: float = 30) -> None:
+def _wait(
+    done: object, what: str, procs: list[subprocess.Popen[bytes]], timeout: float = 30
+) -> None:
     assert callable(done)
     deadline = time.monotonic() + timeout
     while not done():
