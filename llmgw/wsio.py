@@ -47,3 +47,18 @@ def single_error() -> Iterator[None]:
         if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
             raise group.exceptions[0] from group
         raise
+
+
+def split_cancelled(exc: BaseException) -> tuple[BaseException | None, BaseException | None]:
+    """(what failed, the cancellation) in an exception that may be a group of both.
+
+    A session cancelled (shutdown, the test ending) just as its peer closed the
+    stream ends with a group holding both. The failure is for logging; the
+    cancellation must be re-raised so the cancel scope that asked for it ends.
+    """
+    if isinstance(exc, trio.Cancelled):
+        return None, exc
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc, None
+    cancelled, rest = exc.split(trio.Cancelled)
+    return rest, cancelled

@@ -53,7 +53,7 @@ from llmgw.protocol.messages import (
     StartShard,
     StopShard,
 )
-from llmgw.wsio import close_quietly, close_ws, single_error
+from llmgw.wsio import close_quietly, close_ws, single_error, split_cancelled
 
 log = logging.getLogger("llmgw.agent")
 
@@ -103,8 +103,14 @@ class AgentStream:
         state = _Attempt()
         try:
             await self._session(host, port, where, state)
-        except Exception as exc:
-            self._log_failure(where, state, _most_telling(exc))
+        except BaseException as exc:
+            failure, cancelled = split_cancelled(exc)
+            if failure is not None:
+                if not isinstance(failure, Exception | BaseExceptionGroup):
+                    raise  # KeyboardInterrupt and friends are not stream failures
+                self._log_failure(where, state, _most_telling(failure))
+            if cancelled is not None:
+                raise cancelled from None
         return state.registered
 
     def _log_failure(self, where: str, state: _Attempt, exc: BaseException) -> None:

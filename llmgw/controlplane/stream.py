@@ -38,7 +38,7 @@ from llmgw.protocol import CloseCode, ProtocolError, Role, Session, negotiate
 from llmgw.protocol.errors import OutOfOrder, VersionMismatch
 from llmgw.protocol.messages import Heartbeat, Register, ShardStatus
 from llmgw.tls.contexts import peer_common_name
-from llmgw.wsio import CLOSE_TIMEOUT, close_quietly, close_ws, single_error
+from llmgw.wsio import CLOSE_TIMEOUT, close_quietly, close_ws, single_error, split_cancelled
 
 log = logging.getLogger("llmgw.controlplane.stream")
 
@@ -83,8 +83,18 @@ class AgentStreamServer:
         """Serve one connection; nothing it does can take the listener down."""
         try:
             await self._handle(tcp)
-        except Exception:
-            log.exception("agent stream from %s failed unexpectedly", _peer(tcp))
+        except BaseException as exc:
+            failure, cancelled = split_cancelled(exc)
+            if failure is not None:
+                if not isinstance(failure, Exception | BaseExceptionGroup):
+                    raise
+                log.error(
+                    "agent stream from %s failed unexpectedly",
+                    _peer(tcp),
+                    exc_info=(type(failure), failure, failure.__traceback__),
+                )
+            if cancelled is not None:
+                raise cancelled from None
 
     async def _handle(self, tcp: trio.SocketStream) -> None:
         peer = _peer(tcp)

@@ -242,3 +242,32 @@ async def test_cancelled_agent_closes_its_stream_cleanly_and_promptly(
         await wait_for(lambda: node.state is NodeState.UNREACHABLE)
     closes = [r.getMessage() for r in caplog.records if "closed its stream" in r.getMessage()]
     assert any("1001" in m and "agent shutting down" in m for m in closes), closes
+
+
+async def test_a_failure_racing_a_cancellation_is_logged_and_the_cancellation_wins(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cancelled just as the peer closed: the session ends with a group of both.
+
+    Seen in CI: the agent's reconnect loop died of the close that raced the
+    cancel. The failure must be logged and the cancellation must go on.
+    """
+
+    async def session_ending_in_a_race(*_: object) -> None:
+        async def peer_closes_while_cancelled() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                raise ConnectionClosed(None)  # type: ignore[arg-type]
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(peer_closes_while_cancelled)
+            await trio.sleep_forever()
+
+    async with control_plane(pki) as plane:
+        agent = plane.agent("n1")
+        object.__setattr__(agent, "_session", session_ending_in_a_race)
+        with trio.fail_after(5), trio.move_on_after(0.2) as scope:
+            await agent.session("127.0.0.1", plane.port)
+        assert scope.cancelled_caught
+    assert "closed the stream" in caplog.text or "refused this agent" in caplog.text
