@@ -1,0 +1,1 @@
+"""Engine adapters: llama.cpp's llama-server, vLLM, and multi-node vLLM over Ray."""

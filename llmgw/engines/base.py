@@ -1,0 +1,126 @@
+"""What every engine adapter provides: a profile turned into a process.
+
+An adapter is pure: it validates a shard spec *before* anything is launched
+(an engine that refuses a profile does so after minutes of loading), and it
+builds the command line, the environment, and where to check health and
+read load. The supervisor (``llmgw.agent.supervisor``) does the running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import attrs
+
+from llmgw.protocol.messages import ShardSpec
+
+
+@attrs.frozen
+class Launch:
+    """How to start one shard."""
+
+    argv: list[str]
+    env: dict[str, str]  # added to the agent's environment
+    health_url: str | None  # polled until 200; None: no HTTP endpoint (a Ray worker)
+    metrics_url: str | None
+
+
+@attrs.frozen
+class LoadSignals:
+    """Load as an engine reports it; None where the engine has no such signal."""
+
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None  # 0..1
+
+
+class ProfileError(ValueError):
+    """A spec this engine would refuse; the message says what and why."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+class EngineAdapter(Protocol):
+    name: str  # "llama.cpp", "vllm", "vllm-ray"
+
+    def validate(self, spec: ShardSpec) -> list[str]:
+        """Problems in words, empty when the engine would accept the spec."""
+        ...
+
+    def launch(self, spec: ShardSpec, binaries: Mapping[str, str]) -> Launch:
+        """The command for a spec that validated; ``binaries`` maps command -> path."""
+        ...
+
+    def parse_metrics(self, text: str) -> LoadSignals:
+        """Load signals from the engine's Prometheus text."""
+        ...
+
+
+def setting(
+    spec: ShardSpec, key: str, default: int | float | str | bool
+) -> int | float | str | bool:
+    return spec.settings.get(key, default)
+
+
+def int_setting(
+    spec: ShardSpec, key: str, default: int, problems: list[str], *, minimum: int
+) -> int:
+    value = spec.settings.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        problems.append(f"{key} must be a whole number, got {value!r}")
+        return default
+    if value < minimum:
+        problems.append(f"{key} must be at least {minimum}, got {value}")
+    return value
+
+
+def float_setting(
+    spec: ShardSpec, key: str, default: float, problems: list[str], *, low: float, high: float
+) -> float:
+    value = spec.settings.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        problems.append(f"{key} must be a number, got {value!r}")
+        return default
+    if not low < value <= high:
+        problems.append(f"{key} must be in ({low:g}, {high:g}], got {value:g}")
+    return float(value)
+
+
+def check_port(spec: ShardSpec, problems: list[str]) -> None:
+    if not 1 <= spec.port <= 65535:
+        problems.append(f"port {spec.port} is not a TCP port")
+
+
+def check_extra_args(args: list[str], managed: Mapping[str, str], problems: list[str]) -> None:
+    """Refuse extra args that would fight a flag the adapter sets itself."""
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in managed:
+            problems.append(
+                f"engine_args sets {flag}, which comes from the profile's {managed[flag]}"
+            )
+
+
+def gpu_env(spec: ShardSpec) -> dict[str, str]:
+    """Pin the engine to the GPUs placement gave it (none: hide them all)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpus)}
+
+
+def sample_values(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: value summed over its label sets}.
+
+    Uses the Prometheus client's own parser; unparseable text gives {}.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out[sample.name] = out.get(sample.name, 0.0) + float(sample.value)
+    except (ValueError, TypeError, IndexError):
+        return {}
+    return out
