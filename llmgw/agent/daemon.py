@@ -1,17 +1,21 @@
-"""``llmgw agent``: resolve the configuration and keep the stream up."""
+"""``llmgw agent``: resolve the configuration, then discover, supervise and stay connected."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 from pathlib import Path
 
 import trio
 
 from llmgw.agent.inventory import InventorySource
+from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.stream import AgentStream, StreamSettings
+from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.config import AgentConfig, parse_hostport
 from llmgw.config.schema import resolve
+from llmgw.http import HttpServer
 from llmgw.tls.contexts import client_context
 
 log = logging.getLogger("llmgw.agent")
@@ -20,6 +24,22 @@ log = logging.getLogger("llmgw.agent")
 def node_id(config: AgentConfig) -> str:
     """The node id: written in config, or the hostname (the certificate's common name)."""
     return config.node_id or socket.gethostname()
+
+
+def binaries(config: AgentConfig, source: InventorySource, base: Path) -> dict[str, str]:
+    """Where each engine command lives on this node: written in config, else discovered."""
+    out: dict[str, str] = {}
+    if config.engines.llama_server:
+        out["llama-server"] = str(resolve(base, config.engines.llama_server))
+    else:
+        for engine in source.inventory().engines:
+            if engine.name == "llama.cpp" and engine.path:
+                out["llama-server"] = engine.path
+    for command in ("vllm", "ray"):
+        found = shutil.which(command)
+        if found:
+            out[command] = found
+    return out
 
 
 def build(config: AgentConfig, base: Path) -> AgentStream:
@@ -39,14 +59,29 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         backoff_initial=config.backoff.initial_s,
         backoff_max=config.backoff.max_s,
     )
+    metrics = AgentMetrics()
     source = InventorySource(
         config.inventory,
         addresses[0],
         discovery=config.discovery,
         weights=config.weights,
         base=base,
+        on_discovered=metrics.discovery.observe,
     )
-    return AgentStream(settings, source)
+    e = config.engines
+    supervisor = Supervisor(
+        SupervisorSettings(
+            state_dir=resolve(base, config.state_dir),
+            port_range=(e.port_range[0], e.port_range[1]),
+            kill_unidentified=e.kill_unidentified,
+            stop_grace_s=e.stop_grace_s,
+            log_max_bytes=e.log_max_mb << 20,
+        ),
+        lambda: binaries(config, source, base),
+        on_event=metrics.event,
+    )
+    metrics.watch_shards(lambda: [s.state for s in supervisor.shards.values()])
+    return AgentStream(settings, source, supervisor, metrics)
 
 
 async def serve(config: AgentConfig, base: Path) -> None:
@@ -66,4 +101,12 @@ async def serve(config: AgentConfig, base: Path) -> None:
             ", ".join(f"{e.name} {e.version}".strip() for e in inv.engines) or "none",
             len(inv.weights),
         )
+        assert stream.supervisor is not None and stream.metrics is not None
+        await nursery.start(stream.supervisor.run)
+        if config.metrics.listen:
+            host, port = parse_hostport(config.metrics.listen, key="metrics.listen")
+            server = HttpServer(stream.metrics.handle, name="agent-metrics")
+            listeners = await nursery.start(server.serve_tcp, host, port)
+            where = listeners[0].socket.getsockname()
+            log.info("agent metrics on http://%s:%d/metrics", where[0], where[1])
         await stream.run()

@@ -9,6 +9,7 @@ overrides applied on top, every time: a value written in config always wins.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -32,12 +33,14 @@ class InventorySource:
         discovery: DiscoveryConfig | None = None,
         weights: WeightsConfig | None = None,
         base: Path | None = None,
+        on_discovered: Callable[[float], None] | None = None,
     ) -> None:
         self.overrides = overrides
         self.control_plane = control_plane
         self.settings = discovery or DiscoveryConfig()
         self.weights = weights or WeightsConfig()
         self.base = base
+        self.on_discovered = on_discovered
         self.discovered: Discovered | None = None
         self.address = ""
         self.changed = trio.Event()  # set whenever a refresh changed the inventory
@@ -64,6 +67,8 @@ class InventorySource:
         self.discovered = found
         self.address = route_address(*self.control_plane)
         log.debug("discovery took %.3f s", found.duration_s)
+        if self.on_discovered is not None:
+            self.on_discovered(found.duration_s)
         if before is None or not same_inventory(before, self.inventory()):
             self.changed.set()
             self.changed = trio.Event()

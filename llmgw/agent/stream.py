@@ -41,6 +41,8 @@ from trio_websocket import (
 from llmgw import __version__
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.inventory import InventorySource, same_inventory
+from llmgw.agent.metrics import AgentMetrics
+from llmgw.agent.supervisor import Supervisor
 from llmgw.protocol import SUBPROTOCOL, CloseCode, ProtocolError, Role, Session
 from llmgw.protocol.messages import (
     DrainShard,
@@ -71,9 +73,17 @@ class StreamSettings:
 
 
 class AgentStream:
-    def __init__(self, settings: StreamSettings, source: InventorySource) -> None:
+    def __init__(
+        self,
+        settings: StreamSettings,
+        source: InventorySource,
+        supervisor: Supervisor | None = None,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
         self.settings = settings
         self.source = source
+        self.supervisor = supervisor
+        self.metrics = metrics
         self.backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self.sessions_started = 0
         self.registrations = 0
@@ -99,6 +109,8 @@ class AgentStream:
         an agent must outlive every failure of its stream.
         """
         self.sessions_started += 1
+        if self.sessions_started > 1 and self.metrics is not None:
+            self.metrics.reconnects.inc()
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         state = _Attempt()
         try:
@@ -212,6 +224,8 @@ class AgentStream:
                 nursery.start_soon(
                     self._heartbeats, ws, session, ack.heartbeat_interval_s, inventory
                 )
+                if self.supervisor is not None:
+                    nursery.start_soon(self._statuses, ws, session, self.supervisor)
                 while True:
                     command = session.receive(await ws.get_message())
                     for reply in self.handle_command(command):
@@ -234,11 +248,28 @@ class AgentStream:
             with trio.fail_after(max(interval, 1.0) * 3):
                 await ws.ping()
 
+    async def _statuses(self, ws: WebSocketConnection, session: Session, sup: Supervisor) -> None:
+        """Carry the supervisor's status reports up, in order, while this session lasts."""
+        while True:
+            changed = sup.outbox.changed
+            for status in sup.outbox.take():
+                await ws.send_message(session.send(status))
+            await changed.wait()
+
     def running_shards(self) -> list[ShardReport]:
-        """Every shard this agent runs (none until engines are supervised)."""
-        return []
+        """Every shard this agent runs; an empty list is news, and is sent as such."""
+        return self.supervisor.reports() if self.supervisor is not None else []
 
     def handle_command(self, command: object) -> list[ShardStatus]:
+        sup = self.supervisor
+        if sup is not None:
+            if isinstance(command, StartShard):
+                sup.start(command.spec)
+            elif isinstance(command, StopShard):
+                sup.stop(command.shard_id, command.grace_s)
+            elif isinstance(command, DrainShard):
+                sup.drain(command.shard_id, command.grace_s)
+            return []
         if isinstance(command, StartShard):
             log.warning(
                 "cannot start shard %s: this agent does not run engines yet", command.spec.shard_id

@@ -134,6 +134,18 @@ class WeightsConfig(_Section):
     default_dir: str = "/var/lib/llmgw-weights"  # where fetched weights land; always looked in
 
 
+class EnginesConfig(_Section):
+    llama_server: str = ""  # default: what discovery finds (PATH, then unpacked archives)
+    port_range: list[int] = msgspec.field(default_factory=lambda: [20000, 20999])  # engine ports
+    kill_unidentified: bool = True  # kill a process on those ports that no shard describes
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
+    log_max_mb: int = 64  # each engine's log file is truncated past this
+
+
+class MetricsConfig(_Section):
+    listen: str = ""  # e.g. "127.0.0.1:9464"; empty: no metrics listener
+
+
 class BackoffConfig(_Section):
     initial_s: float = 0.5
     max_s: float = 30.0
@@ -153,6 +165,8 @@ class AgentConfig(_Section):
     inventory: InventoryOverrides = msgspec.field(default_factory=InventoryOverrides)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    engines: EnginesConfig = msgspec.field(default_factory=EnginesConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
 
     def validate(self) -> None:
         if not self.control_plane:
@@ -172,6 +186,15 @@ class AgentConfig(_Section):
         if self.inventory.cpus is not None:
             _positive("inventory.cpus", self.inventory.cpus)
         _positive("discovery.interval_s", self.discovery.interval_s, at_most=DAY_S)
+        pr = self.engines.port_range
+        if len(pr) != 2 or not 1 <= pr[0] <= pr[1] <= 65535:
+            raise ConfigError(
+                "", "engines.port_range", f"must be [low, high] within 1-65535, got {pr}"
+            )
+        _positive("engines.stop_grace_s", self.engines.stop_grace_s, at_most=3600)
+        _positive("engines.log_max_mb", self.engines.log_max_mb)
+        if self.metrics.listen:
+            parse_hostport(self.metrics.listen, key="metrics.listen")
         _positive("discovery.probe_timeout_s", self.discovery.probe_timeout_s, at_most=600)
         _check_log_level(self.log_level)
 

@@ -42,6 +42,9 @@ class ControlPlane:
         self._clock = clock
         self._wall = wall
         self._generations = itertools.count(1)
+        # what else wants to hear from the fleet (the reconciler, tests): called under no await
+        self.on_register: list[Callable[[str, Register], None]] = []
+        self.on_shard_status: list[Callable[[str, ShardStatus], None]] = []
 
     def new_generation(self) -> int:
         return next(self._generations)
@@ -68,6 +71,8 @@ class ControlPlane:
             len(msg.shards),
         )
         self._report(changes, news, msg.node_id)
+        for listener in self.on_register:
+            listener(msg.node_id, msg)
         return RegisterAck(
             node_id=msg.node_id,
             heartbeat_interval_s=self.heartbeat_interval,
@@ -94,6 +99,8 @@ class ControlPlane:
             )
         else:
             log.info("node %s: shard %s is %s", conn.node_id, status.shard_id, status.state)
+        for listener in self.on_shard_status:
+            listener(conn.node_id, status)
 
     def disconnected(self, conn: AgentConnection) -> None:
         self.dispatcher.detach(conn)

@@ -24,6 +24,9 @@ class Launch:
     env: dict[str, str]  # added to the agent's environment
     health_url: str | None  # polled until 200; None: no HTTP endpoint (a Ray worker)
     metrics_url: str | None
+    # run after the process group is gone, for what the engine daemonized out of it
+    # (Ray's head and raylets): e.g. ["ray", "stop"]
+    cleanup: list[str] | None = None
 
 
 @attrs.frozen

@@ -1,0 +1,137 @@
+"""llama.cpp's ``llama-server`` as an engine.
+
+Readiness is the server's own ``/health`` (503 "Loading model" until the
+model is in memory, then 200); load comes from ``/metrics`` (enabled with
+``--metrics``): ``llamacpp:requests_processing`` and
+``llamacpp:requests_deferred``. llama-server has no KV-usage gauge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from llmgw.engines.base import (
+    Launch,
+    LoadSignals,
+    check_extra_args,
+    check_port,
+    gpu_env,
+    int_setting,
+    sample_values,
+)
+from llmgw.protocol.messages import ShardSpec
+
+SETTINGS = frozenset(
+    {"context", "parallel", "threads", "threads_batch", "gpu_layers", "served_model_name"}
+)
+
+# flags the adapter sets from the profile; engine_args may not set them again
+MANAGED = {
+    "-m": "model_path",
+    "--model": "model_path",
+    "--host": "host",
+    "--port": "port",
+    "-c": "context",
+    "--ctx-size": "context",
+    "-np": "parallel",
+    "--parallel": "parallel",
+    "-t": "threads",
+    "--threads": "threads",
+    "-tb": "threads_batch",
+    "--threads-batch": "threads_batch",
+    "-ngl": "gpu_layers",
+    "--gpu-layers": "gpu_layers",
+    "--n-gpu-layers": "gpu_layers",
+    "-a": "served_model_name",
+    "--alias": "served_model_name",
+}
+
+ALL_LAYERS = 999
+
+
+def url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+class LlamaCppAdapter:
+    name = "llama.cpp"
+    binary = "llama-server"
+
+    def validate(self, spec: ShardSpec) -> list[str]:
+        from llmgw.agent.discovery.weights import gguf_complete
+
+        problems: list[str] = []
+        unknown = sorted(set(spec.settings) - SETTINGS)
+        problems.extend(f"unknown setting {k!r} for llama.cpp" for k in unknown)
+        check_port(spec, problems)
+        if spec.world_size != 1:
+            problems.append(f"llama.cpp runs on one node; this profile asks for {spec.world_size}")
+        if not spec.model_path:
+            problems.append("llama.cpp needs model_path (a GGUF file on this node)")
+        else:
+            path = Path(spec.model_path)
+            if not path.is_file():
+                problems.append(f"model file {path} does not exist on this node")
+            else:
+                why = gguf_complete(path)
+                if why is not None:
+                    problems.append(f"model file {path} is not a whole GGUF model: {why}")
+        context = int_setting(spec, "context", 4096, problems, minimum=16)
+        parallel = int_setting(spec, "parallel", 1, problems, minimum=1)
+        if parallel >= 1 and context // parallel < 16:
+            problems.append(
+                f"context {context} shared by {parallel} slots leaves {context // parallel} "
+                "tokens each"
+            )
+        int_setting(spec, "threads", 1, problems, minimum=1)
+        int_setting(spec, "threads_batch", 1, problems, minimum=1)
+        int_setting(spec, "gpu_layers", 0, problems, minimum=-1)
+        name = spec.settings.get("served_model_name", spec.model)
+        if not isinstance(name, str) or not name:
+            problems.append(f"served_model_name must be a non-empty string, got {name!r}")
+        check_extra_args(spec.engine_args, MANAGED, problems)
+        return problems
+
+    def launch(self, spec: ShardSpec, binaries: Mapping[str, str]) -> Launch:
+        s = spec.settings
+        default_layers = ALL_LAYERS if spec.gpus else 0
+        argv = [
+            binaries[self.binary],
+            "--model", spec.model_path,
+            "--host", spec.host,
+            "--port", str(spec.port),
+            "--ctx-size", str(s.get("context", 4096)),
+            "--parallel", str(s.get("parallel", 1)),
+            "--n-gpu-layers", str(s.get("gpu_layers", default_layers)),
+            "--alias", str(s.get("served_model_name", spec.model)),
+            "--metrics",
+            "--slots",
+        ]  # fmt: skip
+        if "threads" in s:
+            argv += ["--threads", str(s["threads"])]
+        if "threads_batch" in s:
+            argv += ["--threads-batch", str(s["threads_batch"])]
+        argv += spec.engine_args
+        base = f"http://{url_host(spec.host)}:{spec.port}"
+        return Launch(
+            argv=argv,
+            env={**gpu_env(spec), **spec.env},
+            health_url=f"{base}/health",
+            metrics_url=f"{base}/metrics",
+        )
+
+    def parse_metrics(self, text: str) -> LoadSignals:
+        values = sample_values(text)
+        return LoadSignals(
+            waiting=values.get("llamacpp:requests_deferred"),
+            running=values.get("llamacpp:requests_processing"),
+            kv_usage=None,
+        )
+
+
+LLAMA_CPP = LlamaCppAdapter()

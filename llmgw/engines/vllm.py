@@ -1,0 +1,383 @@
+"""vLLM adapters: one node (``vllm``) and several nodes over Ray (``vllm-ray``).
+
+Why validate here: vLLM refuses a bad profile only after it has imported
+torch and started loading weights, which can take minutes, and the message
+it dies with is buried in a long traceback. Every check that can be made
+from the spec alone (GPU count against tensor x pipeline parallelism,
+settings' ranges and spelling, flags that would fight the ones we set) is
+made before launch and reported in words, all problems at once.
+
+Settings (``spec.settings``):
+
+- ``tensor_parallel_size``: default the shard's GPU count (GPUs per node).
+- ``pipeline_parallel_size``: default 1; for ``vllm-ray`` the number of
+  nodes (``world_size``), the usual layout: TP inside a node, PP across.
+- ``gpu_memory_utilization``: in (0, 1], default 0.9.
+- ``max_model_len``: optional, at least 16; vLLM's default is the model's.
+- ``served_model_name``: default ``spec.model``, the name the gateway routes.
+- ``ray_port`` (``vllm-ray``): the Ray head's port, default 6379.
+- ``node_ip`` (``vllm-ray``): this node's address as Ray should advertise
+  it. The agent fills it with the address it discovered; when it is
+  missing, ``spec.host`` is used unless that is a wildcard (0.0.0.0, ::).
+
+TP x PP must equal the GPUs the shard was given (times ``world_size`` for
+Ray): placement decides the GPUs, and a profile that used fewer would leave
+placed GPUs idle while claiming them.
+
+The model served is ``spec.model_path`` when set (a local directory the
+agent found) and ``spec.model`` otherwise (a Hugging Face repo id).
+
+Multi-node (``vllm-ray``): every node of a replica is one shard with the
+same replica_id, rank 0..world_size-1. Rank 0 starts the Ray head and then
+``exec``\\s ``vllm serve --distributed-executor-backend ray`` in the same
+shell, so the shard is one process; it alone serves HTTP. Other ranks run
+``ray start --address=HEAD --block`` in the foreground and have no HTTP
+endpoint. All ranks are assumed to have the same GPU count: a spec describes
+one node, and total GPUs are ``len(gpus) x world_size``.
+
+Caution for whoever stops shards: ``ray start --head`` daemonizes, so the
+Ray head's processes may outlive rank 0's process group; ``ray stop`` (on
+that node) is what ends them.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shlex
+from collections.abc import Mapping
+
+import attrs
+
+from llmgw.engines.base import (
+    Launch,
+    LoadSignals,
+    ProfileError,
+    check_extra_args,
+    check_port,
+    float_setting,
+    gpu_env,
+    int_setting,
+    sample_values,
+)
+from llmgw.protocol.messages import ShardSpec
+
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+
+_COMMON_SETTINGS = frozenset(
+    {
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "served_model_name",
+    }
+)
+VLLM_SETTINGS = _COMMON_SETTINGS
+VLLM_RAY_SETTINGS = _COMMON_SETTINGS | {"ray_port", "node_ip"}
+
+# Flags the adapter sets itself -> where their value comes from.
+_MANAGED_FLAGS = {
+    "--host": "host",
+    "--port": "port",
+    "--model": "model",
+    "--tensor-parallel-size": "tensor_parallel_size setting",
+    "-tp": "tensor_parallel_size setting",
+    "--pipeline-parallel-size": "pipeline_parallel_size setting",
+    "-pp": "pipeline_parallel_size setting",
+    "--data-parallel-size": "replicas",
+    "-dp": "replicas",
+    "--gpu-memory-utilization": "gpu_memory_utilization setting",
+    "--max-model-len": "max_model_len setting",
+    "--served-model-name": "served_model_name setting",
+    "--distributed-executor-backend": "engine (vllm-ray runs Ray)",
+}
+
+METRIC_WAITING = "vllm:num_requests_waiting"
+METRIC_RUNNING = "vllm:num_requests_running"
+METRIC_KV = "vllm:kv_cache_usage_perc"
+METRIC_KV_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM renamed it
+
+
+def _normal_flag(arg: str) -> str:
+    """vLLM accepts ``--tensor_parallel_size`` for ``--tensor-parallel-size``."""
+    if not arg.startswith("--"):
+        return arg
+    flag, sep, value = arg.partition("=")
+    return flag.replace("_", "-") + sep + value
+
+
+def _url_host(host: str) -> str:
+    """Where a local client reaches a server bound to ``host``, URL-ready."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    if ":" in host and not host.startswith("["):
+        return f"[{host}]"
+    return host
+
+
+def _ray_address(host: str, port: int) -> str:
+    """``host:port`` for Ray; a bare host gets ``port``, IPv6 gets brackets."""
+    if host.startswith("["):
+        if "]:" in host:
+            return host
+        return f"{host}:{port}"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if host.count(":") == 1:  # name:port or v4:port
+            return host
+        return f"{host}:{port}"
+    if ip.version == 6:
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+@attrs.frozen
+class _Plan:
+    """The settings of one spec, resolved with their defaults."""
+
+    model: str
+    tp: int
+    pp: int
+    gpu_memory_utilization: float
+    max_model_len: int | None
+    served_model_name: str
+    ray_port: int
+    node_ip: str
+
+
+def _string_setting(spec: ShardSpec, key: str, default: str, problems: list[str]) -> str:
+    if key not in spec.settings:
+        return default
+    value = spec.settings[key]
+    if not isinstance(value, str) or not value:
+        problems.append(f"{key} must be a non-empty string, got {value!r}")
+        return default
+    return value
+
+
+class _VllmBase:
+    name: str = "vllm"
+    known_settings: frozenset[str] = VLLM_SETTINGS
+    multi_node: bool = False
+
+    # ------------------------------------------------------------- validation
+    def _plan(self, spec: ShardSpec, problems: list[str]) -> _Plan:
+        for key in sorted(spec.settings):
+            if key not in self.known_settings:
+                problems.append(f"unknown setting {key!r} for {self.name}")
+        model = spec.model_path or spec.model
+        if not model:
+            problems.append("no model to serve: the spec has neither model_path nor model")
+        gpus = len(spec.gpus)
+        nodes = max(spec.world_size, 1) if self.multi_node else 1
+        tp = int_setting(spec, "tensor_parallel_size", max(gpus, 1), problems, minimum=1)
+        pp = int_setting(spec, "pipeline_parallel_size", nodes, problems, minimum=1)
+        util = float_setting(spec, "gpu_memory_utilization", 0.9, problems, low=0.0, high=1.0)
+        max_len: int | None = None
+        if "max_model_len" in spec.settings:
+            max_len = int_setting(spec, "max_model_len", 16, problems, minimum=16)
+        served = _string_setting(spec, "served_model_name", spec.model or model, problems)
+        ray_port = 6379
+        node_ip = ""
+        if self.multi_node:
+            ray_port = int_setting(spec, "ray_port", 6379, problems, minimum=1)
+            if ray_port > 65535:
+                problems.append(f"ray_port {ray_port} is not a TCP port")
+            default_ip = "" if spec.host in _WILDCARDS else spec.host
+            node_ip = _string_setting(spec, "node_ip", default_ip, problems)
+        return _Plan(
+            model=model,
+            tp=tp,
+            pp=pp,
+            gpu_memory_utilization=util,
+            max_model_len=max_len,
+            served_model_name=served,
+            ray_port=ray_port,
+            node_ip=node_ip,
+        )
+
+    def validate(self, spec: ShardSpec) -> list[str]:
+        problems: list[str] = []
+        plan = self._plan(spec, problems)
+        gpus = len(spec.gpus)
+        if gpus == 0:
+            problems.append("vLLM needs at least one GPU; this shard has none")
+        elif plan.tp >= 1 and plan.pp >= 1:
+            self._check_gpus(spec, plan, problems)
+        if not self.multi_node or spec.rank == 0:
+            check_port(spec, problems)
+        check_extra_args([_normal_flag(a) for a in spec.engine_args], _MANAGED_FLAGS, problems)
+        if "CUDA_VISIBLE_DEVICES" in spec.env:
+            problems.append("env sets CUDA_VISIBLE_DEVICES, which comes from the shard's GPUs")
+        self._check_topology(spec, plan, problems)
+        return problems
+
+    def _check_gpus(self, spec: ShardSpec, plan: _Plan, problems: list[str]) -> None:
+        gpus = len(spec.gpus)
+        if plan.tp * plan.pp != gpus:
+            problems.append(
+                f"tensor_parallel_size {plan.tp} x pipeline_parallel_size {plan.pp} "
+                f"needs {plan.tp * plan.pp} GPUs, this shard has {gpus}"
+            )
+
+    def _check_topology(self, spec: ShardSpec, plan: _Plan, problems: list[str]) -> None:
+        if spec.world_size != 1 or spec.rank != 0:
+            problems.append(
+                f"{self.name} runs on one node, but this shard is rank {spec.rank} "
+                f"of {spec.world_size} (use engine vllm-ray for several nodes)"
+            )
+
+    def _checked_plan(self, spec: ShardSpec) -> _Plan:
+        problems = self.validate(spec)
+        if problems:
+            raise ProfileError(problems)
+        return self._plan(spec, [])
+
+    # ----------------------------------------------------------------- launch
+    def _serve_argv(self, vllm: str, spec: ShardSpec, plan: _Plan) -> list[str]:
+        argv = [
+            vllm,
+            "serve",
+            plan.model,
+            "--host",
+            spec.host,
+            "--port",
+            str(spec.port),
+            "--tensor-parallel-size",
+            str(plan.tp),
+            "--pipeline-parallel-size",
+            str(plan.pp),
+            "--gpu-memory-utilization",
+            str(plan.gpu_memory_utilization),
+        ]
+        if plan.max_model_len is not None:
+            argv += ["--max-model-len", str(plan.max_model_len)]
+        argv += ["--served-model-name", plan.served_model_name]
+        if self.multi_node:
+            argv += ["--distributed-executor-backend", "ray"]
+        return argv + list(spec.engine_args)
+
+    def _env(self, spec: ShardSpec) -> dict[str, str]:
+        return {**gpu_env(spec), **spec.env}
+
+    def _urls(self, spec: ShardSpec) -> tuple[str, str]:
+        base = f"http://{_url_host(spec.host)}:{spec.port}"
+        return f"{base}/health", f"{base}/metrics"
+
+    # ---------------------------------------------------------------- metrics
+    def parse_metrics(self, text: str) -> LoadSignals:
+        values = sample_values(text)
+        kv = values.get(METRIC_KV)
+        if kv is None:
+            kv = values.get(METRIC_KV_OLD)
+        return LoadSignals(
+            waiting=values.get(METRIC_WAITING),
+            running=values.get(METRIC_RUNNING),
+            kv_usage=kv,
+        )
+
+
+class VllmAdapter(_VllmBase):
+    """``vllm serve`` on one node, tensor (and pipeline) parallel over its GPUs."""
+
+    name = "vllm"
+    known_settings = VLLM_SETTINGS
+    multi_node = False
+
+    def launch(self, spec: ShardSpec, binaries: Mapping[str, str]) -> Launch:
+        """Raises ProfileError for a spec that does not validate, KeyError naming
+        the command (``vllm``, ``ray``) when ``binaries`` lacks it."""
+        plan = self._checked_plan(spec)
+        argv = self._serve_argv(binaries["vllm"], spec, plan)
+        health, metrics = self._urls(spec)
+        return Launch(argv=argv, env=self._env(spec), health_url=health, metrics_url=metrics)
+
+
+class VllmRayAdapter(_VllmBase):
+    """vLLM across ``world_size`` nodes: a Ray head plus ``vllm serve`` on rank 0,
+    Ray workers on the other ranks."""
+
+    name = "vllm-ray"
+    known_settings = VLLM_RAY_SETTINGS
+    multi_node = True
+
+    def _check_gpus(self, spec: ShardSpec, plan: _Plan, problems: list[str]) -> None:
+        per_node = len(spec.gpus)
+        nodes = max(spec.world_size, 1)
+        total = per_node * nodes
+        if plan.tp * plan.pp != total:
+            problems.append(
+                f"tensor_parallel_size {plan.tp} x pipeline_parallel_size {plan.pp} "
+                f"needs {plan.tp * plan.pp} GPUs, this replica has {total} "
+                f"({per_node} per node x {nodes} nodes)"
+            )
+
+    def _check_topology(self, spec: ShardSpec, plan: _Plan, problems: list[str]) -> None:
+        if spec.world_size < 2:
+            problems.append("vllm-ray needs world_size ≥ 2 (use engine vllm for one node)")
+        if not 0 <= spec.rank < max(spec.world_size, 1):
+            problems.append(f"rank {spec.rank} is outside world_size {spec.world_size}")
+        if spec.rank > 0 and not spec.head_address:
+            problems.append(
+                f"vllm-ray rank {spec.rank} of {spec.world_size} needs head_address "
+                "(the rank-0 node's address)"
+            )
+        if not plan.node_ip:
+            problems.append(
+                f"vllm-ray needs this node's address for Ray: host is {spec.host!r} "
+                "and settings has no node_ip"
+            )
+        if spec.rank == 0 and plan.ray_port == spec.port:
+            problems.append(f"ray_port {plan.ray_port} is also the HTTP port")
+
+    def launch(self, spec: ShardSpec, binaries: Mapping[str, str]) -> Launch:
+        """Rank 0: ``sh -c "ray start --head ... && exec vllm serve ..."``; other
+        ranks: ``ray start --address=... --block``. Errors as for ``vllm``."""
+        plan = self._checked_plan(spec)
+        ray = binaries["ray"]
+        gpus = len(spec.gpus)
+        node_ip = f"--node-ip-address={plan.node_ip}"
+        if spec.rank > 0:
+            argv = [
+                ray,
+                "start",
+                f"--address={_ray_address(spec.head_address, plan.ray_port)}",
+                node_ip,
+                f"--num-gpus={gpus}",
+                "--block",
+            ]
+            return Launch(
+                argv=argv,
+                env=self._env(spec),
+                health_url=None,
+                metrics_url=None,
+                cleanup=[ray, "stop"],
+            )
+        head = [
+            ray,
+            "start",
+            "--head",
+            f"--port={plan.ray_port}",
+            node_ip,
+            f"--num-gpus={gpus}",
+            "--disable-usage-stats",
+        ]
+        serve = self._serve_argv(binaries["vllm"], spec, plan)
+        script = f"{shlex.join(head)} && exec {shlex.join(serve)}"
+        health, metrics = self._urls(spec)
+        return Launch(
+            argv=["/bin/sh", "-c", script],
+            env=self._env(spec),
+            health_url=health,
+            metrics_url=metrics,
+            # the head daemonizes out of the shard's process group; note that
+            # `ray stop` ends every Ray process on the node
+            cleanup=[ray, "stop"],
+        )
+
+
+VLLM = VllmAdapter()
+VLLM_RAY = VllmRayAdapter()
