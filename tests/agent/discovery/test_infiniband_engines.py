@@ -57,6 +57,7 @@ def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_llama_version_text() -> None:
     assert parse_llama_version("version: 11434 (5d3b1f2)\nbuilt with cc for x86_64") == "b11434"
+    assert parse_llama_version("version: 0.6.0-dev (build 11434, commit unknown)") == "b11434"
     assert parse_llama_version("garbage") == ""
 
 
@@ -76,7 +77,7 @@ async def test_engines_found_on_path_with_versions(
         executable(bin_dir / name, f"#!{sys.executable}\nraise SystemExit('too slow to ask')\n")
     monkeypatch.setenv("PYTHONPATH", str(site))
     with trio.fail_after(30):
-        engines = await probe_engines()
+        engines = await probe_engines(python_package=False)
     assert engines == [
         Engine(name="llama.cpp", version="b11434", path=str(bin_dir / "llama-server")),
         Engine(name="vllm", version="0.11.2", path=str(bin_dir / "vllm")),
@@ -102,10 +103,13 @@ async def test_a_hanging_or_failing_probe_leaves_the_engine_without_a_version(
 ) -> None:
     executable(bin_dir / "llama-server", "#!/bin/sh\nsleep 30\n")
     with trio.fail_after(10):
-        engines = await probe_engines(probe_timeout=0.3)
+        engines = await probe_engines(probe_timeout=0.3, python_package=False)
     assert engines == [Engine(name="llama.cpp", version="", path=str(bin_dir / "llama-server"))]
 
 
 async def test_nothing_installed_means_no_engines(bin_dir: Path) -> None:
     with trio.fail_after(10):
-        assert await probe_engines(llama_search=["/nonexistent/*/llama-server"]) == []
+        found = await probe_engines(
+            llama_search=["/nonexistent/*/llama-server"], python_package=False
+        )
+        assert found == []
