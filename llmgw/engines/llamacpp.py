@@ -83,7 +83,7 @@ class LlamaCppAdapter:
                     problems.append(f"model file {path} is not a whole GGUF model: {why}")
         context = int_setting(spec, "context", 4096, problems, minimum=16)
         parallel = int_setting(spec, "parallel", 1, problems, minimum=1)
-        if parallel >= 1 and context // parallel < 16:
+        if context >= 16 and parallel >= 1 and context // parallel < 16:
             problems.append(
                 f"context {context} shared by {parallel} slots leaves {context // parallel} "
                 "tokens each"
