@@ -76,6 +76,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
             kill_unidentified=e.kill_unidentified,
             stop_grace_s=e.stop_grace_s,
             log_max_bytes=e.log_max_mb << 20,
+            nvidia_smi=config.discovery.nvidia_smi,
         ),
         lambda: binaries(config, source, base),
         on_event=metrics.event,

@@ -42,6 +42,7 @@ import attrs
 import httpx
 import trio
 
+from llmgw.agent.discovery.gpus import gpu_processes
 from llmgw.agent.output import OutputTail
 from llmgw.agent.procs import (
     ProcessIdentity,
@@ -79,6 +80,7 @@ class SupervisorSettings:
     kill_unidentified: bool = True
     stop_grace_s: float = 10.0
     log_max_bytes: int = 64 << 20
+    nvidia_smi: str = "nvidia-smi"
 
 
 @attrs.define(eq=False)
@@ -145,6 +147,7 @@ class Supervisor:
             await self._check_adopted()
             if self.settings.kill_unidentified:
                 await self.kill_unidentified(self._port_range_listeners())
+                await self.kill_gpu_holders()
             task_status.started()
             await trio.sleep_forever()
 
@@ -211,6 +214,8 @@ class Supervisor:
         ports = {spec.port} if launch.health_url is not None and spec.port else set()
         if self.settings.kill_unidentified:
             await self.kill_unidentified(ports)
+            if spec.gpus:
+                await self.kill_gpu_holders()
         holders = port_holders(ports).get(spec.port, set()) if ports else set()
         if holders:
             self._fail(
@@ -436,13 +441,39 @@ class Supervisor:
                     port,
                 )
                 self.on_event("killed")
-                if who.pgid == pid and who.pgid != os.getpgrp():
-                    await terminate_group(pid, grace=2.0)
-                else:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                await self._kill_process(who)
+
+    async def kill_gpu_holders(self) -> None:
+        """Kill processes holding GPU memory that no shard describes: placement hands
+        this node's GPUs out, and would hand theirs out again."""
+        holders = await gpu_processes(self.settings.nvidia_smi)
+        if not holders:
+            return
+        ours = self._ours()
+        for pid, gpu in sorted(holders.items()):
+            if pid in ours:
+                continue
+            who = identity(pid)
+            if who is None:
+                continue
+            log.warning(
+                "killing pid %d (%s): it holds memory on GPU %s, which this agent assigns "
+                "to engines, and no shard spec describes it",
+                pid,
+                " ".join(who.cmdline)[:200],
+                gpu,
+            )
+            self.on_event("killed")
+            await self._kill_process(who)
+
+    async def _kill_process(self, who: ProcessIdentity) -> None:
+        if who.pgid == who.pid and who.pgid != os.getpgrp():
+            await terminate_group(who.pid, grace=2.0)
+        else:
+            try:
+                os.kill(who.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     # --- stopping -----------------------------------------------------------
 

@@ -309,3 +309,38 @@ async def test_a_vllm_shard_through_the_agent_with_the_stand_in(tmp_path: Path, 
         await f.send("n1", StopShard(shard_id="v1", grace_s=5))
         await f.status("v1", "stopped")
         assert not _listening(port)
+
+
+async def test_a_process_holding_a_gpu_that_no_spec_describes_is_killed(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """nvidia-smi (the stand-in, answering with busy.txt's compute-apps row) names a
+    process holding GPU memory; the agent cannot describe it, so it kills it."""
+    from tests.cluster.test_discovery_processes import fake_nvidia_smi
+
+    exe = fake_nvidia_smi(tmp_path / "bin")
+    rogue = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        async with fleet(tmp_path, pki) as f:
+            config = write_agent_config(
+                tmp_path,
+                pki,
+                "n1",
+                f.plane.port,
+                extra=f'[discovery]\nnvidia_smi = "{exe}"\n',
+            )
+            env = {"FAKE_NVIDIA_SMI_MODE": "busy", "FAKE_NVIDIA_SMI_APP_PID": str(rogue.pid)}
+            agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path, env=env)
+            f.agents.append(agent.start())
+            with trio.fail_after(30):
+                while rogue.poll() is None:
+                    await trio.sleep(0.05)
+            await agent.wait_log(
+                rf"killing pid {rogue.pid} .*holds memory on GPU GPU-a28b07a0-4e77-4642-1c8d"
+            )
+    finally:
+        if rogue.poll() is None:
+            rogue.kill()
+        rogue.wait(5)

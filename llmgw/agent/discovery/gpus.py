@@ -311,3 +311,36 @@ async def discover_gpus(
         error=f"nvidia-smi timed out after {timeout:g} s",
         dropped_fields=tuple(dropped),
     )
+
+
+async def gpu_processes(
+    nvidia_smi: str = "nvidia-smi",
+    *,
+    timeout: float = 10.0,  # noqa: ASYNC109
+) -> dict[int, str]:
+    """Processes holding GPU memory: pid -> GPU UUID (``--query-compute-apps``).
+
+    Empty when there is no nvidia-smi, it fails, or it does not answer in time:
+    this feeds a decision to kill, so anything uncertain means "nothing".
+    """
+    try:
+        executable = shutil.which(nvidia_smi)
+    except ValueError:
+        return {}
+    if executable is None:
+        return {}
+    argv = [executable, "--query-compute-apps=pid,gpu_uuid", "--format=csv,noheader,nounits"]
+    with trio.move_on_after(timeout):
+        try:
+            code, out, _ = await _run(argv)
+        except OSError:
+            return {}
+        if code != 0:
+            return {}
+        holders: dict[int, str] = {}
+        for line in out.splitlines():
+            cells = [c.strip() for c in line.split(",")]
+            if len(cells) == 2 and cells[0].isascii() and cells[0].isdigit():
+                holders[int(cells[0])] = cells[1]
+        return holders
+    return {}

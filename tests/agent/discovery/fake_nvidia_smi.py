@@ -33,6 +33,11 @@ Only stdlib, so any python3 runs it. Modes, from FAKE_NVIDIA_SMI_MODE:
   SIGTERM (a wedged nvidia-smi may not honour it), and sleeps forever.
 - ``garbage``: exit 0 with output that is not the CSV asked for.
 
+``--query-compute-apps=pid,process_name,used_memory,gpu_uuid`` (any subset):
+as captured, nothing in the idle modes, and busy.txt's row (python3 holding
+20998 MiB) in ``busy``; FAKE_NVIDIA_SMI_APP_PID replaces its pid (DERIVED:
+so a test can point it at a process of its own).
+
 FAKE_NVIDIA_SMI_GPUS=<n> (default 1): DERIVED for multi-GPU tests: the real
 row repeated n times: GPU 0 as captured, GPU i > 0 with index i, the uuid's
 last 4 hex digits replaced by i in hex, and PCI bus id device 0x06 + i.
@@ -99,6 +104,24 @@ def busy_values() -> dict[str, str]:
     return dict(zip(BUSY_FIELDS, values, strict=True))
 
 
+APP_FIELDS = ("pid", "process_name", "used_memory", "gpu_uuid")
+
+
+def compute_apps(fields: list[str], mode_name: str) -> int:
+    """The busy.txt second line, as ``--query-compute-apps`` printed it."""
+    unknown = [f for f in fields if f not in APP_FIELDS]
+    if unknown:
+        sys.stdout.write(f'Field "{unknown[0]}" is not a valid field to query.\n\n')
+        return 2
+    if mode_name != "busy":
+        return 0
+    lines = [ln for ln in (FIXTURES / "busy.txt").read_text().splitlines() if ln.strip()]
+    row = dict(zip(APP_FIELDS, lines[1].split(", "), strict=True))
+    row["pid"] = os.environ.get("FAKE_NVIDIA_SMI_APP_PID", row["pid"])
+    sys.stdout.write(", ".join(row[f] for f in fields) + "\n")
+    return 0
+
+
 def arguments(argv: list[str]) -> tuple[list[str], str]:
     fields: list[str] | None = None
     fmt = ""
@@ -106,11 +129,13 @@ def arguments(argv: list[str]) -> tuple[list[str], str]:
     while i < len(argv):
         arg = argv[i]
         name, eq, value = arg.partition("=")
-        if name in ("--query-gpu", "--format") and not eq:
+        if name in ("--query-gpu", "--query-compute-apps", "--format") and not eq:
             i += 1
             value = argv[i] if i < len(argv) else ""
         if name == "--query-gpu":
             fields = value.split(",")
+        elif name == "--query-compute-apps":
+            fields = ["compute-apps", *value.split(",")]
         elif name == "--format":
             fmt = value
         else:
@@ -125,6 +150,8 @@ def main() -> int:
     fields, fmt = arguments(sys.argv[1:])
     mode = os.environ.get("FAKE_NVIDIA_SMI_MODE", "ok")
     mode_name, _, mode_arg = mode.partition(":")
+    if fields and fields[0] == "compute-apps":
+        return compute_apps(fields[1:], mode_name)
     count = int(os.environ.get("FAKE_NVIDIA_SMI_GPUS", "1"))
 
     if mode_name == "hang":
