@@ -344,3 +344,36 @@ async def test_a_process_holding_a_gpu_that_no_spec_describes_is_killed(
         if rogue.poll() is None:
             rogue.kill()
         rogue.wait(5)
+
+
+async def test_startup_is_bounded_by_the_profiles_timeout(tmp_path: Path, pki: Pki) -> None:
+    """An engine that never becomes healthy is failed, and its process group killed."""
+    from tests.engines.test_vllm import wrapper
+
+    bindir = tmp_path / "bin"
+    wrapper(bindir, "vllm")
+    async with fleet(tmp_path, pki) as f:
+        config = write_agent_config(
+            tmp_path, pki, "n1", f.plane.port, extra='[discovery]\nnvidia_smi = "/nonexistent"\n'
+        )
+        env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "STANDIN_LOAD_S": "600"}
+        f.agents.append(
+            Daemon("agent-n1", ["agent", "--config", config.name], tmp_path, env=env).start()
+        )
+        spec = ShardSpec(
+            shard_id="slow",
+            replica_id="r",
+            model="m",
+            profile="p",
+            engine="vllm",
+            gpus=[0],
+            port=free_port(),
+            startup_timeout_s=1.5,
+        )
+        await f.send("n1", StartShard(spec=spec))
+        starting = await f.status("slow", "starting")
+        failed = await f.status("slow", "failed", timeout=20)
+        assert failed.detail == "not ready within the startup timeout of 1.5 s"
+        assert any("vllm stand-in" in line for line in failed.output_tail)
+        assert starting.pid is not None
+        assert not alive(starting.pid)
