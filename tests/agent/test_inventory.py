@@ -77,7 +77,7 @@ async def test_discovered_then_overridden(tmp_path: Path, monkeypatch: pytest.Mo
     )
     assert inv.memory.total_bytes == 512 * 2**30
     assert inv.gpus == [Gpu(index=0, name="NVIDIA H100", memory_total_mib=81559)]
-    assert inv.engines == [Engine(name="vllm", version="0.11.2")]
+    assert [e for e in inv.engines if e.name == "vllm"] == [Engine(name="vllm", version="0.11.2")]
 
 
 def test_gpu_telemetry_and_memory_readings_are_not_inventory_changes() -> None:
