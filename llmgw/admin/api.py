@@ -9,12 +9,18 @@ plane's under no await.
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
+import attrs
 import msgspec
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw.admin.views import GpuViews, node_view
+from llmgw.admin.views import GpuViews, node_view, replica_view
+from llmgw.config import ConfigError
 from llmgw.controlplane.fabrics import fleet_status
+from llmgw.controlplane.fleet import FleetManager
+from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
 
@@ -30,29 +36,54 @@ def error(status: int, message: str) -> Response:
 
 
 class AdminApi:
-    def __init__(self, control: ControlPlane, token: str) -> None:
+    def __init__(
+        self, control: ControlPlane, token: str, fleet: FleetManager | None = None
+    ) -> None:
         if not token:
             raise ValueError("the admin API needs a token")
         self.control = control
+        self.fleet = fleet
         self._token = token.encode()
         self._gpu_views = GpuViews()
         self._routes = {
             ("GET", "/v1/nodes"): self.nodes,
             ("GET", "/v1/status"): self.status,
             ("GET", "/metrics"): self.metrics,
+            ("GET", "/v1/replicas"): self.replicas,
+            ("POST", "/v1/catalog/reload"): self.reload,
         }
+        # /v1/nodes/{node} (POST {"intent": ...}) and /v1/models/{model}/placement (GET)
+        self._patterns = [
+            ("POST", ("v1", "nodes", None), self.node_intent),
+            ("GET", ("v1", "models", None, "placement"), self.placement),
+        ]
 
     async def __call__(self, request: Request) -> Response:
         if request.path == "/healthz":
             return json_response(200, {"status": "ok"})
         route = self._routes.get((request.method, request.path))
+        arg = ""
+        if route is None:
+            route, arg = self._match(request)
         if route is None:
             if any(path == request.path for _, path in self._routes):
                 return error(405, f"{request.method} is not allowed on {request.path}")
             return error(404, f"no such endpoint: {request.path}")
         if not self._authorized(request):
             return error(401, "missing or wrong admin token (send Authorization: Bearer <token>)")
+        if arg:
+            return await route(request, arg)  # type: ignore[call-arg]
         return await route(request)
+
+    def _match(self, request: Request) -> tuple[Any, str]:
+        parts = tuple(p for p in request.path.split("/") if p)
+        for method, pattern, handler in self._patterns:
+            if method != request.method or len(parts) != len(pattern):
+                continue
+            if all(want is None or want == got for want, got in zip(pattern, parts, strict=True)):
+                arg = next(got for want, got in zip(pattern, parts, strict=True) if want is None)
+                return handler, arg
+        return None, ""
 
     def _authorized(self, request: Request) -> bool:
         header = request.headers.get("authorization") or ""
@@ -62,11 +93,68 @@ class AdminApi:
         return hmac.compare_digest(credential.strip().encode(), self._token)
 
     async def nodes(self, request: Request) -> Response:
-        views = [
-            node_view(n, self._gpu_views)
-            for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id)
-        ]
+        r = self.fleet.reconciler if self.fleet is not None else None
+        views = []
+        for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id):
+            view = node_view(n, self._gpu_views)
+            if r is not None:
+                view.cordoned = n.node_id in r.cordoned
+                view.draining = n.node_id in r.draining
+            views.append(view)
         return json_response(200, {"nodes": views})
+
+    def _need_fleet(self) -> FleetManager | Response:
+        if self.fleet is None:
+            return error(409, "this server runs no control plane (its catalog has no profiles)")
+        return self.fleet
+
+    async def replicas(self, request: Request) -> Response:
+        fleet = self._need_fleet()
+        if isinstance(fleet, Response):
+            return fleet
+        now = trio.current_time()
+        views = [
+            replica_view(r, now)
+            for r in sorted(
+                fleet.reconciler.replicas.values(), key=lambda r: (r.model, r.replica_id)
+            )
+        ]
+        return json_response(200, {"replicas": views})
+
+    async def node_intent(self, request: Request, node_id: str) -> Response:
+        fleet = self._need_fleet()
+        if isinstance(fleet, Response):
+            return fleet
+        try:
+            body = msgspec.json.decode(request.body or b"{}", type=_IntentBody)
+        except msgspec.DecodeError as exc:
+            return error(400, f'body must be JSON like {{"intent": "drain"}}: {exc}')
+        if node_id not in self.control.nodes.nodes:
+            return error(404, f"no node {node_id!r} has ever registered")
+        try:
+            what = fleet.set_intent(node_id, body.intent)
+        except ValueError as exc:
+            return error(400, str(exc))
+        return json_response(200, {"node_id": node_id, "intent": body.intent, "message": what})
+
+    async def placement(self, request: Request, model: str) -> Response:
+        fleet = self._need_fleet()
+        if isinstance(fleet, Response):
+            return fleet
+        decision = fleet.explain(model)
+        if decision is None:
+            return error(404, f"no model {model!r} in the catalog")
+        return json_response(200, decision_view(decision))
+
+    async def reload(self, request: Request) -> Response:
+        fleet = self._need_fleet()
+        if isinstance(fleet, Response):
+            return fleet
+        try:
+            what = fleet.reload()
+        except ConfigError as exc:
+            return error(400, f"catalog not reloaded, nothing changed: {exc}")
+        return json_response(200, {"message": what})
 
     async def status(self, request: Request) -> Response:
         return json_response(200, fleet_status(self.control.nodes.nodes.values()))
@@ -74,3 +162,17 @@ class AdminApi:
     async def metrics(self, request: Request) -> Response:
         body = generate_latest(self.control.metrics.registry)
         return Response(status=200, headers=[("content-type", CONTENT_TYPE_LATEST)], body=body)
+
+
+class _IntentBody(msgspec.Struct):
+    intent: str
+
+
+def decision_view(d: Decision) -> dict[str, object]:
+    return {
+        "model": d.model,
+        "profile": d.profile,
+        "summary": d.summary,
+        "shards": [attrs.asdict(s) for s in d.shards],
+        "candidates": [attrs.asdict(c) for c in d.candidates],
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.controlplane.nodes import Node
+from llmgw.controlplane.replicas import Replica
 from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
 
 
@@ -35,6 +36,8 @@ class NodeView(msgspec.Struct, kw_only=True):
     weights_scanned: bool
     labels: dict[str, str]
     shards: int
+    cordoned: bool = False
+    draining: bool = False
 
 
 def _gpu(g: Gpu) -> GpuView:
@@ -89,4 +92,53 @@ def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
         weights_scanned=inv.weights_scanned,
         labels=dict(inv.labels),
         shards=len(node.shards),
+    )
+
+
+class ShardView(msgspec.Struct, kw_only=True):
+    shard_id: str
+    node_id: str
+    rank: int
+    state: str
+    detail: str
+    port: int
+    gpus: list[int]
+    output_tail: list[str]
+
+
+class ReplicaView(msgspec.Struct, kw_only=True):
+    replica_id: str
+    model: str
+    profile: str
+    state: str
+    why: str
+    leaving: bool
+    adopted: bool
+    state_since: float  # seconds ago
+    shards: list[ShardView]
+
+
+def replica_view(r: Replica, now: float) -> ReplicaView:
+    return ReplicaView(
+        replica_id=r.replica_id,
+        model=r.model,
+        profile=r.profile,
+        state=r.state.value,
+        why=r.why,
+        leaving=r.leaving,
+        adopted=r.adopted,
+        state_since=max(0.0, now - r.state_since),
+        shards=[
+            ShardView(
+                shard_id=s.shard_id,
+                node_id=s.node_id,
+                rank=s.rank,
+                state=s.state,
+                detail=s.detail,
+                port=s.spec.port,
+                gpus=list(s.spec.gpus),
+                output_tail=s.output_tail[-10:],
+            )
+            for s in sorted(r.shards, key=lambda s: s.rank)
+        ],
     )

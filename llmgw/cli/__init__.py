@@ -6,14 +6,15 @@ from pathlib import Path
 from typing import Annotated
 
 import cyclopts
-import trio
 
 from llmgw import __version__
 from llmgw.cli.cert import cert_app
 from llmgw.cli.ctl import ctl_app
-from llmgw.cli.runtime import fail, run_until_signalled, setup_logging
+from llmgw.cli.runtime import fail, run_daemon, setup_logging
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config
 from llmgw.tls import TLSConfigError
+
+OPERATOR_ERRORS = (ConfigError, TLSConfigError)
 
 app = cyclopts.App(
     name="llmgw",
@@ -69,11 +70,10 @@ def server(
 
     try:
         cfg, base = load_config(ServerConfig, config, overrides)
-        setup_logging(cfg.log_level)
-        trio.run(run_until_signalled, lambda: daemon.serve(cfg, base))
-    except (ConfigError, TLSConfigError) as exc:
+    except ConfigError as exc:
         return fail("llmgw server", str(exc))
-    return 0
+    setup_logging(cfg.log_level)
+    return run_daemon("llmgw server", lambda: daemon.serve(cfg, base), OPERATOR_ERRORS)
 
 
 @app.command
@@ -111,11 +111,10 @@ def agent(
 
     try:
         cfg, base = load_config(AgentConfig, config, overrides)
-        setup_logging(cfg.log_level)
-        trio.run(run_until_signalled, lambda: daemon.serve(cfg, base))
-    except (ConfigError, TLSConfigError) as exc:
+    except ConfigError as exc:
         return fail("llmgw agent", str(exc))
-    return 0
+    setup_logging(cfg.log_level)
+    return run_daemon("llmgw agent", lambda: daemon.serve(cfg, base), OPERATOR_ERRORS)
 
 
 def _quote(value: str) -> str:

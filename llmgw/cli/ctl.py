@@ -94,10 +94,18 @@ def _env_path(name: str) -> Path | None:
 
 
 def get(target: Target, path: str) -> Any:
+    return call(target, "GET", path)
+
+
+def call(target: Target, method: str, path: str, body: object = None) -> Any:
     url, token = target.resolve()
     try:
-        response = httpx.get(
-            url + path, headers={"authorization": f"Bearer {token}"}, timeout=TIMEOUT_S
+        response = httpx.request(
+            method,
+            url + path,
+            headers={"authorization": f"Bearer {token}"},
+            json=body,
+            timeout=TIMEOUT_S,
         )
     except httpx.HTTPError as exc:
         raise CtlError(f"cannot reach the management API at {url}: {exc}") from None
@@ -140,6 +148,14 @@ def table(rows: list[list[str]]) -> str:
     )
 
 
+def _state(node: NodeView) -> str:
+    if node.draining:
+        return f"{node.state},draining"
+    if node.cordoned:
+        return f"{node.state},cordoned"
+    return node.state
+
+
 def _engines(node: NodeView) -> str:
     return ",".join(f"{k} {v}".strip() for k, v in sorted(node.engines.items())) or "-"
 
@@ -151,7 +167,7 @@ def render_nodes(nodes: list[NodeView], now: float) -> str:
             [
                 n.node_id,
                 n.address,
-                n.state,
+                _state(n),
                 _ago(n.last_seen, now),
                 _mem(n.memory_total_bytes),
                 n.fabric or "-",
@@ -239,3 +255,116 @@ def status(*, target: Target | None = None, json: bool = False) -> int:
             print(render_status(msgspec.convert(data, FleetStatus)))
 
     return _run("llmgw ctl status", run)
+
+
+def _print(data: object, as_json: bool, render: Any) -> None:
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
+    else:
+        print(render(data))
+
+
+def render_replicas(data: dict[str, Any]) -> str:
+    rows = [["REPLICA", "MODEL", "PROFILE", "STATE", "FOR", "SHARDS"]]
+    problems: list[str] = []
+    for r in data["replicas"]:
+        shards = ", ".join(
+            f"{s['node_id']}:{s['port']}{'/gpu' + ','.join(map(str, s['gpus'])) if s['gpus'] else ''}"
+            f" {s['state']}"
+            for s in r["shards"]
+        )
+        state = r["state"] + (" (leaving)" if r["leaving"] and r["state"] != "Draining" else "")
+        rows.append(
+            [
+                r["replica_id"],
+                r["model"],
+                r["profile"],
+                state,
+                f"{r['state_since']:.0f}s",
+                shards or "-",
+            ]
+        )
+        if r["why"] and r["state"] in ("Failed", "Stopping"):
+            problems.append(f"{r['replica_id']}: {r['why']}")
+        for s in r["shards"]:
+            if s["detail"] and s["state"] == "failed":
+                problems.append(
+                    f"{r['replica_id']} shard {s['shard_id']} on {s['node_id']}: {s['detail']}"
+                )
+                problems.extend(f"    {line}" for line in s["output_tail"][-5:])
+    return "\n".join([table(rows), *([""] + problems if problems else [])])
+
+
+def render_placement(d: dict[str, Any]) -> str:
+    lines = [d["summary"], ""]
+    rows = [["NODE", "PROFILE", "FITS", "WHY"]]
+    for c in d["candidates"]:
+        rows.append([c["node_id"], c["profile"], "yes" if c["ok"] else "no", c["reason"]])
+    lines.append(table(rows) if len(rows) > 1 else "no nodes have registered")
+    return "\n".join(lines)
+
+
+@ctl_app.command
+def replicas(*, target: Target | None = None, json: bool = False) -> int:
+    """List replicas with their shards (node, port, GPUs, state) and per-shard errors.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a table.
+    """
+    return _run(
+        "llmgw ctl replicas",
+        lambda: _print(get(target or Target(), "/v1/replicas"), json, render_replicas),
+    )
+
+
+def _intent(name: str, node: str, target: Target | None, json: bool) -> int:
+    def run() -> None:
+        data = call(target or Target(), "POST", f"/v1/nodes/{node}", {"intent": name})
+        _print(data, json, lambda d: d["message"])
+
+    return _run(f"llmgw ctl {name}", run)
+
+
+@ctl_app.command
+def cordon(node: str, *, target: Target | None = None, json: bool = False) -> int:
+    """Stop placing new replicas on NODE; what runs there keeps running."""
+    return _intent("cordon", node, target, json)
+
+
+@ctl_app.command
+def uncordon(node: str, *, target: Target | None = None, json: bool = False) -> int:
+    """Let placement use NODE again (also ends a drain)."""
+    return _intent("uncordon", node, target, json)
+
+
+@ctl_app.command
+def drain(node: str, *, target: Target | None = None, json: bool = False) -> int:
+    """Move every replica off NODE as a rolling move: a replacement is placed elsewhere
+    first, and the original is stopped once the replacement is Ready (or the drain
+    grace is over, so draining the only node that can host a model still finishes).
+    The node stays cordoned until `uncordon`."""
+    return _intent("drain", node, target, json)
+
+
+@ctl_app.command(name="explain-placement")
+def explain_placement(model: str, *, target: Target | None = None, json: bool = False) -> int:
+    """Show every node placement would consider for MODEL, and why each fits or not."""
+    return _run(
+        "llmgw ctl explain-placement",
+        lambda: _print(
+            get(target or Target(), f"/v1/models/{model}/placement"), json, render_placement
+        ),
+    )
+
+
+@ctl_app.command
+def reload(*, target: Target | None = None, json: bool = False) -> int:
+    """Read the catalog file again (as SIGHUP does); a bad file changes nothing."""
+    return _run(
+        "llmgw ctl reload",
+        lambda: _print(
+            call(target or Target(), "POST", "/v1/catalog/reload"), json, lambda d: d["message"]
+        ),
+    )

@@ -47,3 +47,23 @@ async def run_until_signalled(main: Callable[[], Awaitable[None]]) -> None:
             nursery.start_soon(watch)
             await main()
             nursery.cancel_scope.cancel()
+
+
+def run_daemon(
+    program: str, main: Callable[[], Awaitable[None]], operator_errors: tuple[type[Exception], ...]
+) -> int:
+    """Run a daemon under trio; an operator's mistake found while starting (a bad
+    certificate path, a bad catalog) exits 2 with its one line, not a traceback."""
+    try:
+        trio.run(run_until_signalled, main)
+    except operator_errors as exc:
+        return fail(program, str(exc))
+    except BaseExceptionGroup as group:
+        found = group.subgroup(operator_errors)
+        if found is None:
+            raise
+        first = found.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        return fail(program, str(first))
+    return 0

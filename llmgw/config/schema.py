@@ -60,12 +60,26 @@ class AdminConfig(_Section):
     token_file: str = ""  # default: <state_dir>/admin-token, created on first start
 
 
+class ReconcileConfig(_Section):
+    startup_margin_s: float = 30.0  # beyond a profile's startup timeout before a replica is failed
+    drain_grace_s: float = (
+        300.0  # a replica moving off a draining node waits at most this for its replacement
+    )
+    drain_timeout_s: float = (
+        120.0  # in-flight work gets this long before a draining replica is stopped
+    )
+    retry_base_s: float = 5.0  # failed placements and replicas are retried with backoff from here
+    retry_cap_s: float = 300.0
+
+
 class ServerConfig(_Section):
     state_dir: str = "state"
+    catalog: str = ""  # the models to run; empty: no placement (a plain control plane)
     log_level: str = "info"
     agent_stream: AgentStreamConfig = msgspec.field(default_factory=AgentStreamConfig)
     liveness: LivenessConfig = msgspec.field(default_factory=LivenessConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
+    reconcile: ReconcileConfig = msgspec.field(default_factory=ReconcileConfig)
 
     def validate(self) -> None:
         parse_hostport(self.agent_stream.listen, key="agent_stream.listen")
@@ -92,6 +106,15 @@ class ServerConfig(_Section):
             "agent_stream.handshake_timeout_s", self.agent_stream.handshake_timeout_s, at_most=300
         )
         _positive("agent_stream.send_timeout_s", self.agent_stream.send_timeout_s, at_most=300)
+        rc = self.reconcile
+        for key in (
+            "startup_margin_s",
+            "drain_grace_s",
+            "drain_timeout_s",
+            "retry_base_s",
+            "retry_cap_s",
+        ):
+            _positive(f"reconcile.{key}", getattr(rc, key), at_most=DAY_S)
         _check_log_level(self.log_level)
 
 

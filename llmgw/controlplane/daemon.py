@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 from pathlib import Path
 
 import trio
@@ -12,7 +13,10 @@ import trio
 from llmgw.admin.api import AdminApi
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.schema import resolve
+from llmgw.controlplane.catalog import load_catalog
+from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.nodes import LivenessPolicy
+from llmgw.controlplane.reconciler import Timing
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
@@ -54,6 +58,15 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
     return token, path
 
 
+async def _reload_on_sighup(fleet: FleetManager) -> None:
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            try:
+                fleet.reload()
+            except ConfigError as exc:
+                log.error("catalog not reloaded, nothing changed: %s", exc)
+
+
 def _show(listener: trio.SocketListener) -> str:
     host, port, *_ = listener.socket.getsockname()
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -81,13 +94,38 @@ async def serve(config: ServerConfig, base: Path) -> None:
             max_message_bytes=sc.max_message_bytes,
         ),
     )
-    admin = HttpServer(AdminApi(control, token), name="admin")
+    fleet = None
+    if config.catalog:
+        catalog_path = resolve(base, config.catalog)
+        rc = config.reconcile
+        fleet = FleetManager(
+            control,
+            load_catalog(catalog_path),
+            catalog_path=catalog_path,
+            state_dir=resolve(base, config.state_dir),
+            timing=Timing(
+                startup_margin_s=rc.startup_margin_s,
+                drain_grace_s=rc.drain_grace_s,
+                drain_timeout_s=rc.drain_timeout_s,
+                retry_base_s=rc.retry_base_s,
+                retry_cap_s=rc.retry_cap_s,
+            ),
+        )
+    admin = HttpServer(AdminApi(control, token, fleet), name="admin")
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(stream.serve, stream_host, stream_port)
         log.info("agent stream listening on %s", ", ".join(_show(x) for x in listeners))
         await nursery.start(control.run_liveness)
+        if fleet is not None:
+            await nursery.start(fleet.run)
+            nursery.start_soon(_reload_on_sighup, fleet)
+            log.info(
+                "reconciling %d models from %s",
+                len(fleet.reconciler.catalog.models),
+                fleet.catalog_path,
+            )
         admin_listeners = await nursery.start(admin.serve_tcp, admin_host, admin_port)
         log.info(
             "admin API listening on %s",

@@ -27,6 +27,19 @@ class _NodesCollector(Collector):
         yield family
 
 
+class _ReplicasCollector(Collector):
+    def __init__(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            "llmgw_replicas", "Replicas by model and state", labels=["model", "state"]
+        )
+        for (model, state), n in sorted(self._counts().items()):
+            family.add_metric([model, state], n)
+        yield family
+
+
 class ControlPlaneMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -53,12 +66,27 @@ class ControlPlaneMetrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=r,
         )
+        self.reconcile_seconds = Histogram(
+            "llmgw_reconcile_pass_seconds",
+            "How long one reconcile pass (placement included) took",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1),
+            registry=r,
+        )
+        self.placement_failures = Counter(
+            "llmgw_placement_failures",
+            "Passes in which a model below its count could not be placed, by model",
+            ["model"],
+            registry=r,
+        )
         self.liveness_changes = Counter(
             "llmgw_node_state_changes",
             "Node liveness transitions, by new state",
             ["state"],
             registry=r,
         )
+
+    def watch_replicas(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self.registry.register(_ReplicasCollector(counts))
 
     def watch_nodes(self, counts: Callable[[], dict[NodeState, int]]) -> None:
         self.registry.register(_NodesCollector(counts))

@@ -1,0 +1,39 @@
+"""What is already handed out on each node: GPUs, engine ports, replicas per model.
+
+Derived from the replicas on every pass (never stored on its own), so it can
+never disagree with them: the fleet is authoritative about what runs, and
+replicas are rebuilt from what agents report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+
+PORT_RANGE = (20000, 20999)  # the agents' default engines.port_range
+
+
+@attrs.define
+class Allocations:
+    gpus: dict[str, set[int]] = attrs.Factory(dict)  # node -> GPU indices in use
+    ports: dict[str, set[int]] = attrs.Factory(dict)  # node -> engine ports in use
+    replicas: dict[tuple[str, str], int] = attrs.Factory(dict)  # (model, node) -> shards
+
+    def take(self, node: str, model: str, gpus: Iterable[int], port: int) -> None:
+        self.gpus.setdefault(node, set()).update(gpus)
+        if port:
+            self.ports.setdefault(node, set()).add(port)
+        key = (model, node)
+        self.replicas[key] = self.replicas.get(key, 0) + 1
+
+    def free_gpus(self, node: str, indices: Iterable[int]) -> list[int]:
+        used = self.gpus.get(node, set())
+        return [i for i in indices if i not in used]
+
+    def free_port(self, node: str, port_range: tuple[int, int] = PORT_RANGE) -> int | None:
+        used = self.ports.get(node, set())
+        for port in range(port_range[0], port_range[1] + 1):
+            if port not in used:
+                return port
+        return None

@@ -1,0 +1,366 @@
+"""The model catalog: which models to run, how many replicas, and how to run them.
+
+A TOML file, one table per model::
+
+    [models.qwen-coder]
+    replicas = 2
+    [[models.qwen-coder.profiles]]     # one or more, in order of preference
+    name = "h100"
+    engine = "vllm"
+    gpus = 1
+
+(``packaging/catalog.example.toml`` is the commented reference.) A model that
+sets ``static_endpoints`` instead of profiles is router-only: nothing is
+placed for it, the router sends its traffic to those URLs.
+
+Types are checked by msgspec (unknown keys refused, as in every config file);
+every rule about values is in :func:`validate`, written once, and each error
+names the model, the profile and the field: ``catalog.toml:
+models.qwen-coder.profiles[h100].gpus: must be at least 0, got -1``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+
+from llmgw.config.errors import ConfigError
+
+ENGINES = ("llama.cpp", "vllm", "vllm-ray")
+MULTI_NODE_ENGINES = frozenset({"vllm-ray"})
+GPU_ENGINES = frozenset({"vllm", "vllm-ray"})  # their adapters refuse a shard without a GPU
+MAX_REPLICAS = 1000
+MAX_STARTUP_TIMEOUT_S = 86_400.0
+
+SettingValue = str | int | float | bool
+
+
+class _Entry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class Routing(_Entry, frozen=True):
+    """How the router weighs this model's replicas (read by the router, not placement)."""
+
+    weight: float = 1.0  # > 0
+    target_waiting: int | None = None  # queued requests per replica worth routing away from
+    kv_ceiling: float | None = None  # KV-cache usage in (0, 1] past which a replica is avoided
+
+
+class Profile(_Entry, frozen=True):
+    """One way to run a model: an engine, its resources, and what the engine is given."""
+
+    name: str
+    engine: str  # one of ENGINES
+    gpus: int = 0  # per shard, i.e. per node
+    nodes: int = 1  # shards per replica; more than one only for vllm-ray
+    min_memory_gb: float | None = None  # GiB of node memory; None: fits anywhere
+    selector: dict[str, str] = {}  # node labels that must all match
+    model_path: str = ""  # on the node; empty: the engine resolves the model by name
+    weights: str = ""  # name to look for in nodes' discovered weights; empty: the model's name
+    engine_args: list[str] = []
+    settings: dict[str, SettingValue] = {}  # for the engine adapter (ShardSpec.settings)
+    env: dict[str, str] = {}
+    startup_timeout_s: float = 600.0
+
+
+class _ModelEntry(_Entry, frozen=True):
+    """A model's table as written (its name is the table's key)."""
+
+    replicas: int = 1
+    routing: Routing = msgspec.field(default_factory=Routing)
+    profiles: list[Profile] = []
+    static_endpoints: list[str] = []
+
+
+class Model(msgspec.Struct, kw_only=True, frozen=True):
+    name: str
+    replicas: int = 1
+    profiles: list[Profile] = []
+    routing: Routing = msgspec.field(default_factory=Routing)
+    static_endpoints: list[str] = []  # router-only: fixed URLs, nothing is placed
+
+    @property
+    def managed(self) -> bool:
+        """Whether the control plane places replicas of it (it has profiles)."""
+        return bool(self.profiles)
+
+    def profile(self, name: str) -> Profile | None:
+        for p in self.profiles:
+            if p.name == name:
+                return p
+        return None
+
+    def weights_name(self, profile: Profile) -> str:
+        """The name matched against nodes' discovered weights for this profile."""
+        return profile.weights or self.name
+
+
+class Catalog(msgspec.Struct, kw_only=True, frozen=True):
+    models: dict[str, Model] = {}
+    source: str = ""
+
+    def profile(self, model: str, profile_name: str) -> Profile | None:
+        """The named profile of a model; None when either left the catalog."""
+        m = self.models.get(model)
+        return None if m is None else m.profile(profile_name)
+
+    @property
+    def managed(self) -> bool:
+        """Whether any model declares a profile (the server then runs a control plane)."""
+        return any(m.profiles for m in self.models.values())
+
+
+# --- loading ------------------------------------------------------------------
+
+
+def load_catalog(path: str | Path) -> Catalog:
+    """Read, type-check and validate a catalog file.
+
+    Raises:
+        ConfigError: naming the file, the key (``models.NAME.profiles[PROFILE].FIELD``)
+            and the problem.
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(source, "", f"cannot read: {exc.strerror or exc}") from None
+    return parse_catalog(text, source)
+
+
+def parse_catalog(text: str, source: str) -> Catalog:
+    """Like :func:`load_catalog`, for text already read; ``source`` names it in errors."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    for key in raw:
+        if key != "models":
+            raise ConfigError(source, key, "unknown key (is it misspelt?)")
+    tables = raw.get("models", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(
+            source, "models", f"expected a table of models, got {_kind(tables, toml=True)}"
+        )
+    models: dict[str, Model] = {}
+    for name, entry in tables.items():
+        key = f"models.{name}"
+        if not isinstance(entry, dict):
+            raise ConfigError(source, key, f"expected a table, got {_kind(entry, toml=True)}")
+        try:
+            typed = msgspec.convert(entry, _ModelEntry, strict=True)
+        except msgspec.ValidationError as exc:
+            where, problem = _explain(str(exc), entry)
+            dotted = where.removeprefix(".")
+            inner = entry.get(dotted)
+            if (
+                problem.startswith("unknown key")
+                and isinstance(inner, dict)
+                and inner.keys() & _ModelEntry.__struct_fields__
+            ):  # [models.qwen2.5] is models -> qwen2 -> 5
+                problem = f'unknown key (a name with a dot is quoted: [models."{name}.{dotted}"])'
+            raise ConfigError(source, key + where, problem) from None
+        models[name] = Model(
+            name=name,
+            replicas=typed.replicas,
+            profiles=typed.profiles,
+            routing=typed.routing,
+            static_endpoints=typed.static_endpoints,
+        )
+    catalog = Catalog(models=models, source=source)
+    try:
+        validate(catalog)
+    except ConfigError as exc:
+        raise ConfigError(source, exc.key, exc.problem) from None
+    return catalog
+
+
+# --- validation: every rule about values, in one place ---------------------------
+
+
+def validate(catalog: Catalog) -> None:
+    """Raise ConfigError (source left empty) for the first rule a value breaks."""
+    for name, model in catalog.models.items():
+        _validate_model(name, model)
+
+
+def _validate_model(name: str, model: Model) -> None:
+    key = f"models.{name}"
+    if not name or len(name) > 200 or any(c.isspace() or not c.isprintable() for c in name):
+        raise ConfigError("", key, "a model name must be 1-200 printable characters without spaces")
+    _at_least(f"{key}.replicas", model.replicas, 0)
+    if model.replicas > MAX_REPLICAS:
+        raise ConfigError(
+            "", f"{key}.replicas", f"must be at most {MAX_REPLICAS}, got {model.replicas}"
+        )
+    r = model.routing
+    if not (math.isfinite(r.weight) and r.weight > 0):
+        raise ConfigError("", f"{key}.routing.weight", f"must be greater than 0, got {r.weight}")
+    if r.target_waiting is not None:
+        _at_least(f"{key}.routing.target_waiting", r.target_waiting, 0)
+    if r.kv_ceiling is not None and not 0 < r.kv_ceiling <= 1:
+        raise ConfigError("", f"{key}.routing.kv_ceiling", f"must be in (0, 1], got {r.kv_ceiling}")
+    if not model.profiles and not model.static_endpoints:
+        raise ConfigError(
+            "", key, "has no profiles and no static_endpoints: nothing could serve it"
+        )
+    if model.profiles and model.static_endpoints:
+        raise ConfigError(
+            "",
+            f"{key}.static_endpoints",
+            "a model is either placed (profiles) or routed to fixed endpoints, not both",
+        )
+    for i, url in enumerate(model.static_endpoints):
+        problem = _url_problem(url)
+        if problem:
+            raise ConfigError("", f"{key}.static_endpoints[{i}]", problem)
+    seen: dict[str, int] = {}
+    for i, profile in enumerate(model.profiles):
+        if profile.name in seen:
+            raise ConfigError(
+                "",
+                f"{key}.profiles[{i}].name",
+                f"duplicate profile name {profile.name!r} (also profiles[{seen[profile.name]}])",
+            )
+        seen[profile.name] = i
+        _validate_profile(f"{key}.profiles[{profile.name or i}]", profile)
+
+
+def _validate_profile(key: str, p: Profile) -> None:
+    if not p.name or any(c.isspace() or not c.isprintable() for c in p.name):
+        raise ConfigError("", f"{key}.name", "must be a non-empty name without spaces")
+    if p.engine not in ENGINES:
+        raise ConfigError("", f"{key}.engine", f"{p.engine!r} is not one of {', '.join(ENGINES)}")
+    _at_least(f"{key}.gpus", p.gpus, 0)
+    if p.engine in GPU_ENGINES and p.gpus < 1:
+        raise ConfigError("", f"{key}.gpus", f"{p.engine} needs at least 1 GPU, got {p.gpus}")
+    _at_least(f"{key}.nodes", p.nodes, 1)
+    if p.nodes > 1 and p.engine not in MULTI_NODE_ENGINES:
+        raise ConfigError("", f"{key}.nodes", "only vllm-ray runs on more than one node")
+    if p.nodes < 2 and p.engine in MULTI_NODE_ENGINES:
+        raise ConfigError(
+            "", f"{key}.nodes", f"{p.engine} runs on at least 2 nodes (use vllm for one node)"
+        )
+    if p.min_memory_gb is not None and not (math.isfinite(p.min_memory_gb) and p.min_memory_gb > 0):
+        raise ConfigError(
+            "", f"{key}.min_memory_gb", f"must be greater than 0, got {p.min_memory_gb}"
+        )
+    for label in p.selector:
+        if not label:
+            raise ConfigError("", f"{key}.selector", "a label name cannot be empty")
+    if p.engine == "llama.cpp" and not p.model_path:
+        raise ConfigError(
+            "", f"{key}.model_path", "llama.cpp needs model_path (a GGUF file on the node)"
+        )
+    for var in p.env:
+        if not var or "=" in var or "\0" in var:
+            raise ConfigError("", f"{key}.env", f"{var!r} is not an environment variable name")
+        if var == "CUDA_VISIBLE_DEVICES":
+            raise ConfigError(
+                "", f"{key}.env", "sets CUDA_VISIBLE_DEVICES, which comes from the shard's GPUs"
+            )
+    if not (math.isfinite(p.startup_timeout_s) and p.startup_timeout_s > 0):
+        raise ConfigError(
+            "", f"{key}.startup_timeout_s", f"must be greater than 0, got {p.startup_timeout_s}"
+        )
+    if p.startup_timeout_s > MAX_STARTUP_TIMEOUT_S:
+        raise ConfigError(
+            "",
+            f"{key}.startup_timeout_s",
+            f"must be at most {MAX_STARTUP_TIMEOUT_S:g}, got {p.startup_timeout_s:g}",
+        )
+
+
+def _at_least(key: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ConfigError("", key, f"must be at least {minimum}, got {value}")
+
+
+def _url_problem(url: str) -> str:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as exc:
+        return f"{url!r} is not a URL: {exc}"
+    if parts.scheme not in ("http", "https"):
+        return f"{url!r} is not an http(s) URL"
+    if not parts.hostname:
+        return f"{url!r} has no host"
+    return ""
+
+
+# --- msgspec's errors, in the catalog's words --------------------------------------
+
+_AT = re.compile(r"\s*-\s*at\s*`\$(?P<path>[^`]*)`\s*$")
+_SEGMENT = re.compile(r"\.(?P<field>[^.\[]+)|\[(?P<index>\d+|\.\.\.)\]")
+_GOT = re.compile(r"got `(?P<got>[^`]+)`")
+
+
+def _explain(message: str, raw: dict[str, Any]) -> tuple[str, str]:
+    """msgspec's "Expected `int`, got `str` - at `$.profiles[0].gpus`", for one model's
+    table -> (".profiles[h100].gpus", "expected `int`, got `str`")."""
+    m = _AT.search(message)
+    path, problem = ("", message) if m is None else (m.group("path"), message[: m.start()])
+    where = ""
+    node: Any = raw
+    parent = ""
+    for seg in _SEGMENT.finditer(path):
+        if seg.group("field") is not None:
+            parent = seg.group("field")
+            where += f".{parent}"
+            node = node.get(parent) if isinstance(node, dict) else None
+            continue
+        index = seg.group("index")
+        if index == "...":  # a value in a table: find which one, by the type msgspec got
+            got = _GOT.search(problem)
+            key = next(
+                (
+                    k
+                    for k, v in (node.items() if isinstance(node, dict) else ())
+                    if got is not None and _kind(v) == got.group("got")
+                ),
+                None,
+            )
+            where += "" if key is None else f".{key}"
+            node = None if key is None else node[key]
+            continue
+        i = int(index)
+        node = node[i] if isinstance(node, list) and i < len(node) else None
+        label: str | int = i
+        if parent == "profiles" and isinstance(node, dict):
+            name = node.get("name")
+            if isinstance(name, str) and name:
+                label = name
+        where += f"[{label}]"
+    unknown = re.match(r"Object contains unknown field `([^`]*)`", problem)
+    if unknown:
+        return f"{where}.{unknown.group(1)}", "unknown key (is it misspelt?)"
+    missing = re.match(r"Object missing required field `([^`]*)`", problem)
+    if missing:
+        return f"{where}.{missing.group(1)}", "required, but missing"
+    problem = problem.replace("Expected", "expected", 1).replace("`object`", "`table`")
+    return where, problem
+
+
+def _kind(value: object, *, toml: bool = False) -> str:
+    """A TOML value's type in msgspec's words (as in "got `array`"), or in TOML's."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "table" if toml else "object"
+    return type(value).__name__

@@ -1,0 +1,47 @@
+"""The operator's intent (cordoned and draining nodes), kept across restarts.
+
+This is not fleet state, which is rebuilt from agents: nothing on a node
+remembers that an operator asked to drain it. So it lives in the control
+plane's state directory, written atomically on every change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import msgspec
+
+log = logging.getLogger("llmgw.controlplane")
+
+
+class Intent(msgspec.Struct, kw_only=True):
+    cordoned: list[str] = []
+    draining: list[str] = []
+
+
+class IntentStore:
+    def __init__(self, state_dir: Path | None) -> None:
+        self.path = state_dir / "intent.json" if state_dir is not None else None
+
+    def load(self) -> Intent:
+        if self.path is None or not self.path.exists():
+            return Intent()
+        try:
+            return msgspec.json.decode(self.path.read_bytes(), type=Intent)
+        except (OSError, msgspec.DecodeError) as exc:
+            log.error(
+                "cannot read %s (%s); starting with no cordoned or draining nodes", self.path, exc
+            )
+            return Intent()
+
+    def save(self, cordoned: set[str], draining: set[str]) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(
+            msgspec.json.encode(Intent(cordoned=sorted(cordoned), draining=sorted(draining)))
+        )
+        os.replace(tmp, self.path)

@@ -1,0 +1,447 @@
+"""Reconciliation: what should run against what does, as pure code over a clock.
+
+Theory of operation
+-------------------
+The reconciler holds the replicas (rebuilt from the fleet, never from a
+database) and the operator's intent (cordoned and draining nodes). Three
+inputs change it, each returning a ``Plan`` of commands for the daemon to
+send through the dispatcher:
+
+``registered(node, reports, now)``
+    The fleet is authoritative. A registration follows a fresh connection,
+    so whatever the control plane believed the node runs and the node did not
+    report is not running: it is let go. Every reported shard is adopted: a
+    replica we never heard of is rebuilt from the report; a replica we merely
+    placed loses to what the agent reports, unless our copy has a shard that
+    actually came up, in which case two really run and the stray (the one we
+    did not ask for) is stopped. A reconnecting agent is never told to stop
+    the replica that is serving.
+
+``shard_status(node, status, now)``
+    A shard moved; the replica follows (``TRANSITIONS`` in replicas.py).
+
+``reconcile(nodes, now)``
+    One pass: stop what left the catalog; fail what is stuck starting past
+    its startup timeout (its GPUs released, it stops counting); fail what
+    sits on a Lost node; clean up failed replicas; place replicas for models
+    below their count (retrying failures with backoff, not in a tight loop);
+    drain the newest extras above it; and move replicas off draining nodes as
+    a rolling move: a replacement first, the original drained only once the
+    replacement is Ready or the drain grace is over, so draining the only
+    node that can host a model still finishes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+from collections.abc import Mapping
+
+import attrs
+
+from llmgw.controlplane.allocations import Allocations
+from llmgw.controlplane.catalog import Catalog, Model, Profile
+from llmgw.controlplane.nodes import Node, NodeState
+from llmgw.controlplane.placement import NodeFacts, ShardPlacement, place
+from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
+from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
+
+log = logging.getLogger("llmgw.controlplane.reconciler")
+
+R = ReplicaState
+
+
+@attrs.frozen
+class Timing:
+    startup_margin_s: float = 30.0  # on top of the profile's startup timeout (agent's own bound)
+    drain_grace_s: float = 300.0  # a leaving replica is drained at the latest this long after
+    drain_timeout_s: float = 120.0  # a draining replica is stopped after this
+    stop_timeout_s: float = 60.0  # a stopping replica is forgotten after this
+    stop_grace_s: float = 10.0  # SIGTERM -> SIGKILL on the agent
+    retry_base_s: float = 5.0
+    retry_cap_s: float = 300.0
+    # placing costs a few ms per replica at 1,000 nodes: a pass stays short, and
+    # the next pass (a second later) places more
+    max_placements_per_pass: int = 8
+
+
+@attrs.define
+class Plan:
+    start: list[tuple[str, ShardSpec]] = attrs.Factory(list)
+    stop: list[tuple[str, str, float]] = attrs.Factory(list)  # node, shard, grace
+    drain: list[tuple[str, str, float]] = attrs.Factory(list)
+    placement_failures: dict[str, str] = attrs.Factory(dict)  # model -> why
+    notes: list[str] = attrs.Factory(list)
+
+    def extend(self, other: Plan) -> None:
+        self.start += other.start
+        self.stop += other.stop
+        self.drain += other.drain
+        self.placement_failures.update(other.placement_failures)
+        self.notes += other.notes
+
+    def __bool__(self) -> bool:
+        return bool(self.start or self.stop or self.drain)
+
+
+@attrs.define
+class _Backoff:
+    failures: int = 0
+    next_attempt: float = 0.0
+
+
+class Reconciler:
+    def __init__(self, catalog: Catalog, timing: Timing | None = None) -> None:
+        self.catalog = catalog
+        self.timing = timing or Timing()
+        self.replicas: dict[str, Replica] = {}
+        self.cordoned: set[str] = set()
+        self.draining: set[str] = set()
+        self.backoff: dict[str, _Backoff] = {}
+        self._ids = itertools.count(1)
+        self._run = secrets.token_hex(3)  # ids never repeat across control plane restarts
+
+    # --- inputs from the fleet ----------------------------------------------
+
+    def registered(self, node_id: str, reports: list[ShardReport], now: float) -> Plan:
+        plan = Plan()
+        reported = {r.spec.shard_id: r for r in reports}
+        # what we believed ran there and the node did not report is not running
+        for replica in list(self.replicas.values()):
+            for shard in replica.shard_on(node_id):
+                if shard.shard_id not in reported:
+                    self._let_go(replica, shard, now, plan, "the agent does not report it")
+        for report in reports:
+            self._adopt(node_id, report, now, plan)
+        return plan
+
+    def shard_status(self, node_id: str, status: ShardStatus, now: float) -> Plan:
+        plan = Plan()
+        found = self._find(status.shard_id)
+        if found is None or found[1].node_id != node_id:
+            return plan
+        replica, shard = found
+        shard.state, shard.detail = status.state, status.detail
+        if status.output_tail:
+            shard.output_tail = list(status.output_tail)
+        if status.state == "ready":
+            shard.came_up = True
+        if status.state in ("failed", "stopped"):
+            replica.shards.remove(shard)
+            if status.state == "failed" or replica.state not in (R.STOPPING, R.DRAINING, R.FAILED):
+                self._fail(
+                    replica,
+                    now,
+                    plan,
+                    f"shard {shard.shard_id} on {node_id} {status.state}: {status.detail}",
+                )
+        self._settle(replica, now)
+        return plan
+
+    # --- one pass ------------------------------------------------------------------
+
+    def reconcile(self, nodes: Mapping[str, Node], now: float) -> Plan:
+        plan = Plan()
+        t = self.timing
+        for replica in list(self.replicas.values()):
+            profile = self.catalog.profile(replica.model, replica.profile)
+            if profile is None and replica.state not in (R.STOPPING, R.FAILED):
+                self._stop(replica, now, plan, "its model or profile left the catalog")
+                continue
+            if replica.state in (R.PENDING, R.STARTING) and profile is not None:
+                limit = profile.startup_timeout_s + t.startup_margin_s
+                if now - replica.created_at > limit:
+                    self._fail(replica, now, plan, f"not ready {limit:g} s after it was placed")
+                    continue
+            lost = [s.node_id for s in replica.shards if _lost(nodes.get(s.node_id))]
+            if lost and replica.state is not R.FAILED:
+                self._fail(replica, now, plan, f"node {lost[0]} is lost")
+            if replica.state is R.DRAINING and now - replica.state_since > t.drain_timeout_s:
+                self._stop(replica, now, plan, "drain grace over")
+            if replica.state in (R.FAILED, R.STOPPING):
+                self._clean_up(replica, nodes, now, plan)
+        for model in self.catalog.models.values():
+            self._scale(model, nodes, now, plan)
+        return plan
+
+    def set_catalog(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    # --- placement and scaling ------------------------------------------------------
+
+    def allocations(self) -> Allocations:
+        """What is handed out; a failed replica's GPUs and ports are released at once."""
+        a = Allocations()
+        for replica in self.replicas.values():
+            if replica.state is R.FAILED:
+                continue
+            for shard in replica.shards:
+                a.take(shard.node_id, replica.model, shard.spec.gpus, shard.spec.port)
+        return a
+
+    def facts(self, nodes: Mapping[str, Node]) -> list[NodeFacts]:
+        return [
+            NodeFacts(
+                node=n, cordoned=n.node_id in self.cordoned, draining=n.node_id in self.draining
+            )
+            for n in nodes.values()
+        ]
+
+    def _scale(self, model: Model, nodes: Mapping[str, Node], now: float, plan: Plan) -> None:
+        if not model.profiles:
+            return
+        mine = [r for r in self.replicas.values() if r.model == model.name]
+        # rolling move off draining nodes: a replacement first
+        for replica in mine:
+            on_draining_node = any(n in self.draining for n in replica.nodes)
+            if (
+                on_draining_node
+                and not replica.leaving
+                and replica.state in (R.READY, R.STARTING, R.PENDING)
+            ):
+                replica.leaving, replica.leaving_since = True, now
+                plan.notes.append(f"replica {replica.replica_id} moves off a draining node")
+        counting = [r for r in mine if r.counts]
+        missing = model.replicas - len(counting)
+        if missing > 0:
+            self._place(model, missing, nodes, now, plan)
+        elif missing < 0:
+            order = {rid: i for i, rid in enumerate(self.replicas)}
+            newest = sorted(
+                counting, key=lambda r: (r.created_at, order[r.replica_id]), reverse=True
+            )
+            for replica in newest[:-missing]:
+                replica.leaving, replica.leaving_since = True, now
+                plan.notes.append(f"replica {replica.replica_id} is an extra; draining it")
+                self._drain(replica, now, plan)
+        ready = sum(1 for r in mine if r.state is R.READY and not r.leaving)
+        for replica in mine:
+            if not replica.leaving or replica.state is R.DRAINING:
+                continue
+            if replica.state in (R.PENDING, R.STARTING):
+                self._stop(replica, now, plan, "not needed any more")
+            elif (
+                ready >= model.replicas or now - replica.leaving_since >= self.timing.drain_grace_s
+            ):
+                self._drain(replica, now, plan)
+
+    def _place(
+        self, model: Model, missing: int, nodes: Mapping[str, Node], now: float, plan: Plan
+    ) -> None:
+        backoff = self.backoff.setdefault(model.name, _Backoff())
+        if now < backoff.next_attempt:
+            return
+        facts = self.facts(nodes)
+        allocations = self.allocations()
+        for _ in range(min(missing, self.timing.max_placements_per_pass)):
+            decision = place(model, facts, allocations, now, avoid=frozenset(self.draining))
+            if decision.profile is None:
+                plan.placement_failures[model.name] = decision.summary
+                self._back_off(model.name, now)
+                return
+            profile = self.catalog.profile(model.name, decision.profile)
+            assert profile is not None
+            replica = self._new_replica(model, profile, decision.shards, nodes, now)
+            for shard in replica.shards:
+                allocations.take(shard.node_id, model.name, shard.spec.gpus, shard.spec.port)
+                plan.start.append((shard.node_id, shard.spec))
+            plan.notes.append(f"placed {replica.replica_id}: {decision.summary}")
+
+    def _new_replica(
+        self,
+        model: Model,
+        profile: Profile,
+        placements: list[ShardPlacement],
+        nodes: Mapping[str, Node],
+        now: float,
+    ) -> Replica:
+        rid = f"{model.name}-{self._run}-{next(self._ids)}"
+        shards = []
+        head_node = nodes.get(placements[0].node_id)
+        head_address = head_node.address if head_node is not None else placements[0].node_id
+        for p in placements:
+            spec = ShardSpec(
+                shard_id=f"{rid}-{p.rank}",
+                replica_id=rid,
+                model=model.name,
+                profile=profile.name,
+                engine=profile.engine,
+                rank=p.rank,
+                world_size=len(placements),
+                gpus=list(p.gpus),
+                host="0.0.0.0",
+                port=p.port,
+                model_path=profile.model_path,
+                engine_args=list(profile.engine_args),
+                env=dict(profile.env),
+                settings=dict(profile.settings),
+                startup_timeout_s=profile.startup_timeout_s,
+                head_address=head_address if len(placements) > 1 else "",
+            )
+            shards.append(Shard(spec=spec, node_id=p.node_id))
+        replica = Replica(
+            replica_id=rid,
+            model=model.name,
+            profile=profile.name,
+            world_size=len(placements),
+            shards=shards,
+            state=R.PENDING,
+            created_at=now,
+            state_since=now,
+        )
+        self.replicas[rid] = replica
+        return replica
+
+    def _back_off(self, model: str, now: float) -> None:
+        b = self.backoff.setdefault(model, _Backoff())
+        b.failures += 1
+        delay = min(self.timing.retry_cap_s, self.timing.retry_base_s * 2 ** (b.failures - 1))
+        b.next_attempt = now + delay
+
+    # --- moves -------------------------------------------------------------------------
+
+    def _settle(self, replica: Replica, now: float) -> None:
+        """Follow the shards: all ready -> Ready; one starting -> Starting."""
+        if replica.state not in (R.PENDING, R.STARTING, R.READY):
+            return
+        states = [s.state for s in replica.shards]
+        if len(states) == replica.world_size and all(s == "ready" for s in states):
+            replica.move(R.READY, now)
+            self.backoff.pop(replica.model, None)
+        elif any(s == "starting" for s in states) and replica.state is not R.STARTING:
+            replica.move(R.STARTING, now)
+
+    def _fail(self, replica: Replica, now: float, plan: Plan, why: str) -> None:
+        if replica.state is R.FAILED:
+            return
+        was_serving = replica.state is R.READY
+        replica.move(R.FAILED, now, why)
+        replica.leaving = True
+        log.warning("replica %s failed: %s", replica.replica_id, why)
+        plan.notes.append(f"replica {replica.replica_id} failed: {why}")
+        if not was_serving:
+            self._back_off(replica.model, now)
+        self._stop_shards(replica, plan)
+
+    def _stop(self, replica: Replica, now: float, plan: Plan, why: str) -> None:
+        if replica.state is R.STOPPING:
+            return
+        replica.move(R.STOPPING, now, why)
+        replica.leaving = True
+        plan.notes.append(f"replica {replica.replica_id} stopping: {why}")
+        self._stop_shards(replica, plan)
+
+    def _drain(self, replica: Replica, now: float, plan: Plan) -> None:
+        if replica.state is not R.READY:
+            self._stop(replica, now, plan, "not needed any more")
+            return
+        replica.move(R.DRAINING, now)
+        for shard in replica.shards:
+            plan.drain.append((shard.node_id, shard.shard_id, self.timing.drain_timeout_s))
+
+    def _stop_shards(self, replica: Replica, plan: Plan) -> None:
+        for shard in replica.shards:
+            plan.stop.append((shard.node_id, shard.shard_id, self.timing.stop_grace_s))
+
+    def _clean_up(
+        self, replica: Replica, nodes: Mapping[str, Node], now: float, plan: Plan
+    ) -> None:
+        """Forget a failed or stopping replica once nothing of it can still run."""
+        replica.shards = [s for s in replica.shards if not _gone(nodes.get(s.node_id))]
+        if not replica.shards or now - replica.state_since > self.timing.stop_timeout_s:
+            del self.replicas[replica.replica_id]
+
+    def _let_go(self, replica: Replica, shard: Shard, now: float, plan: Plan, why: str) -> None:
+        replica.shards.remove(shard)
+        plan.notes.append(f"let go of shard {shard.shard_id} on {shard.node_id}: {why}")
+        if replica.state not in (R.FAILED, R.STOPPING):
+            self._fail(replica, now, plan, f"shard {shard.shard_id} on {shard.node_id}: {why}")
+        if not replica.shards:
+            self.replicas.pop(replica.replica_id, None)
+
+    # --- adoption ------------------------------------------------------------------------
+
+    def _adopt(self, node_id: str, report: ShardReport, now: float, plan: Plan) -> None:
+        spec = report.spec
+        profile = self.catalog.profile(spec.model, spec.profile)
+        if profile is None:
+            plan.stop.append((node_id, spec.shard_id, self.timing.stop_grace_s))
+            plan.notes.append(
+                f"stopping shard {spec.shard_id} on {node_id}: model or profile left the catalog"
+            )
+            return
+        replica = self.replicas.get(spec.replica_id)
+        if replica is None:
+            replica = Replica(
+                replica_id=spec.replica_id,
+                model=spec.model,
+                profile=spec.profile,
+                world_size=spec.world_size,
+                shards=[],
+                state=R.PENDING,
+                created_at=now,
+                state_since=now,
+                adopted=True,
+            )
+            self.replicas[spec.replica_id] = replica
+            plan.notes.append(f"adopted replica {spec.replica_id} from {node_id}")
+        same = next((s for s in replica.shards if s.shard_id == spec.shard_id), None)
+        rival = next((s for s in replica.shards if s.rank == spec.rank and s is not same), None)
+        if rival is not None:
+            if rival.came_up:
+                # two really run; the one we did not ask for goes
+                plan.stop.append((node_id, spec.shard_id, self.timing.stop_grace_s))
+                plan.notes.append(f"stopping stray shard {spec.shard_id} on {node_id}")
+                return
+            # what we merely placed loses to what the agent reports
+            replica.shards.remove(rival)
+            plan.stop.append((rival.node_id, rival.shard_id, self.timing.stop_grace_s))
+        if same is None:
+            same = Shard(spec=spec, node_id=node_id)
+            replica.shards.append(same)
+        same.node_id = node_id
+        same.spec = spec
+        same.state = report.state
+        same.detail = report.detail
+        if report.state == "ready":
+            same.came_up = True
+        if replica.state in (R.FAILED, R.STOPPING):
+            return
+        self._resolve_conflicts(replica, same, now, plan)
+        self._settle(replica, now)
+
+    def _resolve_conflicts(self, replica: Replica, shard: Shard, now: float, plan: Plan) -> None:
+        """A reported shard's GPUs or port held by a replica we merely placed: ours loses."""
+        for other in list(self.replicas.values()):
+            if other is replica:
+                continue
+            for mine in other.shard_on(shard.node_id):
+                clash = set(mine.spec.gpus) & set(shard.spec.gpus) or (
+                    mine.spec.port == shard.spec.port and mine.spec.port != 0
+                )
+                if clash and not mine.came_up:
+                    self._fail(
+                        other,
+                        now,
+                        plan,
+                        f"its {shard.node_id} resources are held by {replica.replica_id}, which the agent reports running",
+                    )
+
+    # --- lookups ---------------------------------------------------------------------------
+
+    def _find(self, shard_id: str) -> tuple[Replica, Shard] | None:
+        for replica in self.replicas.values():
+            for shard in replica.shards:
+                if shard.shard_id == shard_id:
+                    return replica, shard
+        return None
+
+
+def _lost(node: Node | None) -> bool:
+    return node is None or node.state is NodeState.LOST
+
+
+def _gone(node: Node | None) -> bool:
+    """Nothing of ours can be running there (or nobody could tell us to stop it)."""
+    return node is None or node.state is NodeState.LOST

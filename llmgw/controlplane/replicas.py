@@ -1,0 +1,113 @@
+"""Replicas and their shards as the control plane sees them, and every legal move.
+
+A replica is one serving copy of a model: one shard per node it spans. The
+control plane keeps no database of replicas: it rebuilds them from what
+agents report at every registration, and from status reports as they come.
+
+All the moves a replica can make are in ``TRANSITIONS``; ``move`` refuses
+anything else, so an illegal move is a bug that shows up in tests (the
+reconciler is property-tested against this table), never a silent state.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import attrs
+
+from llmgw.protocol.messages import ShardSpec
+
+
+class ReplicaState(StrEnum):
+    PENDING = "Pending"  # placed; no shard has reported yet
+    STARTING = "Starting"  # a shard reported starting
+    READY = "Ready"  # every shard ready: the router may send it traffic
+    DRAINING = "Draining"  # no new traffic; in-flight work finishes, then it stops
+    STOPPING = "Stopping"  # told to stop; waiting for every shard to be gone
+    FAILED = "Failed"  # a shard failed, timed out, was lost or let go; being cleaned up
+
+
+# (from, to) -> why such a move happens. Nothing else is legal. Every state has
+# a bounded way out: Pending/Starting time out, Draining and Stopping are forced
+# after their grace, Failed is removed once its shards are stopped or gone.
+TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], str] = {
+    (ReplicaState.PENDING, ReplicaState.STARTING): "a shard reported starting",
+    (ReplicaState.PENDING, ReplicaState.READY): "every shard reported ready",
+    (ReplicaState.PENDING, ReplicaState.FAILED): "a shard failed, timed out or was let go",
+    (ReplicaState.PENDING, ReplicaState.STOPPING): "no longer wanted",
+    (ReplicaState.STARTING, ReplicaState.READY): "every shard reported ready",
+    (ReplicaState.STARTING, ReplicaState.FAILED): "a shard failed, timed out or was let go",
+    (ReplicaState.STARTING, ReplicaState.STOPPING): "no longer wanted",
+    (ReplicaState.READY, ReplicaState.STARTING): "a shard restarted",
+    (ReplicaState.READY, ReplicaState.DRAINING): "scaled down or moved off a draining node",
+    (ReplicaState.READY, ReplicaState.STOPPING): "its model or profile left the catalog",
+    (ReplicaState.READY, ReplicaState.FAILED): "a shard failed, was lost or let go",
+    (ReplicaState.DRAINING, ReplicaState.STOPPING): "drain grace over",
+    (ReplicaState.DRAINING, ReplicaState.FAILED): "a shard failed, was lost or let go",
+    (ReplicaState.STOPPING, ReplicaState.FAILED): "a shard failed while stopping",
+    (ReplicaState.FAILED, ReplicaState.STOPPING): "cleaning up what is left",
+}
+
+SERVING = frozenset({ReplicaState.READY})
+COUNTS = frozenset({ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY})
+
+
+class IllegalMove(AssertionError):
+    pass
+
+
+@attrs.define(eq=False)
+class Shard:
+    spec: ShardSpec
+    node_id: str
+    state: str = "pending"  # "pending" until the agent reports: then a ShardState
+    detail: str = ""
+    output_tail: list[str] = attrs.Factory(list)
+    came_up: bool = False  # reported ready at least once
+
+    @property
+    def shard_id(self) -> str:
+        return self.spec.shard_id
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+
+@attrs.define(eq=False)
+class Replica:
+    replica_id: str
+    model: str
+    profile: str
+    world_size: int
+    shards: list[Shard]
+    state: ReplicaState
+    created_at: float
+    state_since: float
+    leaving: bool = False  # being replaced (its node drains) or scaled down: does not count
+    leaving_since: float = 0.0
+    adopted: bool = False  # rebuilt from an agent's report
+    why: str = ""  # the last move's reason
+
+    def move(self, to: ReplicaState, now: float, why: str = "") -> None:
+        if to is self.state:
+            return
+        if (self.state, to) not in TRANSITIONS:
+            raise IllegalMove(
+                f"replica {self.replica_id}: {self.state} -> {to} is not a legal move"
+            )
+        self.why = why or TRANSITIONS[(self.state, to)]
+        self.state = to
+        self.state_since = now
+
+    def shard_on(self, node_id: str) -> list[Shard]:
+        return [s for s in self.shards if s.node_id == node_id]
+
+    @property
+    def nodes(self) -> list[str]:
+        return [s.node_id for s in self.shards]
+
+    @property
+    def counts(self) -> bool:
+        """Counts towards the model's desired replicas."""
+        return self.state in COUNTS and not self.leaving

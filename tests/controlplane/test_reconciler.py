@@ -1,0 +1,245 @@
+"""The reconciler as a pure function of reports, nodes, the catalog and a clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.controlplane.catalog import Catalog, parse_catalog
+from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
+from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
+from llmgw.controlplane.replicas import ReplicaState
+from llmgw.protocol.messages import (
+    Engine,
+    Gpu,
+    Heartbeat,
+    Inventory,
+    Memory,
+    ShardReport,
+    ShardStatus,
+)
+
+CATALOG = """
+[models.tiny]
+replicas = 1
+[[models.tiny.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "/models/tiny.gguf"
+startup_timeout_s = 60
+
+[models.big]
+replicas = 1
+[[models.big.profiles]]
+name = "gpu"
+engine = "vllm"
+gpus = 1
+min_memory_gb = 24
+startup_timeout_s = 60
+"""
+
+
+def catalog(text: str = CATALOG) -> Catalog:
+    return parse_catalog(text, "catalog.toml")
+
+
+def fleet(*names: str, gpus: int = 0, memory_gb: int = 64) -> NodeTable:
+    t = NodeTable(LivenessPolicy(15, 60))
+    for i, name in enumerate(names):
+        inv = Inventory(
+            memory=Memory(total_bytes=memory_gb << 30),
+            gpus=[Gpu(index=g, name="H100") for g in range(gpus)],
+            engines=[Engine(name="llama.cpp", version="b1"), Engine(name="vllm", version="0.11")],
+        )
+        t.register(name, inv, [], peer=f"10.0.0.{i}:1", connection=i, now=0, wall=0)
+    return t
+
+
+def ready_all(rec: Reconciler, plan: Plan, now: float) -> None:
+    for node, spec in plan.start:
+        rec.shard_status(node, ShardStatus(shard_id=spec.shard_id, state="starting"), now)
+        rec.shard_status(node, ShardStatus(shard_id=spec.shard_id, state="ready"), now)
+
+
+def report(plan: Plan, state: str = "ready") -> dict[str, list[ShardReport]]:
+    out: dict[str, list[ShardReport]] = {}
+    for node, spec in plan.start:
+        out.setdefault(node, []).append(ShardReport(spec=spec, state=state, pid=1))  # type: ignore[arg-type]
+    return out
+
+
+def test_a_model_below_its_count_is_placed_and_follows_its_shards() -> None:
+    nodes = fleet("n1", "n2", gpus=2)
+    rec = Reconciler(catalog())
+    plan = rec.reconcile(nodes.nodes, now=0)
+    assert sorted(spec.model for _, spec in plan.start) == ["big", "tiny"]
+    ready_all(rec, plan, now=1)
+    assert {r.state for r in rec.replicas.values()} == {ReplicaState.READY}
+    assert not rec.reconcile(nodes.nodes, now=2)  # converged: nothing to do
+
+
+def test_starting_past_its_timeout_fails_releases_gpus_and_stops_counting() -> None:
+    nodes = fleet("n1", gpus=1)
+    rec = Reconciler(catalog(), Timing(startup_margin_s=10, retry_base_s=5))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    [(node, big)] = [(n, s) for n, s in plan.start if s.model == "big"]
+    rec.shard_status(node, ShardStatus(shard_id=big.shard_id, state="starting"), 1)
+    assert rec.reconcile(nodes.nodes, now=69).start == []  # 60 s + 10 s margin not over yet
+    plan = rec.reconcile(nodes.nodes, now=71)
+    assert (node, big.shard_id, 10.0) in plan.stop  # told to stop, GPUs released
+    failed = rec.replicas[big.replica_id]
+    assert failed.state is ReplicaState.FAILED
+    assert "not ready 70 s after it was placed" in failed.why
+    assert 0 not in rec.allocations().gpus.get("n1", set())
+    # retried with backoff, not in a tight loop
+    assert [s for _, s in rec.reconcile(nodes.nodes, now=72).start if s.model == "big"] == []
+    assert "big" in [s.model for _, s in rec.reconcile(nodes.nodes, now=77).start]
+
+
+def test_what_an_agent_reports_is_adopted_after_a_control_plane_restart() -> None:
+    nodes = fleet("n1")
+    first = Reconciler(
+        catalog(
+            "[models.tiny]\nreplicas = 1\n" + CATALOG.split("\n", 3)[3].split("[models.big]")[0]
+        )
+    )
+    plan = first.reconcile(nodes.nodes, now=0)
+    reports = report(plan)
+    # a new control plane: no replicas until the agent says what runs
+    second = Reconciler(first.catalog)
+    adopt = second.registered("n1", reports["n1"], now=5)
+    assert adopt.stop == []  # never told to stop the replica that is serving
+    [replica] = second.replicas.values()
+    assert replica.adopted
+    assert replica.state is ReplicaState.READY
+    assert not second.reconcile(nodes.nodes, now=6).start  # no second copy placed
+
+
+def test_a_placed_replica_loses_to_the_one_the_agent_reports() -> None:
+    """The seed's story: a restarted control plane placed before its agent reconnected,
+    under the same replica id, on another port; the agent's engine is the real one."""
+    nodes = fleet("n1")
+    cat = catalog("\n".join(CATALOG.splitlines()[:8]))
+    running = Reconciler(cat)
+    real = report(running.reconcile(nodes.nodes, now=0))["n1"][0]
+    restarted = Reconciler(cat)
+    restarted._run = running._run  # the same id sequence: the collision the seed hit
+    ours = restarted.reconcile(nodes.nodes, now=1).start[0][1]
+    assert ours.replica_id == real.spec.replica_id
+    assert ours.port == real.spec.port  # same allocator, no ports taken yet
+    real = ShardReport(
+        spec=real.spec.__class__(
+            **{**{f: getattr(real.spec, f) for f in real.spec.__struct_fields__}, "port": 20004}
+        ),
+        state="ready",
+    )
+    plan = restarted.registered("n1", [real], now=2)
+    [replica] = restarted.replicas.values()
+    [shard] = replica.shards
+    assert shard.spec.port == 20004  # what the agent reports wins
+    assert plan.stop == []  # and the engine that serves is not told to stop
+    assert rec_ports(restarted) == {20004}
+
+
+def rec_ports(rec: Reconciler) -> set[int]:
+    return rec.allocations().ports.get("n1", set())
+
+
+def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
+    nodes = fleet("n1", "n2")
+    cat = catalog("\n".join(CATALOG.splitlines()[:8]))
+    rec = Reconciler(cat)
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    [(node, spec)] = plan.start
+    rec.registered(node, [], now=2)  # an empty report is news
+    assert (
+        spec.replica_id not in rec.replicas
+        or rec.replicas[spec.replica_id].state is ReplicaState.FAILED
+    )
+    replacement = rec.reconcile(nodes.nodes, now=3).start
+    assert len(replacement) == 1
+
+
+def test_a_model_that_left_the_catalog_is_stopped() -> None:
+    nodes = fleet("n1")
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    rec.set_catalog(
+        catalog(
+            '[models.other]\nreplicas = 0\n[[models.other.profiles]]\nname = "p"\n'
+            'engine = "llama.cpp"\nmodel_path = "/m.gguf"\n'
+        )
+    )
+    stop = rec.reconcile(nodes.nodes, now=2).stop
+    assert [(n, s) for n, s, _ in stop] == [(plan.start[0][0], plan.start[0][1].shard_id)]
+    # and an agent reporting such a shard is told to stop it
+    other = Reconciler(rec.catalog)
+    assert other.registered("n1", report(plan)["n1"], now=3).stop
+
+
+def test_a_lost_node_has_its_replicas_replaced_elsewhere() -> None:
+    nodes = fleet("n1", "n2")
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    [(first, _)] = plan.start
+    nodes.disconnected(first, list(nodes.nodes).index(first), now=2)
+    for name, node in nodes.nodes.items():
+        if name != first:
+            nodes.heartbeat(name, node.connection, Heartbeat(seq=1, sent_at=0), now=99, wall=99)
+    nodes.sweep(100)
+    moved = rec.reconcile(nodes.nodes, now=100).start
+    assert [n for n, _ in moved] == [n for n in ("n1", "n2") if n != first]
+
+
+def test_drain_is_a_rolling_move() -> None:
+    nodes = fleet("n1", "n2")
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    [(old_node, old)] = plan.start
+    rec.draining.add(old_node)
+    rec.cordoned.add(old_node)
+    step = rec.reconcile(nodes.nodes, now=2)
+    [(new_node, _)] = step.start
+    assert new_node != old_node
+    assert step.drain == [] and step.stop == []  # the original serves until the replacement is up
+    ready_all(rec, step, now=3)
+    step = rec.reconcile(nodes.nodes, now=4)
+    assert [(n, s) for n, s, _ in step.drain] == [(old_node, old.shard_id)]
+
+
+def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
+    nodes = fleet("n1")
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), Timing(drain_grace_s=30))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    rec.draining.add("n1")
+    step = rec.reconcile(nodes.nodes, now=2)
+    assert step.drain == []
+    assert "tiny" in step.placement_failures  # nowhere else to go
+    assert "draining" in step.placement_failures["tiny"]
+    step = rec.reconcile(nodes.nodes, now=40)  # the grace is over: drain anyway
+    assert [s for _, s, _ in step.drain] == [plan.start[0][1].shard_id]
+
+
+def test_above_its_count_the_newest_extra_is_drained() -> None:
+    nodes = fleet("n1", "n2")
+    two = "\n".join(CATALOG.splitlines()[:8]).replace("replicas = 1", "replicas = 2")
+    rec = Reconciler(catalog(two))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    assert len(plan.start) == 2
+    ready_all(rec, plan, now=1)
+    newest = max(rec.replicas.values(), key=lambda r: r.replica_id)
+    rec.set_catalog(catalog(two.replace("replicas = 2", "replicas = 1")))
+    step = rec.reconcile(nodes.nodes, now=2)
+    assert [s for _, s, _ in step.drain] == [newest.shards[0].shard_id]
+
+
+@pytest.mark.parametrize("memory_gb", [8])
+def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
+    nodes = fleet("n1", "n2", gpus=1, memory_gb=memory_gb)
+    rec = Reconciler(catalog())
+    why = rec.reconcile(nodes.nodes, now=0).placement_failures["big"]
+    assert "has 8 GB of memory, needs 24" in why
