@@ -69,6 +69,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         on_discovered=metrics.discovery.observe,
     )
     e = config.engines
+    source.port_range = list(e.port_range)
     supervisor = Supervisor(
         SupervisorSettings(
             state_dir=resolve(base, config.state_dir),

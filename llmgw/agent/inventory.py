@@ -41,6 +41,7 @@ class InventorySource:
         self.weights = weights or WeightsConfig()
         self.base = base
         self.on_discovered = on_discovered
+        self.port_range: list[int] = []  # set by the daemon from [engines] port_range
         self.discovered: Discovered | None = None
         self.address = ""
         self.changed = trio.Event()  # set whenever a refresh changed the inventory
@@ -115,6 +116,7 @@ class InventorySource:
             weights=list(d.weights) if d else [],
             weights_scanned=d.weights_scanned if d else False,
             labels=dict(o.labels),
+            port_range=list(self.port_range),
         )
 
 

@@ -70,6 +70,7 @@ class ReconcileConfig(_Section):
     )
     retry_base_s: float = 5.0  # failed placements and replicas are retried with backoff from here
     retry_cap_s: float = 300.0
+    settle_s: float = 15.0  # after a start, agents re-register before anything is placed
 
 
 class ServerConfig(_Section):

@@ -109,6 +109,7 @@ async def serve(config: ServerConfig, base: Path) -> None:
                 drain_timeout_s=rc.drain_timeout_s,
                 retry_base_s=rc.retry_base_s,
                 retry_cap_s=rc.retry_cap_s,
+                settle_s=rc.settle_s,
             ),
         )
     admin = HttpServer(AdminApi(control, token, fleet), name="admin")

@@ -183,6 +183,7 @@ class _Static:
         "inv",
         "labels",
         "memory",
+        "port_range",
         "shared",
     )
 
@@ -200,6 +201,9 @@ class _Static:
         # storage the agent could not classify is local, never shared
         self.shared = frozenset(c.model for c in inv.weights if c.storage == "shared")
         self.gpu_reasons: dict[tuple[int, frozenset[int]], str] = {}
+        # the agent says which ports its engines may use; older agents say nothing
+        pr = inv.port_range
+        self.port_range: tuple[int, int] | None = (pr[0], pr[1]) if len(pr) == 2 else None
 
     def gpu_reason(self, need: int, used: set[int] | None) -> str:
         """Why too few GPUs are free, remembered: in a busy fleet most nodes are full,
@@ -241,6 +245,7 @@ def _static(node: Node) -> _Static:
             and old.weights is inv.weights
             and old.labels is inv.labels
             and old.fabric == inv.fabric
+            and old.port_range is inv.port_range
         ):  # a heartbeat replaced only the memory reading
             cached.inv = inv
             cached.memory = inv.memory.total_bytes
@@ -321,8 +326,10 @@ class _Pass:
                 append(Candidate(node_id, pname, False, st.gpu_reason(need, used)))
                 continue
             ports = ports_used.get(node_id)
+            node_range = st.port_range or port_range
+            size = range_size if st.port_range is None else node_range[1] - node_range[0] + 1
             # fewer ports in use than the range holds: one of them is free (found once chosen)
-            if ports and len(ports) >= range_size and free_port(node_id, port_range) is None:
+            if ports and len(ports) >= size and free_port(node_id, node_range) is None:
                 append(Candidate(node_id, pname, False, "no free engine port"))
                 continue
             if weights in st.held:
@@ -356,7 +363,7 @@ class _Pass:
         node_id = fit[0][3]
         used = self.allocations.gpus.get(node_id) or set()
         gpus = [i for i in fit[2].healthy if i not in used][:need]
-        port = self.allocations.free_port(node_id, self.port_range)
+        port = self.allocations.free_port(node_id, fit[2].port_range or self.port_range)
         assert port is not None and len(gpus) == need  # both checked when it was a candidate
         return ShardPlacement(node_id, gpus, port, rank)
 

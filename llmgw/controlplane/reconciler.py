@@ -64,6 +64,9 @@ class Timing:
     # placing costs a few ms per replica at 1,000 nodes: a pass stays short, and
     # the next pass (a second later) places more
     max_placements_per_pass: int = 8
+    # after a (re)start, agents get this long to re-register before anything is placed:
+    # a replica placed in the meantime would double one that is already serving
+    settle_s: float = 15.0
 
 
 @attrs.define
@@ -101,6 +104,7 @@ class Reconciler:
         self.backoff: dict[str, _Backoff] = {}
         self._ids = itertools.count(1)
         self._run = secrets.token_hex(3)  # ids never repeat across control plane restarts
+        self.started_at: float | None = None
 
     # --- inputs from the fleet ----------------------------------------------
 
@@ -144,6 +148,8 @@ class Reconciler:
     def reconcile(self, nodes: Mapping[str, Node], now: float) -> Plan:
         plan = Plan()
         t = self.timing
+        if self.started_at is None:
+            self.started_at = now
         for replica in list(self.replicas.values()):
             profile = self.catalog.profile(replica.model, replica.profile)
             if profile is None and replica.state not in (R.STOPPING, R.FAILED):
@@ -161,6 +167,8 @@ class Reconciler:
                 self._stop(replica, now, plan, "drain grace over")
             if replica.state in (R.FAILED, R.STOPPING):
                 self._clean_up(replica, nodes, now, plan)
+        if now - self.started_at < t.settle_s:
+            return plan  # agents are still coming back: they say what runs first
         for model in self.catalog.models.values():
             self._scale(model, nodes, now, plan)
         return plan

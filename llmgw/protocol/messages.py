@@ -88,6 +88,7 @@ class Inventory(_Wire, frozen=True):
     weights: list[WeightCopy] = []
     weights_scanned: bool = False  # False: never asked to look (not "looked, found none")
     labels: dict[str, str] = {}
+    port_range: list[int] = []  # [low, high]: the ports the agent lets engines use; [] = default
 
 
 # --- shards -----------------------------------------------------------------

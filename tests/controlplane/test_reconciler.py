@@ -38,6 +38,9 @@ startup_timeout_s = 60
 """
 
 
+NOW = Timing(settle_s=0)  # these tests are not about the settle time after a start
+
+
 def catalog(text: str = CATALOG) -> Catalog:
     return parse_catalog(text, "catalog.toml")
 
@@ -69,7 +72,7 @@ def report(plan: Plan, state: str = "ready") -> dict[str, list[ShardReport]]:
 
 def test_a_model_below_its_count_is_placed_and_follows_its_shards() -> None:
     nodes = fleet("n1", "n2", gpus=2)
-    rec = Reconciler(catalog())
+    rec = Reconciler(catalog(), NOW)
     plan = rec.reconcile(nodes.nodes, now=0)
     assert sorted(spec.model for _, spec in plan.start) == ["big", "tiny"]
     ready_all(rec, plan, now=1)
@@ -79,7 +82,7 @@ def test_a_model_below_its_count_is_placed_and_follows_its_shards() -> None:
 
 def test_starting_past_its_timeout_fails_releases_gpus_and_stops_counting() -> None:
     nodes = fleet("n1", gpus=1)
-    rec = Reconciler(catalog(), Timing(startup_margin_s=10, retry_base_s=5))
+    rec = Reconciler(catalog(), Timing(startup_margin_s=10, retry_base_s=5, settle_s=0))
     plan = rec.reconcile(nodes.nodes, now=0)
     [(node, big)] = [(n, s) for n, s in plan.start if s.model == "big"]
     rec.shard_status(node, ShardStatus(shard_id=big.shard_id, state="starting"), 1)
@@ -100,12 +103,13 @@ def test_what_an_agent_reports_is_adopted_after_a_control_plane_restart() -> Non
     first = Reconciler(
         catalog(
             "[models.tiny]\nreplicas = 1\n" + CATALOG.split("\n", 3)[3].split("[models.big]")[0]
-        )
+        ),
+        NOW,
     )
     plan = first.reconcile(nodes.nodes, now=0)
     reports = report(plan)
     # a new control plane: no replicas until the agent says what runs
-    second = Reconciler(first.catalog)
+    second = Reconciler(first.catalog, NOW)
     adopt = second.registered("n1", reports["n1"], now=5)
     assert adopt.stop == []  # never told to stop the replica that is serving
     [replica] = second.replicas.values()
@@ -114,14 +118,24 @@ def test_what_an_agent_reports_is_adopted_after_a_control_plane_restart() -> Non
     assert not second.reconcile(nodes.nodes, now=6).start  # no second copy placed
 
 
+def test_nothing_is_placed_until_agents_had_time_to_come_back() -> None:
+    """After a restart a replica placed before its agent re-registers would double one
+    that already serves; agents get the settle time to say what runs."""
+    nodes = fleet("n1")
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), Timing(settle_s=10))
+    assert rec.reconcile(nodes.nodes, now=100).start == []
+    assert rec.reconcile(nodes.nodes, now=109).start == []
+    assert len(rec.reconcile(nodes.nodes, now=110).start) == 1
+
+
 def test_a_placed_replica_loses_to_the_one_the_agent_reports() -> None:
     """The seed's story: a restarted control plane placed before its agent reconnected,
     under the same replica id, on another port; the agent's engine is the real one."""
     nodes = fleet("n1")
     cat = catalog("\n".join(CATALOG.splitlines()[:8]))
-    running = Reconciler(cat)
+    running = Reconciler(cat, NOW)
     real = report(running.reconcile(nodes.nodes, now=0))["n1"][0]
-    restarted = Reconciler(cat)
+    restarted = Reconciler(cat, NOW)
     restarted._run = running._run  # the same id sequence: the collision the seed hit
     ours = restarted.reconcile(nodes.nodes, now=1).start[0][1]
     assert ours.replica_id == real.spec.replica_id
@@ -147,7 +161,7 @@ def rec_ports(rec: Reconciler) -> set[int]:
 def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
     nodes = fleet("n1", "n2")
     cat = catalog("\n".join(CATALOG.splitlines()[:8]))
-    rec = Reconciler(cat)
+    rec = Reconciler(cat, NOW)
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     [(node, spec)] = plan.start
@@ -162,7 +176,7 @@ def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
 
 def test_a_model_that_left_the_catalog_is_stopped() -> None:
     nodes = fleet("n1")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), NOW)
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     rec.set_catalog(
@@ -174,13 +188,13 @@ def test_a_model_that_left_the_catalog_is_stopped() -> None:
     stop = rec.reconcile(nodes.nodes, now=2).stop
     assert [(n, s) for n, s, _ in stop] == [(plan.start[0][0], plan.start[0][1].shard_id)]
     # and an agent reporting such a shard is told to stop it
-    other = Reconciler(rec.catalog)
+    other = Reconciler(rec.catalog, NOW)
     assert other.registered("n1", report(plan)["n1"], now=3).stop
 
 
 def test_a_lost_node_has_its_replicas_replaced_elsewhere() -> None:
     nodes = fleet("n1", "n2")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), NOW)
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     [(first, _)] = plan.start
@@ -195,7 +209,7 @@ def test_a_lost_node_has_its_replicas_replaced_elsewhere() -> None:
 
 def test_drain_is_a_rolling_move() -> None:
     nodes = fleet("n1", "n2")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), NOW)
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     [(old_node, old)] = plan.start
@@ -212,7 +226,9 @@ def test_drain_is_a_rolling_move() -> None:
 
 def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
     nodes = fleet("n1")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), Timing(drain_grace_s=30))
+    rec = Reconciler(
+        catalog("\n".join(CATALOG.splitlines()[:8])), Timing(drain_grace_s=30, settle_s=0)
+    )
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     rec.draining.add("n1")
@@ -227,7 +243,7 @@ def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
 def test_above_its_count_the_newest_extra_is_drained() -> None:
     nodes = fleet("n1", "n2")
     two = "\n".join(CATALOG.splitlines()[:8]).replace("replicas = 1", "replicas = 2")
-    rec = Reconciler(catalog(two))
+    rec = Reconciler(catalog(two), NOW)
     plan = rec.reconcile(nodes.nodes, now=0)
     assert len(plan.start) == 2
     ready_all(rec, plan, now=1)
@@ -240,6 +256,6 @@ def test_above_its_count_the_newest_extra_is_drained() -> None:
 @pytest.mark.parametrize("memory_gb", [8])
 def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
     nodes = fleet("n1", "n2", gpus=1, memory_gb=memory_gb)
-    rec = Reconciler(catalog())
+    rec = Reconciler(catalog(), NOW)
     why = rec.reconcile(nodes.nodes, now=0).placement_failures["big"]
     assert "has 8 GB of memory, needs 24" in why

@@ -1,0 +1,276 @@
+"""Placement and reconciliation with real processes: a server with a catalog, agents with
+discovery overrides (fake GPUs, memory, labels), and real llama-server engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from llmgw.agent.procs import alive, identity
+from tests.cluster.procs import Daemon, Server, write_agent_config, write_server_config
+from tests.conftest import Pki
+from tests.realparts import LLAMA_SERVER, needs_server
+from tools.tinymodel import write_model
+
+pytestmark = needs_server
+
+BASE = 23000 + (os.getpid() % 200) * 20  # engine ports: n1 gets BASE.., n2 BASE+10..
+
+
+def catalog(model: Path, replicas: int = 1) -> str:
+    return f"""
+[models.tiny]
+replicas = {replicas}
+[[models.tiny.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+gpus = 1
+min_memory_gb = 4
+model_path = "{model}"
+settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
+startup_timeout_s = 60
+
+[models.huge]
+replicas = 0
+[[models.huge.profiles]]
+name = "big"
+engine = "llama.cpp"
+min_memory_gb = 1000
+model_path = "{model}"
+"""
+
+
+@attrs.define
+class Cluster:
+    tmp: Path
+    pki: Pki
+    server: Server
+    agents: dict[str, Daemon] = attrs.Factory(dict)
+
+    def agent(self, node: str, *, memory_gb: int = 16) -> Daemon:
+        i = int(node[1:]) - 1
+        low = BASE + 10 * i
+        extra = (
+            f'[engines]\nllama_server = "{LLAMA_SERVER}"\nport_range = [{low}, {low + 9}]\n'
+            "stop_grace_s = 5\n"
+            '[discovery]\nnvidia_smi = "/nonexistent"\n'
+        )
+        config = write_agent_config(self.tmp, self.pki, node, self.server.stream_port, extra=extra)
+        text = config.read_text().replace(
+            "[backoff]",
+            f'[inventory]\nmemory_gb = {memory_gb}\nlabels = {{ rack = "r{i}" }}\n'
+            'gpus = [{ index = 0, name = "FAKE" }, { index = 1, name = "FAKE" }]\n[backoff]',
+        )
+        config.write_text(text)
+        d = Daemon(f"agent-{node}", ["agent", "--config", config.name], self.tmp)
+        self.agents[node] = d.start()
+        return d
+
+    async def replicas(self) -> list[dict[str, Any]]:
+        out = await self.server.ctl("replicas", "--json")
+        replicas: list[dict[str, Any]] = json.loads(out.stdout)["replicas"]
+        return replicas
+
+    async def wait_ready(
+        self, n: int = 1, timeout: float = 60, **match: Any
+    ) -> list[dict[str, Any]]:
+        with trio.move_on_after(timeout):
+            while True:
+                ready = [
+                    r
+                    for r in await self.replicas()
+                    if r["state"] == "Ready"
+                    and not r["leaving"]
+                    and all(r.get(k) == v for k, v in match.items())
+                ]
+                if len(ready) >= n:
+                    return ready
+                await trio.sleep(0.2)
+        raise AssertionError(f"no {n} Ready replicas: {await self.replicas()}\n{self.server.log()}")
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path, pki: Pki, replicas: int = 1) -> AsyncIterator[Cluster]:
+    model = tmp_path / "tiny.gguf"
+    write_model(model, ends_after=4)
+    (tmp_path / "catalog.toml").write_text(catalog(model, replicas))
+    config = write_server_config(tmp_path, pki, heartbeat=0.2, unreachable_after=2, lost_after=6)
+    config.write_text(
+        'catalog = "catalog.toml"\n' + config.read_text() + "[reconcile]\nsettle_s = 2\n"
+    )
+    server = Server("server", ["server", "--config", "server.toml"], tmp_path)
+    c = Cluster(tmp_path, pki, server)
+    try:
+        server.start()
+        await server.ready()
+        yield c
+    finally:
+        for d in [server, *c.agents.values()]:
+            d.kill()
+        for record in tmp_path.glob("agent-*/shards/*.json"):
+            pid = json.loads(record.read_text())["pid"]
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def engine_pid(tmp: Path, node: str, shard_id: str) -> int:
+    record = json.loads((tmp / f"agent-{node}" / "shards" / f"{shard_id}.json").read_text())
+    return int(record["pid"])
+
+
+async def chat(port: int) -> None:
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+        )
+    assert r.status_code == 200, r.text
+
+
+async def test_placed_then_adopted_across_a_control_plane_restart(tmp_path: Path, pki: Pki) -> None:
+    async with cluster(tmp_path, pki, replicas=2) as c:
+        c.agent("n1")
+        c.agent("n2")
+        before = await c.wait_ready(2)
+        pids = {
+            r["replica_id"]: engine_pid(
+                tmp_path, r["shards"][0]["node_id"], r["shards"][0]["shard_id"]
+            )
+            for r in before
+        }
+        starts = {pid: identity(pid) for pid in pids.values()}
+        for r in before:
+            await chat(r["shards"][0]["port"])
+
+        port = c.server.stream_port
+        await c.server.stop(signal.SIGKILL)
+        write_server_config(
+            tmp_path, pki, stream_port=port, heartbeat=0.2, unreachable_after=2, lost_after=6
+        )
+        config = tmp_path / "server.toml"
+        config.write_text(
+            'catalog = "catalog.toml"\n' + config.read_text() + "[reconcile]\nsettle_s = 2\n"
+        )
+        c.server.start()
+        await c.server.ready(count=2)
+        after = await c.wait_ready(2)
+        assert {r["replica_id"] for r in after} == set(pids)  # the same replicas came back
+        assert all(r["adopted"] for r in after)
+        assert len(await c.replicas()) == 2  # and nothing else was placed
+        assert {pid: identity(pid) for pid in pids.values()} == starts  # no engine restarted
+        held = [(r["shards"][0]["node_id"], g) for r in after for g in r["shards"][0]["gpus"]]
+        assert len(held) == len(set(held))  # no GPU allocated twice
+
+
+async def test_an_agent_back_with_nothing_running_has_its_replica_let_go_and_replaced(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with cluster(tmp_path, pki) as c:
+        c.agent("n1")
+        [replica] = await c.wait_ready(1)
+        shard = replica["shards"][0]
+        pid = engine_pid(tmp_path, "n1", shard["shard_id"])
+        await c.agents["n1"].stop(signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)  # the engine died with it
+        for f in (tmp_path / "agent-n1" / "shards").glob("*"):
+            f.unlink()  # and the node came back with nothing
+        c.agents["n1"].start()
+        await c.server.wait_log(r"let go of shard .* on n1: the agent does not report it")
+        [new] = await c.wait_ready(1, timeout=90)
+        assert new["replica_id"] != replica["replica_id"]
+        await chat(new["shards"][0]["port"])
+        assert not alive(pid)
+
+
+async def test_draining_a_node_under_traffic_moves_the_replica_and_fails_no_request(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with cluster(tmp_path, pki) as c:
+        c.agent("n1")
+        [first] = await c.wait_ready(1)
+        old_node = first["shards"][0]["node_id"]
+        c.agent("n2")
+        await c.server.wait_node("n2", "Ready")
+        sent, failed = 0, []
+        done = trio.Event()
+
+        async def traffic() -> None:
+            """What a router does: pick a Ready replica, retry elsewhere before the first byte."""
+            nonlocal sent
+            async with httpx.AsyncClient(timeout=10) as client:
+                while not done.is_set():
+                    ports = [
+                        r["shards"][0]["port"] for r in await c.replicas() if r["state"] == "Ready"
+                    ]
+                    ok = False
+                    for port in ports:
+                        try:
+                            r = await client.post(
+                                f"http://127.0.0.1:{port}/v1/chat/completions",
+                                json={
+                                    "messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 8,
+                                },
+                            )
+                        except httpx.ConnectError:
+                            continue  # nothing sent yet: safe to try the next replica
+                        ok = r.status_code == 200
+                        break
+                    sent += 1
+                    if not ok:
+                        failed.append(ports)
+                    await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(traffic)
+            await trio.sleep(0.5)
+            await c.server.ctl("drain", old_node)
+            with trio.fail_after(90):
+                while True:
+                    replicas = await c.replicas()
+                    where = [(s["node_id"], r["state"]) for r in replicas for s in r["shards"]]
+                    if where == [("n2" if old_node == "n1" else "n1", "Ready")]:
+                        break
+                    await trio.sleep(0.2)
+            await trio.sleep(1.0)  # and the new replica serves on its own
+            done.set()
+        assert sent >= 5
+        assert failed == []
+        nodes = await c.server.nodes()
+        assert nodes[old_node]["draining"] is True
+
+
+async def test_explain_placement_names_every_node_and_the_shortfall(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with cluster(tmp_path, pki) as c:
+        c.agent("n1", memory_gb=16)
+        c.agent("n2", memory_gb=32)
+        await c.server.wait_node("n1", "Ready")
+        await c.server.wait_node("n2", "Ready")
+        text = (await c.server.ctl("explain-placement", "huge")).stdout.decode()
+        assert "n1" in text and "has 16 GB of memory, needs 1000" in text, text
+        assert "n2" in text and "has 32 GB of memory, needs 1000" in text, text
+        as_json = json.loads((await c.server.ctl("explain-placement", "huge", "--json")).stdout)
+        assert as_json["profile"] is None
+        assert {x["node_id"] for x in as_json["candidates"]} == {"n1", "n2"}
+        result = await c.server.ctl("explain-placement", "nope", check=False)
+        assert result.returncode == 2
+        assert "no model 'nope' in the catalog" in result.stderr.decode()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_engines() -> None:
+    return None
