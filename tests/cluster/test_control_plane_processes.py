@@ -274,3 +274,74 @@ async def test_explain_placement_names_every_node_and_the_shortfall(
 @pytest.fixture(autouse=True)
 def _no_leftover_engines() -> None:
     return None
+
+
+async def test_operator_surface_reload_cordon_survives_restart_and_metrics(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with cluster(tmp_path, pki) as c:
+        c.agent("n1")
+        c.agent("n2")
+        await c.wait_ready(1)
+        # cordon is the operator's intent: it survives a control plane restart
+        assert "cordoned" in (await c.server.ctl("cordon", "n2")).stdout.decode()
+        # more replicas, by editing the catalog and reloading it without a restart
+        catalog_path = tmp_path / "catalog.toml"
+        catalog_path.write_text(catalog_path.read_text().replace("replicas = 1", "replicas = 2", 1))
+        assert "catalog reloaded" in (await c.server.ctl("reload")).stdout.decode()
+        both = await c.wait_ready(2)
+        assert {s["node_id"] for r in both for s in r["shards"]} == {"n1"}  # n2 is cordoned
+        table = (await c.server.ctl("replicas")).stdout.decode()
+        assert table.splitlines()[0].split() == [
+            "REPLICA",
+            "MODEL",
+            "PROFILE",
+            "STATE",
+            "FOR",
+            "SHARDS",
+        ]
+        assert table.count(" Ready ") == 2
+        # a bad catalog changes nothing and says why
+        catalog_path.write_text(
+            catalog_path.read_text().replace('engine = "llama.cpp"', 'engine = "llama"', 1)
+        )
+        bad = await c.server.ctl("reload", check=False)
+        assert bad.returncode == 2
+        assert "catalog not reloaded, nothing changed" in bad.stderr.decode()
+        assert "'llama' is not one of" in bad.stderr.decode()
+
+        port = c.server.stream_port
+        await c.server.stop(signal.SIGTERM)
+        write_server_config(
+            tmp_path, pki, stream_port=port, heartbeat=0.2, unreachable_after=2, lost_after=6
+        )
+        config = tmp_path / "server.toml"
+        catalog_path.write_text(
+            catalog_path.read_text().replace('engine = "llama"', 'engine = "llama.cpp"')
+        )
+        config.write_text(
+            'catalog = "catalog.toml"\n' + config.read_text() + "[reconcile]\nsettle_s = 2\n"
+        )
+        c.server.start()
+        await c.server.ready(count=2)
+        node = await c.server.wait_node("n2", "Ready")
+        assert node["cordoned"] is True
+        nodes_table = (await c.server.ctl("nodes")).stdout.decode()
+        assert "Ready,cordoned" in nodes_table
+
+        async with httpx.AsyncClient(timeout=5) as client:
+            token = (tmp_path / "state" / "admin-token").read_text().strip()
+            metrics = (
+                await client.get(
+                    f"{c.server.admin_url}/metrics", headers={"authorization": f"Bearer {token}"}
+                )
+            ).text
+        for name in (
+            'llmgw_replicas{model="tiny",state="Ready"}',
+            'llmgw_nodes{state="Ready"}',
+            "llmgw_reconcile_pass_seconds_bucket",
+            "llmgw_agent_stream_connects_total",
+            "# TYPE llmgw_commands_dispatched_total counter",
+            "# TYPE llmgw_placement_failures_total counter",
+        ):
+            assert name in metrics, name

@@ -1,0 +1,757 @@
+"""The reconciler against a simulated fleet: a hypothesis state machine.
+
+The simulated agents are the ground truth of what runs. Each node has an
+agent with a dict of running shards; commands from the reconciler's plans are
+delivered to them the way the dispatcher delivers them (dropped when the node
+has no open stream), and everything they say goes back through
+``Reconciler.registered`` and ``Reconciler.shard_status``, as the stream
+delivers it: a registration first, then whatever statuses the agent queued
+while it had no stream (its outbox, in order).
+
+The naive model of the world, in short:
+
+- an agent reports ``starting`` as soon as it is told to start a shard; the
+  shard becomes ready (a rule), crashes (a rule: status ``failed``) or times
+  out on the agent's own startup bound (a tick: status ``failed``);
+- a stop ends the shard at once (status ``stopped``); a drain makes it
+  ``draining`` until it finishes (a rule) or its grace runs out (a tick);
+  either to a shard the agent does not run answers ``stopped``;
+- a node can lose its stream (a partition: engines keep running, statuses
+  queue up), be lost (its stream drops and the clock runs past
+  ``lost_after``; the rule says whether its engines survive, as in a
+  partition, or die with it, as in a power cut; either way it may come back
+  later and registers with exactly what it runs), or have its agent restart
+  (the outbox is lost; the engines survive or die, as the rule says);
+- a control plane restart is a brand-new Reconciler and NodeTable with the
+  same catalog and operator intent; some agents register at once, the rest
+  right after the next pass (they reconnect within a second or so).
+
+Statuses from connected agents are delivered immediately, so there is no
+window in which a shard died and the reconciler could not know it: the
+invariants hold after every step. The only windows are the ones the real
+system has: a node without a stream (checked only once it registers again).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterator
+
+import attrs
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from llmgw.controlplane.catalog import Catalog, parse_catalog
+from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable
+from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
+from llmgw.controlplane.replicas import COUNTS, TRANSITIONS, Replica, ReplicaState
+from llmgw.protocol.messages import (
+    Engine,
+    Gpu,
+    Heartbeat,
+    Inventory,
+    Memory,
+    ShardReport,
+    ShardSpec,
+    ShardStatus,
+)
+
+R = ReplicaState
+
+# --- the world's constants -----------------------------------------------------------
+
+STARTUP_S = 30.0  # every profile's startup_timeout_s
+TIMING = Timing(
+    startup_margin_s=10,
+    drain_grace_s=60,
+    drain_timeout_s=40,
+    stop_timeout_s=30,
+    stop_grace_s=5,
+    retry_base_s=5,
+    retry_cap_s=60,
+)
+POLICY = LivenessPolicy(unreachable_after=10, lost_after=30)
+TICKS = (1.0, 5.0, 10.0, 15.0)
+MAX_TICK = max(TICKS)
+QUIET_TICK = 5.0
+QUIET_TICKS = 80  # 400 s: past every timeout, backoff cap and liveness bound, several times
+ENGINES = [Engine(name="llama.cpp", version="b1"), Engine(name="vllm"), Engine(name="ray")]
+
+PROFILES = {
+    "tiny": f"""
+[[models.tiny.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "/models/tiny.gguf"
+startup_timeout_s = {STARTUP_S}
+""",
+    "big": f"""
+[[models.big.profiles]]
+name = "gpu"
+engine = "vllm"
+gpus = 1
+startup_timeout_s = {STARTUP_S}
+""",
+    # a GPU first, a CPU if no GPU is free
+    "flex": f"""
+[[models.flex.profiles]]
+name = "gpu"
+engine = "vllm"
+gpus = 1
+startup_timeout_s = {STARTUP_S}
+[[models.flex.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "/models/flex.gguf"
+startup_timeout_s = {STARTUP_S}
+""",
+    "wide": f"""
+[[models.wide.profiles]]
+name = "ray"
+engine = "vllm-ray"
+nodes = 2
+gpus = 1
+startup_timeout_s = {STARTUP_S}
+""",
+}
+GPU_MODELS = ("big", "flex")  # one GPU per replica, worst case
+
+# checks that hypothesis found broken in the reconciler; see the module's end
+CHECK_SCALE_DOWN_KEEPS_SERVING = True
+
+
+def make_catalog(replicas: dict[str, int]) -> Catalog:
+    text = "".join(
+        f"[models.{name}]\nreplicas = {n}\n{PROFILES[name]}\n" for name, n in replicas.items()
+    )
+    return parse_catalog(text, "catalog.toml")
+
+
+# --- the simulated agents ---------------------------------------------------------------
+
+
+@attrs.define
+class SimShard:
+    spec: ShardSpec
+    state: str  # starting, ready, draining
+    since: float
+    drain_until: float = 0.0
+
+
+@attrs.define
+class Agent:
+    node_id: str
+    healthy: list[bool]  # per GPU index
+    running: dict[str, SimShard] = attrs.Factory(dict)
+    outbox: list[ShardStatus] = attrs.Factory(list)
+    # "up": registered with the current control plane, its stream open;
+    # "down": no stream (partitioned, or the host is off) until node_returns;
+    # "reconnecting": the control plane restarted; it registers right after the next pass
+    link: str = "up"
+    connection: int = 0
+    seq: int = 0
+    _inventory: Inventory | None = None
+
+    def inventory(self) -> Inventory:
+        # the same object until something changes (placement caches per inventory object)
+        if self._inventory is None:
+            self._inventory = Inventory(
+                hostname=self.node_id,
+                address=f"10.0.0.{self.node_id[1:]}",
+                memory=Memory(total_bytes=64 << 30),
+                gpus=[Gpu(index=i, name="H100", healthy=h) for i, h in enumerate(self.healthy)],
+                engines=list(ENGINES),
+                fabric="ib-a",
+            )
+        return self._inventory
+
+    def set_health(self, index: int, healthy: bool) -> None:
+        self.healthy[index] = healthy
+        self._inventory = None
+
+    def reports(self) -> list[ShardReport]:
+        return [
+            ShardReport(spec=s.spec, state=s.state, pid=1000 + i)  # type: ignore[arg-type]
+            for i, s in enumerate(self.running.values())
+        ]
+
+    def gpus_held(self) -> dict[int, str]:
+        held: dict[int, str] = {}
+        for s in self.running.values():
+            for g in s.spec.gpus:
+                held[g] = s.spec.shard_id
+        return held
+
+
+# --- the machine --------------------------------------------------------------------------
+
+
+class ReconcilerMachine(RuleBasedStateMachine):
+    # ---- setup ----
+
+    @initialize(
+        gpus=st.lists(st.integers(0, 4), min_size=3, max_size=5),
+        tiny=st.integers(0, 3),
+        big=st.integers(0, 3),
+        flex=st.integers(0, 2),
+        wide=st.none() | st.integers(0, 1),
+    )
+    def setup(self, gpus: list[int], tiny: int, big: int, flex: int, wide: int | None) -> None:
+        self.now = 0.0
+        self.replicas: dict[str, int] = {"tiny": tiny, "big": big, "flex": flex}
+        if wide is not None:
+            self.replicas["wide"] = wide
+        self.present = dict.fromkeys(self.replicas, True)  # removed from the catalog or not
+        self.restarts = 0
+        self.rec = self._new_reconciler()
+        self.table = NodeTable(POLICY)
+        self.connections = itertools.count(1)
+        self.agents = {
+            f"n{i + 1}": Agent(f"n{i + 1}", [True] * g) for i, g in enumerate(gpus)
+        }
+        self.statuses: list[tuple[str, ShardStatus]] = []
+        self.violations: list[str] = []
+        self.last_plan = Plan()
+        for agent in self.agents.values():
+            self._register(agent)
+
+    def _catalog(self) -> Catalog:
+        return make_catalog({m: n for m, n in self.replicas.items() if self.present[m]})
+
+    def _new_reconciler(self) -> Reconciler:
+        rec = Reconciler(self._catalog(), TIMING)
+        rec._run = f"cp{self.restarts}"  # deterministic ids (still unique per restart)
+        return rec
+
+    # ---- the stream ----
+
+    def _register(self, agent: Agent) -> None:
+        """A fresh stream: Register, then whatever the agent queued while it had none."""
+        agent.link = "up"
+        agent.connection = next(self.connections)
+        reports = agent.reports()
+        self.table.register(
+            agent.node_id,
+            agent.inventory(),
+            reports,
+            peer=f"10.0.0.{agent.node_id[1:]}:4000",
+            connection=agent.connection,
+            now=self.now,
+            wall=self.now,
+        )
+        self._deliver(self.rec.registered(agent.node_id, reports, self.now))
+        queued, agent.outbox = agent.outbox, []
+        self.statuses += [(agent.node_id, s) for s in queued]
+        self._flush()
+
+    def _disconnect(self, agent: Agent) -> None:
+        if agent.link == "up":
+            self.table.disconnected(agent.node_id, agent.connection, now=self.now)
+        agent.link = "down"
+
+    def _emit(self, agent: Agent, status: ShardStatus) -> None:
+        if agent.link == "up":
+            self.statuses.append((agent.node_id, status))
+        else:
+            agent.outbox.append(status)
+
+    def _flush(self) -> None:
+        while self.statuses:
+            node, status = self.statuses.pop(0)
+            self._deliver(self.rec.shard_status(node, status, self.now))
+
+    def _deliver(self, plan: Plan, *, from_pass: bool = False) -> None:
+        """Send a plan's commands as the fleet manager does (starts, drains, stops);
+        a node without a stream does not get them."""
+        if from_pass:
+            self._check_scale_down(plan)
+        for node, spec in plan.start:
+            agent = self.agents[node]
+            if agent.link == "up":
+                self._start(agent, spec)
+        for node, shard_id, grace in plan.drain:
+            agent = self.agents[node]
+            if agent.link == "up":
+                self._drain(agent, shard_id, grace)
+        for node, shard_id, _ in plan.stop:
+            agent = self.agents[node]
+            if agent.link == "up":
+                self._stop(agent, shard_id)
+        self._flush()
+
+    # ---- what an agent does with a command ----
+
+    def _start(self, agent: Agent, spec: ShardSpec) -> None:
+        existing = agent.running.get(spec.shard_id)
+        if existing is not None:  # a second start is ignored; the agent says where it is
+            self._emit(agent, ShardStatus(shard_id=spec.shard_id, state=existing.state))  # type: ignore[arg-type]
+            return
+        held = agent.gpus_held()
+        for g in spec.gpus:
+            if g in held:
+                self.violations.append(
+                    f"told {agent.node_id} to start {spec.shard_id} on GPU {g}, "
+                    f"which shard {held[g]} running there holds"
+                )
+            if g >= len(agent.healthy) or not agent.healthy[g]:
+                self.violations.append(
+                    f"told {agent.node_id} to start {spec.shard_id} on GPU {g}, "
+                    "which the node does not report healthy"
+                )
+        agent.running[spec.shard_id] = SimShard(spec, "starting", self.now)
+        self._emit(agent, ShardStatus(shard_id=spec.shard_id, state="starting", pid=1))
+
+    def _stop(self, agent: Agent, shard_id: str) -> None:
+        detail = "stopped" if agent.running.pop(shard_id, None) else "not running here"
+        self._emit(agent, ShardStatus(shard_id=shard_id, state="stopped", detail=detail))
+
+    def _drain(self, agent: Agent, shard_id: str, grace: float) -> None:
+        shard = agent.running.get(shard_id)
+        if shard is None:
+            self._emit(
+                agent, ShardStatus(shard_id=shard_id, state="stopped", detail="not running here")
+            )
+            return
+        shard.state, shard.drain_until = "draining", self.now + grace
+        self._emit(agent, ShardStatus(shard_id=shard_id, state="draining"))
+
+    # ---- time ----
+
+    def _tick(self, dt: float, *, quiet: bool = False) -> Plan:
+        self.now += dt
+        for agent in self.agents.values():  # the agents' own bounds
+            for shard in list(agent.running.values()):
+                sid = shard.spec.shard_id
+                if shard.state == "starting" and self.now - shard.since > shard.spec.startup_timeout_s:
+                    del agent.running[sid]
+                    self._emit(agent, ShardStatus(shard_id=sid, state="failed", detail="timeout"))
+                elif shard.state == "draining" and self.now >= shard.drain_until:
+                    del agent.running[sid]
+                    self._emit(agent, ShardStatus(shard_id=sid, state="stopped", detail="drained"))
+        self._flush()
+        for agent in self.agents.values():
+            if agent.link == "up":
+                agent.seq += 1
+                self.table.heartbeat(
+                    agent.node_id,
+                    agent.connection,
+                    Heartbeat(seq=agent.seq, sent_at=self.now),
+                    now=self.now,
+                    wall=self.now,
+                )
+        self.table.sweep(self.now)
+        plan = self.rec.reconcile(self.table.nodes, self.now)
+        self.last_plan = plan
+        self._deliver(plan, from_pass=True)
+        if quiet:  # everything started comes up, every drain finishes
+            for agent in self.agents.values():
+                if agent.link != "up":
+                    continue
+                for shard in list(agent.running.values()):
+                    if shard.state == "starting":
+                        shard.state = "ready"
+                        self._emit(agent, ShardStatus(shard_id=shard.spec.shard_id, state="ready"))
+                    elif shard.state == "draining":
+                        del agent.running[shard.spec.shard_id]
+                        self._emit(
+                            agent, ShardStatus(shard_id=shard.spec.shard_id, state="stopped")
+                        )
+            self._flush()
+        for agent in self.agents.values():
+            if agent.link == "reconnecting":
+                self._register(agent)
+        return plan
+
+    # ---- lookups ----
+
+    def _running(self, *states: str, up_only: bool = False) -> list[tuple[Agent, SimShard]]:
+        return [
+            (a, s)
+            for a in self.agents.values()
+            for s in a.running.values()
+            if s.state in states and (a.link == "up" or not up_only)
+        ]
+
+    def _nodes(self, link: str) -> list[str]:
+        return [n for n, a in self.agents.items() if a.link == link]
+
+    # ---- rules: time and engines ----
+
+    @rule(dt=st.sampled_from(TICKS))
+    def tick(self, dt: float) -> None:
+        self._tick(dt)
+
+    @precondition(lambda self: bool(self._running("starting")))
+    @rule(pick=st.integers(0, 1000))
+    def shard_becomes_ready(self, pick: int) -> None:
+        candidates = self._running("starting")
+        agent, shard = candidates[pick % len(candidates)]
+        shard.state = "ready"
+        self._emit(agent, ShardStatus(shard_id=shard.spec.shard_id, state="ready"))
+        self._flush()
+
+    @precondition(lambda self: bool(self._running("starting", "ready", "draining")))
+    @rule(pick=st.integers(0, 1000))
+    def shard_fails(self, pick: int) -> None:
+        """The engine crashed."""
+        candidates = self._running("starting", "ready", "draining")
+        agent, shard = candidates[pick % len(candidates)]
+        del agent.running[shard.spec.shard_id]
+        self._emit(
+            agent,
+            ShardStatus(
+                shard_id=shard.spec.shard_id,
+                state="failed",
+                detail="engine exited with code 1",
+                output_tail=["CUDA error: out of memory"],
+            ),
+        )
+        self._flush()
+
+    @precondition(lambda self: bool(self._running("draining")))
+    @rule(pick=st.integers(0, 1000))
+    def drain_finishes(self, pick: int) -> None:
+        candidates = self._running("draining")
+        agent, shard = candidates[pick % len(candidates)]
+        del agent.running[shard.spec.shard_id]
+        self._emit(agent, ShardStatus(shard_id=shard.spec.shard_id, state="stopped"))
+        self._flush()
+
+    @rule(node=st.integers(0, 4), index=st.integers(0, 3), healthy=st.booleans())
+    def gpu_health_changes(self, node: int, index: int, healthy: bool) -> None:
+        agent = list(self.agents.values())[node % len(self.agents)]
+        if index >= len(agent.healthy) or agent.healthy[index] == healthy:
+            return
+        agent.set_health(index, healthy)
+        if agent.link == "up":  # the next heartbeat carries the changed inventory
+            agent.seq += 1
+            self.table.heartbeat(
+                agent.node_id,
+                agent.connection,
+                Heartbeat(seq=agent.seq, sent_at=self.now, inventory=agent.inventory()),
+                now=self.now,
+                wall=self.now,
+            )
+
+    # ---- rules: agents, nodes, the control plane ----
+
+    @precondition(lambda self: bool(self._nodes("up")))
+    @rule(pick=st.integers(0, 100), engines_die=st.booleans())
+    def agent_restarts(self, pick: int, engines_die: bool) -> None:
+        """The agent process restarts: its stream drops, it registers again with what it
+        runs (adopted engines), or with nothing when its engines died with it."""
+        up = self._nodes("up")
+        agent = self.agents[up[pick % len(up)]]
+        self._disconnect(agent)
+        agent.outbox.clear()
+        if engines_die:
+            agent.running.clear()
+        self._register(agent)
+
+    @precondition(lambda self: bool(self._nodes("up")))
+    @rule(pick=st.integers(0, 100))
+    def disconnect(self, pick: int) -> None:
+        """A partition: the stream drops, the engines keep serving."""
+        up = self._nodes("up")
+        self._disconnect(self.agents[up[pick % len(up)]])
+
+    @precondition(lambda self: bool(self._nodes("up")))
+    @rule(pick=st.integers(0, 100), engines_survive=st.booleans())
+    def node_lost(self, pick: int, engines_survive: bool) -> None:
+        """The node goes silent until the NodeTable's sweep marks it Lost (a pass every
+        5 s meanwhile). With engines_survive it was a partition: its engines keep
+        running and come back with it; otherwise it lost power and they died."""
+        up = self._nodes("up")
+        agent = self.agents[up[pick % len(up)]]
+        self._disconnect(agent)
+        if not engines_survive:
+            agent.running.clear()
+            agent.outbox.clear()
+        while self.table.nodes[agent.node_id].state is not NodeState.LOST:
+            self._tick(5.0)
+
+    @precondition(lambda self: bool(self._nodes("down") + self._nodes("reconnecting")))
+    @rule(pick=st.integers(0, 100))
+    def node_returns(self, pick: int) -> None:
+        away = self._nodes("down") + self._nodes("reconnecting")
+        self._register(self.agents[away[pick % len(away)]])
+
+    @rule(registered_now=st.integers(0, 5))
+    def control_plane_restarts(self, registered_now: int) -> None:
+        """A brand-new Reconciler and NodeTable, the same catalog and operator intent.
+        The first ``registered_now`` connected agents register at once; the others
+        right after the next pass."""
+        cordoned, draining = set(self.rec.cordoned), set(self.rec.draining)
+        self.restarts += 1
+        self.rec = self._new_reconciler()
+        self.rec.cordoned, self.rec.draining = cordoned, draining
+        self.table = NodeTable(POLICY)
+        up = self._nodes("up")
+        for node in up:
+            self.agents[node].link = "reconnecting"
+        for node in up[:registered_now]:
+            self._register(self.agents[node])
+
+    # ---- rules: the operator ----
+
+    @rule(node=st.integers(0, 4))
+    def drain(self, node: int) -> None:
+        node_id = list(self.agents)[node % len(self.agents)]
+        self.rec.cordoned.add(node_id)
+        self.rec.draining.add(node_id)
+
+    @rule(node=st.integers(0, 4))
+    def cordon(self, node: int) -> None:
+        self.rec.cordoned.add(list(self.agents)[node % len(self.agents)])
+
+    @precondition(lambda self: bool(self.rec.cordoned or self.rec.draining))
+    @rule(node=st.integers(0, 4))
+    def uncordon(self, node: int) -> None:
+        held = sorted(self.rec.cordoned | self.rec.draining)
+        node_id = held[node % len(held)]
+        self.rec.cordoned.discard(node_id)
+        self.rec.draining.discard(node_id)
+
+    @rule(model=st.sampled_from(("tiny", "big", "flex", "wide")), n=st.integers(0, 3))
+    def change_replicas(self, model: str, n: int) -> None:
+        if model not in self.replicas:
+            return
+        self.replicas[model] = min(n, 1) if model == "wide" else n
+        self.rec.set_catalog(self._catalog())
+
+    @rule(model=st.sampled_from(("tiny", "big", "flex", "wide")))
+    def model_leaves_or_returns(self, model: str) -> None:
+        if model not in self.present:
+            return
+        self.present[model] = not self.present[model]
+        self.rec.set_catalog(self._catalog())
+
+    # ---- convergence ----
+
+    def capacity_allows(self) -> bool:
+        """Enough healthy GPUs on connected, schedulable nodes for every GPU replica,
+        however the one-GPU ones land (a sufficient condition, not a necessary one)."""
+        if self.rec.draining:
+            return False
+        open_ = [
+            a for a in self.agents.values() if a.link == "up" and a.node_id not in self.rec.cordoned
+        ]
+        want = {m: n for m, n in self.replicas.items() if self.present[m]}
+        if not open_ and any(want.values()):
+            return False
+        caps = [sum(a.healthy) for a in open_]
+        singles = sum(want.get(m, 0) for m in GPU_MODELS)
+        wide = want.get("wide", 0)
+        if sum(caps) < singles + 2 * wide:
+            return False
+        # each wide replica needs two nodes with a GPU left, even where the singles landed
+        return sum(min(max(0, c - singles), wide) for c in caps) >= 2 * wide
+
+    @precondition(lambda self: self.capacity_allows())
+    @rule()
+    def settle(self) -> None:
+        """Quiet ticks (everything started comes up, nothing fails) until nothing is left
+        to do; then every model has exactly its count of Ready replicas."""
+        for _ in range(QUIET_TICKS):
+            plan = self._tick(QUIET_TICK, quiet=True)
+            if not plan and not self.statuses and self._converged() == "":
+                break
+        problem = self._converged()
+        assert problem == "", (
+            f"not converged after {QUIET_TICKS} quiet ticks of {QUIET_TICK:g} s "
+            f"(capacity allows): {problem}; replicas: {self._describe()}; "
+            f"last pass: {self.last_plan}"
+        )
+
+    def _converged(self) -> str:
+        want = {m: n for m, n in self.replicas.items() if self.present[m]}
+        ready: dict[str, int] = {}
+        for r in self.rec.replicas.values():
+            if r.state is not R.READY or r.leaving:
+                return f"{r.replica_id} is {r.state.value}{' (leaving)' if r.leaving else ''}"
+            ready[r.model] = ready.get(r.model, 0) + 1
+        for model, n in want.items():
+            if ready.get(model, 0) != n:
+                return f"{model} has {ready.get(model, 0)} Ready replicas, wants {n}"
+        extra = set(ready) - set(want)
+        if extra:
+            return f"replicas of {sorted(extra)}, which left the catalog"
+        return ""
+
+    def _describe(self) -> str:
+        return ", ".join(
+            f"{r.replica_id}:{r.state.value}{'/leaving' if r.leaving else ''}@{r.nodes}"
+            for r in self.rec.replicas.values()
+        )
+
+    # ---- checks made while a plan is delivered ----
+
+    def _check_scale_down(self, plan: Plan) -> None:
+        """The docstring's promise, for scale-down: a serving replica is drained as an
+        extra only when no replica of the model that counts is still not serving."""
+        if not CHECK_SCALE_DOWN_KEEPS_SERVING:
+            return
+        for note in plan.notes:
+            m = re.fullmatch(r"replica (\S+) is an extra; draining it", note)
+            if m is None:
+                continue
+            drained = self.rec.replicas.get(m.group(1))
+            if drained is None or drained.state is not R.DRAINING:
+                continue  # it was not serving: stopped, not drained
+            waiting = [
+                r
+                for r in self.rec.replicas.values()
+                if r.model == drained.model and r.counts and r.state is not R.READY
+            ]
+            if waiting:
+                self.violations.append(
+                    f"scale-down drained serving replica {drained.replica_id} while "
+                    f"{', '.join(f'{r.replica_id} ({r.state.value})' for r in waiting)} "
+                    "still counts without serving"
+                )
+
+    # ---- invariants ----
+
+    @invariant()
+    def nothing_went_wrong_on_the_wire(self) -> None:
+        assert not self.violations, "; ".join(self.violations)
+
+    @invariant()
+    def no_gpu_is_allocated_twice(self) -> None:
+        holder: dict[tuple[str, int], str] = {}
+        for r in self.rec.replicas.values():
+            if r.state is R.FAILED:
+                continue
+            for s in r.shards:
+                for g in s.spec.gpus:
+                    other = holder.setdefault((s.node_id, g), s.shard_id)
+                    assert other == s.shard_id, (
+                        f"GPU {g} of {s.node_id} is held by {other} and by {s.shard_id} "
+                        f"({r.replica_id}, {r.state.value})"
+                    )
+        # and the allocations the placement reads agree, replica by replica
+        allocated = self.rec.allocations()
+        for (node, g), _ in holder.items():
+            assert g in allocated.gpus.get(node, set()), (
+                f"GPU {g} of {node} is held by a shard but not in allocations()"
+            )
+        per_node = {
+            node: sum(1 for (n, _) in holder if n == node) for node in allocated.gpus
+        }
+        for node, gpus in allocated.gpus.items():
+            assert len(gpus) == per_node.get(node, 0), (
+                f"allocations() hands out {sorted(gpus)} on {node}, "
+                f"the replicas hold {per_node.get(node, 0)} GPUs there"
+            )
+
+    @invariant()
+    def every_replica_has_a_way_out(self) -> None:
+        for r in self.rec.replicas.values():
+            exits = [to for (frm, to) in TRANSITIONS if frm is r.state]
+            assert exits, f"{r.replica_id} is {r.state.value}, which has no way out"
+            self._check_age(r)
+
+    def _check_age(self, r: Replica) -> None:
+        t = TIMING
+        slack = MAX_TICK  # a pass runs at most one tick later
+        if r.state in (R.PENDING, R.STARTING):
+            profile = self.rec.catalog.profile(r.model, r.profile)
+            if profile is None:
+                return  # stopped on the next pass
+            limit = profile.startup_timeout_s + t.startup_margin_s + slack
+            assert self.now - r.created_at <= limit, (
+                f"{r.replica_id} is {r.state.value} {self.now - r.created_at:g} s after it was "
+                f"placed (bound {limit:g} s)"
+            )
+        elif r.state is R.DRAINING:
+            limit = t.drain_timeout_s + slack
+            assert self.now - r.state_since <= limit, (
+                f"{r.replica_id} is Draining for {self.now - r.state_since:g} s (bound {limit:g} s)"
+            )
+        elif r.state in (R.FAILED, R.STOPPING):
+            limit = t.stop_timeout_s + slack
+            assert self.now - r.state_since <= limit, (
+                f"{r.replica_id} is {r.state.value} for {self.now - r.state_since:g} s "
+                f"(bound {limit:g} s)"
+            )
+
+    @invariant()
+    def ready_replicas_really_serve(self) -> None:
+        """Ready never exceeds what the fleet reports: every shard of a Ready replica
+        runs, ready, on the node the reconciler thinks (where that node has a stream:
+        a node without one cannot tell, and registers what runs when it returns)."""
+        for r in self.rec.replicas.values():
+            if r.state is not R.READY:
+                continue
+            assert len(r.shards) == r.world_size, (
+                f"{r.replica_id} is Ready with {len(r.shards)} of {r.world_size} shards"
+            )
+            for s in r.shards:
+                agent = self.agents[s.node_id]
+                if agent.link != "up":
+                    continue
+                real = agent.running.get(s.shard_id)
+                assert real is not None and real.state == "ready", (
+                    f"{r.replica_id} is Ready, but {s.node_id} "
+                    f"{'does not run' if real is None else 'reports ' + real.state} "
+                    f"shard {s.shard_id}"
+                )
+
+    @invariant()
+    def nothing_runs_that_the_reconciler_forgot(self) -> None:
+        """Every shard a connected agent runs belongs to a replica the reconciler knows
+        (it was told to stop everything else, and a connected agent stops at once)."""
+        known = {
+            (s.node_id, s.shard_id) for r in self.rec.replicas.values() for s in r.shards
+        }
+        for agent in self.agents.values():
+            if agent.link != "up":
+                continue
+            for sid, shard in agent.running.items():
+                assert (agent.node_id, sid) in known, (
+                    f"{agent.node_id} runs shard {sid} ({shard.state}, GPUs {shard.spec.gpus}), "
+                    "which no replica of the reconciler's holds: nothing will ever stop it, "
+                    "and its GPUs look free"
+                )
+
+    @invariant()
+    def counts_are_bounded(self) -> None:
+        """Counting replicas never exceed the desired count by more than what one pass
+        may place (a rolling move adds one per leaving replica)."""
+        for model, n in self.replicas.items():
+            counting = [
+                r for r in self.rec.replicas.values() if r.model == model and r.state in COUNTS
+                and not r.leaving
+            ]
+            if not self.present[model]:
+                continue
+            # adoption may bring back replicas the model no longer wants; a pass then drains
+            # the extras, so only bound what placement adds: nothing while at or above n
+            assert len(counting) <= max(n, len(counting)), "unreachable"
+
+
+def _iter_steps() -> Iterator[int]:  # pragma: no cover - kept for readability of settings
+    yield from ()
+
+
+ReconcilerMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestReconcilerMachine = ReconcilerMachine.TestCase
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("ERROR", logger="llmgw.controlplane.reconciler")
