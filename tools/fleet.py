@@ -1,4 +1,4 @@
-"""Run a whole local fleet on this machine: CA, control plane, agents.
+"""Run a whole local fleet on this machine: CA, control plane, agents, and a real model.
 
 Used by ``tools/fleet`` (the README's first command). Everything lives under
 ``--dir`` (default ``.llmgw/fleet``) and is reused on the next run: the CA is
@@ -8,6 +8,8 @@ made once, like a real installation's.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,13 +17,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
 
 from llmgw.admin.views import NodeView
-from llmgw.cli.ctl import render_nodes
+from llmgw.cli.ctl import render_nodes, render_replicas
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
+from tools.tinymodel import write_model
 
 
 def main() -> int:
@@ -49,8 +53,26 @@ def main() -> int:
         if not (pki / f"{node}.pem").exists():
             issue_agent(ca, node, pki)
 
+    model = d / "tiny.gguf"
+    if not model.exists():
+        write_model(model, ends_after=4)
+    (d / "catalog.toml").write_text(
+        f"""# the tiny model tools/tinymodel.py generates, served by llama.cpp's llama-server
+[models.tiny]
+replicas = 1
+[[models.tiny.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "{model}"
+settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
+startup_timeout_s = 120
+"""
+    )
     (d / "server.toml").write_text(
         f"""state_dir = "state"
+catalog = "catalog.toml"
+[reconcile]
+settle_s = 1
 [agent_stream]
 listen = "127.0.0.1:{args.stream_port}"
 [admin]
@@ -58,9 +80,12 @@ listen = "127.0.0.1:{args.admin_port}"
 """
     )
     for node in nodes:
+        i = nodes.index(node)
         (d / f"agent-{node}.toml").write_text(
             f'control_plane = ["127.0.0.1:{args.stream_port}"]\n'
             f'node_id = "{node}"\nstate_dir = "agent-{node}"\n'
+            # agents on one machine: each its own engine ports
+            f"[engines]\nport_range = [{20000 + 100 * i}, {20099 + 100 * i}]\n"
         )
 
     llmgw = [sys.executable, "-m", "llmgw"]
@@ -77,12 +102,30 @@ listen = "127.0.0.1:{args.admin_port}"
         _wait(lambda: _ready(url, token) >= len(nodes), "every agent to register", procs)
         views = msgspec.convert(_nodes(url, token), list[NodeView])
         print("\n" + render_nodes(views, time.time()), flush=True)
+        _wait(lambda: _ready_replica(url, token) is not None, "the model to be served", procs, 180)
+        replica = _ready_replica(url, token)
+        assert replica is not None
+        print(render_replicas({"replicas": [replica]}), flush=True)
+        port = replica["shards"][0]["port"]
+        engine = f"http://127.0.0.1:{port}/v1"
         print(
-            f"\nlocal fleet is up: {len(nodes)} agent(s), control plane on 127.0.0.1:{args.stream_port}"
+            f"\nlocal fleet is up: {len(nodes)} agent(s), model 'tiny' served by llama-server"
+            f"\n  engine (OpenAI-compatible): {engine}"
+            f"\n  curl {engine}/chat/completions -H 'content-type: application/json' "
+            """-d '{"messages":[{"role":"user","content":"hi"}]}'"""
             f"\n  .venv/bin/llmgw ctl nodes --config {d / 'server.toml'}"
+            f"\n  .venv/bin/llmgw ctl replicas --config {d / 'server.toml'}"
             f"\n  logs above; Ctrl-C stops everything\n",
             flush=True,
         )
+        if args.check:
+            r = httpx.post(
+                f"{engine}/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+                timeout=30,
+            )
+            r.raise_for_status()
+            print("check: the model answered:", r.json()["choices"][0]["message"], flush=True)
         if not args.check:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -100,7 +143,19 @@ listen = "127.0.0.1:{args.admin_port}"
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 p.kill()
+        _stop_engines(d)
     return 0
+
+
+def _stop_engines(d: Path) -> None:
+    """Engines outlive their agents by design; a local fleet that stops takes them along."""
+    for record in d.glob("agent-*/shards/*.json"):
+        try:
+            pid = int(json.loads(record.read_text())["pid"])
+            os.killpg(pid, signal.SIGTERM)
+        except (OSError, ValueError, KeyError):
+            pass
+        record.unlink(missing_ok=True)
 
 
 def _up(url: str) -> bool:
@@ -115,6 +170,19 @@ def _nodes(url: str, token: str) -> list[dict[str, object]]:
     r.raise_for_status()
     nodes: list[dict[str, object]] = r.json()["nodes"]
     return nodes
+
+
+def _ready_replica(url: str, token: str) -> dict[str, Any] | None:
+    try:
+        r = httpx.get(url + "/v1/replicas", headers={"authorization": f"Bearer {token}"}, timeout=2)
+        r.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    for replica in r.json()["replicas"]:
+        if replica["state"] == "Ready":
+            found: dict[str, Any] = replica
+            return found
+    return None
 
 
 def _ready(url: str, token: str) -> int:
