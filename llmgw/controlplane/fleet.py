@@ -126,7 +126,8 @@ class FleetManager:
         plan = self.reconciler.reconcile(self.control.nodes.nodes, self._clock())
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         for model, why in plan.placement_failures.items():
-            self.control.metrics.placement_failures.labels(model).inc()
+            kind = plan.failure_kinds.get(model, "other")
+            self.control.metrics.placement_failures.labels(model, kind).inc()
             log.warning("cannot place %s: %s", model, why)
         self._plans.append(plan)
 

@@ -74,8 +74,8 @@ class ControlPlaneMetrics:
         )
         self.placement_failures = Counter(
             "llmgw_placement_failures",
-            "Passes in which a model below its count could not be placed, by model",
-            ["model"],
+            "Passes in which a model below its count could not be placed, by model and reason",
+            ["model", "reason"],
             registry=r,
         )
         self.liveness_changes = Counter(

@@ -43,7 +43,7 @@ import attrs
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Catalog, Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
-from llmgw.controlplane.placement import NodeFacts, ShardPlacement, place
+from llmgw.controlplane.placement import Decision, NodeFacts, ShardPlacement, place
 from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
 
@@ -75,6 +75,7 @@ class Plan:
     stop: list[tuple[str, str, float]] = attrs.Factory(list)  # node, shard, grace
     drain: list[tuple[str, str, float]] = attrs.Factory(list)
     placement_failures: dict[str, str] = attrs.Factory(dict)  # model -> why
+    failure_kinds: dict[str, str] = attrs.Factory(dict)  # model -> a bounded reason, for metrics
     notes: list[str] = attrs.Factory(list)
 
     def extend(self, other: Plan) -> None:
@@ -82,6 +83,7 @@ class Plan:
         self.stop += other.stop
         self.drain += other.drain
         self.placement_failures.update(other.placement_failures)
+        self.failure_kinds.update(other.failure_kinds)
         self.notes += other.notes
 
     def __bool__(self) -> bool:
@@ -246,6 +248,7 @@ class Reconciler:
             decision = place(model, facts, allocations, now, avoid=frozenset(self.draining))
             if decision.profile is None:
                 plan.placement_failures[model.name] = decision.summary
+                plan.failure_kinds[model.name] = failure_kind(decision)
                 self._back_off(model.name, now)
                 return
             profile = self.catalog.profile(model.name, decision.profile)
@@ -453,3 +456,32 @@ def _lost(node: Node | None) -> bool:
 def _gone(node: Node | None) -> bool:
     """Nothing of ours can be running there (or nobody could tell us to stop it)."""
     return node is None or node.state is NodeState.LOST
+
+
+# the words each filter's reason uses -> a bounded metric label
+_KINDS = (
+    ("memory", "memory"),
+    ("GPU", "gpus"),
+    ("cordoned", "cordoned"),
+    ("draining", "draining"),
+    ("moved off", "draining"),
+    ("not installed", "engine"),
+    ("label", "selector"),
+    ("fabric", "fabric"),
+    ("port", "ports"),
+    ("Unreachable", "unreachable"),
+    ("Lost", "unreachable"),
+)
+
+
+def failure_kind(decision: Decision) -> str:
+    """The most common reason nodes were refused, as one of a few fixed words."""
+    if not decision.candidates:
+        return "no_nodes"
+    counts: dict[str, int] = {}
+    for c in decision.candidates:
+        if c.ok:
+            continue
+        kind = next((k for word, k in _KINDS if word in c.reason), "other")
+        counts[kind] = counts.get(kind, 0) + 1
+    return max(counts, key=lambda k: counts[k]) if counts else "other"

@@ -257,5 +257,6 @@ def test_above_its_count_the_newest_extra_is_drained() -> None:
 def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
     nodes = fleet("n1", "n2", gpus=1, memory_gb=memory_gb)
     rec = Reconciler(catalog(), NOW)
-    why = rec.reconcile(nodes.nodes, now=0).placement_failures["big"]
-    assert "has 8 GB of memory, needs 24" in why
+    plan = rec.reconcile(nodes.nodes, now=0)
+    assert "has 8 GB of memory, needs 24" in plan.placement_failures["big"]
+    assert plan.failure_kinds["big"] == "memory"  # the metric's bounded label

@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterator
 
 import attrs
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -53,7 +51,7 @@ from hypothesis.stateful import (
 from llmgw.controlplane.catalog import Catalog, parse_catalog
 from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable
 from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
-from llmgw.controlplane.replicas import COUNTS, TRANSITIONS, Replica, ReplicaState
+from llmgw.controlplane.replicas import TRANSITIONS, Replica, ReplicaState
 from llmgw.protocol.messages import (
     Engine,
     Gpu,
@@ -215,9 +213,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.rec = self._new_reconciler()
         self.table = NodeTable(POLICY)
         self.connections = itertools.count(1)
-        self.agents = {
-            f"n{i + 1}": Agent(f"n{i + 1}", [True] * g) for i, g in enumerate(gpus)
-        }
+        self.agents = {f"n{i + 1}": Agent(f"n{i + 1}", [True] * g) for i, g in enumerate(gpus)}
         self.statuses: list[tuple[str, ShardStatus]] = []
         self.violations: list[str] = []
         self.last_plan = Plan()
@@ -331,7 +327,10 @@ class ReconcilerMachine(RuleBasedStateMachine):
         for agent in self.agents.values():  # the agents' own bounds
             for shard in list(agent.running.values()):
                 sid = shard.spec.shard_id
-                if shard.state == "starting" and self.now - shard.since > shard.spec.startup_timeout_s:
+                if (
+                    shard.state == "starting"
+                    and self.now - shard.since > shard.spec.startup_timeout_s
+                ):
                     del agent.running[sid]
                     self._emit(agent, ShardStatus(shard_id=sid, state="failed", detail="timeout"))
                 elif shard.state == "draining" and self.now >= shard.drain_until:
@@ -644,9 +643,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
             assert g in allocated.gpus.get(node, set()), (
                 f"GPU {g} of {node} is held by a shard but not in allocations()"
             )
-        per_node = {
-            node: sum(1 for (n, _) in holder if n == node) for node in allocated.gpus
-        }
+        per_node = {node: sum(1 for (n, _) in holder if n == node) for node in allocated.gpus}
         for node, gpus in allocated.gpus.items():
             assert len(gpus) == per_node.get(node, 0), (
                 f"allocations() hands out {sorted(gpus)} on {node}, "
@@ -710,9 +707,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
     def nothing_runs_that_the_reconciler_forgot(self) -> None:
         """Every shard a connected agent runs belongs to a replica the reconciler knows
         (it was told to stop everything else, and a connected agent stops at once)."""
-        known = {
-            (s.node_id, s.shard_id) for r in self.rec.replicas.values() for s in r.shards
-        }
+        known = {(s.node_id, s.shard_id) for r in self.rec.replicas.values() for s in r.shards}
         for agent in self.agents.values():
             if agent.link != "up":
                 continue
@@ -723,25 +718,6 @@ class ReconcilerMachine(RuleBasedStateMachine):
                     "and its GPUs look free"
                 )
 
-    @invariant()
-    def counts_are_bounded(self) -> None:
-        """Counting replicas never exceed the desired count by more than what one pass
-        may place (a rolling move adds one per leaving replica)."""
-        for model, n in self.replicas.items():
-            counting = [
-                r for r in self.rec.replicas.values() if r.model == model and r.state in COUNTS
-                and not r.leaving
-            ]
-            if not self.present[model]:
-                continue
-            # adoption may bring back replicas the model no longer wants; a pass then drains
-            # the extras, so only bound what placement adds: nothing while at or above n
-            assert len(counting) <= max(n, len(counting)), "unreachable"
-
-
-def _iter_steps() -> Iterator[int]:  # pragma: no cover - kept for readability of settings
-    yield from ()
-
 
 ReconcilerMachine.TestCase.settings = settings(
     max_examples=60,
@@ -750,8 +726,3 @@ ReconcilerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestReconcilerMachine = ReconcilerMachine.TestCase
-
-
-@pytest.fixture(autouse=True)
-def _quiet_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("ERROR", logger="llmgw.controlplane.reconciler")
