@@ -1,0 +1,354 @@
+"""Which replica takes a request: by load, within admission thresholds.
+
+Load comes from two places. The engines' own gauges (scraped from their
+Prometheus /metrics on a short interval: requests waiting, requests running,
+KV-cache usage) see traffic from every router and the engine's real queue,
+but they are as old as the last scrape and can be missing altogether. The
+router's own in-flight count per replica is always fresh but sees only this
+router's traffic. The score uses both when the gauges are fresh and falls
+back to the in-flight count when they are not.
+
+Stale or missing gauges degrade to the in-flight count, **never to
+"saturated"**: an unknown is not a full replica. llm-d failed closed on stale
+metrics and a slow scrape blocked whole pools that were in fact idle; a
+replica whose scrape is late here is simply balanced by what this router
+knows about it.
+
+Admission: ``target_waiting`` and ``kv_ceiling`` (measured by ``ctl bench``
+as what a replica holds while still meeting its SLO) mark a replica as
+saturated; a saturated replica takes no new work while another is below its
+thresholds. When every candidate is above, the request is shed (429 with
+Retry-After, or queued for a bounded time by the caller) rather than piled
+onto replicas already past the point where latency holds.
+
+Pure code with an explicit ``now`` (monotonic seconds) and an injectable
+random value, so tests drive it without a network or a clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+
+from llmgw.engines.base import LoadSignals
+from llmgw.router.breaker import Breaker, BreakerState, Outcome
+
+
+def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attr.name} must be > 0, got {value}")
+
+
+def _non_negative(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+def _optional_non_negative(
+    _inst: object, attr: attrs.Attribute[float | None], value: float | None
+) -> None:
+    if value is not None and not value >= 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+
+
+@attrs.frozen
+class Admission:
+    """When a replica counts as saturated, and what to do when all are.
+
+    ``None`` thresholds never trigger (no threshold configured is not a
+    threshold of zero). ``queue_timeout_s`` is how long the caller may hold a
+    request and re-choose before shedding it (0: shed at once);
+    ``retry_after_s`` goes into the 429's Retry-After.
+    """
+
+    target_waiting: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    kv_ceiling: float | None = attrs.field(default=None, validator=_optional_non_negative)
+    queue_timeout_s: float = attrs.field(default=0.0, validator=_non_negative)
+    retry_after_s: float = attrs.field(default=1.0, validator=_non_negative)
+
+
+@attrs.define(eq=False)
+class Endpoint:
+    """One replica (or static URL) as the router sees it."""
+
+    key: str  # replica id, or the static URL
+    model: str
+    url: str  # base URL
+    weight: float = attrs.field(default=1.0, validator=_positive)  # relative share
+    ready: bool = True  # Ready in the control plane's table
+    draining: bool = False  # no new requests; in-flight ones finish
+    in_flight: int = 0  # this router's own count, always fresh
+    load: LoadSignals | None = None
+    load_at: float | None = None  # when ``load`` was scraped
+    breaker: Breaker = attrs.Factory(Breaker)
+    # per-replica thresholds (replicas on different hardware hold different
+    # queues); None: the ones passed to ``choose``
+    admission: Admission | None = None
+
+    def start(self, now: float) -> None:
+        """A request was sent to it: count it, and tell the breaker."""
+        self.in_flight += 1
+        self.breaker.on_start(now)
+
+    def finish(self, now: float, outcome: Outcome | None) -> None:
+        """A request ended; ``None`` outcome: abandoned with no verdict."""
+        self.in_flight = max(0, self.in_flight - 1)
+        if outcome == "success":
+            self.breaker.on_success(now)
+        elif outcome == "upstream_fault":
+            self.breaker.on_upstream_fault(now)
+        elif outcome == "client_error":
+            self.breaker.on_client_error(now)
+        else:
+            self.breaker.on_cancel(now)
+
+
+@attrs.frozen
+class Choice:
+    """The pick, or why there is none.
+
+    ``endpoint`` None and ``shed`` True: every candidate is above its
+    admission thresholds; answer 429 with ``retry_after_s`` (after queueing,
+    if configured). ``endpoint`` None and ``shed`` False: no replica may take
+    traffic at all (none Ready, all draining, breakers open, all tried);
+    that is the upstream's unavailability, a 503.
+    """
+
+    endpoint: Endpoint | None
+    reason: str
+    shed: bool = False
+    retry_after_s: float = 1.0
+
+
+def fresh_load(endpoint: Endpoint, now: float, stale_after_s: float) -> LoadSignals | None:
+    """The endpoint's signals if they are recent enough to trust, else None."""
+    if endpoint.load is None or endpoint.load_at is None:
+        return None
+    if now - endpoint.load_at > stale_after_s:
+        return None
+    return endpoint.load
+
+
+def score(endpoint: Endpoint, load: LoadSignals | None) -> float:
+    """Lower is less loaded: work on the replica per unit of weight.
+
+    With fresh signals: ``(max(in_flight, running) + waiting) / weight``.
+    ``max`` because the engine's running count includes other routers'
+    traffic but lags this router's latest sends, while ``in_flight`` is
+    current but sees only this router; the larger is the better lower bound
+    on what the replica is doing. Waiting requests are work queued on top.
+    Without fresh signals: ``in_flight / weight``.
+
+    Dividing by weight is what makes a weight-2 replica take twice the share:
+    least-loaded picking keeps the scores level, so in-flight counts settle
+    in proportion to weights.
+    """
+    work = float(endpoint.in_flight)
+    if load is not None:
+        work = max(work, load.running or 0.0) + (load.waiting or 0.0)
+    return work / endpoint.weight
+
+
+def above_thresholds(load: LoadSignals | None, admission: Admission) -> list[str]:
+    """Which thresholds fresh signals exceed, in words; empty when admissible.
+
+    No fresh signals → never above: an unknown is not saturated.
+    """
+    if load is None:
+        return []
+    over: list[str] = []
+    if (
+        admission.target_waiting is not None
+        and load.waiting is not None
+        and load.waiting > admission.target_waiting
+    ):
+        over.append(f"waiting {load.waiting:g} > {admission.target_waiting:g}")
+    if (
+        admission.kv_ceiling is not None
+        and load.kv_usage is not None
+        and load.kv_usage > admission.kv_ceiling
+    ):
+        over.append(f"kv {load.kv_usage:.2f} > {admission.kv_ceiling:.2f}")
+    return over
+
+
+def _why_not(endpoint: Endpoint, now: float, exclude: frozenset[str]) -> str | None:
+    """Why the endpoint may not take a new request; None when it may."""
+    if not endpoint.ready:
+        return "not Ready"
+    if endpoint.draining:
+        return "draining"
+    if endpoint.key in exclude:
+        return "already tried"
+    if not endpoint.breaker.allows(now):
+        if endpoint.breaker.state is BreakerState.HALF_OPEN:
+            return "breaker half-open, probe in flight"
+        return "breaker open"
+    return None
+
+
+def _describe(endpoint: Endpoint, load: LoadSignals | None, now: float, value: float) -> str:
+    parts = [f"in-flight {endpoint.in_flight}"]
+    if load is not None:
+        if load.running is not None:
+            parts.append(f"running {load.running:g}")
+        if load.waiting is not None:
+            parts.append(f"waiting {load.waiting:g}")
+        if load.kv_usage is not None:
+            parts.append(f"kv {load.kv_usage:.2f}")
+    elif endpoint.load_at is None:
+        parts.append("no metrics")
+    else:
+        parts.append(f"metrics stale ({now - endpoint.load_at:.0f}s old)")
+    if endpoint.weight != 1.0:
+        parts.append(f"weight {endpoint.weight:g}")
+    return f"{endpoint.key} ({', '.join(parts)}; score {value:g})"
+
+
+def choose(
+    endpoints: Sequence[Endpoint],
+    now: float,
+    *,
+    admission: Admission,
+    stale_after_s: float = 5.0,
+    exclude: frozenset[str] = frozenset(),
+    model: str | None = None,
+    rng_value: float | None = None,
+) -> Choice:
+    """Pick the replica for one request (or one retry of it).
+
+    Candidates: Ready, not draining, not in ``exclude`` (replicas this
+    request already tried), and whose breaker allows a request now. Among
+    them, those below their admission thresholds are preferred; if every
+    candidate is above, the request is shed. The least ``score`` wins; equal
+    scores are broken by ``rng_value`` (in [0, 1); drawn when None) over the
+    tied keys in sorted order, so identical replicas share load instead of
+    the first in the list taking everything.
+
+    ``model``: when given, only endpoints serving it are considered (and it
+    names the model in the reason); otherwise the endpoints' own model.
+
+    Calling this may move a breaker from open to half-open (its cool-down is
+    over); it does not count the request: call ``Endpoint.start`` on the
+    chosen endpoint when the request is actually sent.
+    """
+    if model is not None:
+        endpoints = [e for e in endpoints if e.model == model]
+    name = model if model is not None else (endpoints[0].model if endpoints else "?")
+
+    refused: list[str] = []
+    admissible: list[tuple[float, Endpoint, LoadSignals | None]] = []
+    saturated: list[str] = []
+    for endpoint in endpoints:
+        why = _why_not(endpoint, now, exclude)
+        if why is not None:
+            refused.append(f"{endpoint.key}: {why}")
+            continue
+        load = fresh_load(endpoint, now, stale_after_s)
+        over = above_thresholds(load, endpoint.admission or admission)
+        if over:
+            saturated.append(f"{' and '.join(over)} on {endpoint.key}")
+            continue
+        admissible.append((score(endpoint, load), endpoint, load))
+
+    if admissible:
+        best = min(s for s, _, _ in admissible)
+        tied = sorted(
+            (entry for entry in admissible if entry[0] <= best + 1e-9),
+            key=lambda entry: entry[1].key,
+        )
+        r = random.random() if rng_value is None else rng_value
+        index = min(int(r * len(tied)), len(tied) - 1)
+        value, endpoint, load = tied[index]
+        return Choice(endpoint, f"least loaded: {_describe(endpoint, load, now, value)}")
+    if saturated:
+        return Choice(
+            None,
+            "every replica of model "
+            f"{name} is above its admission thresholds ({'; '.join(saturated)})",
+            shed=True,
+            retry_after_s=admission.retry_after_s,
+        )
+    detail = f" ({'; '.join(refused)})" if refused else ""
+    return Choice(None, f"no Ready replica for model {name}{detail}")
+
+
+def should_retry(outcome: Outcome, *, response_started: bool) -> bool:
+    """Whether a failed attempt may go to another replica at all.
+
+    Only upstream faults: a client error would fail the same way anywhere.
+    Only before the first byte of the response reached the client: after
+    that, a second replica's answer cannot be spliced onto the first's.
+    """
+    return outcome == "upstream_fault" and not response_started
+
+
+@attrs.define
+class RetryBudget:
+    """Bounds retries per request and across the router.
+
+    ``max_attempts`` caps one request (first try included). The ratio budget
+    caps retries to ``ratio`` of requests over a sliding ``window_s`` (as in
+    Envoy and Finagle), with a floor of ``min_retries`` per window so a quiet
+    router can still retry. Without it, a fleet-wide brown-out turns every
+    request into ``max_attempts`` requests and multiplies the load on
+    replicas that are failing because they are overloaded.
+
+    Counts are kept in ``buckets`` slices of the window, so memory does not
+    grow with traffic.
+    """
+
+    max_attempts: int = 3
+    ratio: float = 0.2
+    window_s: float = 10.0
+    min_retries: int = 3
+    buckets: int = 10
+    # (bucket index, requests, retries), oldest first
+    _slices: deque[list[int]] = attrs.field(factory=deque, init=False)
+
+    def _bucket(self, now: float) -> int:
+        return int(now // (self.window_s / self.buckets))
+
+    def _prune(self, now: float) -> None:
+        oldest = self._bucket(now) - self.buckets + 1
+        while self._slices and self._slices[0][0] < oldest:
+            self._slices.popleft()
+
+    def _current(self, now: float) -> list[int]:
+        self._prune(now)
+        index = self._bucket(now)
+        if not self._slices or self._slices[-1][0] != index:
+            self._slices.append([index, 0, 0])
+        return self._slices[-1]
+
+    def totals(self, now: float) -> tuple[int, int]:
+        """(requests, retries) within the window ending at ``now``."""
+        self._prune(now)
+        return sum(s[1] for s in self._slices), sum(s[2] for s in self._slices)
+
+    def on_request(self, now: float) -> None:
+        """A client request arrived (counted once, however many attempts it takes)."""
+        self._current(now)[1] += 1
+
+    def on_retry(self, now: float) -> None:
+        """A retry was sent."""
+        self._current(now)[2] += 1
+
+    def can_retry(
+        self,
+        now: float,
+        *,
+        attempts: int = 1,
+        outcome: Outcome = "upstream_fault",
+        response_started: bool = False,
+    ) -> bool:
+        """Whether a request that has made ``attempts`` attempts may make another."""
+        if not should_retry(outcome, response_started=response_started):
+            return False
+        if attempts >= self.max_attempts:
+            return False
+        requests, retries = self.totals(now)
+        return retries < max(self.min_retries, self.ratio * requests)

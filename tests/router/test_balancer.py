@@ -1,0 +1,352 @@
+"""Choosing a replica: only admissible ones, by load, and unknown load is not saturation."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmgw.engines.base import LoadSignals
+from llmgw.router.balancer import (
+    Admission,
+    Endpoint,
+    RetryBudget,
+    choose,
+    score,
+    should_retry,
+)
+from llmgw.router.breaker import Breaker, BreakerState
+
+NOW = 1000.0
+OPEN = Admission()
+STRICT = Admission(target_waiting=4, kv_ceiling=0.9, retry_after_s=2.5)
+
+
+def ep(key: str, **kw: object) -> Endpoint:
+    return Endpoint(key=key, model="m", url=f"http://{key}:8000", **kw)  # type: ignore[arg-type]
+
+
+def fresh(
+    waiting: float | None = 0, running: float | None = 0, kv: float | None = None
+) -> dict[str, object]:
+    return {"load": LoadSignals(waiting=waiting, running=running, kv_usage=kv), "load_at": NOW - 1}
+
+
+def open_breaker() -> Breaker:
+    b = Breaker(failure_threshold=1, cooldown_s=60)
+    b.on_upstream_fault(NOW)
+    return b
+
+
+# --- who may take traffic -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ({"ready": False}, "not Ready"),
+        ({"draining": True}, "draining"),
+        ({"breaker": "open"}, "breaker open"),
+    ],
+)
+def test_inadmissible_replica_never_chosen_even_when_idle(bad: dict[str, object], why: str) -> None:
+    if bad.get("breaker") == "open":
+        bad = {"breaker": open_breaker()}
+    idle = ep("idle", **bad)
+    busy = ep("busy", in_flight=50)
+    for r in (0.0, 0.5, 0.99):
+        choice = choose([idle, busy], NOW, admission=OPEN, rng_value=r)
+        assert choice.endpoint is busy
+    alone = choose([idle], NOW, admission=OPEN)
+    assert alone.endpoint is None
+    assert not alone.shed
+    assert "no Ready replica for model m" in alone.reason
+    assert why in alone.reason
+
+
+def test_half_open_breaker_takes_a_probe_after_cooldown() -> None:
+    e = ep("r1", breaker=open_breaker())
+    assert choose([e], NOW + 59, admission=OPEN).endpoint is None
+    choice = choose([e], NOW + 60, admission=OPEN)
+    assert choice.endpoint is e
+    e.start(NOW + 60)
+    assert e.breaker.state is BreakerState.HALF_OPEN
+    again = choose([e], NOW + 61, admission=OPEN)
+    assert again.endpoint is None
+    assert "probe in flight" in again.reason
+
+
+def test_exclude_sends_the_retry_elsewhere() -> None:
+    a, b = ep("a"), ep("b", in_flight=10)
+    assert choose([a, b], NOW, admission=OPEN).endpoint is a
+    retry = choose([a, b], NOW, admission=OPEN, exclude=frozenset({"a"}))
+    assert retry.endpoint is b
+    none_left = choose([a, b], NOW, admission=OPEN, exclude=frozenset({"a", "b"}))
+    assert none_left.endpoint is None and not none_left.shed
+    assert "already tried" in none_left.reason
+
+
+def test_no_replicas_at_all() -> None:
+    choice = choose([], NOW, admission=STRICT, model="llama")
+    assert choice.endpoint is None
+    assert not choice.shed
+    assert choice.reason.startswith("no Ready replica for model llama")
+
+
+def test_model_filter() -> None:
+    other = Endpoint(key="x", model="other", url="http://x")
+    mine = ep("mine", in_flight=9)
+    assert choose([other, mine], NOW, admission=OPEN, model="m").endpoint is mine
+
+
+# --- load ------------------------------------------------------------------------
+
+
+def test_least_loaded_by_fresh_signals() -> None:
+    # a has fewer of *our* requests, but the engine says it is busier (other routers)
+    a = ep("a", in_flight=1, **fresh(waiting=3, running=6))
+    b = ep("b", in_flight=2, **fresh(waiting=0, running=2))
+    choice = choose([a, b], NOW, admission=OPEN)
+    assert choice.endpoint is b
+    assert choice.reason.startswith("least loaded: b")
+
+
+def test_in_flight_counts_when_scrape_lags() -> None:
+    # the engine has not yet seen our latest sends: in-flight is the better lower bound
+    a = ep("a", in_flight=8, **fresh(waiting=0, running=1))
+    b = ep("b", in_flight=3, **fresh(waiting=0, running=2))
+    assert score(a, a.load) == 8
+    assert choose([a, b], NOW, admission=OPEN).endpoint is b
+
+
+def test_stale_metrics_degrade_to_in_flight_not_saturated() -> None:
+    # metrics say waiting=100 but are 60 s old: ignore them, and do not shed
+    stale = ep(
+        "stale",
+        in_flight=2,
+        load=LoadSignals(waiting=100, running=50, kv_usage=0.99),
+        load_at=NOW - 60,
+    )
+    choice = choose([stale], NOW, admission=STRICT)
+    assert choice.endpoint is stale
+    assert not choice.shed
+    assert "stale" in choice.reason
+    # and balanced on in-flight against a fresh one
+    busy_fresh = ep("fresh", in_flight=0, **fresh(waiting=3, running=3))
+    assert choose([stale, busy_fresh], NOW, admission=STRICT).endpoint is stale
+
+
+def test_missing_metrics_are_not_saturation() -> None:
+    unknown = ep("unknown", in_flight=7)
+    full = ep("full", **fresh(waiting=9))
+    choice = choose([unknown, full], NOW, admission=STRICT)
+    assert choice.endpoint is unknown
+    assert "no metrics" in choice.reason
+
+
+def test_staleness_boundary() -> None:
+    e = ep("e", load=LoadSignals(waiting=9), load_at=NOW - 5)
+    assert choose([e], NOW, admission=STRICT, stale_after_s=5).shed
+    assert not choose([e], NOW + 0.01, admission=STRICT, stale_after_s=5).shed
+
+
+# --- admission -------------------------------------------------------------------
+
+
+def test_over_threshold_replica_avoided_while_another_is_below() -> None:
+    # 'over' has the lower score but its queue is past target_waiting
+    over = ep("over", weight=10, **fresh(waiting=5, running=0))
+    below = ep("below", in_flight=3, **fresh(waiting=1, running=3))
+    assert score(over, over.load) < score(below, below.load)
+    assert choose([over, below], NOW, admission=STRICT).endpoint is below
+    # without thresholds it would have been picked
+    assert choose([over, below], NOW, admission=OPEN).endpoint is over
+
+
+def test_kv_ceiling_avoided() -> None:
+    full = ep("full", **fresh(waiting=0, running=0, kv=0.95))
+    roomy = ep("roomy", in_flight=4, **fresh(waiting=0, running=4, kv=0.5))
+    assert choose([full, roomy], NOW, admission=STRICT).endpoint is roomy
+
+
+def test_all_above_sheds_with_retry_after() -> None:
+    a = ep("r1", **fresh(waiting=9))
+    b = ep("r2", **fresh(waiting=0, kv=0.97))
+    choice = choose([a, b], NOW, admission=STRICT)
+    assert choice.endpoint is None
+    assert choice.shed
+    assert choice.retry_after_s == 2.5
+    assert "waiting 9 > 4 on r1" in choice.reason
+    assert "kv 0.97 > 0.90 on r2" in choice.reason
+
+
+def test_threshold_is_strictly_above() -> None:
+    at = ep("at", **fresh(waiting=4, kv=0.9))
+    assert choose([at], NOW, admission=STRICT).endpoint is at
+
+
+def test_none_thresholds_never_trigger() -> None:
+    e = ep("e", **fresh(waiting=10_000, kv=1.0))
+    assert choose([e], NOW, admission=OPEN).endpoint is e
+    # llama.cpp has no KV gauge: a kv ceiling alone never triggers on it
+    llama = ep("llama", load=LoadSignals(waiting=0, running=1, kv_usage=None), load_at=NOW)
+    assert choose([llama], NOW, admission=Admission(kv_ceiling=0.1)).endpoint is llama
+
+
+def test_per_endpoint_admission_overrides() -> None:
+    small = ep("small", admission=Admission(target_waiting=1), **fresh(waiting=2))
+    big = ep("big", in_flight=5, **fresh(waiting=2))
+    assert choose([small, big], NOW, admission=STRICT).endpoint is big
+
+
+# --- sharing -----------------------------------------------------------------------
+
+
+def simulate(weights: list[float], steps: int, hold: int, seed: int) -> Counter[str]:
+    """One arrival per step, each held for ``hold`` steps: how many each replica took."""
+    rng = random.Random(seed)
+    endpoints = [ep(f"r{i}", weight=w) for i, w in enumerate(weights)]
+    done_at: list[tuple[int, Endpoint]] = []
+    taken: Counter[str] = Counter()
+    for step in range(steps):
+        for entry in [d for d in done_at if d[0] <= step]:
+            done_at.remove(entry)
+            entry[1].finish(float(step), "success")
+        choice = choose(endpoints, float(step), admission=OPEN, rng_value=rng.random())
+        assert choice.endpoint is not None
+        choice.endpoint.start(float(step))
+        done_at.append((step + hold, choice.endpoint))
+        taken[choice.endpoint.key] += 1
+    return taken
+
+
+@pytest.mark.parametrize("weights", [[1, 1], [2, 1], [1, 3], [1, 2, 5], [1.5, 1]])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_weight_scales_share(weights: list[float], seed: int) -> None:
+    steps = 4000
+    taken = simulate(weights, steps=steps, hold=40, seed=seed)
+    total = sum(weights)
+    for i, w in enumerate(weights):
+        expected = steps * w / total
+        assert abs(taken[f"r{i}"] - expected) <= 0.1 * expected, (taken, weights)
+
+
+def test_equal_replicas_share_ties() -> None:
+    # idle replicas tie; the tie-break must spread, not always pick the first
+    a, b, c = ep("a"), ep("b"), ep("c")
+    picks = set()
+    for r in (0.0, 0.4, 0.8):
+        chosen = choose([a, b, c], NOW, admission=OPEN, rng_value=r).endpoint
+        assert chosen is not None
+        picks.add(chosen.key)
+    assert picks == {"a", "b", "c"}
+
+
+# --- properties --------------------------------------------------------------------
+
+endpoint_st = st.builds(
+    lambda i, ready, draining, tripped, in_flight, waiting, kv, age, weight: Endpoint(
+        key=f"r{i}",
+        model="m",
+        url="http://x",
+        weight=weight,
+        ready=ready,
+        draining=draining,
+        in_flight=in_flight,
+        load=None if age is None else LoadSignals(waiting=waiting, running=None, kv_usage=kv),
+        load_at=None if age is None else NOW - age,
+        breaker=open_breaker() if tripped else Breaker(),
+    ),
+    st.integers(0, 1000),
+    st.booleans(),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 20),
+    st.one_of(st.none(), st.floats(0, 50)),
+    st.one_of(st.none(), st.floats(0, 1)),
+    st.one_of(st.none(), st.floats(0, 120)),
+    st.floats(0.1, 10),
+)
+
+
+@given(
+    st.lists(endpoint_st, max_size=8, unique_by=lambda e: e.key),
+    st.frozensets(st.sampled_from([f"r{i}" for i in range(5)])),
+    st.floats(0, 0.999),
+)
+def test_choose_only_admissible_and_never_sheds_on_unknown(
+    endpoints: list[Endpoint], exclude: frozenset[str], r: float
+) -> None:
+    choice = choose(endpoints, NOW, admission=STRICT, stale_after_s=5, exclude=exclude, rng_value=r)
+
+    def candidate(e: Endpoint) -> bool:
+        return (
+            e.ready
+            and not e.draining
+            and e.key not in exclude
+            and e.breaker.state is BreakerState.CLOSED
+        )
+
+    if choice.endpoint is not None:
+        assert candidate(choice.endpoint)
+        assert not choice.shed
+    unknown = [e for e in endpoints if candidate(e) and (e.load_at is None or NOW - e.load_at > 5)]
+    if unknown:
+        assert choice.endpoint is not None
+    if not any(candidate(e) for e in endpoints):
+        assert choice.endpoint is None and not choice.shed
+
+
+# --- retries -------------------------------------------------------------------------
+
+
+def test_should_retry_only_upstream_faults_before_first_byte() -> None:
+    assert should_retry("upstream_fault", response_started=False)
+    assert not should_retry("upstream_fault", response_started=True)
+    assert not should_retry("client_error", response_started=False)
+    assert not should_retry("success", response_started=False)
+
+
+def test_retry_budget_attempts_per_request() -> None:
+    budget = RetryBudget(max_attempts=3)
+    budget.on_request(0)
+    assert budget.can_retry(0, attempts=1)
+    assert budget.can_retry(0, attempts=2)
+    assert not budget.can_retry(0, attempts=3)
+    assert not budget.can_retry(0, attempts=1, response_started=True)
+    assert not budget.can_retry(0, attempts=1, outcome="client_error")
+
+
+def test_retry_budget_ratio_over_window() -> None:
+    budget = RetryBudget(ratio=0.2, window_s=10, min_retries=0)
+    for i in range(100):
+        budget.on_request(i * 0.05)  # 100 requests within 5 s
+    now = 5.0
+    granted = 0
+    while budget.can_retry(now):
+        budget.on_retry(now)
+        granted += 1
+        assert granted <= 100
+    assert granted == 20
+    # the window slides: once those requests age out, retries are refused (min 0) ...
+    assert budget.totals(30.0) == (0, 0)
+    assert not budget.can_retry(30.0)
+    # ... and new traffic earns new budget
+    for _ in range(10):
+        budget.on_request(31.0)
+    assert budget.can_retry(31.0)
+    budget.on_retry(31.0)
+    budget.on_retry(31.0)
+    assert not budget.can_retry(31.0)
+
+
+def test_retry_budget_floor_lets_a_quiet_router_retry() -> None:
+    budget = RetryBudget(ratio=0.2, min_retries=3)
+    budget.on_request(0)
+    for _ in range(3):
+        assert budget.can_retry(0)
+        budget.on_retry(0)
+    assert not budget.can_retry(0)
