@@ -21,3 +21,29 @@ __all__ = [
     "ServerLimits",
     "default_error_body",
 ]
+
+from .client import (
+    ClientLimits,
+    ConnectFailed,
+    ConnectTimeout,
+    ResponseBody,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamReset,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+
+__all__ += [
+    "ClientLimits",
+    "ConnectFailed",
+    "ConnectTimeout",
+    "ResponseBody",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamProtocolError",
+    "UpstreamReset",
+    "UpstreamResponse",
+    "UpstreamTimeout",
+]
