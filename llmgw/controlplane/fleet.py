@@ -140,12 +140,13 @@ class FleetManager:
         for plan in plans:
             for note in plan.notes:
                 log.info("%s", note)
-            for node, spec in plan.start:
-                await self._send(node, StartShard(spec=spec))
-            for node, shard, grace in plan.drain:
-                await self._send(node, DrainShard(shard_id=shard, grace_s=grace))
+            # stops first: what is being replaced lets go of its resources soonest
             for node, shard, grace in plan.stop:
                 await self._send(node, StopShard(shard_id=shard, grace_s=grace))
+            for node, shard, grace in plan.drain:
+                await self._send(node, DrainShard(shard_id=shard, grace_s=grace))
+            for node, spec in plan.start:
+                await self._send(node, StartShard(spec=spec))
 
     async def _send(self, node: str, message: StartShard | StopShard | DrainShard) -> None:
         try:

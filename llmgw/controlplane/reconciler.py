@@ -181,11 +181,12 @@ class Reconciler:
     # --- placement and scaling ------------------------------------------------------
 
     def allocations(self) -> Allocations:
-        """What is handed out; a failed replica's GPUs and ports are released at once."""
+        """What is handed out. A failed replica stops counting towards its model at once,
+        but its shards hold their GPUs and ports until they report stopped (or their node
+        is lost, or the stop timeout is over): a new engine started on a GPU the dying
+        one still holds would fail to load."""
         a = Allocations()
         for replica in self.replicas.values():
-            if replica.state is R.FAILED:
-                continue
             for shard in replica.shards:
                 a.take(shard.node_id, replica.model, shard.spec.gpus, shard.spec.port)
         return a
@@ -217,11 +218,14 @@ class Reconciler:
         if missing > 0:
             self._place(model, missing, nodes, now, plan)
         elif missing < 0:
+            # the ones not serving yet go first, then the newest: never drain a Ready
+            # replica while one that is still loading is kept
             order = {rid: i for i, rid in enumerate(self.replicas)}
-            newest = sorted(
-                counting, key=lambda r: (r.created_at, order[r.replica_id]), reverse=True
+            extras = sorted(
+                counting,
+                key=lambda r: (r.state is R.READY, -r.created_at, -order[r.replica_id]),
             )
-            for replica in newest[:-missing]:
+            for replica in extras[:-missing]:
                 replica.leaving, replica.leaving_since = True, now
                 plan.notes.append(f"replica {replica.replica_id} is an extra; draining it")
                 self._drain(replica, now, plan)
@@ -418,6 +422,8 @@ class Reconciler:
         if report.state == "ready":
             same.came_up = True
         if replica.state in (R.FAILED, R.STOPPING):
+            # we wanted it gone; the stop may have been dropped while the node was away
+            plan.stop.append((node_id, spec.shard_id, self.timing.stop_grace_s))
             return
         self._resolve_conflicts(replica, same, now, plan)
         self._settle(replica, now)

@@ -92,6 +92,10 @@ def test_starting_past_its_timeout_fails_releases_gpus_and_stops_counting() -> N
     failed = rec.replicas[big.replica_id]
     assert failed.state is ReplicaState.FAILED
     assert "not ready 70 s after it was placed" in failed.why
+    assert not failed.counts  # it stops counting towards the model at once
+    # its GPU is held until the agent confirms the engine is gone, then released
+    assert 0 in rec.allocations().gpus["n1"]
+    rec.shard_status(node, ShardStatus(shard_id=big.shard_id, state="stopped"), 71.5)
     assert 0 not in rec.allocations().gpus.get("n1", set())
     # retried with backoff, not in a tight loop
     assert [s for _, s in rec.reconcile(nodes.nodes, now=72).start if s.model == "big"] == []
