@@ -90,6 +90,27 @@ class Plan:
         return bool(self.start or self.stop or self.drain)
 
 
+class _PassState:
+    """What every model's placement in one pass shares, built on first use only."""
+
+    def __init__(self, rec: Reconciler, nodes: Mapping[str, Node]) -> None:
+        self._rec = rec
+        self.nodes = nodes
+        self.placed = 0
+        self._facts: list[NodeFacts] | None = None
+        self._allocations: Allocations | None = None
+
+    def facts(self) -> list[NodeFacts]:
+        if self._facts is None:
+            self._facts = self._rec.facts(self.nodes)
+        return self._facts
+
+    def allocations(self) -> Allocations:
+        if self._allocations is None:
+            self._allocations = self._rec.allocations()
+        return self._allocations
+
+
 @attrs.define
 class _Backoff:
     failures: int = 0
@@ -171,8 +192,12 @@ class Reconciler:
                 self._clean_up(replica, nodes, now, plan)
         if now - self.started_at < t.settle_s:
             return plan  # agents are still coming back: they say what runs first
+        by_model: dict[str, list[Replica]] = {}
+        for replica in self.replicas.values():
+            by_model.setdefault(replica.model, []).append(replica)
+        shared = _PassState(self, nodes)  # facts and allocations, built once a pass
         for model in self.catalog.models.values():
-            self._scale(model, nodes, now, plan)
+            self._scale(model, by_model.get(model.name, []), shared, now, plan)
         return plan
 
     def set_catalog(self, catalog: Catalog) -> None:
@@ -199,10 +224,11 @@ class Reconciler:
             for n in nodes.values()
         ]
 
-    def _scale(self, model: Model, nodes: Mapping[str, Node], now: float, plan: Plan) -> None:
+    def _scale(
+        self, model: Model, mine: list[Replica], shared: _PassState, now: float, plan: Plan
+    ) -> None:
         if not model.profiles:
             return
-        mine = [r for r in self.replicas.values() if r.model == model.name]
         # rolling move off draining nodes: a replacement first
         for replica in mine:
             on_draining_node = any(n in self.draining for n in replica.nodes)
@@ -216,7 +242,7 @@ class Reconciler:
         counting = [r for r in mine if r.counts]
         missing = model.replicas - len(counting)
         if missing > 0:
-            self._place(model, missing, nodes, now, plan)
+            self._place(model, missing, shared, now, plan)
         elif missing < 0:
             # the ones not serving yet go first, then the newest: never drain a Ready
             # replica while one that is still loading is kept
@@ -241,14 +267,13 @@ class Reconciler:
                 self._drain(replica, now, plan)
 
     def _place(
-        self, model: Model, missing: int, nodes: Mapping[str, Node], now: float, plan: Plan
+        self, model: Model, missing: int, shared: _PassState, now: float, plan: Plan
     ) -> None:
         backoff = self.backoff.setdefault(model.name, _Backoff())
-        if now < backoff.next_attempt:
+        if now < backoff.next_attempt or shared.placed >= self.timing.max_placements_per_pass:
             return
-        facts = self.facts(nodes)
-        allocations = self.allocations()
-        for _ in range(min(missing, self.timing.max_placements_per_pass)):
+        facts, allocations, nodes = shared.facts(), shared.allocations(), shared.nodes
+        for _ in range(min(missing, self.timing.max_placements_per_pass - shared.placed)):
             decision = place(model, facts, allocations, now, avoid=frozenset(self.draining))
             if decision.profile is None:
                 plan.placement_failures[model.name] = decision.summary
@@ -258,6 +283,7 @@ class Reconciler:
             profile = self.catalog.profile(model.name, decision.profile)
             assert profile is not None
             replica = self._new_replica(model, profile, decision.shards, nodes, now)
+            shared.placed += 1
             for shard in replica.shards:
                 allocations.take(shard.node_id, model.name, shard.spec.gpus, shard.spec.port)
                 plan.start.append((shard.node_id, shard.spec))
