@@ -24,6 +24,7 @@ import msgspec
 
 from llmgw.admin.views import NodeView
 from llmgw.cli.ctl import render_nodes, render_replicas
+from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
 from tools.tinymodel import write_model
 
@@ -34,6 +35,7 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=1, help="how many agents (default 1)")
     parser.add_argument("--stream-port", type=int, default=7443)
     parser.add_argument("--admin-port", type=int, default=7444)
+    parser.add_argument("--router-port", type=int, default=8000)
     parser.add_argument(
         "--check", action="store_true", help="start, wait until every node is Ready, stop"
     )
@@ -68,9 +70,19 @@ settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
 startup_timeout_s = 120
 """
     )
+    key_file = d / "api-key"
+    if not key_file.exists():
+        key_file.write_text(new_key() + "\n")
+        key_file.chmod(0o600)
+    api_key = key_file.read_text().strip()
     (d / "server.toml").write_text(
         f"""state_dir = "state"
 catalog = "catalog.toml"
+[router]
+listen = "127.0.0.1:{args.router_port}"
+[[router.keys]]
+name = "local"
+sha256 = "{hash_key(api_key)}"
 [reconcile]
 settle_s = 1
 [agent_stream]
@@ -106,26 +118,30 @@ listen = "127.0.0.1:{args.admin_port}"
         replica = _ready_replica(url, token)
         assert replica is not None
         print(render_replicas({"replicas": [replica]}), flush=True)
-        port = replica["shards"][0]["port"]
-        engine = f"http://127.0.0.1:{port}/v1"
+        base = f"http://127.0.0.1:{args.router_port}/v1"
+        _wait(lambda: _served(base, api_key), "the router to route to it", procs, 30)
         print(
             f"\nlocal fleet is up: {len(nodes)} agent(s), model 'tiny' served by llama-server"
-            f"\n  engine (OpenAI-compatible): {engine}"
-            f"\n  curl {engine}/chat/completions -H 'content-type: application/json' "
-            """-d '{"messages":[{"role":"user","content":"hi"}]}'"""
+            f"\n  base URL: {base}"
+            f"\n  API key:  {api_key}"
+            f"\n  python: OpenAI(base_url={base!r}, api_key={api_key!r})"
+            f"\n             .chat.completions.create(model='tiny', messages=[...])"
+            f"\n  curl {base}/chat/completions -H 'authorization: Bearer {api_key}' "
+            """-H 'content-type: application/json' """
+            """-d '{"model":"tiny","messages":[{"role":"user","content":"hi"}]}'"""
             f"\n  .venv/bin/llmgw ctl nodes --config {d / 'server.toml'}"
             f"\n  .venv/bin/llmgw ctl replicas --config {d / 'server.toml'}"
             f"\n  logs above; Ctrl-C stops everything\n",
             flush=True,
         )
         if args.check:
-            r = httpx.post(
-                f"{engine}/chat/completions",
-                json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-                timeout=30,
+            from openai import OpenAI
+
+            client = OpenAI(base_url=base, api_key=api_key)
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
             )
-            r.raise_for_status()
-            print("check: the model answered:", r.json()["choices"][0]["message"], flush=True)
+            print("check: the model answered:", reply.choices[0].message.content, flush=True)
         if not args.check:
             stop = threading.Event()
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -170,6 +186,14 @@ def _nodes(url: str, token: str) -> list[dict[str, object]]:
     r.raise_for_status()
     nodes: list[dict[str, object]] = r.json()["nodes"]
     return nodes
+
+
+def _served(base: str, key: str) -> bool:
+    try:
+        r = httpx.get(base + "/models", headers={"authorization": f"Bearer {key}"}, timeout=2)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and any(m["id"] == "tiny" for m in r.json()["data"])
 
 
 def _ready_replica(url: str, token: str) -> dict[str, Any] | None:

@@ -73,6 +73,19 @@ class ReconcileConfig(_Section):
     settle_s: float = 15.0  # after a start, agents re-register before anything is placed
 
 
+class KeyConfig(_Section):
+    name: str
+    sha256: str  # of the key; `llmgw ctl key NAME` makes one
+    models: list[str] = []  # empty: every model
+
+
+class RouterConfig(_Section):
+    listen: str = ""  # the OpenAI-compatible endpoint, e.g. "0.0.0.0:8000"; empty: none
+    keys: list[KeyConfig] = []
+    max_body_mb: float = 16.0
+    max_attempts: int = 3  # per request, retries included (only before the first byte)
+
+
 class ServerConfig(_Section):
     state_dir: str = "state"
     catalog: str = ""  # the models to run; empty: no placement (a plain control plane)
@@ -81,6 +94,7 @@ class ServerConfig(_Section):
     liveness: LivenessConfig = msgspec.field(default_factory=LivenessConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     reconcile: ReconcileConfig = msgspec.field(default_factory=ReconcileConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
     def validate(self) -> None:
         parse_hostport(self.agent_stream.listen, key="agent_stream.listen")

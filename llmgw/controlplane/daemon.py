@@ -20,7 +20,11 @@ from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.reconciler import Timing
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
-from llmgw.http import HttpServer
+from llmgw.http import HttpServer, ServerLimits
+from llmgw.router.app import RouterApp
+from llmgw.router.app import error_body as openai_error_body
+from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.table import RoutingTable
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")
@@ -114,6 +118,24 @@ async def serve(config: ServerConfig, base: Path) -> None:
             ),
         )
     admin = HttpServer(AdminApi(control, token, fleet), name="admin")
+    router = None
+    if config.router.listen:
+        static = {
+            m.name: list(m.static_endpoints)
+            for m in (fleet.reconciler.catalog.models.values() if fleet else [])
+            if m.static_endpoints
+        }
+        table = RoutingTable(fleet, static)
+        keys = KeyRing([ApiKey(k.name, k.sha256, frozenset(k.models)) for k in config.router.keys])
+        router = (
+            table,
+            HttpServer(
+                RouterApp(table, keys, max_attempts=config.router.max_attempts),
+                limits=ServerLimits(max_body_bytes=int(config.router.max_body_mb * 2**20)),
+                error_body=openai_error_body,
+                name="router",
+            ),
+        )
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
     async with trio.open_nursery() as nursery:
@@ -129,6 +151,14 @@ async def serve(config: ServerConfig, base: Path) -> None:
                 fleet.catalog_path,
             )
         admin_listeners = await nursery.start(admin.serve_tcp, admin_host, admin_port)
+        if router is not None:
+            await nursery.start(router[0].run)
+            r_host, r_port = parse_hostport(config.router.listen, key="router.listen")
+            r_listeners = await nursery.start(router[1].serve_tcp, r_host, r_port)
+            log.info(
+                "OpenAI-compatible endpoint on %s",
+                ", ".join(f"http://{_show(x)}/v1" for x in r_listeners),
+            )
         # what is alive now (config, catalog, imported code) lives as long as the
         # server: keep the collector from walking it on every pass (GC pauses were
         # the tail of the reconcile benchmark)
