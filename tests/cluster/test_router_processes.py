@@ -1,0 +1,210 @@
+"""The OpenAI-compatible endpoint with the real openai client, real engines, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from llmgw.router.keys import hash_key, new_key
+from tests.cluster.procs import Server, write_server_config
+from tests.cluster.test_control_plane_processes import Cluster, catalog, engine_pid
+from tests.conftest import Pki
+from tests.realparts import needs_server
+from tools.tinymodel import write_model
+
+pytestmark = needs_server
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def routed(
+    tmp_path: Path, pki: Pki, replicas: int = 1
+) -> AsyncIterator[tuple[Cluster, str, str]]:
+    model = tmp_path / "tiny.gguf"
+    write_model(model)  # never ends early: long streams to cut
+    (tmp_path / "catalog.toml").write_text(catalog(model, replicas))
+    key = new_key()
+    router_port = free_port()
+    config = write_server_config(tmp_path, pki, heartbeat=0.2, unreachable_after=2, lost_after=6)
+    config.write_text(
+        'catalog = "catalog.toml"\n'
+        + config.read_text()
+        + "[reconcile]\nsettle_s = 1\n"
+        + f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\n'
+        + f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n'
+    )
+    server = Server("server", ["server", "--config", "server.toml"], tmp_path)
+    c = Cluster(tmp_path, pki, server)
+    try:
+        server.start()
+        await server.ready()
+        c.agent("n1")
+        if replicas > 1:
+            c.agent("n2")
+        await c.wait_ready(replicas)
+        base = f"http://127.0.0.1:{router_port}/v1"
+        with trio.fail_after(20):
+            while True:
+                async with httpx.AsyncClient() as client:
+                    r = await client.get(
+                        base + "/models", headers={"authorization": f"Bearer {key}"}
+                    )
+                if r.status_code == 200 and len(r.json()["data"]) == 1:
+                    break
+                await trio.sleep(0.1)
+        yield c, base, key
+    finally:
+        for d in [server, *c.agents.values()]:
+            d.kill()
+        for record in tmp_path.glob("agent-*/shards/*.json"):
+            try:
+                os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+async def test_the_openai_client_chats_completes_streams_and_lists(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with routed(tmp_path, pki) as (_, base, key):
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]  # only models with a Ready replica
+        chat = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+        )
+        assert chat.choices[0].finish_reason == "length"
+        assert chat.choices[0].message.content
+        text = await client.completions.create(model="tiny", prompt="hello\n", max_tokens=8)
+        assert text.choices[0].text
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16, stream=True
+        )
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert len(pieces) >= 8 and "".join(pieces)
+        # the raw stream keeps its SSE framing and ends with [DONE], with no content-length
+        async with httpx.AsyncClient(timeout=10) as raw, raw.stream(
+            "POST",
+            base + "/chat/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "stream": True,
+            },
+        ) as r:
+            assert "content-length" not in r.headers
+            body = b"".join([c async for c in r.aiter_bytes()])
+        assert body.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_errors_in_openais_format(tmp_path: Path, pki: Pki) -> None:
+    async with routed(tmp_path, pki) as (_, base, key):
+        bad = openai.AsyncOpenAI(base_url=base, api_key="llmgw-wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await bad.models.list()
+        good = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        with pytest.raises(openai.NotFoundError) as info:
+            await good.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "x"}]
+            )
+        assert "does not exist" in str(info.value)
+        async with httpx.AsyncClient(timeout=10) as raw:
+            auth = {"authorization": f"Bearer {key}"}
+            missing = await raw.post(base + "/chat/completions", json={"model": "tiny"})
+            assert missing.status_code == 401
+            malformed = await raw.post(
+                base + "/chat/completions", content=b"{not json", headers=auth
+            )
+            assert malformed.status_code == 400
+            assert malformed.json()["error"]["type"] == "invalid_request_error"
+            huge = await raw.post(
+                base + "/chat/completions", content=b"x" * (2 << 20), headers=auth
+            )
+            assert huge.status_code == 413
+            assert "error" in huge.json()
+
+
+async def test_a_client_that_disconnects_mid_stream_stops_the_engine(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with routed(tmp_path, pki) as (c, base, key):
+        [replica] = await c.replicas()
+        engine = f"http://127.0.0.1:{replica['shards'][0]['port']}"
+
+        async def processing() -> float:
+            async with httpx.AsyncClient(timeout=5) as client:
+                text = (await client.get(engine + "/metrics")).text
+            for line in text.splitlines():
+                if line.startswith("llamacpp:requests_processing"):
+                    return float(line.split()[-1])
+            return -1.0
+
+        async with httpx.AsyncClient(timeout=30) as raw, raw.stream(
+            "POST",
+            base + "/chat/completions",
+            headers={"authorization": f"Bearer {key}"},
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 400,
+                "stream": True,
+            },
+        ) as r:
+            async for _ in r.aiter_bytes():
+                break  # the first bytes arrived: the engine is generating
+            assert await processing() == 1.0
+        # the client is gone: the router closed the upstream, the engine stopped
+        with trio.fail_after(5):
+            while await processing() != 0.0:
+                await trio.sleep(0.05)
+
+
+async def test_killing_a_replicas_engine_fails_no_request_that_had_not_started(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with routed(tmp_path, pki, replicas=2) as (c, base, key):
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=20)
+        replicas = await c.replicas()
+        victim = replicas[0]["shards"][0]
+        failures: list[str] = []
+        done = 0
+
+        async def one() -> None:
+            nonlocal done
+            try:
+                await client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+            except openai.APIError as exc:
+                failures.append(str(exc))
+            done += 1
+
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                if i == 10:
+                    os.killpg(
+                        engine_pid(c.tmp, victim["node_id"], victim["shard_id"]), signal.SIGKILL
+                    )
+                nursery.start_soon(one)
+                await trio.sleep(0.05)
+        assert done == 40
+        # a request already being answered by the killed engine may fail; none other may
+        assert len(failures) <= 1, failures
