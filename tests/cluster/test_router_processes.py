@@ -99,17 +99,20 @@ async def test_the_openai_client_chats_completes_streams_and_lists(
         pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         assert len(pieces) >= 8 and "".join(pieces)
         # the raw stream keeps its SSE framing and ends with [DONE], with no content-length
-        async with httpx.AsyncClient(timeout=10) as raw, raw.stream(
-            "POST",
-            base + "/chat/completions",
-            headers={"authorization": f"Bearer {key}"},
-            json={
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 4,
-                "stream": True,
-            },
-        ) as r:
+        async with (
+            httpx.AsyncClient(timeout=10) as raw,
+            raw.stream(
+                "POST",
+                base + "/chat/completions",
+                headers={"authorization": f"Bearer {key}"},
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                    "stream": True,
+                },
+            ) as r,
+        ):
             assert "content-length" not in r.headers
             body = b"".join([c async for c in r.aiter_bytes()])
         assert body.rstrip().endswith(b"data: [DONE]")
@@ -157,17 +160,20 @@ async def test_a_client_that_disconnects_mid_stream_stops_the_engine(
                     return float(line.split()[-1])
             return -1.0
 
-        async with httpx.AsyncClient(timeout=30) as raw, raw.stream(
-            "POST",
-            base + "/chat/completions",
-            headers={"authorization": f"Bearer {key}"},
-            json={
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 400,
-                "stream": True,
-            },
-        ) as r:
+        async with (
+            httpx.AsyncClient(timeout=30) as raw,
+            raw.stream(
+                "POST",
+                base + "/chat/completions",
+                headers={"authorization": f"Bearer {key}"},
+                json={
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 400,
+                    "stream": True,
+                },
+            ) as r,
+        ):
             async for _ in r.aiter_bytes():
                 break  # the first bytes arrived: the engine is generating
             assert await processing() == 1.0
