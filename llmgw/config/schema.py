@@ -84,6 +84,9 @@ class RouterConfig(_Section):
     keys: list[KeyConfig] = []
     max_body_mb: float = 16.0
     max_attempts: int = 3  # per request, retries included (only before the first byte)
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 120.0  # request sent -> response head (a long prefill)
+    idle_timeout_s: float = 60.0  # between chunks of a streamed answer
 
 
 class ServerConfig(_Section):

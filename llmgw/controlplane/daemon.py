@@ -21,9 +21,11 @@ from llmgw.controlplane.reconciler import Timing
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer, ServerLimits
+from llmgw.http.client import ClientLimits, UpstreamPool
 from llmgw.router.app import RouterApp
 from llmgw.router.app import error_body as openai_error_body
 from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 from llmgw.tls.contexts import server_context
 
@@ -130,7 +132,19 @@ async def serve(config: ServerConfig, base: Path) -> None:
         router = (
             table,
             HttpServer(
-                RouterApp(table, keys, max_attempts=config.router.max_attempts),
+                RouterApp(
+                    table,
+                    keys,
+                    UpstreamPool(
+                        ClientLimits(
+                            connect_timeout_s=config.router.connect_timeout_s,
+                            first_byte_timeout_s=config.router.first_byte_timeout_s,
+                            idle_timeout_s=config.router.idle_timeout_s,
+                        )
+                    ),
+                    max_attempts=config.router.max_attempts,
+                    metrics=RouterMetrics(control.metrics.registry),
+                ),
                 limits=ServerLimits(max_body_bytes=int(config.router.max_body_mb * 2**20)),
                 error_body=openai_error_body,
                 name="router",

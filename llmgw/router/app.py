@@ -30,11 +30,13 @@ from llmgw.http.client import (
     UpstreamError,
     UpstreamPool,
     UpstreamReset,
+    UpstreamResponse,
     UpstreamTimeout,
 )
 from llmgw.router.balancer import Admission, Endpoint, RetryBudget, choose
-from llmgw.router.breaker import classify
+from llmgw.router.breaker import Outcome, classify
 from llmgw.router.keys import KeyRing
+from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 
 log = logging.getLogger("llmgw.router")
@@ -50,7 +52,16 @@ class _Body(msgspec.Struct):
     stream: bool = False
 
 
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Reply(msgspec.Struct):
+    usage: _Usage | None = None
+
+
 _decoder = msgspec.json.Decoder(_Body)
+_reply_decoder = msgspec.json.Decoder(_Reply)
 
 
 def openai_error(
@@ -75,11 +86,14 @@ class RouterApp:
         pool: UpstreamPool | None = None,
         *,
         max_attempts: int = 3,
+        metrics: RouterMetrics | None = None,
     ) -> None:
         self.table = table
         self.keys = keys
         self.pool = pool or UpstreamPool()
         self.budget = RetryBudget(max_attempts=max_attempts)
+        self.metrics = metrics or RouterMetrics()
+        self.metrics.watch(lambda: [e for eps in self.table.endpoints.values() for e in eps])
 
     async def __call__(self, request: Request) -> Response:
         if request.path == "/healthz":
@@ -106,7 +120,12 @@ class RouterApp:
             return openai_error(
                 404, f"the model {body.model!r} does not exist", code="model_not_found"
             )
-        return await self._proxy(request, body)
+        started = trio.current_time()
+        response, replica = await self._proxy(request, body, started)
+        self.metrics.requests.labels(body.model, replica, str(response.status), key.name).inc()
+        if isinstance(response.body, bytes):
+            self.metrics.latency.labels(body.model).observe(trio.current_time() - started)
+        return response
 
     def _unauthorized(self) -> Response:
         return openai_error(
@@ -128,7 +147,8 @@ class RouterApp:
             msgspec.json.encode({"object": "list", "data": data}),
         )
 
-    async def _proxy(self, request: Request, body: _Body) -> Response:
+    async def _proxy(self, request: Request, body: _Body, started: float) -> tuple[Response, str]:
+        """The response, and which replica gave it ("-": none)."""
         endpoints = self.table.endpoints.get(body.model, [])
         admission = self.table.admission.get(body.model, Admission())
         tried: set[str] = set()
@@ -149,59 +169,67 @@ class RouterApp:
             ep = choice.endpoint
             if ep is None:
                 if choice.shed:
+                    self.metrics.sheds.labels(body.model).inc()
                     r = openai_error(
                         429,
                         f"every replica of {body.model} is busy: {choice.reason}",
                         "rate_limit_error",
                     )
                     r.headers.append(("retry-after", str(max(1, round(choice.retry_after_s)))))
-                    return r
+                    return r, "-"
                 if last_error:
-                    return self._upstream_failed(body.model, last_error)
-                return openai_error(
-                    503,
-                    f"no replica of {body.model} can take requests now: {choice.reason}",
-                    "server_error",
-                )
+                    return self._upstream_failed(body.model, last_error), "-"
+                why = f"no replica of {body.model} can take requests now: {choice.reason}"
+                return openai_error(503, why, "server_error"), "-"
             attempts += 1
             tried.add(ep.key)
             host, port = _hostport(ep.url)
             ep.start(now)
+            m = self.metrics
             try:
                 upstream = await self.pool.request(
                     request.method, host, port, request.path, headers, request.body
                 )
             except (ConnectFailed, UpstreamReset, UpstreamTimeout) as exc:
                 ep.finish(trio.current_time(), "upstream_fault")
+                m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
                 last_error = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, UpstreamReset) and not exc.before_response:
-                    return self._upstream_failed(body.model, last_error)
+                    return self._upstream_failed(body.model, last_error), ep.key
                 if not self.budget.can_retry(trio.current_time(), attempts=attempts):
-                    return self._upstream_failed(body.model, last_error)
+                    return self._upstream_failed(body.model, last_error), ep.key
                 self.budget.on_retry(trio.current_time())
+                m.retries.labels(body.model).inc()
                 continue
             except UpstreamError as exc:
                 ep.finish(trio.current_time(), "upstream_fault")
-                return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}")
+                m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
+                return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}"), ep.key
+            m.ttft.labels(body.model).observe(trio.current_time() - started)
             outcome = classify(upstream.status, None)
             if upstream.status in (502, 503, 504):
                 ep.finish(trio.current_time(), "upstream_fault")
+                m.upstream_errors.labels(body.model, ep.key, f"status_{upstream.status}").inc()
                 await upstream.aclose()
                 last_error = f"replica {ep.key} answered {upstream.status}"
                 if self.budget.can_retry(trio.current_time(), attempts=attempts):
                     self.budget.on_retry(trio.current_time())
+                    m.retries.labels(body.model).inc()
                     continue
-                return self._upstream_failed(body.model, last_error)
+                return self._upstream_failed(body.model, last_error), ep.key
             out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
             if not body.stream and upstream.status < 300:
                 try:
                     data = await upstream.read()
                 except UpstreamError as exc:
                     ep.finish(trio.current_time(), "upstream_fault")
-                    return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}")
+                    m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
+                    return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}"), ep.key
                 ep.finish(trio.current_time(), outcome)
-                return Response(upstream.status, out_headers, data)
-            return Response(upstream.status, out_headers, _relay(upstream, ep, outcome))
+                _count_tokens(m, body.model, data)
+                return Response(upstream.status, out_headers, data), ep.key
+            relay = _relay(upstream, ep, outcome, m, body.model, started)
+            return Response(upstream.status, out_headers, relay), ep.key
 
     def _upstream_failed(self, model: str, why: str) -> Response:
         status = 504 if "Timeout" in why else 502
@@ -211,11 +239,34 @@ class RouterApp:
         )
 
 
-async def _relay(upstream: object, ep: Endpoint, outcome: str) -> AsyncIterator[bytes]:
-    """Pass the body through as it arrives; whatever ends it, the upstream is closed."""
-    from llmgw.http.client import UpstreamResponse
+def _kind(exc: UpstreamError) -> str:
+    if isinstance(exc, ConnectFailed):
+        return "connect"
+    if isinstance(exc, UpstreamTimeout):
+        return f"timeout_{exc.phase}"
+    if isinstance(exc, UpstreamReset):
+        return "reset"
+    return "protocol"
 
-    assert isinstance(upstream, UpstreamResponse)
+
+def _count_tokens(m: RouterMetrics, model: str, data: bytes) -> None:
+    try:
+        usage = _reply_decoder.decode(data).usage
+    except msgspec.DecodeError:
+        return
+    if usage is not None and usage.completion_tokens:
+        m.tokens.labels(model).observe(usage.completion_tokens)
+
+
+async def _relay(
+    upstream: UpstreamResponse,
+    ep: Endpoint,
+    outcome: Outcome,
+    m: RouterMetrics,
+    model: str,
+    started: float,
+) -> AsyncIterator[bytes]:
+    """Pass the body through as it arrives; whatever ends it, the upstream is closed."""
     finished = False
     try:
         async for chunk in upstream.body_iter:
@@ -223,7 +274,8 @@ async def _relay(upstream: object, ep: Endpoint, outcome: str) -> AsyncIterator[
         finished = True
     finally:
         upstream.body_iter.close()
-        ep.finish(trio.current_time(), outcome if finished else None)  # type: ignore[arg-type]
+        ep.finish(trio.current_time(), outcome if finished else None)
+        m.latency.labels(model).observe(trio.current_time() - started)
 
 
 def _hostport(url: str) -> tuple[str, int]:

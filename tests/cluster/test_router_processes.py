@@ -34,11 +34,17 @@ def free_port() -> int:
 
 @asynccontextmanager
 async def routed(
-    tmp_path: Path, pki: Pki, replicas: int = 1
+    tmp_path: Path,
+    pki: Pki,
+    replicas: int = 1,
+    *,
+    extra_catalog: str = "",
+    router_extra: str = "",
+    extra_keys: str = "",
 ) -> AsyncIterator[tuple[Cluster, str, str]]:
     model = tmp_path / "tiny.gguf"
     write_model(model)  # never ends early: long streams to cut
-    (tmp_path / "catalog.toml").write_text(catalog(model, replicas))
+    (tmp_path / "catalog.toml").write_text(catalog(model, replicas) + extra_catalog)
     key = new_key()
     router_port = free_port()
     config = write_server_config(tmp_path, pki, heartbeat=0.2, unreachable_after=2, lost_after=6)
@@ -46,8 +52,8 @@ async def routed(
         'catalog = "catalog.toml"\n'
         + config.read_text()
         + "[reconcile]\nsettle_s = 1\n"
-        + f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\n'
-        + f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n'
+        + f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\n{router_extra}'
+        + f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n{extra_keys}'
     )
     server = Server("server", ["server", "--config", "server.toml"], tmp_path)
     c = Cluster(tmp_path, pki, server)
@@ -65,7 +71,7 @@ async def routed(
                     r = await client.get(
                         base + "/models", headers={"authorization": f"Bearer {key}"}
                     )
-                if r.status_code == 200 and len(r.json()["data"]) == 1:
+                if r.status_code == 200 and "tiny" in [m["id"] for m in r.json()["data"]]:
                     break
                 await trio.sleep(0.1)
         yield c, base, key
@@ -214,3 +220,77 @@ async def test_killing_a_replicas_engine_fails_no_request_that_had_not_started(
         assert done == 40
         # a request already being answered by the killed engine may fail; none other may
         assert len(failures) <= 1, failures
+
+
+async def test_a_hung_engine_times_out_and_its_breaker_opens(tmp_path: Path, pki: Pki) -> None:
+    """An engine that accepts and never answers: each request ends in a bounded 504,
+    and after five in a row the breaker takes it out (a fast 503, no more waiting)."""
+    listener = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    hung_port = listener[0].socket.getsockname()[1]
+    held: list[trio.SocketStream] = []
+
+    async def accept_and_say_nothing() -> None:
+        while True:
+            held.append(await listener[0].accept())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept_and_say_nothing)
+        extra = f'\n[models.stuck]\nstatic_endpoints = ["http://127.0.0.1:{hung_port}"]\n'
+        async with routed(
+            tmp_path,
+            pki,
+            extra_catalog=extra,
+            router_extra="first_byte_timeout_s = 0.5\nmax_attempts = 1\n",
+        ) as (c, base, key):
+            async with httpx.AsyncClient(timeout=10) as raw:
+                auth = {"authorization": f"Bearer {key}"}
+                req = {"model": "stuck", "messages": [{"role": "user", "content": "hi"}]}
+                for _ in range(5):
+                    start = trio.current_time()
+                    r = await raw.post(base + "/chat/completions", json=req, headers=auth)
+                    assert r.status_code == 504, r.text
+                    assert trio.current_time() - start < 3
+                start = trio.current_time()
+                r = await raw.post(base + "/chat/completions", json=req, headers=auth)
+                assert r.status_code == 503
+                assert "breaker open" in r.json()["error"]["message"]
+                assert trio.current_time() - start < 0.5
+                # the healthy model is untouched, and the metrics tell the story
+                ok = await raw.post(
+                    base + "/chat/completions",
+                    json={
+                        "model": "tiny",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 4,
+                    },
+                    headers=auth,
+                )
+                assert ok.status_code == 200
+                token = (tmp_path / "state" / "admin-token").read_text().strip()
+                metrics = (
+                    await raw.get(
+                        c.server.admin_url + "/metrics",
+                        headers={"authorization": f"Bearer {token}"},
+                    )
+                ).text
+            assert 'llmgw_router_breaker_open{model="stuck"' in metrics
+            assert 'kind="timeout_head"' in metrics
+            assert 'llmgw_router_requests_total{key="tester",model="tiny"' in metrics
+            assert 'status="504"' in metrics
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_key_limited_to_some_models_sees_only_those(tmp_path: Path, pki: Pki) -> None:
+    other = new_key()
+    extra_keys = (
+        f'[[router.keys]]\nname = "limited"\nsha256 = "{hash_key(other)}"\nmodels = ["huge"]\n'
+    )
+    async with routed(tmp_path, pki, extra_keys=extra_keys) as (_, base, key):
+        limited = openai.AsyncOpenAI(base_url=base, api_key=other, max_retries=0)
+        assert [m.id for m in (await limited.models.list()).data] == []
+        with pytest.raises(openai.NotFoundError):
+            await limited.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        full = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        assert [m.id for m in (await full.models.list()).data] == ["tiny"]

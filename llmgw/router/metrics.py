@@ -1,0 +1,110 @@
+"""The router's Prometheus metrics (served with the rest on the admin listener).
+
+Labels are bounded: models and replicas come from the catalog and the fleet,
+key *names* from the config (never the keys), statuses are HTTP codes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from llmgw.router.balancer import Endpoint
+from llmgw.router.breaker import BreakerState
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+
+
+class _EndpointsCollector(Collector):
+    def __init__(self, endpoints: Callable[[], Iterable[Endpoint]]) -> None:
+        self._endpoints = endpoints
+
+    def collect(self) -> Iterable[Metric]:
+        breaker = GaugeMetricFamily(
+            "llmgw_router_breaker_open",
+            "1 when the replica's circuit breaker is open, 0.5 half-open, 0 closed",
+            labels=["model", "replica"],
+        )
+        in_flight = GaugeMetricFamily(
+            "llmgw_router_in_flight",
+            "Requests this router has in flight",
+            labels=["model", "replica"],
+        )
+        load = GaugeMetricFamily(
+            "llmgw_router_load",
+            "The load signals the router sees per replica (engine gauges as last scraped)",
+            labels=["model", "replica", "signal"],
+        )
+        for ep in self._endpoints():
+            state = ep.breaker.state
+            value = (
+                1.0
+                if state is BreakerState.OPEN
+                else 0.5
+                if state is BreakerState.HALF_OPEN
+                else 0.0
+            )
+            breaker.add_metric([ep.model, ep.key], value)
+            in_flight.add_metric([ep.model, ep.key], ep.in_flight)
+            if ep.load is not None:
+                for name in ("waiting", "running", "kv_usage"):
+                    v = getattr(ep.load, name)
+                    if v is not None:
+                        load.add_metric([ep.model, ep.key, name], v)
+        yield breaker
+        yield in_flight
+        yield load
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "llmgw_router_requests",
+            "Requests answered, by model, replica, status and key name",
+            ["model", "replica", "status", "key"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "llmgw_router_request_seconds",
+            "Whole request time",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llmgw_router_time_to_first_byte_seconds",
+            "From the request to the first response byte from the engine",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tokens = Histogram(
+            "llmgw_router_completion_tokens",
+            "Completion tokens per non-streamed response (from its usage)",
+            ["model"],
+            buckets=_TOKENS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "llmgw_router_upstream_errors",
+            "Upstream faults, by replica and kind",
+            ["model", "replica", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "llmgw_router_retries", "Requests retried on another replica", ["model"], registry=r
+        )
+        self.sheds = Counter(
+            "llmgw_router_sheds",
+            "Requests shed with 429 (every replica above its thresholds)",
+            ["model"],
+            registry=r,
+        )
+
+    def watch(self, endpoints: Callable[[], Iterable[Endpoint]]) -> None:
+        self.registry.register(_EndpointsCollector(endpoints))
