@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 from typing import Any
+from urllib.parse import parse_qs
 
 import attrs
 import msgspec
@@ -23,6 +24,7 @@ from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
+from llmgw.router.table import fleet_snapshot, static_endpoints
 
 _JSON = [("content-type", "application/json")]
 
@@ -51,6 +53,7 @@ class AdminApi:
             ("GET", "/metrics"): self.metrics,
             ("GET", "/v1/replicas"): self.replicas,
             ("POST", "/v1/catalog/reload"): self.reload,
+            ("GET", "/v1/routing"): self.routing,
         }
         # /v1/nodes/{node} (POST {"intent": ...}) and /v1/models/{model}/placement (GET)
         self._patterns = [
@@ -145,6 +148,22 @@ class AdminApi:
         if decision is None:
             return error(404, f"no model {model!r} in the catalog")
         return json_response(200, decision_view(decision))
+
+    async def routing(self, request: Request) -> Response:
+        """The routing table, as a watch: with ``since=<version>`` and ``wait=<s>`` it
+        answers as soon as the table differs from that version, or after the wait."""
+        params = parse_qs(request.query)
+        since = params.get("since", [""])[0]
+        try:
+            wait = min(max(float(params.get("wait", ["0"])[0]), 0.0), 30.0)
+        except ValueError:
+            return error(400, "wait must be a number of seconds")
+        deadline = trio.current_time() + wait
+        while True:
+            snap = fleet_snapshot(self.fleet, static_endpoints(self.fleet))
+            if snap.version != since or trio.current_time() >= deadline:
+                return json_response(200, snap)
+            await trio.sleep(0.25)
 
     async def reload(self, request: Request) -> Response:
         fleet = self._need_fleet()

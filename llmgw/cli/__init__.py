@@ -117,6 +117,50 @@ def agent(
     return run_daemon("llmgw agent", lambda: daemon.serve(cfg, base), OPERATOR_ERRORS)
 
 
+@app.command
+def router(
+    config: Annotated[Path | None, cyclopts.Parameter(name=["--config", "-c"])] = None,
+    *,
+    set_: Overrides = None,
+    workers: int | None = None,
+    worker: Annotated[bool, cyclopts.Parameter(show=False)] = False,
+    log_level: str | None = None,
+) -> int:
+    """Run the OpenAI-compatible endpoint on its own, following the control plane's
+    routing table over its admin API; several can stand behind a load balancer.
+
+    Parameters
+    ----------
+    config
+        TOML file (see packaging/router.example.toml).
+    workers
+        Processes sharing the listen port (each follows the table itself).
+    log_level
+        debug, info, warning or error.
+    """
+    overrides = list(set_ or [])
+    if workers is not None:
+        overrides.append(f"workers={workers}")
+    if log_level is not None:
+        overrides.append(f"log_level={_quote(log_level)}")
+    from llmgw.config.schema import StandaloneRouterConfig
+    from llmgw.router import daemon
+
+    try:
+        cfg, base = load_config(StandaloneRouterConfig, config, overrides)
+    except ConfigError as exc:
+        return fail("llmgw router", str(exc))
+    setup_logging(cfg.log_level)
+    argv = (
+        ["router"]
+        + (["--config", str(config)] if config else [])
+        + [a for o in (set_ or []) for a in ("--set", o)]
+    )
+    return run_daemon(
+        "llmgw router", lambda: daemon.serve(cfg, base, argv, worker), OPERATOR_ERRORS
+    )
+
+
 def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

@@ -243,3 +243,33 @@ class AgentConfig(_Section):
 def _check_log_level(level: str) -> None:
     if level.lower() not in {"debug", "info", "warning", "error"}:
         raise ConfigError("", "log_level", f"{level!r} is not one of debug, info, warning, error")
+
+
+class StandaloneRouterConfig(_Section):
+    """``llmgw router``: the OpenAI-compatible endpoint on a machine of its own,
+    following the control plane's routing table over its admin API."""
+
+    admin_url: str = "http://127.0.0.1:7444"  # the control plane's management API
+    admin_token: str = ""
+    admin_token_file: str = ""
+    workers: int = 1  # processes sharing the listen port (SO_REUSEPORT)
+    log_level: str = "info"
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+
+    def validate(self) -> None:
+        if not self.admin_url.startswith(("http://", "https://")):
+            raise ConfigError("", "admin_url", f"{self.admin_url!r} is not an http(s) URL")
+        if not self.admin_token and not self.admin_token_file:
+            raise ConfigError("", "admin_token", "set admin_token or admin_token_file")
+        if not self.router.listen:
+            raise ConfigError("", "router.listen", "where should the router listen? (host:port)")
+        host_port = parse_hostport(self.router.listen, key="router.listen")
+        if not 1 <= self.workers <= 64:
+            raise ConfigError("", "workers", f"must be in 1-64, got {self.workers}")
+        if self.workers > 1 and host_port[1] == 0:
+            raise ConfigError(
+                "", "router.listen", "several workers share one port: give a fixed port"
+            )
+        if not self.router.keys:
+            raise ConfigError("", "router.keys", "no API keys: make one with `llmgw ctl key NAME`")
+        _check_log_level(self.log_level)

@@ -20,13 +20,10 @@ from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.reconciler import Timing
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
-from llmgw.http import HttpServer, ServerLimits
-from llmgw.http.client import ClientLimits, UpstreamPool
-from llmgw.router.app import RouterApp
-from llmgw.router.app import error_body as openai_error_body
-from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.http import HttpServer
+from llmgw.router.daemon import router_app
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.table import RoutingTable
+from llmgw.router.table import RoutingTable, fleet_snapshot, static_endpoints
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")
@@ -122,34 +119,8 @@ async def serve(config: ServerConfig, base: Path) -> None:
     admin = HttpServer(AdminApi(control, token, fleet), name="admin")
     router = None
     if config.router.listen:
-        static = {
-            m.name: list(m.static_endpoints)
-            for m in (fleet.reconciler.catalog.models.values() if fleet else [])
-            if m.static_endpoints
-        }
-        table = RoutingTable(fleet, static)
-        keys = KeyRing([ApiKey(k.name, k.sha256, frozenset(k.models)) for k in config.router.keys])
-        router = (
-            table,
-            HttpServer(
-                RouterApp(
-                    table,
-                    keys,
-                    UpstreamPool(
-                        ClientLimits(
-                            connect_timeout_s=config.router.connect_timeout_s,
-                            first_byte_timeout_s=config.router.first_byte_timeout_s,
-                            idle_timeout_s=config.router.idle_timeout_s,
-                        )
-                    ),
-                    max_attempts=config.router.max_attempts,
-                    metrics=RouterMetrics(control.metrics.registry),
-                ),
-                limits=ServerLimits(max_body_bytes=int(config.router.max_body_mb * 2**20)),
-                error_body=openai_error_body,
-                name="router",
-            ),
-        )
+        table = RoutingTable(lambda: fleet_snapshot(fleet, static_endpoints(fleet)))
+        router = (table, router_app(config.router, table, RouterMetrics(control.metrics.registry)))
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
     async with trio.open_nursery() as nursery:

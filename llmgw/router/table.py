@@ -1,16 +1,22 @@
 """The routing table: which endpoints serve each model, kept in step with the fleet.
 
-Endpoints are refreshed from the control plane's replicas a few times a
-second and keep their identity across refreshes, so each keeps its own
-in-flight count, breaker and load signals. A Draining replica stays in the
-table (its in-flight requests finish) but takes no new request.
+The table is built from a ``Snapshot``: inside ``llmgw server`` straight from
+the fleet manager's replicas, a few times a second; in a standalone
+``llmgw router`` from the control plane's ``GET /v1/routing`` watch (a long
+poll that answers when the snapshot changes). Endpoints keep their identity
+across refreshes, so each keeps its in-flight count, breaker and load
+signals. A Draining replica stays in the table (its in-flight requests
+finish) but takes no new request.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Callable
 
 import httpx
+import msgspec
 import trio
 
 from llmgw.controlplane.fleet import FleetManager
@@ -24,77 +30,129 @@ REFRESH_S = 0.25
 SCRAPE_S = 1.0
 
 
+class Route(msgspec.Struct, kw_only=True):
+    key: str  # replica id, or the static URL
+    model: str
+    url: str
+    engine: str = ""  # "" for static endpoints: no metrics to scrape
+    weight: float = 1.0
+    ready: bool = True
+    draining: bool = False
+
+
+class ModelRouting(msgspec.Struct, kw_only=True):
+    target_waiting: float | None = None
+    kv_ceiling: float | None = None
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    version: str = ""
+    models: dict[str, ModelRouting] = {}  # every model the catalog knows
+    routes: list[Route] = []
+
+
+def static_endpoints(fleet: FleetManager | None) -> dict[str, list[str]]:
+    """The catalog's router-only entries: model -> URLs."""
+    if fleet is None:
+        return {}
+    models = fleet.reconciler.catalog.models.values()
+    return {m.name: list(m.static_endpoints) for m in models if m.static_endpoints}
+
+
+def fleet_snapshot(fleet: FleetManager | None, static: dict[str, list[str]]) -> Snapshot:
+    """What the router needs to know, from the control plane's current state."""
+    routes = [
+        Route(key=url, model=m, url=url.rstrip("/")) for m, urls in static.items() for url in urls
+    ]
+    models = {m: ModelRouting() for m in static}
+    if fleet is not None:
+        catalog = fleet.reconciler.catalog
+        for name, entry in catalog.models.items():
+            models[name] = ModelRouting(
+                target_waiting=entry.routing.target_waiting, kv_ceiling=entry.routing.kv_ceiling
+            )
+        nodes = fleet.control.nodes.nodes
+        for replica in fleet.reconciler.replicas.values():
+            if replica.state not in (ReplicaState.READY, ReplicaState.DRAINING):
+                continue
+            head = next((s for s in replica.shards if s.rank == 0), None)
+            node = nodes.get(head.node_id) if head is not None else None
+            if head is None or node is None:
+                continue
+            model = catalog.models.get(replica.model)
+            routes.append(
+                Route(
+                    key=replica.replica_id,
+                    model=replica.model,
+                    url=f"http://{url_host(node.address or head.spec.host)}:{head.spec.port}",
+                    engine=head.spec.engine,
+                    weight=model.routing.weight if model is not None else 1.0,
+                    ready=replica.state is ReplicaState.READY,
+                    draining=replica.state is ReplicaState.DRAINING,
+                )
+            )
+    routes.sort(key=lambda r: r.key)
+    snap = Snapshot(models=models, routes=routes)
+    snap.version = hashlib.sha256(msgspec.json.encode(snap)).hexdigest()[:16]
+    return snap
+
+
 class RoutingTable:
-    def __init__(
-        self, fleet: FleetManager | None, static: dict[str, list[str]] | None = None
-    ) -> None:
-        self.fleet = fleet
-        self.static = static or {}
+    def __init__(self, source: Callable[[], Snapshot] | None = None) -> None:
+        self.source = source  # None: fed by ``apply`` (a standalone router's watch)
+        self.version = ""
         self.endpoints: dict[str, list[Endpoint]] = {}
         self.admission: dict[str, Admission] = {}
+        self._known: frozenset[str] = frozenset()
         self._by_key: dict[str, Endpoint] = {}
-        self._metrics_urls: dict[str, tuple[str, str]] = {}  # key -> (url, engine)
-        self.refresh()
+        self._engines: dict[str, str] = {}  # key -> engine, for scraping
+        if source is not None:
+            self.apply(source())
 
     def known(self, model: str) -> bool:
-        if model in self.static:
-            return True
-        return self.fleet is not None and model in self.fleet.reconciler.catalog.models
+        return model in self._known
 
-    def refresh(self) -> None:
+    def apply(self, snap: Snapshot) -> None:
+        if snap.version and snap.version == self.version:
+            return
         table: dict[str, list[Endpoint]] = {}
         seen: set[str] = set()
-        for model, urls in self.static.items():
-            for url in urls:
-                table.setdefault(model, []).append(self._endpoint(url, model, url.rstrip("/")))
-                seen.add(url)
-        if self.fleet is not None:
-            catalog = self.fleet.reconciler.catalog
-            nodes = self.fleet.control.nodes.nodes
-            for replica in self.fleet.reconciler.replicas.values():
-                if replica.state not in (ReplicaState.READY, ReplicaState.DRAINING):
-                    continue
-                head = next((s for s in replica.shards if s.rank == 0), None)
-                node = nodes.get(head.node_id) if head is not None else None
-                if head is None or node is None:
-                    continue
-                host = url_host(node.address or head.spec.host)
-                base = f"http://{host}:{head.spec.port}"
-                ep = self._endpoint(replica.replica_id, replica.model, base)
-                entry = catalog.models.get(replica.model)
-                if entry is not None:
-                    ep.weight = entry.routing.weight
-                    self.admission[replica.model] = Admission(
-                        target_waiting=entry.routing.target_waiting,
-                        kv_ceiling=entry.routing.kv_ceiling,
-                    )
-                ep.ready = replica.state is ReplicaState.READY
-                ep.draining = replica.state is ReplicaState.DRAINING
-                self._metrics_urls[replica.replica_id] = (f"{base}/metrics", head.spec.engine)
-                table.setdefault(replica.model, []).append(ep)
-                seen.add(replica.replica_id)
+        for route in snap.routes:
+            ep = self._by_key.get(route.key)
+            if ep is None or ep.url != route.url:
+                ep = self._by_key[route.key] = Endpoint(
+                    key=route.key, model=route.model, url=route.url
+                )
+            ep.weight = route.weight
+            ep.ready = route.ready
+            ep.draining = route.draining
+            self._engines[route.key] = route.engine
+            table.setdefault(route.model, []).append(ep)
+            seen.add(route.key)
         for key in list(self._by_key):
             if key not in seen and self._by_key[key].in_flight == 0:
                 del self._by_key[key]
-                self._metrics_urls.pop(key, None)
+                self._engines.pop(key, None)
+        self.admission = {
+            m: Admission(target_waiting=r.target_waiting, kv_ceiling=r.kv_ceiling)
+            for m, r in snap.models.items()
+        }
+        self._known = frozenset(snap.models)
         self.endpoints = table
-
-    def _endpoint(self, key: str, model: str, url: str) -> Endpoint:
-        ep = self._by_key.get(key)
-        if ep is None or ep.url != url:
-            ep = self._by_key[key] = Endpoint(key=key, model=model, url=url)
-        return ep
+        self.version = snap.version
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._refresh_loop)
+            if self.source is not None:
+                nursery.start_soon(self._refresh_loop)
             nursery.start_soon(self._scrape_loop)
             task_status.started()
 
     async def _refresh_loop(self) -> None:
+        assert self.source is not None
         while True:
             await trio.sleep(REFRESH_S)
-            self.refresh()
+            self.apply(self.source())
 
     async def _scrape_loop(self) -> None:
         from llmgw.agent.supervisor import adapters
@@ -102,16 +160,48 @@ class RoutingTable:
         engines = adapters()
         async with httpx.AsyncClient(timeout=SCRAPE_S) as client:
             while True:
-                for key, (url, engine) in list(self._metrics_urls.items()):
+                for key, engine in list(self._engines.items()):
                     ep = self._by_key.get(key)
                     adapter = engines.get(engine)
                     if ep is None or adapter is None:
                         continue
                     try:
-                        r = await client.get(url)
+                        r = await client.get(ep.url + "/metrics")
                     except httpx.HTTPError:
                         continue  # stale signals degrade to the in-flight count
                     if r.status_code == 200:
                         ep.load = adapter.parse_metrics(r.text)
                         ep.load_at = trio.current_time()
                 await trio.sleep(SCRAPE_S)
+
+
+async def follow(table: RoutingTable, admin_url: str, token: str, *, poll_s: float = 25.0) -> None:
+    """Keep ``table`` in step with the control plane's routing, over a long-poll watch.
+
+    The control plane answers at once when the snapshot differs from the version
+    we hold, or after ``poll_s`` with the same one. While it is unreachable the
+    table stays as it was: engines keep serving, the router keeps routing.
+    """
+    delay = 0.5
+    headers = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(timeout=poll_s + 10) as client:
+        while True:
+            try:
+                r = await client.get(
+                    admin_url.rstrip("/") + "/v1/routing",
+                    params={"since": table.version, "wait": str(poll_s)},
+                    headers=headers,
+                )
+                r.raise_for_status()
+                snap = msgspec.json.decode(r.content, type=Snapshot)
+            except (httpx.HTTPError, msgspec.DecodeError) as exc:
+                log.warning(
+                    "cannot follow the control plane's routing (%s); keeping the table", exc
+                )
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            delay = 0.5
+            if snap.version != table.version:
+                log.info("routing table now version %s: %d routes", snap.version, len(snap.routes))
+            table.apply(snap)

@@ -294,3 +294,39 @@ async def test_a_key_limited_to_some_models_sees_only_those(tmp_path: Path, pki:
             )
         full = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         assert [m.id for m in (await full.models.list()).data] == ["tiny"]
+
+
+async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """`llmgw router` on its own (two processes sharing the port) follows the routing
+    table over the admin API, and keeps serving while the control plane is away."""
+    from tests.cluster.procs import Daemon
+
+    async with routed(tmp_path, pki) as (c, _, key):
+        port = free_port()
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            "workers = 2\n"
+            f'[router]\nlisten = "127.0.0.1:{port}"\n'
+            f'[[router.keys]]\nname = "edge"\nsha256 = "{hash_key(key)}"\n'
+        )
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
+        c.agents["router"] = router  # killed with the rest
+        base = f"http://127.0.0.1:{port}/v1"
+        await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+        for _ in range(6):  # connections land on both workers
+            reply = await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert reply.choices[0].message.content
+        await c.server.stop(signal.SIGKILL)  # the control plane goes away
+        await trio.sleep(0.5)
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content  # the engine serves, the router routes
+        took = await router.stop(signal.SIGTERM)
+        assert took < 2.0
