@@ -87,6 +87,7 @@ class RouterConfig(_Section):
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 120.0  # request sent -> response head (a long prefill)
     idle_timeout_s: float = 60.0  # between chunks of a streamed answer
+    queue_timeout_s: float = 0.0  # every replica saturated: wait this long for room, then 429
 
 
 class ServerConfig(_Section):

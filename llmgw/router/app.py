@@ -41,6 +41,7 @@ from llmgw.router.table import RoutingTable
 
 log = logging.getLogger("llmgw.router")
 
+QUEUE_POLL_S = 0.05
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 _HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
@@ -87,12 +88,14 @@ class RouterApp:
         *,
         max_attempts: int = 3,
         metrics: RouterMetrics | None = None,
+        queue_timeout_s: float = 0.0,
     ) -> None:
         self.table = table
         self.keys = keys
         self.pool = pool or UpstreamPool()
         self.budget = RetryBudget(max_attempts=max_attempts)
         self.metrics = metrics or RouterMetrics()
+        self.queue_timeout_s = queue_timeout_s
         self.metrics.watch(lambda: [e for eps in self.table.endpoints.values() for e in eps])
 
     async def __call__(self, request: Request) -> Response:
@@ -167,6 +170,9 @@ class RouterApp:
                 endpoints, now, admission=admission, exclude=frozenset(tried), model=body.model
             )
             ep = choice.endpoint
+            if ep is None and choice.shed and trio.current_time() - started < self.queue_timeout_s:
+                await trio.sleep(QUEUE_POLL_S)  # queue for a bounded time before shedding
+                continue
             if ep is None:
                 if choice.shed:
                     self.metrics.sheds.labels(body.model).inc()

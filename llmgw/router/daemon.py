@@ -38,7 +38,14 @@ def router_app(config: RouterConfig, table: RoutingTable, metrics: RouterMetrics
         )
     )
     return HttpServer(
-        RouterApp(table, keys, pool, max_attempts=config.max_attempts, metrics=metrics),
+        RouterApp(
+            table,
+            keys,
+            pool,
+            max_attempts=config.max_attempts,
+            metrics=metrics,
+            queue_timeout_s=config.queue_timeout_s,
+        ),
         limits=ServerLimits(max_body_bytes=int(config.max_body_mb * 2**20)),
         error_body=error_body,
         name="router",

@@ -1,0 +1,180 @@
+"""The router's HTTP side in process: a real router server, real HTTP engines on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import attrs
+import httpx
+import msgspec
+import pytest
+import trio
+
+from llmgw.engines.base import LoadSignals
+from llmgw.http import HttpServer, Request, Response
+from llmgw.router.app import RouterApp, error_body
+from llmgw.router.breaker import BreakerState
+from llmgw.router.keys import ApiKey, KeyRing, hash_key
+from llmgw.router.table import ModelRouting, Route, RoutingTable, Snapshot
+
+KEY = "llmgw-test-key"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@attrs.define
+class Engine:
+    """A small OpenAI-shaped engine: counts requests, streams slowly if asked."""
+
+    name: str
+    status: int = 200
+    chunk_delay: float = 0.0
+    chunks: int = 3
+    received: int = 0
+    port: int = 0
+
+    async def __call__(self, request: Request) -> Response:
+        self.received += 1
+        body = msgspec.json.decode(request.body) if request.body else {}
+        if self.status != 200:
+            return Response(
+                self.status, [("content-type", "application/json")], b'{"error":{"message":"no"}}'
+            )
+        if body.get("stream"):
+            return Response(200, [("content-type", "text/event-stream")], self._stream())
+        reply = {
+            "id": self.name,
+            "choices": [{"message": {"content": self.name}}],
+            "usage": {"completion_tokens": 3},
+        }
+        return Response(200, [("content-type", "application/json")], msgspec.json.encode(reply))
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        for i in range(self.chunks):
+            await trio.sleep(self.chunk_delay)
+            yield f'data: {{"id":"{self.name}","n":{i}}}\n\n'.encode()
+        yield b"data: [DONE]\n\n"
+
+
+async def serve(nursery: trio.Nursery, handler: object) -> int:
+    listeners = await nursery.start(
+        HttpServer(handler, error_body=error_body).serve_tcp, "127.0.0.1", 0
+    )  # type: ignore[arg-type]
+    return int(listeners[0].socket.getsockname()[1])
+
+
+def snapshot(routes: list[Route], **routing: float | None) -> Snapshot:
+    return Snapshot(version=str(id(routes)), models={"m": ModelRouting(**routing)}, routes=routes)
+
+
+@attrs.define
+class Rig:
+    table: RoutingTable
+    app: RouterApp
+    base: str
+    engines: dict[str, Engine]
+
+    def routes(self, **state: tuple[bool, bool]) -> list[Route]:
+        out = []
+        for name, engine in self.engines.items():
+            ready, draining = state.get(name, (True, False))
+            out.append(
+                Route(
+                    key=name,
+                    model="m",
+                    url=f"http://127.0.0.1:{engine.port}",
+                    ready=ready,
+                    draining=draining,
+                )
+            )
+        return out
+
+
+@pytest.fixture
+async def rig(nursery: trio.Nursery) -> Rig:
+    engines = {"a": Engine("a"), "b": Engine("b")}
+    for e in engines.values():
+        e.port = await serve(nursery, e)
+    table = RoutingTable()
+    app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+    port = await serve(nursery, app)
+    r = Rig(table, app, f"http://127.0.0.1:{port}/v1", engines)
+    table.apply(snapshot(r.routes()))
+    return r
+
+
+def chat(stream: bool = False) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+
+
+async def test_a_draining_replica_takes_no_new_request_and_finishes_what_it_has(rig: Rig) -> None:
+    a, b = rig.engines["a"], rig.engines["b"]
+    a.chunk_delay, a.chunks = 0.05, 10
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))  # only a is Ready
+    async with httpx.AsyncClient(timeout=10) as client, trio.open_nursery() as nursery:
+        got: list[bytes] = []
+
+        async def long_stream() -> None:
+            async with client.stream(
+                "POST", rig.base + "/chat/completions", json=chat(True), headers=AUTH
+            ) as r:
+                got.extend([c async for c in r.aiter_bytes()])
+
+        nursery.start_soon(long_stream)
+        with trio.fail_after(5):
+            while a.received == 0:
+                await trio.sleep(0.01)
+        rig.table.apply(snapshot(rig.routes(a=(True, True))))  # a drains; b is Ready
+        for _ in range(5):
+            r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+            assert r.json()["id"] == "b"
+    assert (a.received, b.received) == (1, 5)
+    assert b"".join(got).endswith(b"data: [DONE]\n\n")  # the in-flight stream completed
+
+
+async def test_a_connect_error_is_retried_on_another_replica(rig: Rig) -> None:
+    dead = Route(key="dead", model="m", url="http://127.0.0.1:1")  # nothing listens
+    rig.table.apply(snapshot([dead, *rig.routes(b=(False, False))]))
+    async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(4):
+            r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+            assert r.status_code == 200
+            assert r.json()["id"] == "a"
+    assert rig.app.metrics.retries.labels("m")._value.get() >= 1
+
+
+async def test_client_errors_never_open_the_breaker(rig: Rig) -> None:
+    rig.engines["a"].status = 400
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))
+    async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(12):
+            r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+            assert r.status_code == 400  # relayed as the engine said it
+    assert rig.table.endpoints["m"][0].breaker.state is BreakerState.CLOSED
+
+
+async def test_saturated_replicas_shed_with_retry_after_or_queue_for_a_bounded_time(
+    rig: Rig,
+) -> None:
+    rig.table.apply(snapshot(rig.routes(), target_waiting=2))
+    now = trio.current_time()
+    for ep in rig.table.endpoints["m"]:
+        ep.load, ep.load_at = LoadSignals(waiting=9, running=4), now + 3600  # fresh, and busy
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        assert r.status_code == 429
+        assert int(r.headers["retry-after"]) >= 1
+        assert "busy" in r.json()["error"]["message"]
+
+        rig.app.queue_timeout_s = 2.0
+
+        async def room_frees_up() -> None:
+            await trio.sleep(0.3)
+            for ep in rig.table.endpoints["m"]:
+                ep.load = LoadSignals(waiting=0, running=0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(room_frees_up)
+            start = trio.current_time()
+            r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        assert r.status_code == 200
+        assert 0.25 < trio.current_time() - start < 2.0  # it waited, and not for ever
