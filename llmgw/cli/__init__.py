@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import cyclopts
+import msgspec
 
 from llmgw import __version__
 from llmgw.cli.cert import cert_app
@@ -15,6 +17,7 @@ from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config
 from llmgw.tls import TLSConfigError
 
 OPERATOR_ERRORS = (ConfigError, TLSConfigError)
+C = TypeVar("C", bound=msgspec.Struct)
 
 app = cyclopts.App(
     name="llmgw",
@@ -68,12 +71,7 @@ def server(
             overrides.append(f"{key}={_quote(value)}")
     from llmgw.controlplane import daemon
 
-    try:
-        cfg, base = load_config(ServerConfig, config, overrides)
-    except ConfigError as exc:
-        return fail("llmgw server", str(exc))
-    setup_logging(cfg.log_level)
-    return run_daemon("llmgw server", lambda: daemon.serve(cfg, base), OPERATOR_ERRORS)
+    return _start("llmgw server", ServerConfig, config, overrides, daemon.serve)
 
 
 @app.command
@@ -109,12 +107,7 @@ def agent(
         overrides.append(f"log_level={_quote(log_level)}")
     from llmgw.agent import daemon
 
-    try:
-        cfg, base = load_config(AgentConfig, config, overrides)
-    except ConfigError as exc:
-        return fail("llmgw agent", str(exc))
-    setup_logging(cfg.log_level)
-    return run_daemon("llmgw agent", lambda: daemon.serve(cfg, base), OPERATOR_ERRORS)
+    return _start("llmgw agent", AgentConfig, config, overrides, daemon.serve)
 
 
 @app.command
@@ -159,6 +152,22 @@ def router(
     return run_daemon(
         "llmgw router", lambda: daemon.serve(cfg, base, argv, worker), OPERATOR_ERRORS
     )
+
+
+def _start(
+    program: str,
+    kind: type[C],
+    path: Path | None,
+    overrides: list[str],
+    serve: Callable[[C, Path], Awaitable[None]],
+) -> int:
+    """Load and check the config, then run the daemon; bad config: exit 2, one line."""
+    try:
+        cfg, base = load_config(kind, path, overrides)
+    except ConfigError as exc:
+        return fail(program, str(exc))
+    setup_logging(getattr(cfg, "log_level", "info"))
+    return run_daemon(program, lambda: serve(cfg, base), OPERATOR_ERRORS)
 
 
 def _quote(value: str) -> str:
