@@ -134,12 +134,17 @@ async def test_a_draining_replica_takes_no_new_request_and_finishes_what_it_has(
 async def test_a_connect_error_is_retried_on_another_replica(rig: Rig) -> None:
     dead = Route(key="dead", model="m", url="http://127.0.0.1:1")  # nothing listens
     rig.table.apply(snapshot([dead, *rig.routes(b=(False, False))]))
+    a = next(e for e in rig.table.endpoints["m"] if e.key == "a")
+    a.in_flight = 100  # busier on paper: "dead" is every request's first choice
     async with httpx.AsyncClient(timeout=10) as client:
-        for _ in range(4):
+        # three requests: within the retry budget's floor however often "dead" is picked
+        # (a fourth retry inside the window would be refused, by design)
+        for _ in range(3):
             r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
             assert r.status_code == 200
             assert r.json()["id"] == "a"
-    assert rig.app.metrics.retries.labels("m")._value.get() >= 1
+    assert rig.engines["a"].received == 3
+    assert rig.app.metrics.retries.labels("m")._value.get() == 3  # each one retried once
 
 
 async def test_client_errors_never_open_the_breaker(rig: Rig) -> None:
