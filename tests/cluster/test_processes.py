@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -141,7 +142,7 @@ async def test_bad_config_exits_2_with_one_line_naming_file_and_key(
     config = write_server_config(tmp_path, pki)
     config.write_text(config.read_text().replace("lost_after_s = 2.5", 'lost_after_s = "soon"'))
     result = await trio.run_process(
-        ["python", "-m", "llmgw", "server", "--config", str(config)],
+        [sys.executable, "-m", "llmgw", "server", "--config", str(config)],
         capture_stderr=True,
         check=False,
     )
@@ -152,7 +153,7 @@ async def test_bad_config_exits_2_with_one_line_naming_file_and_key(
         f"llmgw server: {config}: liveness.lost_after_s: expected `float`, got `str`"
     )
     result = await trio.run_process(
-        ["python", "-m", "llmgw", "agent", "--set", "backof.max_s=3"],
+        [sys.executable, "-m", "llmgw", "agent", "--set", "backof.max_s=3"],
         capture_stderr=True,
         check=False,
         cwd=tmp_path,
