@@ -349,17 +349,8 @@ class ResponseBody:
                 except OSError:
                     data = b""
                     break
-                with trio.CancelScope(
-                    deadline=trio.current_time() + pool.limits.idle_timeout_s
-                ) as scope:
-                    try:
-                        await trio.lowlevel.wait_readable(sock)
-                    except trio.ClosedResourceError:
-                        raise UpstreamReset(
-                            f"{conn.name}: the pool was closed", "body", False
-                        ) from None
-                if scope.cancelled_caught:
-                    raise UpstreamTimeout(f"{conn.name}: response body stalled", "body")
+                deadline = trio.current_time() + pool.limits.idle_timeout_s
+                await _wait_io(conn, True, deadline, "body", "response body stalled")
             if data:
                 conn.feed(data, "body", pool.limits.max_header_bytes)
             elif conn.framed:
@@ -374,6 +365,23 @@ class ResponseBody:
         if conn.done:
             self._conn = None
             pool._release(conn)
+
+
+async def _wait_io(conn: _Conn, readable: bool, deadline: float, phase: Phase, late: str) -> None:
+    """Wait until the socket can be read (or written), by ``deadline``.
+
+    Raises:
+        UpstreamTimeout: the deadline passed first (``late`` says what was late).
+        UpstreamReset: the pool was closed under us.
+    """
+    wait = trio.lowlevel.wait_readable if readable else trio.lowlevel.wait_writable
+    with trio.CancelScope(deadline=deadline) as scope:
+        try:
+            await wait(conn.sock)
+        except trio.ClosedResourceError:
+            raise UpstreamReset(f"{conn.name}: the pool was closed", phase, False) from None
+    if scope.cancelled_caught:
+        raise UpstreamTimeout(f"{conn.name}: {late}", phase)
 
 
 @attrs.frozen
@@ -649,15 +657,8 @@ class UpstreamPool:
         view = memoryview(data)[sent:]
         timeout = self.limits.write_timeout_s
         while view:
-            with trio.CancelScope(deadline=trio.current_time() + timeout) as scope:
-                try:
-                    await trio.lowlevel.wait_writable(sock)
-                except trio.ClosedResourceError:
-                    raise UpstreamReset(
-                        f"{conn.name}: the pool was closed", "send", False
-                    ) from None
-            if scope.cancelled_caught:
-                raise UpstreamTimeout(f"{conn.name}: sending the request timed out", "send")
+            deadline = trio.current_time() + timeout
+            await _wait_io(conn, False, deadline, "send", "sending the request timed out")
             try:
                 sent = sock.send(view)
             except BlockingIOError:
@@ -673,15 +674,7 @@ class UpstreamPool:
         deadline = trio.current_time() + limits.first_byte_timeout_s
         while not conn.head_done:
             # The answer cannot be there yet: wait before the first read.
-            with trio.CancelScope(deadline=deadline) as scope:
-                try:
-                    await trio.lowlevel.wait_readable(sock)
-                except trio.ClosedResourceError:
-                    raise UpstreamReset(
-                        f"{conn.name}: the pool was closed", "head", False
-                    ) from None
-            if scope.cancelled_caught:
-                raise UpstreamTimeout(f"{conn.name}: no response head in time", "head")
+            await _wait_io(conn, True, deadline, "head", "no response head in time")
             try:
                 data = sock.recv(_RECV_SIZE)
             except BlockingIOError:
