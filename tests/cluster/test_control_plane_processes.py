@@ -211,25 +211,31 @@ async def test_draining_a_node_under_traffic_moves_the_replica_and_fails_no_requ
             nonlocal sent
             async with httpx.AsyncClient(timeout=10) as client:
                 while not done.is_set():
-                    ports = [
-                        r["shards"][0]["port"] for r in await c.replicas() if r["state"] == "Ready"
-                    ]
-                    ok = False
-                    for port in ports:
-                        try:
-                            r = await client.post(
-                                f"http://127.0.0.1:{port}/v1/chat/completions",
-                                json={
-                                    "messages": [{"role": "user", "content": "hi"}],
-                                    "max_tokens": 8,
-                                },
-                            )
-                        except httpx.ConnectError:
-                            continue  # nothing sent yet: safe to try the next replica
-                        if r.status_code in (502, 503, 504):
-                            continue  # an engine stopping says so before any answer: retry
-                        ok = r.status_code == 200
-                        break
+                    ok, ports = False, []
+                    for _attempt in range(3):  # a router's attempts, each on a fresh table
+                        ports = [
+                            s["port"]
+                            for r in await c.replicas()
+                            if r["state"] == "Ready"
+                            for s in r["shards"]
+                        ]
+                        for port in ports:
+                            try:
+                                r = await client.post(
+                                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                                    json={
+                                        "messages": [{"role": "user", "content": "hi"}],
+                                        "max_tokens": 8,
+                                    },
+                                )
+                            except httpx.ConnectError:
+                                continue  # nothing sent yet: safe to try the next replica
+                            if r.status_code in (502, 503, 504):
+                                continue  # an engine stopping says so before any answer
+                            ok = r.status_code == 200
+                            break
+                        if ok:
+                            break
                     sent += 1
                     if not ok:
                         failed.append(ports)
