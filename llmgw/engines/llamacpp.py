@@ -19,6 +19,7 @@ from llmgw.engines.base import (
     gpu_env,
     int_setting,
     sample_values,
+    url_host,
 )
 from llmgw.protocol.messages import ShardSpec
 
@@ -48,14 +49,6 @@ MANAGED = {
 }
 
 ALL_LAYERS = 999
-
-
-def url_host(host: str) -> str:
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
 
 
 class LlamaCppAdapter:

@@ -58,6 +58,7 @@ from llmgw.engines.base import (
     gpu_env,
     int_setting,
     sample_values,
+    url_host,
 )
 from llmgw.protocol.messages import ShardSpec
 
@@ -104,17 +105,6 @@ def _normal_flag(arg: str) -> str:
         return arg
     flag, sep, value = arg.partition("=")
     return flag.replace("_", "-") + sep + value
-
-
-def _url_host(host: str) -> str:
-    """Where a local client reaches a server bound to ``host``, URL-ready."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]"
-    return host
 
 
 def _ray_address(host: str, port: int) -> str:
@@ -264,7 +254,7 @@ class _VllmBase:
         return {**gpu_env(spec), **spec.env}
 
     def _urls(self, spec: ShardSpec) -> tuple[str, str]:
-        base = f"http://{_url_host(spec.host)}:{spec.port}"
+        base = f"http://{url_host(spec.host)}:{spec.port}"
         return f"{base}/health", f"{base}/metrics"
 
     # ---------------------------------------------------------------- metrics

@@ -21,7 +21,7 @@ import trio
 
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.replicas import ReplicaState
-from llmgw.engines.llamacpp import url_host
+from llmgw.engines.base import url_host
 from llmgw.router.balancer import Admission, Endpoint
 
 log = logging.getLogger("llmgw.router")
