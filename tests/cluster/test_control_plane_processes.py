@@ -100,13 +100,26 @@ class Cluster:
 
 
 @asynccontextmanager
-async def cluster(tmp_path: Path, pki: Pki, replicas: int = 1) -> AsyncIterator[Cluster]:
+async def cluster(
+    tmp_path: Path,
+    pki: Pki,
+    replicas: int = 1,
+    *,
+    ends_after: int | None = 4,
+    extra_catalog: str = "",
+    server_extra: str = "",
+    settle_s: float = 2,
+) -> AsyncIterator[Cluster]:
+    """A server with the tiny model in its catalog; agents are added by the test."""
     model = tmp_path / "tiny.gguf"
-    write_model(model, ends_after=4)
-    (tmp_path / "catalog.toml").write_text(catalog(model, replicas))
+    write_model(model, ends_after=ends_after)
+    (tmp_path / "catalog.toml").write_text(catalog(model, replicas) + extra_catalog)
     config = write_server_config(tmp_path, pki, heartbeat=0.2, unreachable_after=2, lost_after=6)
     config.write_text(
-        'catalog = "catalog.toml"\n' + config.read_text() + "[reconcile]\nsettle_s = 2\n"
+        'catalog = "catalog.toml"\n'
+        + config.read_text()
+        + f"[reconcile]\nsettle_s = {settle_s}\n"
+        + server_extra
     )
     server = Server("server", ["server", "--config", "server.toml"], tmp_path)
     c = Cluster(tmp_path, pki, server)
@@ -117,6 +130,7 @@ async def cluster(tmp_path: Path, pki: Pki, replicas: int = 1) -> AsyncIterator[
     finally:
         for d in [server, *c.agents.values()]:
             d.kill()
+        # engines outlive their agents by design; a test must not leave any behind
         for record in tmp_path.glob("agent-*/shards/*.json"):
             pid = json.loads(record.read_text())["pid"]
             try:

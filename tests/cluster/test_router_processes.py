@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -15,11 +14,9 @@ import pytest
 import trio
 
 from llmgw.router.keys import hash_key, new_key
-from tests.cluster.procs import Server, write_server_config
-from tests.cluster.test_control_plane_processes import Cluster, catalog, engine_pid
+from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_pid
 from tests.conftest import Pki
 from tests.realparts import needs_server
-from tools.tinymodel import write_model
 
 pytestmark = needs_server
 
@@ -42,24 +39,22 @@ async def routed(
     router_extra: str = "",
     extra_keys: str = "",
 ) -> AsyncIterator[tuple[Cluster, str, str]]:
-    model = tmp_path / "tiny.gguf"
-    write_model(model)  # never ends early: long streams to cut
-    (tmp_path / "catalog.toml").write_text(catalog(model, replicas) + extra_catalog)
     key = new_key()
     router_port = free_port()
-    config = write_server_config(tmp_path, pki, heartbeat=0.2, unreachable_after=2, lost_after=6)
-    config.write_text(
-        'catalog = "catalog.toml"\n'
-        + config.read_text()
-        + "[reconcile]\nsettle_s = 1\n"
-        + f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\n{router_extra}'
-        + f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n{extra_keys}'
+    router = (
+        f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\n{router_extra}'
+        f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n{extra_keys}'
     )
-    server = Server("server", ["server", "--config", "server.toml"], tmp_path)
-    c = Cluster(tmp_path, pki, server)
-    try:
-        server.start()
-        await server.ready()
+    # a model that never ends early: long streams to cut
+    async with cluster(
+        tmp_path,
+        pki,
+        replicas,
+        ends_after=None,
+        extra_catalog=extra_catalog,
+        server_extra=router,
+        settle_s=1,
+    ) as c:
         c.agent("n1")
         if replicas > 1:
             c.agent("n2")
@@ -75,14 +70,6 @@ async def routed(
                     break
                 await trio.sleep(0.1)
         yield c, base, key
-    finally:
-        for d in [server, *c.agents.values()]:
-            d.kill()
-        for record in tmp_path.glob("agent-*/shards/*.json"):
-            try:
-                os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
 
 async def test_the_openai_client_chats_completes_streams_and_lists(
