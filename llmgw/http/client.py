@@ -10,8 +10,16 @@ Connections. One ``_Conn`` per TCP connection: a non-blocking stdlib socket
 the connection. As in the server (``_connection.py``), sockets are driven
 with ``trio.lowlevel.wait_readable`` / ``wait_writable``: an operation that
 can complete at once is one system call, and a task blocks only when the
-kernel says it must. Every blocking wait sits in a cancel scope with a
-deadline from ``ClientLimits`` and maps to ``UpstreamTimeout`` with its phase.
+kernel says it must. Every blocking wait has a deadline from
+``ClientLimits`` and maps to ``UpstreamTimeout`` with its phase: connect,
+send and head waits sit in a cancel scope. Body reads, one wait per streamed
+chunk, do not: a cancel scope with a deadline is about a sixth of the
+router's CPU per paced chunk (``tools/bench_router.py``). A body read writes
+its deadline on its connection and joins ``_Stalls.waiting``; one system task
+per pool wakes every ``idle_timeout_s / 4`` (at most 1 s) while any body
+read waits, and closes the connection under a read past its deadline, which
+wakes that read (``trio.lowlevel.notify_closing``) to raise the timeout. So
+a stalled body times out between ``idle_timeout_s`` and a quarter more.
 
 One exchange. ``request`` frames the request head (Host added if absent,
 Content-Length for the body; CR/LF in any part is refused), sends head and
@@ -169,10 +177,12 @@ class _Conn:
         "key",
         "name",
         "parser",
+        "read_deadline",
         "received",
         "renew",
         "reused",
         "sock",
+        "stalled",
         "status",
     )
 
@@ -186,6 +196,8 @@ class _Conn:
         self.broken = False  # bytes followed a response: never reuse
         self.renew = False  # the parser must be replaced before the next response
         self.idle_since = 0.0
+        self.read_deadline = 0.0  # of the body read waiting now (see _Stalls)
+        self.stalled = False  # _Stalls closed it: the body read timed out
         self.start(False)
 
     def start(self, head_only: bool) -> None:
@@ -349,8 +361,7 @@ class ResponseBody:
                 except OSError:
                     data = b""
                     break
-                deadline = trio.current_time() + pool.limits.idle_timeout_s
-                await _wait_io(conn, True, deadline, "body", "response body stalled")
+                await pool._stalls.wait_readable(conn)
             if data:
                 conn.feed(data, "body", pool.limits.max_header_bytes)
             elif conn.framed:
@@ -365,6 +376,69 @@ class ResponseBody:
         if conn.done:
             self._conn = None
             pool._release(conn)
+
+
+class _Stalls:
+    """The deadlines of a pool's body reads, kept by one timer task (module docstring)."""
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.period = min(1.0, pool.limits.idle_timeout_s / 4)
+        self.waiting: set[_Conn] = set()
+        self.task: trio.lowlevel.Task | None = None
+        self.parked = False
+
+    async def wait_readable(self, conn: _Conn) -> None:
+        """Wait until `conn` can be read, by ``idle_timeout_s`` from now.
+
+        Raises:
+            UpstreamTimeout: nothing came in time (the connection is closed).
+            UpstreamReset: the pool was closed under us.
+        """
+        conn.read_deadline = trio.current_time() + self.pool.limits.idle_timeout_s
+        waiting = self.waiting
+        waiting.add(conn)
+        if self.task is None:
+            self.task = trio.lowlevel.spawn_system_task(self._run, name="llmgw upstream stalls")
+        elif self.parked:
+            self.parked = False
+            trio.lowlevel.reschedule(self.task)
+        try:
+            await trio.lowlevel.wait_readable(conn.sock)
+        except trio.ClosedResourceError:
+            pass
+        finally:
+            waiting.discard(conn)
+        if conn.stalled:
+            raise UpstreamTimeout(f"{conn.name}: response body stalled", "body")
+        if conn.closed:
+            raise UpstreamReset(f"{conn.name}: the pool was closed", "body", False)
+
+    def _unpark(self, _: Any) -> trio.lowlevel.Abort:
+        self.parked = False
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    async def _run(self) -> None:
+        """Every `period` while reads wait: close the connections of those past due."""
+        pool = self.pool
+        while not pool._closed:
+            if not self.waiting:
+                self.parked = True
+                await trio.lowlevel.wait_task_rescheduled(self._unpark)
+                continue
+            await trio.sleep(self.period)
+            now = trio.current_time()
+            for conn in [c for c in self.waiting if c.read_deadline <= now]:
+                self.waiting.discard(conn)
+                conn.stalled = True
+                pool._close(conn)
+        self.task = None
+
+    def wake(self) -> None:
+        """Let the timer task see that the pool closed."""
+        if self.parked and self.task is not None:
+            self.parked = False
+            trio.lowlevel.reschedule(self.task)
 
 
 async def _wait_io(conn: _Conn, readable: bool, deadline: float, phase: Phase, late: str) -> None:
@@ -483,6 +557,7 @@ class UpstreamPool:
         # (the garbage collector closes it, with a ResourceWarning).
         self._open: weakref.WeakSet[_Conn] = weakref.WeakSet()
         self._closed = False
+        self._stalls = _Stalls(self)
 
     # ------------------------------------------------------------------ stats
     def idle_count(self, host: str, port: int) -> int:
@@ -551,6 +626,7 @@ class UpstreamPool:
         self._idle.clear()
         for conn in list(self._open):
             self._close(conn)
+        self._stalls.wake()
         await trio.lowlevel.checkpoint()
 
     # ------------------------------------------------------------- internals

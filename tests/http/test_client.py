@@ -316,6 +316,56 @@ async def test_body_stall_timeout(nursery: trio.Nursery, make_pool: MakePool) ->
     assert pool.open_connections == 0
 
 
+async def test_a_steady_body_outlives_the_idle_timeout(
+    nursery: trio.Nursery, make_pool: MakePool
+) -> None:
+    """The idle deadline is per read: a body whose chunks each come in time is
+    never cut, however long it takes in all."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_raw_until(stream, b"\r\n\r\n")
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            await trio.sleep(0.08)
+            await stream.send_all(b"1\r\nx\r\n")
+        await stream.send_all(b"0\r\n\r\n")
+
+    port = await start_raw(nursery, handler)
+    pool = make_pool(idle_timeout_s=0.2)  # the whole body takes over 0.6 s
+    with trio.fail_after(5):
+        response = await pool.request("GET", HOST, port, "/", [], b"")
+        assert await response.read() == b"x" * 8
+    assert pool.idle_count(HOST, port) == 1
+
+
+async def test_aclose_interrupts_a_body_read_with_a_reset(
+    nursery: trio.Nursery, make_pool: MakePool
+) -> None:
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_raw_until(stream, b"\r\n\r\n")
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+        await until_eof(stream)
+
+    port = await start_raw(nursery, handler)
+    pool = make_pool(idle_timeout_s=0.2)
+    errors: list[BaseException] = []
+
+    async def read() -> None:
+        response = await pool.request("GET", HOST, port, "/", [], b"")
+        try:
+            await response.read()
+        except (UpstreamReset, UpstreamTimeout) as exc:
+            errors.append(exc)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as inner:
+            inner.start_soon(read)
+            await trio.sleep(0.05)
+            await pool.aclose()
+    assert [type(e) for e in errors] == [UpstreamReset]
+    assert pool.open_connections == 0
+
+
 async def test_send_timeout(nursery: trio.Nursery, make_pool: MakePool) -> None:
     async def handler(stream: trio.SocketStream) -> None:
         await trio.sleep_forever()  # never reads
