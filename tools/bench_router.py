@@ -4,6 +4,11 @@ One run, one fast stand-in engine on loopback (``tools/bench_router_engine.py``)
 one proxy process each in front of it:
 
 - ``direct``:  no proxy, the load generator talks to the engine;
+- ``relay``:   a raw TCP byte relay on uvloop (``tools/bench_router_relay.py``), no
+               HTTP at all: the floor, what this machine charges any process in
+               the middle;
+- ``relay-trio``: the same relay on trio, written like llmgw's hot path: the
+               floor for any trio proxy;
 - ``llmgw``:   ``llmgw server`` as a plain router over a static endpoint;
 - ``asgi``:    a minimal uvicorn + aiohttp proxy (``tools/bench_router_proxy.py``),
                the Python ceiling;
@@ -58,7 +63,7 @@ LITELLM_PACKAGE = "litellm[proxy]==1.108.7"
 CHUNKS = 16  # per streamed response (the engine's constant)
 PACE_MS = 10
 MODES = {"plain": "non-streaming", "stream": "streaming", "paced": "paced streaming"}
-PROXIES = ["direct", "llmgw", "asgi", "litellm"]
+PROXIES = ["direct", "relay", "relay-trio", "llmgw", "asgi", "litellm"]
 
 
 # --------------------------------------------------------------------------- load generator
@@ -462,6 +467,20 @@ def start_asgi(procs: Procs, python: Path, engine_port: int, core: int | None) -
     return p.pid, port
 
 
+def start_relay(
+    procs: Procs, python: Path, engine_port: int, core: int | None, loop: str = "uvloop"
+) -> tuple[int, int]:
+    name = "relay" if loop == "uvloop" else f"relay-{loop}"
+    port = free_port()
+    p = procs.start(
+        name,
+        [str(python), str(TOOLS / "bench_router_relay.py"), str(port), str(engine_port), loop],
+        core=core,
+    )
+    wait_until(procs, name, lambda: http_get(f"http://127.0.0.1:{port}/v1/models") == 200, 30)
+    return p.pid, port
+
+
 def start_litellm(
     procs: Procs, venv: Path, engine_port: int, core: int | None, master_key: str
 ) -> subprocess.Popen[bytes]:
@@ -586,7 +605,7 @@ def fmt_ms(s: float | None) -> str:
 def print_table(mode: str, rows: list[tuple[str, int, dict[str, Any]]]) -> None:
     print(f"\n== {MODES[mode]} ==")
     cols = (
-        f"{'proxy':8} {'c':>3} {'rps':>8} {'p50 ms':>8} {'p99 ms':>8} {'ttfb50':>8} "
+        f"{'proxy':10} {'c':>3} {'rps':>8} {'p50 ms':>8} {'p99 ms':>8} {'ttfb50':>8} "
         f"{'cpu ms/req':>10} {'ms/chunk':>8} {'proxy%':>6} {'eng%':>5} {'lg%':>5} {'n':>6} "
         f"{'err':>4}"
     )
@@ -599,7 +618,7 @@ def print_table(mode: str, rows: list[tuple[str, int, dict[str, Any]]]) -> None:
         el = r["elapsed"] or 1.0
         busy = f"{100 * cpu / el:.0f}" if cpu is not None else "-"
         print(
-            f"{name:8} {c:>3} {r['rps']:>8.0f} {fmt_ms(r['p50']):>8} {fmt_ms(r['p99']):>8} "
+            f"{name:10} {c:>3} {r['rps']:>8.0f} {fmt_ms(r['p50']):>8} {fmt_ms(r['p99']):>8} "
             f"{fmt_ms(r['ttfb50']):>8} {fmt_ms(per_req):>10} {fmt_ms(per_chunk):>8} "
             f"{busy:>6} {100 * r['engine_cpu_s'] / el:>5.0f} {100 * r['loadgen_cpu_s'] / el:>5.0f} "
             f"{n:>6} {r['errors']:>4}",
@@ -659,11 +678,18 @@ def goals(results: dict[tuple[str, str, int], dict[str, Any]], idle: dict[str, f
         for c in concs:
             v = cpu_ms(get("llmgw", mode, c))
             if v is not None:
+                floors = [
+                    f"{name} {f / CHUNKS:.3f} ms"
+                    for name in ("relay", "relay-trio")
+                    if (f := cpu_ms(get(name, mode, c))) is not None
+                ]
+                above = f"; raw byte relays: {', '.join(floors)}" if floors else ""
                 line(
                     v / CHUNKS <= 0.15,
                     f"CPU <= 0.15 ms per streamed chunk ({MODES[mode]}, c{c}): "
                     f"{v / CHUNKS:.3f} ms ({v:.2f} ms / {CHUNKS}-chunk response"
                     + net(get("llmgw", mode, c), CHUNKS)
+                    + above
                     + ")",
                 )
     # 3. added p50 at c1
@@ -765,6 +791,14 @@ def main() -> None:
                 lite = start_litellm(procs, VENV_LITELLM, engine_port, proxy_core, lite_key)
             targets: dict[str, tuple[int, str, list[int]]] = {}
             targets["direct"] = (engine_port, "", [])
+            if "relay" in proxies:
+                pid, port = start_relay(procs, asgi_python, engine_port, proxy_core)
+                targets["relay"] = (port, "", [pid])
+            if "relay-trio" in proxies:
+                pid, port = start_relay(
+                    procs, Path(sys.executable), engine_port, proxy_core, "trio"
+                )
+                targets["relay-trio"] = (port, "", [pid])
             if "llmgw" in proxies:
                 pid, port, key = start_llmgw(procs, engine_port, proxy_core)
                 targets["llmgw"] = (port, key, [pid])
