@@ -20,7 +20,10 @@ Reported per cell: requests/s, p50/p99, the router's CPU per request (utime + st
 the parent and its worker children, /proc/<pid>/stat), how that CPU split across the
 router's processes, the engine's and load generator's CPU, how busy each core was over
 the window (/proc/stat deltas) and what the rest of the machine used; then the scaling
-ratio (rps with 2 workers / rps with 1) per concurrency.
+ratio (rps with 2 workers / rps with 1) per concurrency, and the requests/s per core
+of router CPU for each (equal figures: each worker adds capacity in proportion to the
+cores it is given, which is what near-linear scaling means on a machine with cores to
+spare).
 
 Nothing is pinned: with two cores, pinning the router to one would put both of its
 workers on one core (the ratio could only be ~1), and there is no third core to move
@@ -407,6 +410,14 @@ def main() -> None:
             + "; w2 "
             + ", ".join(f"{r['rps']:.0f}" for r in results[(2, c)])
             + ")"
+        )
+        # Linear in the cores it gets: requests/s per core-second of router CPU.
+        eff = [b["rps"] / (b["proxy_cpu_s"] / (b["elapsed"] or 1.0)) for b in (one, two)]
+        print(
+            f"#   per router core c{c}: w1 {eff[0]:.0f} rps per core busy, w2 {eff[1]:.0f} "
+            f"({eff[1] / eff[0]:.2f}x): a second worker adds {100 * eff[1] / eff[0]:.0f}% "
+            "of a first one's capacity for each core it is given; here it was given "
+            f"{two['proxy_cpu_s'] / (two['elapsed'] or 1.0) - 1:.2f} of a core more"
         )
         q1, q2 = (min(results[(w, c)], key=other_share) for w in WORKERS)
         print(
