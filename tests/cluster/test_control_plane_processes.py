@@ -109,6 +109,7 @@ async def cluster(
     extra_catalog: str = "",
     server_extra: str = "",
     settle_s: float = 2,
+    log_level: str = "info",
 ) -> AsyncIterator[Cluster]:
     """A server with the tiny model in its catalog; agents are added by the test."""
     model = tmp_path / "tiny.gguf"
@@ -116,7 +117,7 @@ async def cluster(
     (tmp_path / "catalog.toml").write_text(catalog(model, replicas) + extra_catalog)
     config = write_server_config(tmp_path, pki, heartbeat=0.2, unreachable_after=2, lost_after=6)
     config.write_text(
-        'catalog = "catalog.toml"\n'
+        f'catalog = "catalog.toml"\nlog_level = "{log_level}"\n'
         + config.read_text()
         + f"[reconcile]\nsettle_s = {settle_s}\n"
         + server_extra

@@ -54,6 +54,7 @@ async def routed(
         extra_catalog=extra_catalog,
         server_extra=router,
         settle_s=1,
+        log_level="debug",  # whatever the router logs, keys must not be in it
     ) as c:
         c.agent("n1")
         if replicas > 1:
@@ -112,7 +113,7 @@ async def test_the_openai_client_chats_completes_streams_and_lists(
 
 
 async def test_errors_in_openais_format(tmp_path: Path, pki: Pki) -> None:
-    async with routed(tmp_path, pki) as (_, base, key):
+    async with routed(tmp_path, pki) as (c, base, key):
         bad = openai.AsyncOpenAI(base_url=base, api_key="llmgw-wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await bad.models.list()
@@ -136,6 +137,10 @@ async def test_errors_in_openais_format(tmp_path: Path, pki: Pki) -> None:
             )
             assert huge.status_code == 413
             assert "error" in huge.json()
+        log = c.server.log()
+        assert "413" in log  # debug logging was on and saw these requests
+        assert key not in log and "llmgw-wrong" not in log
+        assert hash_key(key) in (tmp_path / "server.toml").read_text()  # only its hash is kept
 
 
 async def test_a_client_that_disconnects_mid_stream_stops_the_engine(
