@@ -1,0 +1,51 @@
+"""The README's first command, run as a new user would: ``tools/fleet --check``."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.realparts import needs_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@needs_server
+def test_the_fleet_command_serves_the_tiny_model_to_the_openai_client(tmp_path: Path) -> None:
+    """A CA, a control plane, an agent, a real llama-server with the generated
+    model, and the router: ``--check`` asks through the openai SDK and stops."""
+    ports = [free_port() for _ in range(3)]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.fleet",
+            "--check",
+            "--dir",
+            str(tmp_path / "fleet"),
+            "--stream-port",
+            str(ports[0]),
+            "--admin-port",
+            str(ports[1]),
+            "--router-port",
+            str(ports[2]),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    assert f"base URL: http://127.0.0.1:{ports[2]}/v1" in text
+    assert "API key:  llmgw-" in text
+    assert "check: the model answered" in text
