@@ -1,0 +1,73 @@
+"""The benchmarks under tools/ still run: each at a tiny size, from the project's venv.
+
+They are not timed here (figures belong in their own output, on a quiet
+machine); this only keeps them from rotting as the code they drive changes.
+The router benchmarks need their own virtualenvs (uvicorn, LiteLLM) and are
+left to be run by hand.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_tool(*args: str, timeout: float = 120) -> str:
+    out = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    return text
+
+
+def test_bench_reconcile_runs_and_judges_its_goals() -> None:
+    text = run_tool(
+        "tools/bench_reconcile.py",
+        "--nodes=20",
+        "--models=2",
+        "--replicas-per-model=5",
+        "--passes=5",
+        "--place-repeats=2",
+    )
+    assert "goal: a full reconcile pass under 50 ms:" in text
+    assert "goal: every replica re-adopted within one heartbeat interval: met" in text
+
+
+def test_bench_http_server_runs() -> None:
+    text = run_tool("tools/bench_http_server.py", "--requests=200", "--seconds=0.5")
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["16"])]
+    assert [r[:2] for r in rows] == [["1", "200"], ["16", "200"]], text
+
+
+@pytest.mark.parametrize("client", ["pool", "httpx"])
+def test_bench_upstream_pool_runs(client: str) -> None:
+    text = run_tool(
+        "tools/bench_upstream_pool.py", "--requests=50", "--seconds=0.5", f"--client={client}"
+    )
+    assert sum(1 for line in text.splitlines() if line.split()[:1] == [client]) >= 2, text
+
+
+def test_bench_agents_holds_a_small_fleet() -> None:
+    text = run_tool(
+        "tools/bench_agents.py",
+        "--agents=5",
+        "--heartbeat=0.5",
+        "--window=2",
+        "--workers=1",
+        "--connect-spread=0.2",
+        "--unreachable-after=2",
+        "--lost-after=4",
+    )
+    assert "registrations / reconnects" in text
+    assert "N = 5: no problems seen" in text
