@@ -69,6 +69,7 @@ from typing import Any
 
 import httpx
 import trio
+from benchlib import cpu_seconds, percentile
 from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import wrap_client_stream
 
@@ -363,12 +364,6 @@ def _pdeathsig() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def proc_cpu(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def proc_mem(pid: int) -> dict[str, int]:
     """VmRSS and VmHWM of a process, in bytes."""
     out = {}
@@ -574,13 +569,6 @@ def bucket_quantile(delta: list[tuple[float, float]], q: float) -> tuple[float, 
     return None
 
 
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 def counter_total(
     m: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str
 ) -> dict[str, float]:
@@ -662,8 +650,8 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         # ---- registration
         print(f"  connecting {n} agents over {p.spread:g} s ...")
         spy = Spy(server.pid, workdir / f"py-spy-{n}-register.txt") if p.py_spy else None
-        cpu0 = proc_cpu(server.pid)
-        ccpu0 = sum(proc_cpu(w.pid) for w in procs)
+        cpu0 = cpu_seconds(server.pid)
+        ccpu0 = sum(cpu_seconds(w.pid) for w in procs)
         t0 = time.time() + 0.2
         fleet.send_all({"cmd": "go", "t0": t0, "spread": p.spread})
         deadline = time.monotonic() + p.spread + 60 + n * 0.05
@@ -676,8 +664,8 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
                 raise Failed(f"only {ready} of {n} agents Ready after {time.time() - t0:.0f} s")
             time.sleep(0.1)
         res["register_s"] = time.time() - t0
-        res["register_cpu_s"] = proc_cpu(server.pid) - cpu0
-        res["register_client_cpu_s"] = sum(proc_cpu(w.pid) for w in procs) - ccpu0
+        res["register_cpu_s"] = cpu_seconds(server.pid) - cpu0
+        res["register_client_cpu_s"] = sum(cpu_seconds(w.pid) for w in procs) - ccpu0
         if spy is not None:
             profiles["registration"] = spy.finish()
         nodes = admin.nodes()
@@ -689,7 +677,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         regs = fleet.gather("registered", timeout=30)
         res["register_client_s"] = max(r["at"] for r in regs) - t0
         lat = sorted(x for r in regs for x in r["latencies"])
-        res["register_lat"] = (quantile(lat, 0.5), quantile(lat, 0.99), lat[-1])
+        res["register_lat"] = (percentile(lat, 0.5), percentile(lat, 0.99), lat[-1])
         print(
             f"  all {n} Ready in {res['register_s']:.2f} s (connects spread over {p.spread:g} s); "
             f"server CPU during registration {res['register_cpu_s']:.2f} s"
@@ -705,20 +693,20 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         spy = Spy(server.pid, workdir / f"py-spy-{n}-steady.txt") if p.py_spy else None
         m0 = admin.metrics()
         w0 = time.monotonic()
-        s0 = proc_cpu(server.pid)
-        c0 = sum(proc_cpu(w.pid) for w in procs)
+        s0 = cpu_seconds(server.pid)
+        c0 = sum(cpu_seconds(w.pid) for w in procs)
         per_sec: list[float] = []
         last_t, last_c = w0, s0
         while time.monotonic() - w0 < p.window:
             time.sleep(min(1.0, max(0.0, p.window - (time.monotonic() - w0))))
             server.alive()
-            t, c = time.monotonic(), proc_cpu(server.pid)
+            t, c = time.monotonic(), cpu_seconds(server.pid)
             if t - last_t > 0.5:
                 per_sec.append((c - last_c) / (t - last_t))
             last_t, last_c = t, c
         elapsed = time.monotonic() - w0
-        s1 = proc_cpu(server.pid)
-        c1 = sum(proc_cpu(w.pid) for w in procs)
+        s1 = cpu_seconds(server.pid)
+        c1 = sum(cpu_seconds(w.pid) for w in procs)
         m1 = admin.metrics()
         mem = proc_mem(server.pid)
         fleet.send_all({"cmd": "stats"})
@@ -741,8 +729,8 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         res["hb_p99"] = bucket_quantile(delta, 0.99)
         rtts = [x for s in stats for x in s["rtts"]]
         lags = [x for s in stats for x in s["lags"]]
-        res["rtt"] = (quantile(rtts, 0.5), quantile(rtts, 0.99))
-        res["client_lag_p99"] = quantile(lags, 0.99)
+        res["rtt"] = (percentile(rtts, 0.5), percentile(rtts, 0.99))
+        res["client_lag_p99"] = percentile(lags, 0.99)
         res["connected"] = sum(s["connected"] for s in stats)
         res["reconnects"] = sum(s["reconnects"] for s in stats)
         errors: Counter[str] = Counter()
@@ -758,11 +746,11 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         res.update(silent_agent(n, p, fleet, admin, server, workdir, profiles))
 
         # ---- what one /v1/nodes costs the server at this fleet size
-        cpu0, t, calls = proc_cpu(server.pid), time.monotonic(), 0
+        cpu0, t, calls = cpu_seconds(server.pid), time.monotonic(), 0
         while time.monotonic() - t < 1.0 and calls < 200:
             admin.nodes()
             calls += 1
-        res["nodes_call_cpu_s"] = (proc_cpu(server.pid) - cpu0) / calls
+        res["nodes_call_cpu_s"] = (cpu_seconds(server.pid) - cpu0) / calls
         res["nodes_call_s"] = (time.monotonic() - t) / calls
 
         # ---- what the server said
@@ -825,7 +813,7 @@ def silent_agent(
         "silent_node": node,
         "late_s": got - due,
         "late_lower_s": prev_sent - due,  # it was still Ready at a poll sent then
-        "poll_request_s": quantile(request_s, 0.5),
+        "poll_request_s": percentile(request_s, 0.5),
         "polls": polls,
     }
     # the server's own account: the log line's timestamp and "no heartbeat for X s"

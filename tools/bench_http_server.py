@@ -12,7 +12,6 @@ milliseconds per request, from /proc/<pid>/stat (utime + stime) deltas.
 from __future__ import annotations
 
 import argparse
-import os
 import selectors
 import socket
 import subprocess
@@ -20,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 from typing import cast
+
+from benchlib import cpu_seconds
 
 REQUEST = b"GET /v1/ping HTTP/1.1\r\nHost: bench\r\nUser-Agent: bench\r\nAccept: */*\r\n\r\n"
 BODY = b'{"object":"ping","ok":true}'
@@ -48,11 +49,6 @@ def serve(yielding: bool) -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def response_length(port: int) -> int:

@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+from benchlib import percentile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -157,11 +158,6 @@ def ready_all(rec: Reconciler, plan: Plan, now: float) -> None:
 # --- measuring ---------------------------------------------------------------------------
 
 
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
-
-
 def ms(seconds: float) -> str:
     return f"{seconds * 1e3:9.2f}"
 
@@ -262,7 +258,7 @@ def main() -> int:
             "(a) steady-state pass, nothing to do",
             str(len(steady)),
             ms(statistics.median(steady)),
-            ms(pct(steady, 99)),
+            ms(percentile(steady, 0.99)),
             ms(max(steady)),
             "",
         )
@@ -291,7 +287,7 @@ def main() -> int:
                 label,
                 str(len(times)),
                 ms(statistics.median(times)),
-                ms(pct(times, 99)),
+                ms(percentile(times, 0.99)),
                 ms(max(times)),
                 f"{expect} started",
             )
@@ -393,7 +389,7 @@ def main() -> int:
             "(c) storm: one registration (table+reconciler)",
             str(len(per_reg)),
             ms(statistics.median(per_reg)),
-            ms(pct(per_reg, 99)),
+            ms(percentile(per_reg, 0.99)),
             ms(max(per_reg)),
             f"mean of the first {tenth}: {statistics.mean(per_reg[:tenth]) * 1e3:.2f} ms, "
             f"of the last {tenth}: {statistics.mean(per_reg[-tenth:]) * 1e3:.2f} ms",
@@ -478,20 +474,20 @@ def main() -> int:
         ("(c) first pass after the storm (inside settle)", [t_in_settle]),
         ("(c) first pass after the settle time", [t_after]),
     ]
-    over = [(label, t) for label, t in passes if pct(t, 99) >= PASS_GOAL_S]
-    worst_label, worst = max(passes, key=lambda lt: pct(lt[1], 99))
+    over = [(label, t) for label, t in passes if percentile(t, 0.99) >= PASS_GOAL_S]
+    worst_label, worst = max(passes, key=lambda lt: percentile(lt[1], 0.99))
     pass_met = not over
     storm_met = readopted_ok and storm_and_pass < HEARTBEAT_S
     print()
     print(
         f"goal: a full reconcile pass under {PASS_GOAL_S * 1e3:g} ms: "
-        f"{'met' if pass_met else 'not met'} (worst p99: {pct(worst, 99) * 1e3:.2f} ms, "
+        f"{'met' if pass_met else 'not met'} (worst p99: {percentile(worst, 0.99) * 1e3:.2f} ms, "
         f"{worst_label})"
     )
     for label, t in over:
         print(
             f"  over {PASS_GOAL_S * 1e3:g} ms: {label}: median {statistics.median(t) * 1e3:.2f} "
-            f"ms, p99 {pct(t, 99) * 1e3:.2f} ms"
+            f"ms, p99 {percentile(t, 0.99) * 1e3:.2f} ms"
         )
     print(
         f"goal: every replica re-adopted within one heartbeat interval: "

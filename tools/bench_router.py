@@ -45,7 +45,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from benchlib import cpu_seconds, free_port, percentile, tree_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
@@ -190,16 +191,16 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
         st.finished = asyncio.Event()
         tasks = [asyncio.ensure_future(connection()) for _ in range(spec["concurrency"])]
         await asyncio.sleep(spec["warmup_s"])
-        cpu0 = [_tree_cpu(p) for p in pids]
-        engine0 = _cpu_seconds(engine_pid)
+        cpu0 = [tree_cpu(p) for p in pids]
+        engine0 = cpu_seconds(engine_pid)
         own0 = time.process_time()
         st.window_start = now()
         st.phase = "measure"
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(st.finished.wait(), spec["seconds"])
         elapsed = now() - st.window_start
-        cpu1 = [_tree_cpu(p) for p in pids]
-        engine1 = _cpu_seconds(engine_pid)
+        cpu1 = [tree_cpu(p) for p in pids]
+        engine1 = cpu_seconds(engine_pid)
         own1 = time.process_time()
         st.phase = "drain"
         st.finished.clear()
@@ -216,10 +217,10 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
             "errors": st.errors,
             "elapsed": elapsed,
             "rps": n / elapsed if elapsed > 0 else 0.0,
-            "p50": _pct(lat, 0.50),
-            "p99": _pct(lat, 0.99),
-            "ttfb50": _pct(ttfb, 0.50),
-            "ttfb99": _pct(ttfb, 0.99),
+            "p50": percentile(lat, 0.50),
+            "p99": percentile(lat, 0.99),
+            "ttfb50": percentile(ttfb, 0.50),
+            "ttfb99": percentile(ttfb, 0.99),
             "proxy_cpu_s": sum(cpu1) - sum(cpu0) if pids else None,
             "engine_cpu_s": engine1 - engine0,
             "loadgen_cpu_s": own1 - own0,
@@ -231,66 +232,7 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
     return asyncio.run(run())
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU time of every thread of ``pid``, from the scheduler's own nanosecond
-    account (/proc/<pid>/task/*/schedstat). utime+stime in /proc/<pid>/stat is
-    charged by whole clock ticks to whatever runs when a tick lands, which skews
-    work that wakes in step with a timer (paced streaming) badly; falls back to it
-    where schedstat is missing."""
-    total, found = 0.0, False
-    try:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                total += int((task / "schedstat").read_text().split()[0]) / 1e9
-                found = True
-            except (OSError, IndexError, ValueError):
-                continue
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return 0.0
-    if found:
-        return total
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
-def _tree_cpu(pid: int) -> float:
-    return sum(_cpu_seconds(p) for p in _descendants(pid))
-
-
 # --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Procs:
@@ -825,9 +767,9 @@ def main() -> None:
                     litellm_note = f"LiteLLM did not start: {exc}\n{tail}"
                     procs.stop("litellm")
             idle_s = 1.0 if args.quick else 2.0
-            cpu0 = {n: sum(map(_tree_cpu, t[2])) for n, t in targets.items() if t[2]}
+            cpu0 = {n: sum(map(tree_cpu, t[2])) for n, t in targets.items() if t[2]}
             time.sleep(idle_s)
-            idle = {n: (sum(map(_tree_cpu, targets[n][2])) - cpu0[n]) / idle_s for n in cpu0}
+            idle = {n: (sum(map(tree_cpu, targets[n][2])) - cpu0[n]) / idle_s for n in cpu0}
             print(
                 f"# cores: engine+load generator on {load_core}, each proxy on {proxy_core}; "
                 f"window {seconds:g} s, paced {max(2.0, 1.5 * seconds):g} s, LiteLLM "

@@ -52,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_router as br  # a sibling script, not a package
+from benchlib import descendants, free_port, tree_cpu
 
 WORKERS = (1, 2)
 
@@ -95,13 +96,13 @@ def loadgen_with_marks(spec: dict[str, Any]) -> dict[str, Any]:
     window's edges: it reads the router's tree CPU exactly once as the window opens
     and once as it closes, so readings taken alongside those mark the window."""
     marks: list[tuple[dict[str, tuple[int, int]], dict[int, tuple[str, float]]]] = []
-    tree_cpu = br._tree_cpu
+    original = br.tree_cpu
 
     def hooked(pid: int) -> float:
         marks.append((proc_stat(), all_processes()))
-        return tree_cpu(pid)
+        return original(pid)
 
-    br._tree_cpu = hooked
+    br.tree_cpu = hooked  # the name bench_router's loadgen calls
     result = br.loadgen(spec)
     (stat0, ps0), (stat1, ps1) = marks[0], marks[-1]
     result["cores"] = {
@@ -185,7 +186,7 @@ def start_router(
     from llmgw.router.keys import hash_key
 
     name = f"router-w{workers}"
-    port = br.free_port()
+    port = free_port()
     config = procs.workdir / f"{name}.toml"
     config.write_text(
         f"""admin_url = "{admin_url}"
@@ -209,7 +210,7 @@ models = []
 
     def ready() -> bool:
         text = procs.log(name)
-        return len(routed.findall(text)) >= workers and len(br._descendants(p.pid)) >= workers
+        return len(routed.findall(text)) >= workers and len(descendants(p.pid)) >= workers
 
     br.wait_until(procs, name, ready, 60)
     br.wait_until(
@@ -315,12 +316,12 @@ def main() -> None:
         try:
             engine_pid, engine_port = br.start_engine(procs, python, None)
             admin_url, token_file, key = start_server(procs, engine_port)
-            server_pids = br._descendants(procs.procs["llmgw"].pid)
+            server_pids = descendants(procs.procs["llmgw"].pid)
             routers = {w: start_router(procs, w, admin_url, token_file, key) for w in WORKERS}
             idle_s = 1.0
-            cpu0 = {w: br._tree_cpu(pid) for w, (pid, _) in routers.items()}
+            cpu0 = {w: tree_cpu(pid) for w, (pid, _) in routers.items()}
             time.sleep(idle_s)
-            idle = {w: (br._tree_cpu(pid) - cpu0[w]) / idle_s for w, (pid, _) in routers.items()}
+            idle = {w: (tree_cpu(pid) - cpu0[w]) / idle_s for w, (pid, _) in routers.items()}
 
             print(
                 f"# machine: {ncores} cores (os.cpu_count() {os.cpu_count()}), shared by the "
@@ -352,7 +353,7 @@ def main() -> None:
                             seconds=args.seconds,
                             warmup_s=args.warmup,
                         )
-                        r["router_pids"] = br._descendants(pid)
+                        r["router_pids"] = descendants(pid)
                         r["server_pids"] = server_pids
                         r["engine_pid"] = engine_pid
                         results.setdefault((w, c), []).append(r)

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
+from benchlib import percentile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -79,10 +80,6 @@ async def drive(
     elapsed = perf() - started
     cpu = time.process_time() - cpu0
     return len(latencies), elapsed, cpu, latencies
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
 def pool_client(port: int) -> tuple[Fetch, Callable[[], Awaitable[None]]]:
