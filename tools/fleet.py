@@ -37,6 +37,13 @@ def main() -> int:
     parser.add_argument("--admin-port", type=int, default=7444)
     parser.add_argument("--router-port", type=int, default=8000)
     parser.add_argument(
+        "--engine-ports",
+        type=int,
+        default=20000,
+        metavar="LOW",
+        help="agent i's engines listen on LOW+100i .. LOW+100i+99 (default 20000)",
+    )
+    parser.add_argument(
         "--check", action="store_true", help="start, wait until every node is Ready, stop"
     )
     args = parser.parse_args()
@@ -91,13 +98,14 @@ listen = "127.0.0.1:{args.stream_port}"
 listen = "127.0.0.1:{args.admin_port}"
 """
     )
+    low = args.engine_ports
     for node in nodes:
         i = nodes.index(node)
         (d / f"agent-{node}.toml").write_text(
             f'control_plane = ["127.0.0.1:{args.stream_port}"]\n'
             f'node_id = "{node}"\nstate_dir = "agent-{node}"\n'
             # agents on one machine: each its own engine ports
-            f"[engines]\nport_range = [{20000 + 100 * i}, {20099 + 100 * i}]\n"
+            f"[engines]\nport_range = [{low + 100 * i}, {low + 99 + 100 * i}]\n"
         )
 
     llmgw = [sys.executable, "-m", "llmgw"]

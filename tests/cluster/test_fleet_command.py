@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -37,6 +38,10 @@ def test_the_fleet_command_serves_the_tiny_model_to_the_openai_client(tmp_path: 
             str(ports[1]),
             "--router-port",
             str(ports[2]),
+            # not the default 20000: the agent kills what it does not know on its
+            # engine ports, and a developer's own tools/fleet may be running there
+            "--engine-ports",
+            str(24000 + (os.getpid() % 80) * 100),
         ],
         cwd=ROOT,
         capture_output=True,
