@@ -11,15 +11,16 @@ the connection. As in the server (``_connection.py``), sockets are driven
 with ``trio.lowlevel.wait_readable`` / ``wait_writable``: an operation that
 can complete at once is one system call, and a task blocks only when the
 kernel says it must. Every blocking wait has a deadline from
-``ClientLimits`` and maps to ``UpstreamTimeout`` with its phase: connect,
-send and head waits sit in a cancel scope. Body reads, one wait per streamed
-chunk, do not: a cancel scope with a deadline is about a sixth of the
-router's CPU per paced chunk (``tools/bench_router.py``). A body read writes
-its deadline on its connection and joins ``_Stalls.waiting``; one system task
-per pool wakes every ``idle_timeout_s / 4`` (at most 1 s) while any body
-read waits, and closes the connection under a read past its deadline, which
-wakes that read (``trio.lowlevel.notify_closing``) to raise the timeout. So
-a stalled body times out between ``idle_timeout_s`` and a quarter more.
+``ClientLimits`` and maps to ``UpstreamTimeout`` with its phase. Connecting
+sits in a cancel scope; socket waits (send, head, and body: one wait per
+streamed chunk) do not, because a cancel scope with a deadline is about a
+sixth of the router's CPU per paced chunk (``tools/bench_router.py``). A
+socket wait writes its deadline on its connection and joins
+``_Stalls.waiting``; one system task per pool wakes every quarter of the
+shortest of those timeouts (at most 1 s) while any wait is pending, and
+closes the connection under a wait past its deadline, which wakes it
+(``trio.lowlevel.notify_closing``) to raise the timeout. So a wait times out
+between its deadline and a quarter of the shortest timeout later.
 
 One exchange. ``request`` frames the request head (Host added if absent,
 Content-Length for the body; CR/LF in any part is refused), sends head and
@@ -166,6 +167,7 @@ class _Conn:
         "broken",
         "chunks",
         "closed",
+        "deadline",
         "done",
         "framed",
         "head_done",
@@ -177,7 +179,6 @@ class _Conn:
         "key",
         "name",
         "parser",
-        "read_deadline",
         "received",
         "renew",
         "reused",
@@ -196,8 +197,8 @@ class _Conn:
         self.broken = False  # bytes followed a response: never reuse
         self.renew = False  # the parser must be replaced before the next response
         self.idle_since = 0.0
-        self.read_deadline = 0.0  # of the body read waiting now (see _Stalls)
-        self.stalled = False  # _Stalls closed it: the body read timed out
+        self.deadline = 0.0  # of the socket wait pending now (see _Stalls)
+        self.stalled = False  # _Stalls closed it: that wait timed out
         self.start(False)
 
     def start(self, head_only: bool) -> None:
@@ -361,7 +362,8 @@ class ResponseBody:
                 except OSError:
                     data = b""
                     break
-                await pool._stalls.wait_readable(conn)
+                deadline = trio.current_time() + pool.limits.idle_timeout_s
+                await pool._stalls.wait(conn, True, deadline, "body", "response body stalled")
             if data:
                 conn.feed(data, "body", pool.limits.max_header_bytes)
             elif conn.framed:
@@ -379,23 +381,28 @@ class ResponseBody:
 
 
 class _Stalls:
-    """The deadlines of a pool's body reads, kept by one timer task (module docstring)."""
+    """The deadlines of a pool's socket waits, kept by one timer task (module docstring)."""
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
-        self.period = min(1.0, pool.limits.idle_timeout_s / 4)
+        limits = pool.limits
+        shortest = min(limits.idle_timeout_s, limits.first_byte_timeout_s, limits.write_timeout_s)
+        self.period = min(1.0, shortest / 4)
         self.waiting: set[_Conn] = set()
         self.task: trio.lowlevel.Task | None = None
         self.parked = False
 
-    async def wait_readable(self, conn: _Conn) -> None:
-        """Wait until `conn` can be read, by ``idle_timeout_s`` from now.
+    async def wait(
+        self, conn: _Conn, readable: bool, deadline: float, phase: Phase, late: str
+    ) -> None:
+        """Wait until `conn` can be read (or written), by ``deadline``.
 
         Raises:
-            UpstreamTimeout: nothing came in time (the connection is closed).
+            UpstreamTimeout: the deadline passed first (``late`` says what was
+                late); the connection is closed.
             UpstreamReset: the pool was closed under us.
         """
-        conn.read_deadline = trio.current_time() + self.pool.limits.idle_timeout_s
+        conn.deadline = deadline
         waiting = self.waiting
         waiting.add(conn)
         if self.task is None:
@@ -404,22 +411,25 @@ class _Stalls:
             self.parked = False
             trio.lowlevel.reschedule(self.task)
         try:
-            await trio.lowlevel.wait_readable(conn.sock)
+            if readable:
+                await trio.lowlevel.wait_readable(conn.sock)
+            else:
+                await trio.lowlevel.wait_writable(conn.sock)
         except trio.ClosedResourceError:
             pass
         finally:
             waiting.discard(conn)
         if conn.stalled:
-            raise UpstreamTimeout(f"{conn.name}: response body stalled", "body")
+            raise UpstreamTimeout(f"{conn.name}: {late}", phase)
         if conn.closed:
-            raise UpstreamReset(f"{conn.name}: the pool was closed", "body", False)
+            raise UpstreamReset(f"{conn.name}: the pool was closed", phase, False)
 
     def _unpark(self, _: Any) -> trio.lowlevel.Abort:
         self.parked = False
         return trio.lowlevel.Abort.SUCCEEDED
 
     async def _run(self) -> None:
-        """Every `period` while reads wait: close the connections of those past due."""
+        """Every `period` while waits are pending: close the connections of those past due."""
         pool = self.pool
         while not pool._closed:
             if not self.waiting:
@@ -428,7 +438,7 @@ class _Stalls:
                 continue
             await trio.sleep(self.period)
             now = trio.current_time()
-            for conn in [c for c in self.waiting if c.read_deadline <= now]:
+            for conn in [c for c in self.waiting if c.deadline <= now]:
                 self.waiting.discard(conn)
                 conn.stalled = True
                 pool._close(conn)
@@ -439,23 +449,6 @@ class _Stalls:
         if self.parked and self.task is not None:
             self.parked = False
             trio.lowlevel.reschedule(self.task)
-
-
-async def _wait_io(conn: _Conn, readable: bool, deadline: float, phase: Phase, late: str) -> None:
-    """Wait until the socket can be read (or written), by ``deadline``.
-
-    Raises:
-        UpstreamTimeout: the deadline passed first (``late`` says what was late).
-        UpstreamReset: the pool was closed under us.
-    """
-    wait = trio.lowlevel.wait_readable if readable else trio.lowlevel.wait_writable
-    with trio.CancelScope(deadline=deadline) as scope:
-        try:
-            await wait(conn.sock)
-        except trio.ClosedResourceError:
-            raise UpstreamReset(f"{conn.name}: the pool was closed", phase, False) from None
-    if scope.cancelled_caught:
-        raise UpstreamTimeout(f"{conn.name}: {late}", phase)
 
 
 @attrs.frozen
@@ -734,7 +727,7 @@ class UpstreamPool:
         timeout = self.limits.write_timeout_s
         while view:
             deadline = trio.current_time() + timeout
-            await _wait_io(conn, False, deadline, "send", "sending the request timed out")
+            await self._stalls.wait(conn, False, deadline, "send", "sending the request timed out")
             try:
                 sent = sock.send(view)
             except BlockingIOError:
@@ -750,7 +743,7 @@ class UpstreamPool:
         deadline = trio.current_time() + limits.first_byte_timeout_s
         while not conn.head_done:
             # The answer cannot be there yet: wait before the first read.
-            await _wait_io(conn, True, deadline, "head", "no response head in time")
+            await self._stalls.wait(conn, True, deadline, "head", "no response head in time")
             try:
                 data = sock.recv(_RECV_SIZE)
             except BlockingIOError:
