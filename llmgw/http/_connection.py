@@ -50,7 +50,10 @@ class Connection:
         self.client = client
         self.requests = RequestParser(server.limits, server.name)
         self.waited = False  # the main task blocked since the last response
-        self.idle_scope: trio.CancelScope | None = None  # drain() cancels it
+        # The wait for the next request's first byte (server._deadlines): its
+        # deadline, and whether it passed (or drain() ended the wait).
+        self.deadline = 0.0
+        self.expired = False
         # Disconnect watching (see server.py).
         self.nursery: trio.Nursery | None = None
         self.handler_scope: trio.CancelScope | None = None
@@ -83,14 +86,18 @@ class Connection:
                 pass
             except OSError:
                 return b""
-            if idle and self.server.draining:
-                raise _Timeout
             self.waited = True
+            if idle:
+                # Between requests: the common wait, so no cancel scope (see
+                # _deadlines.py); the socket is closed once it expires.
+                if self.server.draining:
+                    raise _Timeout
+                await self.server._deadlines.wait(self, True, deadline)
+                if self.expired:
+                    raise _Timeout
+                continue
             with trio.CancelScope(deadline=deadline) as scope:
-                if idle:
-                    self.idle_scope = scope
                 await trio.lowlevel.wait_readable(sock)
-            self.idle_scope = None
             if scope.cancelled_caught:
                 raise _Timeout
 

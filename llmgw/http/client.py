@@ -13,14 +13,10 @@ can complete at once is one system call, and a task blocks only when the
 kernel says it must. Every blocking wait has a deadline from
 ``ClientLimits`` and maps to ``UpstreamTimeout`` with its phase. Connecting
 sits in a cancel scope; socket waits (send, head, and body: one wait per
-streamed chunk) do not, because a cancel scope with a deadline is about a
-sixth of the router's CPU per paced chunk (``tools/bench_router.py``). A
-socket wait writes its deadline on its connection and joins
-``_Stalls.waiting``; one system task per pool wakes every quarter of the
-shortest of those timeouts (at most 1 s) while any wait is pending, and
-closes the connection under a wait past its deadline, which wakes it
-(``trio.lowlevel.notify_closing``) to raise the timeout. So a wait times out
-between its deadline and a quarter of the shortest timeout later.
+streamed chunk) go through ``SocketDeadlines`` (``_deadlines.py``), one
+timer task per pool that closes the connection under a wait past due, every
+quarter of the shortest of those timeouts (at most 1 s). So a wait times out
+between its deadline and that much later.
 
 One exchange. ``request`` frames the request head (Host added if absent,
 Content-Length for the body; CR/LF in any part is refused), sends head and
@@ -69,6 +65,7 @@ import attrs
 import httptools
 import trio
 
+from ._deadlines import SocketDeadlines
 from .types import Headers
 
 Phase = Literal["connect", "send", "head", "body"]
@@ -169,6 +166,7 @@ class _Conn:
         "closed",
         "deadline",
         "done",
+        "expired",
         "framed",
         "head_done",
         "head_only",
@@ -183,7 +181,6 @@ class _Conn:
         "renew",
         "reused",
         "sock",
-        "stalled",
         "status",
     )
 
@@ -197,8 +194,8 @@ class _Conn:
         self.broken = False  # bytes followed a response: never reuse
         self.renew = False  # the parser must be replaced before the next response
         self.idle_since = 0.0
-        self.deadline = 0.0  # of the socket wait pending now (see _Stalls)
-        self.stalled = False  # _Stalls closed it: that wait timed out
+        self.deadline = 0.0  # of the socket wait pending now (SocketDeadlines)
+        self.expired = False  # that wait timed out, and the connection was closed
         self.start(False)
 
     def start(self, head_only: bool) -> None:
@@ -363,7 +360,7 @@ class ResponseBody:
                     data = b""
                     break
                 deadline = trio.current_time() + pool.limits.idle_timeout_s
-                await pool._stalls.wait(conn, True, deadline, "body", "response body stalled")
+                await pool._wait(conn, True, deadline, "body", "response body stalled")
             if data:
                 conn.feed(data, "body", pool.limits.max_header_bytes)
             elif conn.framed:
@@ -378,77 +375,6 @@ class ResponseBody:
         if conn.done:
             self._conn = None
             pool._release(conn)
-
-
-class _Stalls:
-    """The deadlines of a pool's socket waits, kept by one timer task (module docstring)."""
-
-    def __init__(self, pool: UpstreamPool) -> None:
-        self.pool = pool
-        limits = pool.limits
-        shortest = min(limits.idle_timeout_s, limits.first_byte_timeout_s, limits.write_timeout_s)
-        self.period = min(1.0, shortest / 4)
-        self.waiting: set[_Conn] = set()
-        self.task: trio.lowlevel.Task | None = None
-        self.parked = False
-
-    async def wait(
-        self, conn: _Conn, readable: bool, deadline: float, phase: Phase, late: str
-    ) -> None:
-        """Wait until `conn` can be read (or written), by ``deadline``.
-
-        Raises:
-            UpstreamTimeout: the deadline passed first (``late`` says what was
-                late); the connection is closed.
-            UpstreamReset: the pool was closed under us.
-        """
-        conn.deadline = deadline
-        waiting = self.waiting
-        waiting.add(conn)
-        if self.task is None:
-            self.task = trio.lowlevel.spawn_system_task(self._run, name="llmgw upstream stalls")
-        elif self.parked:
-            self.parked = False
-            trio.lowlevel.reschedule(self.task)
-        try:
-            if readable:
-                await trio.lowlevel.wait_readable(conn.sock)
-            else:
-                await trio.lowlevel.wait_writable(conn.sock)
-        except trio.ClosedResourceError:
-            pass
-        finally:
-            waiting.discard(conn)
-        if conn.stalled:
-            raise UpstreamTimeout(f"{conn.name}: {late}", phase)
-        if conn.closed:
-            raise UpstreamReset(f"{conn.name}: the pool was closed", phase, False)
-
-    def _unpark(self, _: Any) -> trio.lowlevel.Abort:
-        self.parked = False
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    async def _run(self) -> None:
-        """Every `period` while waits are pending: close the connections of those past due."""
-        pool = self.pool
-        while not pool._closed:
-            if not self.waiting:
-                self.parked = True
-                await trio.lowlevel.wait_task_rescheduled(self._unpark)
-                continue
-            await trio.sleep(self.period)
-            now = trio.current_time()
-            for conn in [c for c in self.waiting if c.deadline <= now]:
-                self.waiting.discard(conn)
-                conn.stalled = True
-                pool._close(conn)
-        self.task = None
-
-    def wake(self) -> None:
-        """Let the timer task see that the pool closed."""
-        if self.parked and self.task is not None:
-            self.parked = False
-            trio.lowlevel.reschedule(self.task)
 
 
 @attrs.frozen
@@ -550,7 +476,10 @@ class UpstreamPool:
         # (the garbage collector closes it, with a ResourceWarning).
         self._open: weakref.WeakSet[_Conn] = weakref.WeakSet()
         self._closed = False
-        self._stalls = _Stalls(self)
+        shortest = min(limits.idle_timeout_s, limits.first_byte_timeout_s, limits.write_timeout_s)
+        self._deadlines: SocketDeadlines[_Conn] = SocketDeadlines(
+            min(1.0, shortest / 4), self._close
+        )
 
     # ------------------------------------------------------------------ stats
     def idle_count(self, host: str, port: int) -> int:
@@ -619,10 +548,26 @@ class UpstreamPool:
         self._idle.clear()
         for conn in list(self._open):
             self._close(conn)
-        self._stalls.wake()
+        self._deadlines.close()
         await trio.lowlevel.checkpoint()
 
     # ------------------------------------------------------------- internals
+    async def _wait(
+        self, conn: _Conn, readable: bool, deadline: float, phase: Phase, late: str
+    ) -> None:
+        """Wait until `conn` can be read (or written), by ``deadline``.
+
+        Raises:
+            UpstreamTimeout: the deadline passed first (``late`` says what was
+                late); the connection is closed.
+            UpstreamReset: the pool was closed under us.
+        """
+        await self._deadlines.wait(conn, readable, deadline)
+        if conn.expired:
+            raise UpstreamTimeout(f"{conn.name}: {late}", phase)
+        if conn.closed:
+            raise UpstreamReset(f"{conn.name}: the pool was closed", phase, False)
+
     def _take(self, idle: collections.deque[_Conn]) -> _Conn | None:
         """The most recently pooled connection still within idle_keepalive_s."""
         horizon = trio.current_time() - self.limits.idle_keepalive_s
@@ -727,7 +672,7 @@ class UpstreamPool:
         timeout = self.limits.write_timeout_s
         while view:
             deadline = trio.current_time() + timeout
-            await self._stalls.wait(conn, False, deadline, "send", "sending the request timed out")
+            await self._wait(conn, False, deadline, "send", "sending the request timed out")
             try:
                 sent = sock.send(view)
             except BlockingIOError:
@@ -743,7 +688,7 @@ class UpstreamPool:
         deadline = trio.current_time() + limits.first_byte_timeout_s
         while not conn.head_done:
             # The answer cannot be there yet: wait before the first read.
-            await self._stalls.wait(conn, True, deadline, "head", "no response head in time")
+            await self._wait(conn, True, deadline, "head", "no response head in time")
             try:
                 data = sock.recv(_RECV_SIZE)
             except BlockingIOError:

@@ -35,8 +35,12 @@ The connection loop. A connection serves one request at a time:
 Sockets are non-blocking stdlib sockets driven with
 ``trio.lowlevel.wait_readable`` / ``wait_writable``: an operation that can
 complete at once is one system call with no trip through the scheduler, and
-a task blocks only when the kernel says it must. Every blocking wait sits in
-a cancel scope with a deadline from ``ServerLimits``.
+a task blocks only when the kernel says it must. Every blocking wait has a
+deadline from ``ServerLimits``: the wait for a kept-alive connection's next
+request, the common one, through ``SocketDeadlines`` (``_deadlines.py``:
+one timer task, and the connection is closed when it expires, within a
+quarter of the shorter of the header and keep-alive timeouts, at most 1 s,
+after its deadline); the others in a cancel scope.
 
 Disconnect watching. While a handler runs (including while its streamed
 body is written), a second task per connection, the watcher, reads the
@@ -69,6 +73,7 @@ import trio
 
 from . import _wire
 from ._connection import Connection
+from ._deadlines import SocketDeadlines
 from .types import ErrorBody, Handler, ServerLimits, default_error_body
 
 logger = logging.getLogger("llmgw.http")
@@ -95,6 +100,10 @@ _ACCEPT_SKIP = frozenset(
 _ACCEPT_BACKOFF = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 _ACCEPT_BACKOFF_S = 0.1
 _WARN_INTERVAL_S = 10.0
+
+
+def _notify_closing(conn: Connection) -> None:
+    trio.lowlevel.notify_closing(conn.sock)  # the connection's task closes it
 
 
 class _Throttled:
@@ -134,6 +143,12 @@ class HttpServer:
         self._open = 0
         self._in_flight = 0
         self._connections: set[Connection] = set()
+        # Waits for a kept-alive connection's next request: one timer, not a
+        # cancel scope each (_deadlines.py). Expiring one closes the connection.
+        shortest = min(limits.header_timeout_s, limits.keepalive_timeout_s)
+        self._deadlines: SocketDeadlines[Connection] = SocketDeadlines(
+            min(1.0, shortest / 4), _notify_closing
+        )
         self._accept_scopes: set[trio.CancelScope] = set()
         self._busy = _wire.error_response(
             default_error_body, 503, "server is at its connection limit", keep_alive=False
@@ -217,9 +232,7 @@ class HttpServer:
         self._draining = True
         for scope in self._accept_scopes:
             scope.cancel()
-        for conn in self._connections:
-            if conn.idle_scope is not None:
-                conn.idle_scope.cancel()
+        self._deadlines.expire_all()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         listening = listener.socket
