@@ -24,7 +24,7 @@ from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
-from llmgw.router.table import fleet_snapshot, static_endpoints
+from llmgw.router.table import FleetRouting
 
 _JSON = [("content-type", "application/json")]
 
@@ -39,12 +39,17 @@ def error(status: int, message: str) -> Response:
 
 class AdminApi:
     def __init__(
-        self, control: ControlPlane, token: str, fleet: FleetManager | None = None
+        self,
+        control: ControlPlane,
+        token: str,
+        fleet: FleetManager | None = None,
+        routing: FleetRouting | None = None,
     ) -> None:
         if not token:
             raise ValueError("the admin API needs a token")
         self.control = control
         self.fleet = fleet
+        self._routing = routing or FleetRouting(fleet)
         self._token = token.encode()
         self._gpu_views = GpuViews()
         self._routes = {
@@ -160,7 +165,7 @@ class AdminApi:
             return error(400, "wait must be a number of seconds")
         deadline = trio.current_time() + wait
         while True:
-            snap = fleet_snapshot(self.fleet, static_endpoints(self.fleet))
+            snap = self._routing()
             if snap.version != since or trio.current_time() >= deadline:
                 return json_response(200, snap)
             await trio.sleep(0.25)

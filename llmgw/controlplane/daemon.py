@@ -23,7 +23,7 @@ from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
 from llmgw.router.daemon import router_app
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.table import RoutingTable, fleet_snapshot, static_endpoints
+from llmgw.router.table import FleetRouting, RoutingTable
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")
@@ -116,10 +116,11 @@ async def serve(config: ServerConfig, base: Path) -> None:
                 settle_s=rc.settle_s,
             ),
         )
-    admin = HttpServer(AdminApi(control, token, fleet), name="admin")
+    routing = FleetRouting(fleet)
+    admin = HttpServer(AdminApi(control, token, fleet, routing), name="admin")
     router = None
     if config.router.listen:
-        table = RoutingTable(lambda: fleet_snapshot(fleet, static_endpoints(fleet)))
+        table = RoutingTable(routing)
         router = (table, router_app(config.router, table, RouterMetrics(control.metrics.registry)))
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")

@@ -97,6 +97,26 @@ def fleet_snapshot(fleet: FleetManager | None, static: dict[str, list[str]]) -> 
     return snap
 
 
+class FleetRouting:
+    """The control plane's routing snapshot, computed at most once per ``max_age_s``
+    however many ask: the in-process router's table and every ``GET /v1/routing``
+    watcher (one per standalone router worker) read the same one, instead of each
+    rebuilding it (routes, JSON, hash) on the same beat."""
+
+    def __init__(self, fleet: FleetManager | None, max_age_s: float = REFRESH_S) -> None:
+        self.fleet = fleet
+        self.max_age_s = max_age_s
+        self._snap: Snapshot | None = None
+        self._at = 0.0
+
+    def __call__(self) -> Snapshot:
+        now = trio.current_time()
+        if self._snap is None or now - self._at >= self.max_age_s:
+            self._snap = fleet_snapshot(self.fleet, static_endpoints(self.fleet))
+            self._at = now
+        return self._snap
+
+
 class RoutingTable:
     def __init__(self, source: Callable[[], Snapshot] | None = None) -> None:
         self.source = source  # None: fed by ``apply`` (a standalone router's watch)
