@@ -331,7 +331,11 @@ class Connection:
                 await self._send_all(head)
                 await self._send_all(payload)
             return
-        await self._send_all(head)
+        try:
+            await self._send_all(head)
+        except BaseException:
+            await _close_body(streamed)  # never read: it may hold a connection of its own
+            raise
         await self._stream(streamed, framed.mode, framed.length, msg)
 
     async def _stream(

@@ -11,15 +11,16 @@ been sent to the client, an upstream fault (connect error, reset, timeout,
 global budget. After that, the response is relayed as it arrives: a streamed
 body chunk by chunk with no buffering, ``data: [DONE]`` and all.
 
-The HTTP server cancels the handler the moment the client disconnects; the
-relay's ``finally`` then closes the upstream connection at once, so the
-engine stops generating for a client that is gone.
+The HTTP server cancels the handler the moment the client disconnects, or
+closes the relayed body; either way the upstream connection is closed at
+once, so an engine that notices (vLLM; llama-server while streaming) stops
+generating for a client that is gone, and the replica stops counting the
+request (``_Lease``). Such a request is counted with status 499.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
 
 import msgspec
 import trio
@@ -124,7 +125,11 @@ class RouterApp:
                 404, f"the model {body.model!r} does not exist", code="model_not_found"
             )
         started = trio.current_time()
-        response, replica = await self._proxy(request, body, started)
+        try:
+            response, replica = await self._proxy(request, body, started)
+        except trio.Cancelled:  # the client left before the response began
+            self.metrics.requests.labels(body.model, "-", "499", key.name).inc()
+            raise
         self.metrics.requests.labels(body.model, replica, str(response.status), key.name).inc()
         if isinstance(response.body, bytes):
             self.metrics.latency.labels(body.model).observe(trio.current_time() - started)
@@ -189,53 +194,82 @@ class RouterApp:
                 return openai_error(503, why, "server_error"), "-"
             attempts += 1
             tried.add(ep.key)
-            host, port = _hostport(ep.url)
-            ep.start(now)
-            m = self.metrics
+            lease = _Lease(ep, now)
             try:
-                upstream = await self.pool.request(
-                    request.method, host, port, request.path, headers, request.body
-                )
-            except (ConnectFailed, UpstreamReset, UpstreamTimeout) as exc:
-                ep.finish(trio.current_time(), "upstream_fault")
-                m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
-                last_error = f"{type(exc).__name__}: {exc}"
-                if isinstance(exc, UpstreamReset) and not exc.before_response:
-                    return self._upstream_failed(body.model, last_error), ep.key
-                if not self.budget.can_retry(trio.current_time(), attempts=attempts):
-                    return self._upstream_failed(body.model, last_error), ep.key
-                self.budget.on_retry(trio.current_time())
-                m.retries.labels(body.model).inc()
+                result = await self._attempt(request, headers, body, lease, started, attempts)
+            except BaseException:
+                # The client left (or the server is stopping) mid-attempt. The pool
+                # has closed the upstream; the replica must not go on counting this
+                # request, nor its breaker a probe that will never end.
+                lease.finish(None)
+                raise
+            if isinstance(result, str):  # an upstream fault, to retry elsewhere
+                last_error = result
                 continue
-            except UpstreamError as exc:
-                ep.finish(trio.current_time(), "upstream_fault")
-                m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
-                return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}"), ep.key
-            m.ttft.labels(body.model).observe(trio.current_time() - started)
-            outcome = classify(upstream.status, None)
-            if upstream.status in (502, 503, 504):
-                ep.finish(trio.current_time(), "upstream_fault")
-                m.upstream_errors.labels(body.model, ep.key, f"status_{upstream.status}").inc()
-                await upstream.aclose()
-                last_error = f"replica {ep.key} answered {upstream.status}"
-                if self.budget.can_retry(trio.current_time(), attempts=attempts):
-                    self.budget.on_retry(trio.current_time())
-                    m.retries.labels(body.model).inc()
-                    continue
-                return self._upstream_failed(body.model, last_error), ep.key
-            out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
-            if not body.stream and upstream.status < 300:
-                try:
-                    data = await upstream.read()
-                except UpstreamError as exc:
-                    ep.finish(trio.current_time(), "upstream_fault")
-                    m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
-                    return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}"), ep.key
-                ep.finish(trio.current_time(), outcome)
-                _count_tokens(m, body.model, data)
-                return Response(upstream.status, out_headers, data), ep.key
-            relay = _relay(upstream, ep, outcome, m, body.model, started)
-            return Response(upstream.status, out_headers, relay), ep.key
+            return result
+
+    async def _attempt(
+        self,
+        request: Request,
+        headers: list[tuple[str, str]],
+        body: _Body,
+        lease: _Lease,
+        started: float,
+        attempts: int,
+    ) -> tuple[Response, str] | str:
+        """One try on one replica: the response and the replica's key, or the
+        error to retry on another. The lease is finished here or handed to the
+        relay; an exception leaves it open for the caller."""
+        ep = lease.endpoint
+        m = self.metrics
+        host, port = _hostport(ep.url)
+        try:
+            upstream = await self.pool.request(
+                request.method, host, port, request.path, headers, request.body
+            )
+        except UpstreamError as exc:
+            lease.finish("upstream_fault")
+            m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
+            error = f"{type(exc).__name__}: {exc}"
+            retryable = isinstance(exc, ConnectFailed | UpstreamTimeout) or (
+                isinstance(exc, UpstreamReset) and exc.before_response
+            )
+            if not retryable:
+                return self._upstream_failed(body.model, error), ep.key
+            return self._retry_or_fail(body.model, error, attempts, ep.key)
+        m.ttft.labels(body.model).observe(trio.current_time() - started)
+        status = upstream.status
+        outcome = classify(status, None)
+        if status in (502, 503, 504):
+            lease.finish("upstream_fault")
+            upstream.body_iter.close()
+            m.upstream_errors.labels(body.model, ep.key, f"status_{status}").inc()
+            error = f"replica {ep.key} answered {status}"
+            return self._retry_or_fail(body.model, error, attempts, ep.key)
+        out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
+        if body.stream or status >= 300:
+            relay = _Relay(upstream, lease, outcome, m, body.model, started)
+            return Response(status, out_headers, relay), ep.key
+        try:
+            data = await upstream.read()
+        except UpstreamError as exc:
+            lease.finish("upstream_fault")
+            m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
+            return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}"), ep.key
+        lease.finish(outcome)
+        _count_tokens(m, body.model, data)
+        return Response(status, out_headers, data), ep.key
+
+    def _retry_or_fail(
+        self, model: str, error: str, attempts: int, key: str
+    ) -> tuple[Response, str] | str:
+        """``error`` again, to retry, if this request and the budget allow it."""
+        now = trio.current_time()
+        if not self.budget.can_retry(now, attempts=attempts):
+            return self._upstream_failed(model, error), key
+        self.budget.on_retry(now)
+        self.metrics.retries.labels(model).inc()
+        return error
 
     def _upstream_failed(self, model: str, why: str) -> Response:
         status = 504 if "Timeout" in why else 502
@@ -264,24 +298,77 @@ def _count_tokens(m: RouterMetrics, model: str, data: bytes) -> None:
         m.tokens.labels(model).observe(usage.completion_tokens)
 
 
-async def _relay(
-    upstream: UpstreamResponse,
-    ep: Endpoint,
-    outcome: Outcome,
-    m: RouterMetrics,
-    model: str,
-    started: float,
-) -> AsyncIterator[bytes]:
-    """Pass the body through as it arrives; whatever ends it, the upstream is closed."""
-    finished = False
-    try:
-        async for chunk in upstream.body_iter:
-            yield chunk
-        finished = True
-    finally:
-        upstream.body_iter.close()
-        ep.finish(trio.current_time(), outcome if finished else None)
-        m.latency.labels(model).observe(trio.current_time() - started)
+class _Lease:
+    """One request on one replica: counted from the start, ended exactly once."""
+
+    __slots__ = ("endpoint", "open")
+
+    def __init__(self, endpoint: Endpoint, now: float) -> None:
+        endpoint.start(now)
+        self.endpoint = endpoint
+        self.open = True
+
+    def finish(self, outcome: Outcome | None) -> None:
+        """Tell the replica the request ended (``None``: abandoned, no verdict)."""
+        if self.open:
+            self.open = False
+            self.endpoint.finish(trio.current_time(), outcome)
+
+
+class _Relay:
+    """A streamed response body, passed through chunk by chunk as it arrives.
+
+    However it ends (finished, failed upstream, cancelled, or closed by the
+    server before it was ever read), the upstream connection is closed and
+    the replica told, once. An async generator could not promise the last:
+    one never started runs no ``finally``.
+    """
+
+    __slots__ = ("_lease", "_metrics", "_model", "_outcome", "_started", "_upstream")
+
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        lease: _Lease,
+        outcome: Outcome,
+        metrics: RouterMetrics,
+        model: str,
+        started: float,
+    ) -> None:
+        self._upstream = upstream
+        self._lease = lease
+        self._outcome = outcome
+        self._metrics = metrics
+        self._model = model
+        self._started = started
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            return await self._upstream.body_iter.__anext__()
+        except StopAsyncIteration:
+            self._end(self._outcome)
+            raise
+        except UpstreamError as exc:
+            self._metrics.upstream_errors.labels(
+                self._model, self._lease.endpoint.key, _kind(exc)
+            ).inc()
+            self._end("upstream_fault")
+            raise
+        except BaseException:
+            self._end(None)
+            raise
+
+    async def aclose(self) -> None:
+        self._end(None)
+
+    def _end(self, outcome: Outcome | None) -> None:
+        if self._lease.open:
+            self._upstream.body_iter.close()
+            self._lease.finish(outcome)
+            self._metrics.latency.labels(self._model).observe(trio.current_time() - self._started)
 
 
 def _hostport(url: str) -> tuple[str, int]:

@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import socket
+import struct
 from collections.abc import AsyncIterator
 
 import httpx
@@ -289,6 +290,44 @@ async def test_client_disconnect_cancels_a_streaming_response(start_server: Star
         await c.aclose()
         with trio.fail_after(1):
             await cancelled.wait()
+
+
+async def test_a_streamed_body_is_closed_even_if_its_head_never_went_out(
+    start_server: StartServer,
+) -> None:
+    """The client leaves while the handler finishes; the body it returned is
+    never read, and must still be closed (it holds an upstream connection)."""
+    closed = trio.Event()
+
+    class Body:
+        def __aiter__(self) -> Body:
+            return self
+
+        async def __anext__(self) -> bytes:
+            raise StopAsyncIteration
+
+        async def aclose(self) -> None:
+            closed.set()
+
+    left = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        with trio.CancelScope(shield=True):  # finishes its work though the client left
+            await left.wait()
+            await trio.sleep(0.1)
+        return Response(200, [], Body())
+
+    _, port = await start_server(handler)
+    with trio.fail_after(10):
+        c = await RawClient.connect(port)
+        await c.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        await trio.sleep(0.1)
+        # gone with a reset, so that writing the head fails
+        c.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await c.aclose()
+        left.set()
+        with trio.fail_after(1):
+            await closed.wait()
 
 
 async def test_client_that_stops_reading_is_given_up_on(

@@ -29,12 +29,20 @@ class Engine:
     status: int = 200
     chunk_delay: float = 0.0
     chunks: int = 3
+    reply_delay: float = 0.0  # before a whole (non-streamed) reply
     received: int = 0
+    abandoned: int = 0  # requests whose connection closed before the reply was done
     port: int = 0
 
     async def __call__(self, request: Request) -> Response:
         self.received += 1
         body = msgspec.json.decode(request.body) if request.body else {}
+        if self.reply_delay and not body.get("stream"):
+            try:
+                await trio.sleep(self.reply_delay)
+            except trio.Cancelled:  # our server cancels a handler whose client left
+                self.abandoned += 1
+                raise
         if self.status != 200:
             return Response(
                 self.status, [("content-type", "application/json")], b'{"error":{"message":"no"}}'
@@ -49,10 +57,15 @@ class Engine:
         return Response(200, [("content-type", "application/json")], msgspec.json.encode(reply))
 
     async def _stream(self) -> AsyncIterator[bytes]:
-        for i in range(self.chunks):
-            await trio.sleep(self.chunk_delay)
-            yield f'data: {{"id":"{self.name}","n":{i}}}\n\n'.encode()
-        yield b"data: [DONE]\n\n"
+        done = False
+        try:
+            for i in range(self.chunks):
+                await trio.sleep(self.chunk_delay)
+                yield f'data: {{"id":"{self.name}","n":{i}}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+            done = True
+        finally:
+            self.abandoned += not done
 
 
 async def serve(nursery: trio.Nursery, handler: object) -> int:
@@ -183,3 +196,41 @@ async def test_saturated_replicas_shed_with_retry_after_or_queue_for_a_bounded_t
             r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
         assert r.status_code == 200
         assert 0.25 < trio.current_time() - start < 2.0  # it waited, and not for ever
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["waiting", "streaming"])
+async def test_a_client_that_leaves_closes_the_upstream_and_frees_the_replica(
+    rig: Rig, stream: bool
+) -> None:
+    """Waiting for a whole reply, nothing is written to the client, so only the
+    watch on its socket can notice it leave; streaming, the relay notices too.
+    Either way the engine's connection closes at once (a vLLM engine aborts the
+    request then) and the replica's in-flight count goes back to 0."""
+    a = rig.engines["a"]
+    a.reply_delay, a.chunk_delay, a.chunks = 30.0, 0.05, 600
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))  # only a is Ready
+    [ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
+    with trio.fail_after(10):
+        async with httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                async with client.stream(
+                    "POST", rig.base + "/chat/completions", json=chat(stream), headers=AUTH
+                ) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+
+            nursery.start_soon(ask)
+            while a.received == 0 or (stream and ep.in_flight == 0):
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)  # mid-wait, or a few chunks into the stream
+            assert ep.in_flight == 1
+            nursery.cancel_scope.cancel()  # the client goes away
+    with trio.move_on_after(2):
+        while a.abandoned == 0 or ep.in_flight != 0:
+            await trio.sleep(0.01)
+    assert (a.received, a.abandoned, ep.in_flight) == (1, 1, 0)
+    # counted as the client closing the request, or as the 200 it had begun to get
+    status = "200" if stream else "499"
+    replica = "a" if stream else "-"
+    assert rig.app.metrics.requests.labels("m", replica, status, "t")._value.get() == 1
