@@ -1,10 +1,11 @@
 """Generate a tiny but real llama-architecture GGUF model for tests.
 
-    python tools/tinymodel.py OUT.gguf [--seed N] [--vocab N]
+    python tools/tinymodel.py OUT.gguf [--seed N] [--vocab N] [--context N]
                                        [--ends-early | --ends-after N | --never-ends]
 
 The model is what llama.cpp's ``llama-server`` loads like any chat model:
-llama architecture, n_embd 64, 2 layers, 4 heads (2 KV heads), context 512,
+llama architecture, n_embd 64, 2 layers, 4 heads (2 KV heads), context 512
+(or ``--context N``, for streams longer than a slot of 512 allows),
 a byte-level BPE vocabulary (GPT-2 byte mapping, merges learnt from a short
 built-in text) with the ChatML special tokens and a ChatML chat template.
 It is about half a megabyte of F32 weights (384 tokens), written in well under
@@ -369,8 +370,13 @@ def write_model(
     seed: int = DEFAULT_SEED,
     ends_after: int | None = None,
     vocab_size: int = DEFAULT_VOCAB,
+    context_length: int = N_CTX,
 ) -> Path:
-    """Write the model to ``path`` (atomically) and return the path."""
+    """Write the model to ``path`` (atomically) and return the path.
+
+    ``context_length`` is the trained context the file declares, which caps
+    each slot's context in llama-server; raise it for streams that run long.
+    """
     path = Path(path)
     vocab = build_vocab(vocab_size)
     tensors = build_weights(vocab, seed=seed, ends_after=ends_after)
@@ -381,7 +387,7 @@ def write_model(
     w.add_name("llmgw-tinymodel")
     w.add_description(f"llmgw test model: random weights, seed {seed}, {mode}")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_context_length(N_CTX)
+    w.add_context_length(context_length)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
     w.add_feed_forward_length(N_FF)
@@ -492,6 +498,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--vocab", type=int, default=DEFAULT_VOCAB, help=f"vocabulary size (>= {MIN_VOCAB})"
     )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=N_CTX,
+        metavar="N",
+        help=f"trained context the file declares; it caps a slot's context (default {N_CTX})",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
         "--ends-early",
@@ -517,10 +530,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.ends_after is not None and not 1 <= args.ends_after <= MAX_ENDS_AFTER:
         parser.error(f"--ends-after must be between 1 and {MAX_ENDS_AFTER}")
+    if args.context < 16:
+        parser.error("--context must be at least 16")
     start = time.perf_counter()
     try:
         path = write_model(
-            args.out, seed=args.seed, ends_after=args.ends_after, vocab_size=args.vocab
+            args.out,
+            seed=args.seed,
+            ends_after=args.ends_after,
+            vocab_size=args.vocab,
+            context_length=args.context,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -27,7 +27,7 @@ pytestmark = needs_server
 BASE = 23000 + (os.getpid() % 200) * 20  # engine ports: n1 gets BASE.., n2 BASE+10..
 
 
-def catalog(model: Path, replicas: int = 1) -> str:
+def catalog(model: Path, replicas: int = 1, context: int = 512) -> str:
     return f"""
 [models.tiny]
 replicas = {replicas}
@@ -37,7 +37,7 @@ engine = "llama.cpp"
 gpus = 1
 min_memory_gb = 4
 model_path = "{model}"
-settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
+settings = {{ context = {context}, parallel = 1, threads = 1, threads_batch = 1 }}
 startup_timeout_s = 60
 
 [models.huge]
@@ -106,6 +106,7 @@ async def cluster(
     replicas: int = 1,
     *,
     ends_after: int | None = 4,
+    context: int = 512,
     extra_catalog: str = "",
     server_extra: str = "",
     settle_s: float = 2,
@@ -113,8 +114,8 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     """A server with the tiny model in its catalog; agents are added by the test."""
     model = tmp_path / "tiny.gguf"
-    write_model(model, ends_after=ends_after)
-    (tmp_path / "catalog.toml").write_text(catalog(model, replicas) + extra_catalog)
+    write_model(model, ends_after=ends_after, context_length=context)
+    (tmp_path / "catalog.toml").write_text(catalog(model, replicas, context) + extra_catalog)
     config = write_server_config(tmp_path, pki, heartbeat=0.2, unreachable_after=2, lost_after=6)
     config.write_text(
         f'catalog = "catalog.toml"\nlog_level = "{log_level}"\n'
