@@ -135,8 +135,11 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert tensors["output.weight"].shape.tolist() == [64, 300]
     assert "seed 3, ends after 4 tokens" in fields["general.description"]
     assert "wrote" in capsys.readouterr().err
+    assert fields["llama.context_length"] == 512
+    assert tm.main([str(tmp_path / "long.gguf"), "--context", "8192"]) == 0
+    assert read_fields(tmp_path / "long.gguf")[0]["llama.context_length"] == 8192
     for bad in (["--vocab", "100"], ["--vocab", "100000"], ["--ends-after", "9"],
-                ["--ends-early", "--never-ends"]):  # fmt: skip
+                ["--ends-early", "--never-ends"], ["--context", "8"]):  # fmt: skip
         with pytest.raises(SystemExit):
             tm.main([str(tmp_path / "x.gguf"), *bad])
     assert not (tmp_path / "x.gguf").exists()
