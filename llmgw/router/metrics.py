@@ -76,16 +76,25 @@ class RouterMetrics:
             buckets=_LATENCY,
             registry=r,
         )
-        self.ttft = Histogram(
+        self.ttfb = Histogram(
             "llmgw_router_time_to_first_byte_seconds",
-            "From the request to the first response byte from the engine",
+            "From the request to the engine's response head (sent before the first "
+            "token when streaming)",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llmgw_router_time_to_first_token_seconds",
+            "Streamed responses: from the request to the first event relayed",
             ["model"],
             buckets=_LATENCY,
             registry=r,
         )
         self.tokens = Histogram(
             "llmgw_router_completion_tokens",
-            "Completion tokens per non-streamed response (from its usage)",
+            "Completion tokens per successful response: its usage, or for a stream "
+            "without one, the events that carried text",
             ["model"],
             buckets=_TOKENS,
             registry=r,

@@ -30,6 +30,7 @@ class Engine:
     chunk_delay: float = 0.0
     chunks: int = 3
     reply_delay: float = 0.0  # before a whole (non-streamed) reply
+    first_delay: float = 0.0  # before a stream's first event
     received: int = 0
     abandoned: int = 0  # requests whose connection closed before the reply was done
     port: int = 0
@@ -59,9 +60,11 @@ class Engine:
     async def _stream(self) -> AsyncIterator[bytes]:
         done = False
         try:
+            await trio.sleep(self.first_delay)  # reading the prompt: the head is out
+            yield f'data: {{"id":"{self.name}","delta":{{"role":"assistant","content":""}}}}\n\n'.encode()
             for i in range(self.chunks):
                 await trio.sleep(self.chunk_delay)
-                yield f'data: {{"id":"{self.name}","n":{i}}}\n\n'.encode()
+                yield f'data: {{"id":"{self.name}","n":{i},"delta":{{"content":"t"}}}}\n\n'.encode()
             yield b"data: [DONE]\n\n"
             done = True
         finally:
@@ -234,3 +237,23 @@ async def test_a_client_that_leaves_closes_the_upstream_and_frees_the_replica(
     status = "200" if stream else "499"
     replica = "a" if stream else "-"
     assert rig.app.metrics.requests.labels("m", replica, status, "t")._value.get() == 1
+
+
+async def test_a_streams_first_token_and_token_count_are_measured(rig: Rig) -> None:
+    """An engine sends its head at once and its first token after the prompt:
+    time to first token is the first event, not the head; a stream without a
+    usage figure counts its events that carry text."""
+    a = rig.engines["a"]
+    a.first_delay, a.chunks = 0.3, 7
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))
+    async with (
+        httpx.AsyncClient(timeout=10) as client,
+        client.stream("POST", rig.base + "/chat/completions", json=chat(True), headers=AUTH) as r,
+    ):
+        body = b"".join([c async for c in r.aiter_bytes()])
+    assert body.endswith(b"data: [DONE]\n\n")
+    m = rig.app.metrics
+    ttfb = m.ttfb.labels("m")._sum.get()
+    ttft = m.ttft.labels("m")._sum.get()
+    assert ttfb < 0.3 <= ttft, (ttfb, ttft)
+    assert m.tokens.labels("m")._sum.get() == 7  # not the role event, nor [DONE]
