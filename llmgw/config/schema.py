@@ -85,7 +85,7 @@ class RouterConfig(_Section):
     max_body_mb: float = 16.0
     max_attempts: int = 3  # per request, retries included (only before the first byte)
     connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 120.0  # request sent -> response head (a long prefill)
+    first_byte_timeout_s: float = 120.0  # request sent -> head and first body byte (prefill)
     idle_timeout_s: float = 60.0  # between chunks of a streamed answer
     queue_timeout_s: float = 0.0  # every replica saturated: wait this long for room, then 429
 

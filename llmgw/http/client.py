@@ -22,7 +22,9 @@ One exchange. ``request`` frames the request head (Host added if absent,
 Content-Length for the body; CR/LF in any part is refused), sends head and
 a small body in one ``send``, then waits for the response head within
 ``first_byte_timeout_s``. It returns as soon as the head is parsed; the body
-stays on the socket. ``ResponseBody`` (``UpstreamResponse.body_iter``)
+stays on the socket. The first body byte is held to the same deadline, if
+later than the idle one: engines send a stream's head as soon as a slot takes
+the request, then read the prompt, so a long prefill falls after the head. ``ResponseBody`` (``UpstreamResponse.body_iter``)
 yields body bytes as the parser hands them over, de-chunked, one read per
 step: nothing is buffered beyond what one ``recv`` brought. A body ends at
 its Content-Length, its last chunk, or (no framing: HTTP/1.0 style) at EOF.
@@ -161,12 +163,14 @@ class _Conn:
 
     __slots__ = (
         "__weakref__",
+        "body_seen",
         "broken",
         "chunks",
         "closed",
         "deadline",
         "done",
         "expired",
+        "first_deadline",
         "framed",
         "head_done",
         "head_only",
@@ -208,6 +212,8 @@ class _Conn:
         self.headers: list[tuple[str, str]] = []
         self.chunks: list[bytes] = []
         self.received = 0  # bytes of this response (and interim ones) read so far
+        self.first_deadline = 0.0  # the first-byte deadline, which the first body byte keeps
+        self.body_seen = False
         self.head_done = False
         self.done = False
         self.interim = False  # inside a 1xx response
@@ -249,6 +255,7 @@ class _Conn:
         if self.head_only:
             self.broken = True
             return
+        self.body_seen = True
         self.chunks.append(data)
 
     def on_message_complete(self) -> None:
@@ -360,7 +367,12 @@ class ResponseBody:
                     data = b""
                     break
                 deadline = trio.current_time() + pool.limits.idle_timeout_s
-                await pool._wait(conn, True, deadline, "body", "response body stalled")
+                if conn.body_seen or deadline >= conn.first_deadline:
+                    await pool._wait(conn, True, deadline, "body", "response body stalled")
+                else:  # a stream's head comes before the prefill: see ``_read_head``
+                    await pool._wait(
+                        conn, True, conn.first_deadline, "body", "no first body byte in time"
+                    )
             if data:
                 conn.feed(data, "body", pool.limits.max_header_bytes)
             elif conn.framed:
@@ -685,7 +697,7 @@ class UpstreamPool:
         """Read until the response head is parsed (interim 1xx responses skipped)."""
         sock = conn.sock
         limits = self.limits
-        deadline = trio.current_time() + limits.first_byte_timeout_s
+        deadline = conn.first_deadline = trio.current_time() + limits.first_byte_timeout_s
         while not conn.head_done:
             # The answer cannot be there yet: wait before the first read.
             await self._wait(conn, True, deadline, "head", "no response head in time")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -75,10 +76,37 @@ async def routed(
         yield c, base, key
 
 
+class Samples(dict[tuple[str, frozenset[tuple[str, str]]], float]):
+    """The server's /metrics samples."""
+
+    def __call__(self, name: str, **labels: str) -> float:
+        """The sum of ``name`` over the samples whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.items() if n == name and want <= ls)
+
+
+async def admin_metrics(c: Cluster) -> Samples:
+    token = (c.tmp / "state" / "admin-token").read_text().strip()
+    async with httpx.AsyncClient(timeout=5) as client:
+        text = (
+            await client.get(
+                c.server.admin_url + "/metrics", headers={"authorization": f"Bearer {token}"}
+            )
+        ).text
+    samples = Samples()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            name, _, labels = series.partition("{")
+            pairs = frozenset(re.findall(r'(\w+)="([^"]*)"', labels))
+            samples[(name, pairs)] = float(value)
+    return samples
+
+
 async def test_the_openai_client_chats_completes_streams_and_lists(
     tmp_path: Path, pki: Pki
 ) -> None:
-    async with routed(tmp_path, pki) as (_, base, key):
+    async with routed(tmp_path, pki) as (c, base, key):
         client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         models = await client.models.list()
         assert [m.id for m in models.data] == ["tiny"]  # only models with a Ready replica
@@ -94,6 +122,19 @@ async def test_the_openai_client_chats_completes_streams_and_lists(
         )
         pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         assert len(pieces) >= 8 and "".join(pieces)
+        # tokens reach the metrics: chat 8 + completions 8 (from their usage), the
+        # stream's 16 (counted from its events), and 3 from a stream's own usage
+        usage = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        assert [u.usage.completion_tokens async for u in usage if u.usage] == [3]
+        seen = await admin_metrics(c)
+        assert seen("llmgw_router_completion_tokens_sum", model="tiny") == 8 + 8 + 16 + 3
+        assert seen("llmgw_router_time_to_first_token_seconds_count", model="tiny") == 2
         # the raw stream keeps its SSE framing and ends with [DONE], with no content-length
         async with (
             httpx.AsyncClient(timeout=10) as raw,
@@ -193,6 +234,25 @@ async def test_a_client_that_disconnects_mid_stream_stops_the_engine(
         assert now["llamacpp:tokens_predicted_total"] < wanted / 2, now
 
 
+async def test_a_long_prefill_does_not_cut_a_stream(tmp_path: Path, pki: Pki) -> None:
+    """llama-server sends a stream's head as soon as a slot takes the request,
+    then reads the prompt: the prefill falls between the head and the first
+    event, and is bounded by the first-byte timeout, not the idle one."""
+    async with routed(tmp_path, pki, context=8192, router_extra="idle_timeout_s = 0.3\n") as (
+        _,
+        base,
+        key,
+    ):
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+        start = trio.current_time()
+        stream = await client.completions.create(
+            model="tiny", prompt="hello world " * 1500, max_tokens=4, stream=True
+        )  # about 7,500 tokens: 1.5 s of prefill here
+        pieces = [c.choices[0].text async for c in stream if c.choices]
+        assert trio.current_time() - start > 0.3  # the prefill did outlast the idle timeout
+        assert len(pieces) >= 4
+
+
 async def test_killing_a_replicas_engine_fails_no_request_that_had_not_started(
     tmp_path: Path, pki: Pki
 ) -> None:
@@ -270,17 +330,13 @@ async def test_a_hung_engine_times_out_and_its_breaker_opens(tmp_path: Path, pki
                     headers=auth,
                 )
                 assert ok.status_code == 200
-                token = (tmp_path / "state" / "admin-token").read_text().strip()
-                metrics = (
-                    await raw.get(
-                        c.server.admin_url + "/metrics",
-                        headers={"authorization": f"Bearer {token}"},
-                    )
-                ).text
-            assert 'llmgw_router_breaker_open{model="stuck"' in metrics
-            assert 'kind="timeout_head"' in metrics
-            assert 'llmgw_router_requests_total{key="tester",model="tiny"' in metrics
-            assert 'status="504"' in metrics
+                metrics = await admin_metrics(c)
+            assert metrics("llmgw_router_breaker_open", model="stuck") == 1
+            assert metrics("llmgw_router_upstream_errors_total", model="stuck") == 5
+            assert metrics("llmgw_router_upstream_errors_total", kind="timeout_head") == 5
+            assert metrics("llmgw_router_requests_total", model="stuck", status="504") == 5
+            assert metrics("llmgw_router_requests_total", model="stuck", status="503") == 1
+            assert metrics("llmgw_router_requests_total", model="tiny", key="tester") == 1
         nursery.cancel_scope.cancel()
 
 

@@ -316,6 +316,34 @@ async def test_body_stall_timeout(nursery: trio.Nursery, make_pool: MakePool) ->
     assert pool.open_connections == 0
 
 
+@pytest.mark.parametrize(("first_gap", "times_out"), [(0.5, False), (1.2, True)])
+async def test_the_first_body_byte_has_the_first_byte_timeout(
+    nursery: trio.Nursery, make_pool: MakePool, first_gap: float, times_out: bool
+) -> None:
+    """Engines send a stream's head as soon as they take the request, then read
+    the prompt: until the first body byte the wait is the first-byte timeout,
+    not the idle one, or a long prefill would cut the stream."""
+
+    async def handler(stream: trio.SocketStream) -> None:
+        await read_raw_until(stream, b"\r\n\r\n")
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await trio.sleep(first_gap)  # the prefill
+        await stream.send_all(b"1\r\nx\r\n")
+        await trio.sleep(0.05)
+        await stream.send_all(b"1\r\ny\r\n0\r\n\r\n")
+
+    port = await start_raw(nursery, handler)
+    pool = make_pool(idle_timeout_s=0.2, first_byte_timeout_s=1.0)
+    with trio.fail_after(5):
+        response = await pool.request("GET", HOST, port, "/", [], b"")
+        if times_out:  # past the first-byte timeout, counted from the request
+            with pytest.raises(UpstreamTimeout) as info:
+                await response.read()
+            assert info.value.phase == "body"
+        else:
+            assert await response.read() == b"xy"
+
+
 async def test_a_steady_body_outlives_the_idle_timeout(
     nursery: trio.Nursery, make_pool: MakePool
 ) -> None:
