@@ -88,6 +88,7 @@ class RouterConfig(_Section):
     first_byte_timeout_s: float = 120.0  # request sent -> head and first body byte (prefill)
     idle_timeout_s: float = 60.0  # between chunks of a streamed answer
     queue_timeout_s: float = 0.0  # every replica saturated: wait this long for room, then 429
+    access_log: bool = False  # one line per request (logger llmgw.router.access), key by name
 
 
 class ServerConfig(_Section):

@@ -91,6 +91,7 @@ class RouterApp:
         max_attempts: int = 3,
         metrics: RouterMetrics | None = None,
         queue_timeout_s: float = 0.0,
+        access_log: bool = False,
     ) -> None:
         self.table = table
         self.keys = keys
@@ -98,15 +99,33 @@ class RouterApp:
         self.budget = RetryBudget(max_attempts=max_attempts)
         self.metrics = metrics or RouterMetrics()
         self.queue_timeout_s = queue_timeout_s
+        self.access_log = access_log
         self.metrics.watch(lambda: [e for eps in self.table.endpoints.values() for e in eps])
 
     async def __call__(self, request: Request) -> Response:
+        if not self.access_log:
+            return await self._serve(request, None)
+        entry = _Access(request, trio.current_time())
+        try:
+            response = await self._serve(request, entry)
+        except trio.Cancelled:
+            entry.status, entry.ended = 499, "client left"
+            entry.write()
+            raise
+        entry.status = response.status
+        if not isinstance(response.body, _Relay):  # a relay writes it when it ends
+            entry.write()
+        return response
+
+    async def _serve(self, request: Request, entry: _Access | None) -> Response:
         if request.path == "/healthz":
             return Response(200, [("content-type", "application/json")], b'{"status":"ok"}')
         if request.path == "/v1/models" and request.method == "GET":
             key = self.keys.check(request.headers.get("authorization"))
             if key is None:
                 return self._unauthorized()
+            if entry is not None:
+                entry.key = key.name
             return self._models(key.models)
         if request.path not in ROUTES:
             return openai_error(404, f"no such endpoint: {request.method} {request.path}")
@@ -115,22 +134,28 @@ class RouterApp:
         key = self.keys.check(request.headers.get("authorization"))
         if key is None:
             return self._unauthorized()
+        if entry is not None:
+            entry.key = key.name
         try:
             body = _decoder.decode(request.body)
         except msgspec.DecodeError as exc:
             return openai_error(400, f"the body is not the JSON this endpoint takes: {exc}")
         if not body.model:
             return openai_error(400, "the body names no model", code="missing_model")
+        if entry is not None:
+            entry.model = body.model[:200]  # as asked, known or not
         if not key.allows(body.model) or not self.table.known(body.model):
             return openai_error(
                 404, f"the model {body.model!r} does not exist", code="model_not_found"
             )
         started = trio.current_time()
         try:
-            response, replica = await self._proxy(request, body, started)
+            response, replica = await self._proxy(request, body, started, entry)
         except trio.Cancelled:  # the client left before the response began
             self.metrics.requests.labels(body.model, "-", "499", key.name).inc()
             raise
+        if entry is not None:
+            entry.replica = replica
         self.metrics.requests.labels(body.model, replica, str(response.status), key.name).inc()
         if isinstance(response.body, bytes):
             self.metrics.latency.labels(body.model).observe(trio.current_time() - started)
@@ -156,7 +181,9 @@ class RouterApp:
             msgspec.json.encode({"object": "list", "data": data}),
         )
 
-    async def _proxy(self, request: Request, body: _Body, started: float) -> tuple[Response, str]:
+    async def _proxy(
+        self, request: Request, body: _Body, started: float, entry: _Access | None
+    ) -> tuple[Response, str]:
         """The response, and which replica gave it ("-": none)."""
         endpoints = self.table.endpoints.get(body.model, [])
         admission = self.table.admission.get(body.model, Admission())
@@ -197,7 +224,9 @@ class RouterApp:
             tried.add(ep.key)
             lease = _Lease(ep, now)
             try:
-                result = await self._attempt(request, headers, body, lease, started, attempts)
+                result = await self._attempt(
+                    request, headers, body, lease, started, attempts, entry
+                )
             except BaseException:
                 # The client left (or the server is stopping) mid-attempt. The pool
                 # has closed the upstream; the replica must not go on counting this
@@ -217,6 +246,7 @@ class RouterApp:
         lease: _Lease,
         started: float,
         attempts: int,
+        entry: _Access | None,
     ) -> tuple[Response, str] | str:
         """One try on one replica: the response and the replica's key, or the
         error to retry on another. The lease is finished here or handed to the
@@ -249,7 +279,7 @@ class RouterApp:
             return self._retry_or_fail(body.model, error, attempts, ep.key)
         out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
         if body.stream or status >= 300:
-            relay = _Relay(upstream, lease, outcome, m, body.model, started, body.stream)
+            relay = _Relay(upstream, lease, outcome, m, body.model, started, body.stream, entry)
             return Response(status, out_headers, relay), ep.key
         try:
             data = await upstream.read()
@@ -258,7 +288,9 @@ class RouterApp:
             m.upstream_errors.labels(body.model, ep.key, _kind(exc)).inc()
             return self._upstream_failed(body.model, f"{type(exc).__name__}: {exc}"), ep.key
         lease.finish(outcome)
-        _count_tokens(m, body.model, data)
+        tokens = _count_tokens(m, body.model, data)
+        if entry is not None:
+            entry.tokens = tokens
         return Response(status, out_headers, data), ep.key
 
     def _retry_or_fail(
@@ -290,13 +322,73 @@ def _kind(exc: UpstreamError) -> str:
     return "protocol"
 
 
-def _count_tokens(m: RouterMetrics, model: str, data: bytes) -> None:
+def _count_tokens(m: RouterMetrics, model: str, data: bytes) -> int:
     try:
         usage = _reply_decoder.decode(data).usage
     except msgspec.DecodeError:
-        return
-    if usage is not None and usage.completion_tokens:
-        m.tokens.labels(model).observe(usage.completion_tokens)
+        return 0
+    if usage is None or not usage.completion_tokens:
+        return 0
+    m.tokens.labels(model).observe(usage.completion_tokens)
+    return usage.completion_tokens
+
+
+access_log = logging.getLogger("llmgw.router.access")
+_ENDED: dict[Outcome | None, str] = {
+    "success": "ok",
+    "client_error": "ok",
+    "upstream_fault": "upstream cut",
+    None: "client left",
+}
+
+
+class _Access:
+    """One line of the access log (``[router] access_log``), written as the
+    request ends: a stream's at its end, with its first-token time and tokens.
+    The key appears by its name only."""
+
+    __slots__ = (
+        "client",
+        "ended",
+        "key",
+        "method",
+        "model",
+        "path",
+        "replica",
+        "started",
+        "status",
+        "tokens",
+        "ttft",
+    )
+
+    def __init__(self, request: Request, started: float) -> None:
+        host, port = request.client[0], request.client[1]
+        self.client = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.method = request.method
+        self.path = request.path
+        self.started = started
+        self.key = self.model = self.replica = "-"
+        self.status = 0
+        self.ttft: float | None = None
+        self.tokens = 0
+        self.ended = "ok"
+
+    def write(self) -> None:
+        ttft = "-" if self.ttft is None else f"{self.ttft:.3f}s"
+        access_log.info(
+            "%s %s %s status=%d key=%s model=%s replica=%s time=%.3fs ttft=%s tokens=%d end=%s",
+            self.client,
+            self.method,
+            self.path,
+            self.status,
+            self.key,
+            self.model,
+            self.replica,
+            trio.current_time() - self.started,
+            ttft,
+            self.tokens,
+            self.ended,
+        )
 
 
 class _Lease:
@@ -339,6 +431,7 @@ class _Relay:
     """
 
     __slots__ = (
+        "_entry",
         "_first",
         "_lease",
         "_metrics",
@@ -360,7 +453,9 @@ class _Relay:
         model: str,
         started: float,
         stream: bool,
+        entry: _Access | None,
     ) -> None:
+        self._entry = entry
         self._upstream = upstream
         self._lease = lease
         self._outcome = outcome
@@ -398,7 +493,10 @@ class _Relay:
         # The fewest scans for the common chunk, one token of content: about 0.5 µs.
         if self._first and b"data:" in chunk:
             self._first = False
-            self._metrics.ttft.labels(self._model).observe(trio.current_time() - self._started)
+            ttft = trio.current_time() - self._started
+            self._metrics.ttft.labels(self._model).observe(ttft)
+            if self._entry is not None:
+                self._entry.ttft = ttft
         n = chunk.count(_TEXT)
         if n:
             if _EMPTY_TEXT in chunk:
@@ -418,10 +516,13 @@ class _Relay:
             self._lease.finish(outcome)
             m = self._metrics
             m.latency.labels(self._model).observe(trio.current_time() - self._started)
-            if outcome == "success" and self._stream:
-                tokens = self._usage or self._text_events
-                if tokens:
-                    m.tokens.labels(self._model).observe(tokens)
+            tokens = self._usage or self._text_events
+            if outcome == "success" and self._stream and tokens:
+                m.tokens.labels(self._model).observe(tokens)
+            if (entry := self._entry) is not None:
+                entry.tokens = tokens
+                entry.ended = _ENDED[outcome]
+                entry.write()
 
 
 def _hostport(url: str) -> tuple[str, int]:

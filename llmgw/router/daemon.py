@@ -45,6 +45,7 @@ def router_app(config: RouterConfig, table: RoutingTable, metrics: RouterMetrics
             max_attempts=config.max_attempts,
             metrics=metrics,
             queue_timeout_s=config.queue_timeout_s,
+            access_log=config.access_log,
         ),
         limits=ServerLimits(max_body_bytes=int(config.max_body_mb * 2**20)),
         error_body=error_body,

@@ -44,7 +44,8 @@ async def routed(
     key = new_key()
     router_port = free_port()
     router = (
-        f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\n{router_extra}'
+        f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\naccess_log = true\n'
+        f"{router_extra}"
         f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n{extra_keys}'
     )
     # a model that never ends early: long streams to cut
@@ -182,6 +183,8 @@ async def test_errors_in_openais_format(tmp_path: Path, pki: Pki) -> None:
             assert "error" in huge.json()
         log = c.server.log()
         assert "413" in log  # debug logging was on and saw these requests
+        assert "status=401 key=- model=-" in log  # and the access log
+        assert "status=404 key=tester model=nope" in log
         assert key not in log and "llmgw-wrong" not in log
         assert hash_key(key) in (tmp_path / "server.toml").read_text()  # only its hash is kept
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import attrs
@@ -257,3 +258,40 @@ async def test_a_streams_first_token_and_token_count_are_measured(rig: Rig) -> N
     ttft = m.ttft.labels("m")._sum.get()
     assert ttfb < 0.3 <= ttft, (ttfb, ttft)
     assert m.tokens.labels("m")._sum.get() == 7  # not the role event, nor [DONE]
+
+
+async def test_the_access_log_has_a_line_per_request_and_no_key(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.router.access")
+    rig.app.access_log = True
+    a = rig.engines["a"]
+    a.chunks = 5
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))
+    async with httpx.AsyncClient(timeout=10) as client:
+        ok = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        assert ok.status_code == 200
+        bad = {"authorization": "Bearer llmgw-not-a-key"}
+        assert (
+            await client.post(rig.base + "/chat/completions", json=chat(), headers=bad)
+        ).status_code == 401
+        async with client.stream(
+            "POST", rig.base + "/chat/completions", json=chat(True), headers=AUTH
+        ) as r:
+            assert b"[DONE]" in b"".join([c async for c in r.aiter_bytes()])
+        a.reply_delay = 30.0
+        with trio.move_on_after(0.3):  # the client gives up waiting
+            await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        with trio.fail_after(5):
+            while len([r for r in caplog.records if r.name == "llmgw.router.access"]) < 4:
+                await trio.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
+    assert len(lines) == 4, lines
+    whole, refused, streamed, left = lines
+    assert "POST /v1/chat/completions status=200 key=t model=m replica=a" in whole
+    assert "tokens=3 end=ok" in whole and "ttft=- " in whole
+    assert "status=401 key=- model=- replica=-" in refused
+    assert "status=200 key=t model=m replica=a" in streamed
+    assert "tokens=5 end=ok" in streamed and "ttft=-" not in streamed
+    assert "status=499 key=t model=m" in left and "end=client left" in left
+    assert not any(KEY in line or "llmgw-not-a-key" in line for line in lines)
