@@ -24,7 +24,7 @@ from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
-from llmgw.router.table import FleetRouting
+from llmgw.router.table import FleetRouting, RoutingTable
 
 _JSON = [("content-type", "application/json")]
 
@@ -44,12 +44,14 @@ class AdminApi:
         token: str,
         fleet: FleetManager | None = None,
         routing: FleetRouting | None = None,
+        table: RoutingTable | None = None,
     ) -> None:
         if not token:
             raise ValueError("the admin API needs a token")
         self.control = control
         self.fleet = fleet
         self._routing = routing or FleetRouting(fleet)
+        self._table = table  # the in-process router's, for its view of each replica
         self._token = token.encode()
         self._gpu_views = GpuViews()
         self._routes = {
@@ -121,8 +123,13 @@ class AdminApi:
         if isinstance(fleet, Response):
             return fleet
         now = trio.current_time()
+        endpoints = (
+            {}
+            if self._table is None
+            else {e.key: e for eps in self._table.endpoints.values() for e in eps}
+        )
         views = [
-            replica_view(r, now)
+            replica_view(r, now, endpoints.get(r.replica_id))
             for r in sorted(
                 fleet.reconciler.replicas.values(), key=lambda r: (r.model, r.replica_id)
             )

@@ -264,8 +264,28 @@ def _print(data: object, as_json: bool, render: Any) -> None:
         print(render(data))
 
 
+def render_traffic(t: dict[str, Any] | None) -> str:
+    """The router's view of a replica, in a few words ("-": no router here)."""
+    if t is None:
+        return "-"
+    words = [f"{t['in_flight']} in flight"]
+    if t["breaker"] != "closed":
+        words.append(f"breaker {t['breaker']}")
+    if t.get("load_age_s") is None:
+        words.append("no engine gauges yet")
+    else:
+        gauges = [f"{t[k]:g} {k}" for k in ("waiting", "running") if t.get(k) is not None]
+        if t.get("kv_usage") is not None:
+            gauges.append(f"kv {t['kv_usage']:.0%}")
+        words.extend(gauges)
+        if t["load_age_s"] > 5:
+            words.append(f"gauges {t['load_age_s']:.0f}s old")
+    return ", ".join(words)
+
+
 def render_replicas(data: dict[str, Any]) -> str:
-    rows = [["REPLICA", "MODEL", "PROFILE", "STATE", "FOR", "SHARDS"]]
+    routed = any(r.get("traffic") is not None for r in data["replicas"])
+    rows = [["REPLICA", "MODEL", "PROFILE", "STATE", "FOR", "SHARDS", *(["TRAFFIC"] * routed)]]
     problems: list[str] = []
     for r in data["replicas"]:
         shards = ", ".join(
@@ -282,6 +302,7 @@ def render_replicas(data: dict[str, Any]) -> str:
                 state,
                 f"{r['state_since']:.0f}s",
                 shards or "-",
+                *([render_traffic(r.get("traffic"))] * routed),
             ]
         )
         if r["why"] and r["state"] in ("Failed", "Stopping"):

@@ -117,11 +117,13 @@ async def serve(config: ServerConfig, base: Path) -> None:
             ),
         )
     routing = FleetRouting(fleet)
-    admin = HttpServer(AdminApi(control, token, fleet, routing), name="admin")
     router = None
     if config.router.listen:
         table = RoutingTable(routing)
         router = (table, router_app(config.router, table, RouterMetrics(control.metrics.registry)))
+    admin = HttpServer(
+        AdminApi(control, token, fleet, routing, router[0] if router else None), name="admin"
+    )
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
     async with trio.open_nursery() as nursery:

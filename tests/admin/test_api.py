@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import msgspec
 import pytest
 import trio
 
@@ -103,3 +104,25 @@ def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> 
     assert lines[1].endswith("2 (1 unhealthy: GPU 1: remapped-row failure)")
     assert lines[1].split()[5] == "8G"
     assert lines[2].split()[5] == "-"  # no memory reported: unknown, not 0
+
+
+def test_the_routers_view_of_a_replica_in_words() -> None:
+    from llmgw.admin.views import traffic_view
+    from llmgw.cli.ctl import render_traffic
+    from llmgw.engines.base import LoadSignals
+    from llmgw.router.balancer import Endpoint
+
+    ep = Endpoint(key="m/0", model="m", url="http://127.0.0.1:1")
+    as_json = lambda: msgspec.json.decode(msgspec.json.encode(traffic_view(ep, now=100.0)))  # noqa: E731
+    assert render_traffic(as_json()) == "0 in flight, no engine gauges yet"
+    ep.in_flight, ep.load, ep.load_at = 3, LoadSignals(waiting=2, running=8, kv_usage=0.91), 99.0
+    assert render_traffic(as_json()) == "3 in flight, 2 waiting, 8 running, kv 91%"
+    for _ in range(5):
+        ep.breaker.on_start(100.0)
+        ep.breaker.on_upstream_fault(100.0)
+    ep.load_at = 60.0
+    assert (
+        render_traffic(as_json())
+        == "3 in flight, breaker open, 2 waiting, 8 running, kv 91%, gauges 40s old"
+    )
+    assert render_traffic(None) == "-"  # no router in this server

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -154,6 +155,19 @@ async def test_the_openai_client_chats_completes_streams_and_lists(
             assert "content-length" not in r.headers
             body = b"".join([c async for c in r.aiter_bytes()])
         assert body.rstrip().endswith(b"data: [DONE]")
+        # ctl replicas shows the router's view of the replica: nothing in flight now,
+        # breaker closed, and the engine's gauges once scraped
+        with trio.fail_after(10):
+            while True:
+                out = await c.server.ctl("replicas", "--json")
+                [traffic] = [r["traffic"] for r in json.loads(out.stdout)["replicas"]]
+                if traffic["load_age_s"] is not None:
+                    break
+                await trio.sleep(0.2)
+        assert traffic["in_flight"] == 0 and traffic["breaker"] == "closed"
+        assert traffic["running"] == 0 and traffic["waiting"] == 0  # llama.cpp's gauges
+        table = (await c.server.ctl("replicas")).stdout.decode()
+        assert "TRAFFIC" in table and "0 in flight, 0 waiting, 0 running" in table
 
 
 async def test_errors_in_openais_format(tmp_path: Path, pki: Pki) -> None:
