@@ -14,7 +14,10 @@ Settings (``spec.settings``):
   nodes (``world_size``), the usual layout: TP inside a node, PP across.
 - ``gpu_memory_utilization``: in (0, 1], default 0.9.
 - ``max_model_len``: optional, at least 16; vLLM's default is the model's.
-- ``served_model_name``: default ``spec.model``, the name the gateway routes.
+- ``served_model_name``: a further name the engine answers to, for clients
+  that reach it directly. It always answers to ``spec.model`` too, first (the
+  name in its replies): that is the name the gateway's clients ask for and
+  the router forwards as sent, so an engine without it would refuse them.
 - ``ray_port`` (``vllm-ray``): the Ray head's port, default 6379.
 - ``node_ip`` (``vllm-ray``): this node's address as Ray should advertise
   it. The agent fills it with the address it discovered; when it is
@@ -245,7 +248,10 @@ class _VllmBase:
         ]
         if plan.max_model_len is not None:
             argv += ["--max-model-len", str(plan.max_model_len)]
-        argv += ["--served-model-name", plan.served_model_name]
+        names = [plan.served_model_name]
+        if spec.model and spec.model != plan.served_model_name:
+            names.insert(0, spec.model)  # the catalog's name, which the router forwards
+        argv += ["--served-model-name", *names]
         if self.multi_node:
             argv += ["--distributed-executor-backend", "ray"]
         return argv + list(spec.engine_args)

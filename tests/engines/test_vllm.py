@@ -116,6 +116,7 @@ def test_single_node_argv_with_everything() -> None:
         "--max-model-len",
         "32768",
         "--served-model-name",
+        "Qwen/Qwen3-8B",  # the catalog's name, which the router forwards, first
         "qwen",
         "--enable-prefix-caching",
         "--max-num-seqs",
@@ -599,7 +600,7 @@ async def test_single_node_end_to_end(tmp_path: Path) -> None:
         refused = await wait_healthy(client, launch.health_url, proc)
         assert refused > 0  # the port stays closed while "loading"
         models = (await client.get(launch.health_url.replace("/health", "/v1/models"))).json()
-        assert [m["id"] for m in models["data"]] == ["qwen"]
+        assert [m["id"] for m in models["data"]] == [s.model, "qwen"]
         signals = VLLM.parse_metrics((await client.get(launch.metrics_url)).text)
         assert signals == LoadSignals(waiting=0.0, running=0.0, kv_usage=0.0)
 
@@ -610,6 +611,9 @@ async def test_single_node_end_to_end(tmp_path: Path) -> None:
         assert reply["choices"][0]["message"]["content"] == "Hello from the vLLM stand-in."
         wrong = await client.post(f"{base}/v1/chat/completions", json={**chat, "model": "x"})
         assert wrong.status_code == 404
+        # the catalog's name, as the router forwards it, is answered too
+        routed = await client.post(f"{base}/v1/chat/completions", json={**chat, "model": s.model})
+        assert routed.status_code == 200
 
         # a streaming request in flight shows in num_requests_running
         async with client.stream(
