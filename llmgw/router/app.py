@@ -127,6 +127,15 @@ class RouterApp:
             if entry is not None:
                 entry.key = key.name
             return self._models(key.models)
+        if request.path.startswith("/v1/models/") and request.method == "GET":
+            key = self.keys.check(request.headers.get("authorization"))
+            if key is None:
+                return self._unauthorized()
+            if entry is not None:
+                entry.key = key.name
+            # ids may hold a slash ("org/name"), sent as is or percent-encoded (the
+            # server has decoded the path)
+            return self._model(request.path[len("/v1/models/") :], key.models)
         if request.path not in ROUTES:
             return openai_error(404, f"no such endpoint: {request.method} {request.path}")
         if request.method != "POST":
@@ -168,17 +177,27 @@ class RouterApp:
             code="invalid_api_key",
         )
 
-    def _models(self, allowed: frozenset[str]) -> Response:
-        names = sorted(
+    def _listed(self, allowed: frozenset[str]) -> list[str]:
+        """The models this key may use that have a replica taking requests now."""
+        return sorted(
             m
             for m, eps in self.table.endpoints.items()
             if any(e.ready and not e.draining for e in eps) and (not allowed or m in allowed)
         )
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "llmgw"} for m in names]
+
+    def _models(self, allowed: frozenset[str]) -> Response:
+        data = [_model_object(m) for m in self._listed(allowed)]
         return Response(
             200,
             [("content-type", "application/json")],
             msgspec.json.encode({"object": "list", "data": data}),
+        )
+
+    def _model(self, name: str, allowed: frozenset[str]) -> Response:
+        if name not in self._listed(allowed):
+            return openai_error(404, f"the model {name!r} does not exist", code="model_not_found")
+        return Response(
+            200, [("content-type", "application/json")], msgspec.json.encode(_model_object(name))
         )
 
     async def _proxy(
@@ -320,6 +339,10 @@ def _kind(exc: UpstreamError) -> str:
     if isinstance(exc, UpstreamReset):
         return "reset"
     return "protocol"
+
+
+def _model_object(name: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
 
 
 def _count_tokens(m: RouterMetrics, model: str, data: bytes) -> int:

@@ -112,6 +112,9 @@ async def test_the_openai_client_chats_completes_streams_and_lists(
         client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         models = await client.models.list()
         assert [m.id for m in models.data] == ["tiny"]  # only models with a Ready replica
+        assert (await client.models.retrieve("tiny")).id == "tiny"
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("huge")  # in the catalog, but no replica
         chat = await client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8
         )

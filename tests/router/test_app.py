@@ -295,3 +295,21 @@ async def test_the_access_log_has_a_line_per_request_and_no_key(
     assert "tokens=5 end=ok" in streamed and "ttft=-" not in streamed
     assert "status=499 key=t model=m" in left and "end=client left" in left
     assert not any(KEY in line or "llmgw-not-a-key" in line for line in lines)
+
+
+async def test_a_model_can_be_retrieved_by_its_id_slash_and_all(rig: Rig) -> None:
+    rig.table.apply(
+        Snapshot(
+            version="v",
+            models={"org/m": ModelRouting()},
+            routes=[Route(key="a", model="org/m", url=f"http://127.0.0.1:{rig.engines['a'].port}")],
+        )
+    )
+    async with httpx.AsyncClient(timeout=10) as client:
+        for path in ("/models/org/m", "/models/org%2Fm"):
+            r = await client.get(rig.base + path, headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert r.json() == {"id": "org/m", "object": "model", "created": 0, "owned_by": "llmgw"}
+        r = await client.get(rig.base + "/models/nope", headers=AUTH)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert (await client.get(rig.base + "/models/org/m")).status_code == 401
