@@ -116,7 +116,8 @@ def router(
     *,
     set_: Overrides = None,
     workers: int | None = None,
-    worker: Annotated[bool, cyclopts.Parameter(show=False)] = False,
+    worker: Annotated[int, cyclopts.Parameter(show=False)] = 0,
+    run_dir: Annotated[str, cyclopts.Parameter(show=False)] = "",
     log_level: str | None = None,
 ) -> int:
     """Run the OpenAI-compatible endpoint on its own, following the control plane's
@@ -150,7 +151,7 @@ def router(
         + [a for o in (set_ or []) for a in ("--set", o)]
     )
     return run_daemon(
-        "llmgw router", lambda: daemon.serve(cfg, base, argv, worker), OPERATOR_ERRORS
+        "llmgw router", lambda: daemon.serve(cfg, base, argv, worker, run_dir), OPERATOR_ERRORS
     )
 
 

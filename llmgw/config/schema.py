@@ -255,6 +255,7 @@ class StandaloneRouterConfig(_Section):
     admin_token: str = ""
     admin_token_file: str = ""
     workers: int = 1  # processes sharing the listen port (SO_REUSEPORT)
+    metrics_listen: str = ""  # Prometheus /metrics of every worker, e.g. "127.0.0.1:9464"
     log_level: str = "info"
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
@@ -274,4 +275,10 @@ class StandaloneRouterConfig(_Section):
             )
         if not self.router.keys:
             raise ConfigError("", "router.keys", "no API keys: make one with `llmgw ctl key NAME`")
+        if self.metrics_listen:
+            metrics = parse_hostport(self.metrics_listen, key="metrics_listen")
+            if metrics[1] == host_port[1] and metrics[1] != 0:
+                raise ConfigError(
+                    "", "metrics_listen", f"port {metrics[1]} is router.listen's: use another"
+                )
         _check_log_level(self.log_level)

@@ -9,16 +9,21 @@ control plane is away: engines keep serving, so the router keeps serving.
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 import trio
+from prometheus_client import generate_latest
 
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, resolve
+from llmgw.engines.base import url_host
 from llmgw.http import HttpServer, ServerLimits
 from llmgw.http.client import ClientLimits, UpstreamPool
+from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.metrics import RouterMetrics
@@ -79,16 +84,27 @@ def admin_token(config: StandaloneRouterConfig, base: Path) -> str:
         raise ConfigError("", "admin_token_file", f"cannot read {path}: {exc.strerror}") from None
 
 
-async def serve(config: StandaloneRouterConfig, base: Path, argv: list[str], worker: bool) -> None:
+async def serve(
+    config: StandaloneRouterConfig, base: Path, argv: list[str], worker: int, run_dir: str
+) -> None:
+    """Worker 0 starts the others (``--worker i``) and serves the metrics of all."""
     token = admin_token(config, base)
     table = RoutingTable()
-    server = router_app(config.router, table, RouterMetrics())
+    metrics = RouterMetrics()
+    server = router_app(config.router, table, metrics)
     host, port = parse_hostport(config.router.listen, key="router.listen")
     children: list[trio.Process] = []
-    if not worker:
-        for _ in range(config.workers - 1):
+    made_run_dir = False
+    if worker == 0 and config.metrics_listen and config.workers > 1:
+        run_dir = tempfile.mkdtemp(prefix="llmgw-router-")
+        made_run_dir = True
+    if worker == 0:
+        for i in range(1, config.workers):
+            more = ["--run-dir", run_dir] if run_dir else []
             children.append(
-                await trio.lowlevel.open_process([sys.executable, "-m", "llmgw", *argv, "--worker"])
+                await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "llmgw", *argv, "--worker", str(i), *more]
+                )
             )
     try:
         async with trio.open_nursery() as nursery:
@@ -102,10 +118,11 @@ async def serve(config: StandaloneRouterConfig, base: Path, argv: list[str], wor
             )
             log.info(
                 "router %s serving on %s, following %s",
-                "worker" if worker else f"with {config.workers} process(es)",
+                f"worker {worker}" if worker else f"with {config.workers} process(es)",
                 where,
                 config.admin_url,
             )
+            await _serve_metrics(nursery, config, metrics, worker, run_dir)
     finally:
         with trio.CancelScope(shield=True):
             for child in children:
@@ -116,3 +133,51 @@ async def serve(config: StandaloneRouterConfig, base: Path, argv: list[str], wor
             for child in children:
                 if child.returncode is None:
                     child.kill()
+            if made_run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def _serve_metrics(
+    nursery: trio.Nursery,
+    config: StandaloneRouterConfig,
+    metrics: RouterMetrics,
+    worker: int,
+    run_dir: str,
+) -> None:
+    """Worker 0: ``metrics_listen``, with every worker's metrics. The others: their
+    own, on a loopback port of their choosing, published in the run directory."""
+    registry = metrics.registry
+    if worker == 0:
+        if not config.metrics_listen:
+            return
+        host, port = parse_hostport(config.metrics_listen, key="metrics_listen")
+        pages = Path(run_dir) if run_dir else None
+
+        async def render() -> bytes:
+            if pages is None:
+                return generate_latest(registry)
+            return await worker_metrics.page(registry, pages)
+
+        listeners = await nursery.start(
+            HttpServer(worker_metrics.metrics_app(render), name="router-metrics").serve_tcp,
+            host,
+            port,
+        )
+        log.info(
+            "router metrics on %s",
+            ", ".join(
+                f"http://{url_host(x.socket.getsockname()[0])}:{x.socket.getsockname()[1]}/metrics"
+                for x in listeners
+            ),
+        )
+    elif run_dir:
+
+        async def own() -> bytes:
+            return generate_latest(registry)
+
+        listeners = await nursery.start(
+            HttpServer(worker_metrics.metrics_app(own), name="router-metrics").serve_tcp,
+            "127.0.0.1",
+            0,
+        )
+        worker_metrics.publish_port(Path(run_dir), worker, listeners[0].socket.getsockname()[1])

@@ -86,6 +86,17 @@ class Samples(dict[tuple[str, frozenset[tuple[str, str]]], float]):
         want = set(labels.items())
         return sum(v for (n, ls), v in self.items() if n == name and want <= ls)
 
+    @classmethod
+    def parse(cls, text: str) -> Samples:
+        samples = cls()
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                series, _, value = line.rpartition(" ")
+                name, _, labels = series.partition("{")
+                pairs = frozenset(re.findall(r'(\w+)="([^"]*)"', labels))
+                samples[(name, pairs)] = float(value)
+        return samples
+
 
 async def admin_metrics(c: Cluster) -> Samples:
     token = (c.tmp / "state" / "admin-token").read_text().strip()
@@ -95,14 +106,7 @@ async def admin_metrics(c: Cluster) -> Samples:
                 c.server.admin_url + "/metrics", headers={"authorization": f"Bearer {token}"}
             )
         ).text
-    samples = Samples()
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            name, _, labels = series.partition("{")
-            pairs = frozenset(re.findall(r'(\w+)="([^"]*)"', labels))
-            samples[(name, pairs)] = float(value)
-    return samples
+    return Samples.parse(text)
 
 
 async def test_the_openai_client_chats_completes_streams_and_lists(
@@ -384,11 +388,12 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
     from tests.cluster.procs import Daemon
 
     async with routed(tmp_path, pki) as (c, _, key):
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         (tmp_path / "router.toml").write_text(
             f'admin_url = "{c.server.admin_url}"\n'
             'admin_token_file = "state/admin-token"\n'
             "workers = 2\n"
+            f'metrics_listen = "127.0.0.1:{metrics_port}"\n'
             f'[router]\nlisten = "127.0.0.1:{port}"\n'
             f'[[router.keys]]\nname = "edge"\nsha256 = "{hash_key(key)}"\n'
         )
@@ -402,6 +407,18 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
             assert reply.choices[0].message.content
+        # one metrics page for both workers, each sample labelled with its worker
+        async with httpx.AsyncClient(timeout=5) as raw:
+            page = (await raw.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        samples = Samples.parse(page)
+        assert samples("llmgw_router_worker_up", worker="1") == 1
+        assert samples("llmgw_router_requests_total", model="tiny", status="200") == 6
+        routes_seen = {
+            dict(labels)["worker"]
+            for (name, labels) in samples
+            if name == "llmgw_router_in_flight" and ("model", "tiny") in labels
+        }
+        assert routes_seen == {"0", "1"}  # both follow the table
         await c.server.stop(signal.SIGKILL)  # the control plane goes away
         await trio.sleep(0.5)
         reply = await client.chat.completions.create(
