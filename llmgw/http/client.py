@@ -24,7 +24,8 @@ a small body in one ``send``, then waits for the response head within
 ``first_byte_timeout_s``. It returns as soon as the head is parsed; the body
 stays on the socket. The first body byte is held to the same deadline, if
 later than the idle one: engines send a stream's head as soon as a slot takes
-the request, then read the prompt, so a long prefill falls after the head. ``ResponseBody`` (``UpstreamResponse.body_iter``)
+the request, then read the prompt, so a long prefill falls after the head.
+``ResponseBody`` (``UpstreamResponse.body_iter``)
 yields body bytes as the parser hands them over, de-chunked, one read per
 step: nothing is buffered beyond what one ``recv`` brought. A body ends at
 its Content-Length, its last chunk, or (no framing: HTTP/1.0 style) at EOF.
