@@ -310,6 +310,81 @@ async def test_killing_a_replicas_engine_fails_no_request_that_had_not_started(
         assert len(failures) <= 1, failures
 
 
+async def test_draining_a_node_under_routed_traffic_loses_nothing(tmp_path: Path, pki: Pki) -> None:
+    """ctl drain under traffic through the router: a stream in flight on the old
+    replica runs to its end, no request fails, and once the replacement is Ready
+    the old one takes no new request and goes. (Here the old replica is also the
+    busier, so load alone would spare it; tests/router/test_app.py shows the
+    draining rule on its own, with the draining replica the idler one on paper.)"""
+    async with routed(tmp_path, pki, context=8192) as (c, base, key):
+        [old] = await c.replicas()
+        old_node = old["shards"][0]["node_id"]
+        c.agent("n2")
+        await c.server.wait_node("n2", "Ready")
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+        ended: list[str | None] = []
+        sent, failed = 0, []
+        done = trio.Event()
+
+        async def long_stream() -> None:  # about 8 s of tokens on the old replica
+            stream = await client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=5000,
+                stream=True,
+            )
+            ended.extend([c.choices[0].finish_reason async for c in stream if c.choices][-1:])
+
+        async def traffic() -> None:
+            nonlocal sent
+            while not done.is_set():
+                try:
+                    await client.chat.completions.create(
+                        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                    )
+                except openai.APIError as exc:
+                    failed.append(repr(exc))
+                sent += 1
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_stream)
+            await trio.sleep(0.5)  # it has started on the only replica
+            nursery.start_soon(traffic)
+            await c.server.ctl("drain", old_node)
+            old_id, counted = old["replica_id"], None
+            with trio.fail_after(60):
+                while True:
+                    replicas = await c.replicas()
+                    draining = any(
+                        r["replica_id"] == old_id and r["state"] == "Draining" for r in replicas
+                    )
+                    if draining and counted is None:
+                        # a table beat later the old replica must take nothing more:
+                        # what it will have answered in all is what it has answered
+                        # now, and what it still holds (less the stream, counted at
+                        # its head; a short request may wait behind it in the engine)
+                        await trio.sleep(0.5)
+                        now = await admin_metrics(c)
+                        counted = (
+                            now("llmgw_router_requests_total", replica=old_id)
+                            + now("llmgw_router_in_flight", replica=old_id)
+                            - 1
+                        )
+                    where = [(s["node_id"], r["state"]) for r in replicas for s in r["shards"]]
+                    if where == [("n2", "Ready")]:
+                        break
+                    await trio.sleep(0.1)
+            await trio.sleep(1.0)  # the replacement serves on its own
+            done.set()
+        assert ended == ["length"]  # the stream ran to its end, not cut
+        assert sent >= 10 and failed == []
+        seen = await admin_metrics(c)
+        assert counted is not None, "the old replica was never seen Draining"
+        assert seen("llmgw_router_requests_total", replica=old_id) == counted
+        assert seen("llmgw_router_requests_total", model="tiny") > counted
+
+
 async def test_a_hung_engine_times_out_and_its_breaker_opens(tmp_path: Path, pki: Pki) -> None:
     """An engine that accepts and never answers: each request ends in a bounded 504,
     and after five in a row the breaker takes it out (a fast 503, no more waiting)."""

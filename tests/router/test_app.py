@@ -141,6 +141,9 @@ async def test_a_draining_replica_takes_no_new_request_and_finishes_what_it_has(
             while a.received == 0:
                 await trio.sleep(0.01)
         rig.table.apply(snapshot(rig.routes(a=(True, True))))  # a drains; b is Ready
+        # b busier on paper: only the draining rule keeps the next requests off a
+        [b_ep] = [e for e in rig.table.endpoints["m"] if e.key == "b"]
+        b_ep.in_flight = 100
         for _ in range(5):
             r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
             assert r.json()["id"] == "b"
