@@ -37,7 +37,7 @@ from llmgw.http.client import (
 )
 from llmgw.router.balancer import Admission, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import Outcome, classify
-from llmgw.router.keys import KeyRing
+from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 
@@ -121,18 +121,14 @@ class RouterApp:
         if request.path == "/healthz":
             return Response(200, [("content-type", "application/json")], b'{"status":"ok"}')
         if request.path == "/v1/models" and request.method == "GET":
-            key = self.keys.check(request.headers.get("authorization"))
+            key = self._key(request, entry)
             if key is None:
                 return self._unauthorized()
-            if entry is not None:
-                entry.key = key.name
             return self._models(key.models)
         if request.path.startswith("/v1/models/") and request.method == "GET":
-            key = self.keys.check(request.headers.get("authorization"))
+            key = self._key(request, entry)
             if key is None:
                 return self._unauthorized()
-            if entry is not None:
-                entry.key = key.name
             # ids may hold a slash ("org/name"), sent as is or percent-encoded (the
             # server has decoded the path)
             return self._model(request.path[len("/v1/models/") :], key.models)
@@ -140,11 +136,9 @@ class RouterApp:
             return openai_error(404, f"no such endpoint: {request.method} {request.path}")
         if request.method != "POST":
             return openai_error(405, f"{request.path} takes POST")
-        key = self.keys.check(request.headers.get("authorization"))
+        key = self._key(request, entry)
         if key is None:
             return self._unauthorized()
-        if entry is not None:
-            entry.key = key.name
         try:
             body = _decoder.decode(request.body)
         except msgspec.DecodeError as exc:
@@ -169,6 +163,13 @@ class RouterApp:
         if isinstance(response.body, bytes):
             self.metrics.latency.labels(body.model).observe(trio.current_time() - started)
         return response
+
+    def _key(self, request: Request, entry: _Access | None) -> ApiKey | None:
+        """The request's API key, if it holds a good one (the access log gets its name)."""
+        key = self.keys.check(request.headers.get("authorization"))
+        if key is not None and entry is not None:
+            entry.key = key.name
+        return key
 
     def _unauthorized(self) -> Response:
         return openai_error(
