@@ -521,16 +521,24 @@ def run_cell(
         "warmup_s": warmup_s,
         "stagger_s": CHUNKS * PACE_MS / 1e3 if mode == "paced" and concurrency > 1 else 0.0,
     }
+    return spawn_loadgen(python, Path(__file__), spec, core)
+
+
+def spawn_loadgen(
+    python: Path, script: Path, spec: dict[str, Any], core: int | None = None
+) -> dict[str, Any]:
+    """Run ``script --loadgen SPEC`` (``loadgen`` in a process of its own, on
+    ``core`` if given) and return what it printed."""
 
     def pin() -> None:
         if core is not None:
             os.sched_setaffinity(0, {core})
 
     out = subprocess.run(
-        [str(python), str(Path(__file__).resolve()), "--loadgen", json.dumps(spec)],
+        [str(python), str(script.resolve()), "--loadgen", json.dumps(spec)],
         capture_output=True,
         preexec_fn=pin,
-        timeout=seconds + warmup_s + 60,
+        timeout=spec["seconds"] + spec["warmup_s"] + 60,
         check=False,
     )
     if out.returncode != 0:

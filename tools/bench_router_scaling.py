@@ -42,7 +42,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -149,15 +148,7 @@ def run_cell(
         "warmup_s": warmup_s,
         "stagger_s": 0.0,
     }
-    out = subprocess.run(
-        [str(python), str(Path(__file__).resolve()), "--loadgen", json.dumps(spec)],
-        capture_output=True,
-        timeout=seconds + warmup_s + 60,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"load generator failed: {out.stderr.decode(errors='replace')}")
-    return dict(json.loads(out.stdout))
+    return br.spawn_loadgen(python, Path(__file__), spec)
 
 
 # --------------------------------------------------------------------------- processes
