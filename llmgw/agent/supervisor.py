@@ -55,6 +55,7 @@ from llmgw.agent.procs import (
     terminate_group,
 )
 from llmgw.agent.records import RecordStore, ShardRecord
+from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter, Launch
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardState, ShardStatus
 
@@ -64,13 +65,6 @@ HEALTH_INTERVAL_S = 0.25
 WATCH_INTERVAL_S = 0.5
 WORKER_SETTLE_S = 1.0  # a shard without HTTP is ready once it stayed up this long
 OUTBOX_LIMIT = 1000
-
-
-def adapters() -> dict[str, EngineAdapter]:
-    from llmgw.engines.llamacpp import LLAMA_CPP
-    from llmgw.engines.vllm import VLLM, VLLM_RAY
-
-    return {a.name: a for a in (LLAMA_CPP, VLLM, VLLM_RAY)}
 
 
 @attrs.frozen

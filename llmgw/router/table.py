@@ -21,6 +21,7 @@ import trio
 
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.replicas import ReplicaState
+from llmgw.engines import adapters
 from llmgw.engines.base import url_host
 from llmgw.router.balancer import Admission, Endpoint
 
@@ -175,8 +176,6 @@ class RoutingTable:
             self.apply(self.source())
 
     async def _scrape_loop(self) -> None:
-        from llmgw.agent.supervisor import adapters
-
         engines = adapters()
         async with httpx.AsyncClient(timeout=SCRAPE_S) as client:
             while True:
