@@ -56,7 +56,7 @@ from llmgw.agent.procs import (
 )
 from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.engines import adapters
-from llmgw.engines.base import EngineAdapter, Launch
+from llmgw.engines.base import Launch
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardState, ShardStatus
 
 log = logging.getLogger("llmgw.agent.supervisor")
