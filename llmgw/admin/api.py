@@ -9,6 +9,7 @@ plane's under no await.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -22,9 +23,10 @@ from llmgw.config import ConfigError
 from llmgw.controlplane.fabrics import fleet_status
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
+from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
-from llmgw.router.table import FleetRouting, RoutingTable
+from llmgw.routing import TrafficView
 
 _JSON = [("content-type", "application/json")]
 
@@ -43,15 +45,17 @@ class AdminApi:
         control: ControlPlane,
         token: str,
         fleet: FleetManager | None = None,
-        routing: FleetRouting | None = None,
-        table: RoutingTable | None = None,
+        routing: RoutingPublisher | None = None,
+        traffic: Callable[[float], Mapping[str, TrafficView]] | None = None,
     ) -> None:
         if not token:
             raise ValueError("the admin API needs a token")
         self.control = control
         self.fleet = fleet
-        self._routing = routing or FleetRouting(fleet)
-        self._table = table  # the in-process router's, for its view of each replica
+        if routing is None:
+            routing = fleet.routing if fleet is not None else RoutingPublisher()
+        self._routing = routing
+        self._traffic = traffic  # the in-process router's view of each replica
         self._token = token.encode()
         self._gpu_views = GpuViews()
         self._routes = {
@@ -123,13 +127,9 @@ class AdminApi:
         if isinstance(fleet, Response):
             return fleet
         now = trio.current_time()
-        endpoints = (
-            {}
-            if self._table is None
-            else {e.key: e for eps in self._table.endpoints.values() for e in eps}
-        )
+        traffic = {} if self._traffic is None else self._traffic(now)
         views = [
-            replica_view(r, now, endpoints.get(r.replica_id))
+            replica_view(r, now, traffic.get(r.replica_id))
             for r in sorted(
                 fleet.reconciler.replicas.values(), key=lambda r: (r.model, r.replica_id)
             )
@@ -170,12 +170,11 @@ class AdminApi:
             wait = min(max(float(params.get("wait", ["0"])[0]), 0.0), 30.0)
         except ValueError:
             return error(400, "wait must be a number of seconds")
-        deadline = trio.current_time() + wait
-        while True:
-            snap = self._routing()
-            if snap.version != since or trio.current_time() >= deadline:
-                return json_response(200, snap)
-            await trio.sleep(0.25)
+        routing = self._routing
+        if routing.snapshot.version == since:
+            with trio.move_on_after(wait):
+                await routing.next(since)
+        return Response(status=200, headers=list(_JSON), body=routing.body)
 
     async def reload(self, request: Request) -> Response:
         fleet = self._need_fleet()

@@ -7,7 +7,7 @@ import msgspec
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica
 from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
-from llmgw.router.balancer import Endpoint
+from llmgw.routing import TrafficView
 
 
 class GpuView(msgspec.Struct, kw_only=True):
@@ -107,17 +107,6 @@ class ShardView(msgspec.Struct, kw_only=True):
     output_tail: list[str]
 
 
-class TrafficView(msgspec.Struct, kw_only=True):
-    """The in-process router's view of a replica (absent without ``[router] listen``)."""
-
-    in_flight: int  # requests this router has on it now
-    breaker: str  # closed, open, half-open
-    waiting: float | None = None  # engine gauges as last scraped
-    running: float | None = None
-    kv_usage: float | None = None
-    load_age_s: float | None = None  # since that scrape; None: never scraped
-
-
 class ReplicaView(msgspec.Struct, kw_only=True):
     replica_id: str
     model: str
@@ -128,22 +117,10 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     adopted: bool
     state_since: float  # seconds ago
     shards: list[ShardView]
-    traffic: TrafficView | None = None
+    traffic: TrafficView | None = None  # the in-process router's view, if it runs
 
 
-def traffic_view(ep: Endpoint, now: float) -> TrafficView:
-    load = ep.load
-    return TrafficView(
-        in_flight=ep.in_flight,
-        breaker=ep.breaker.state.value,
-        waiting=load.waiting if load else None,
-        running=load.running if load else None,
-        kv_usage=load.kv_usage if load else None,
-        load_age_s=None if ep.load_at is None else max(0.0, now - ep.load_at),
-    )
-
-
-def replica_view(r: Replica, now: float, endpoint: Endpoint | None = None) -> ReplicaView:
+def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> ReplicaView:
     return ReplicaView(
         replica_id=r.replica_id,
         model=r.model,
@@ -166,5 +143,5 @@ def replica_view(r: Replica, now: float, endpoint: Endpoint | None = None) -> Re
             )
             for s in sorted(r.shards, key=lambda s: s.rank)
         ],
-        traffic=None if endpoint is None else traffic_view(endpoint, now),
+        traffic=traffic,
     )

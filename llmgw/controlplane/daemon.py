@@ -18,12 +18,13 @@ from llmgw.controlplane.catalog import load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.reconciler import Timing
+from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
 from llmgw.router.daemon import router_app
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.table import FleetRouting, RoutingTable
+from llmgw.router.table import RoutingTable
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")
@@ -116,13 +117,14 @@ async def serve(config: ServerConfig, base: Path) -> None:
                 settle_s=rc.settle_s,
             ),
         )
-    routing = FleetRouting(fleet)
+    routing = fleet.routing if fleet is not None else RoutingPublisher()
     router = None
     if config.router.listen:
-        table = RoutingTable(routing)
+        table = RoutingTable(routing.next, routing.snapshot)
         router = (table, router_app(config.router, table, RouterMetrics(control.metrics.registry)))
     admin = HttpServer(
-        AdminApi(control, token, fleet, routing, router[0] if router else None), name="admin"
+        AdminApi(control, token, fleet, routing, router[0].traffic if router else None),
+        name="admin",
     )
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")

@@ -21,6 +21,7 @@ from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.placement import Decision, place
 from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
+from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
 from llmgw.controlplane.service import ControlPlane
 from llmgw.protocol.messages import DrainShard, Register, ShardStatus, StartShard, StopShard
 
@@ -50,6 +51,8 @@ class FleetManager:
         self._clock = clock
         self._plans: list[Plan] = []
         self._wake = trio.Event()
+        self.routing = RoutingPublisher()
+        self.publish_routing()
         control.on_register.append(self._registered)
         control.on_shard_status.append(self._status)
         control.metrics.watch_replicas(self._replica_counts)
@@ -130,6 +133,14 @@ class FleetManager:
             self.control.metrics.placement_failures.labels(model, kind).inc()
             log.warning("cannot place %s: %s", model, why)
         self._plans.append(plan)
+        self.publish_routing()
+
+    def publish_routing(self) -> None:
+        """Give routers the fleet as this pass left it; wakes them only on a change."""
+        r = self.reconciler
+        self.routing.publish(
+            build_snapshot(r.catalog, r.replicas.values(), self.control.nodes.nodes)
+        )
 
     def _queue(self, plan: Plan) -> None:
         self._plans.append(plan)

@@ -27,7 +27,7 @@ from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.metrics import RouterMetrics
-from llmgw.router.table import RoutingTable, follow
+from llmgw.router.table import HttpWatch, RoutingTable
 
 log = logging.getLogger("llmgw.router")
 
@@ -89,7 +89,8 @@ async def serve(
 ) -> None:
     """Worker 0 starts the others (``--worker i``) and serves the metrics of all."""
     token = admin_token(config, base)
-    table = RoutingTable()
+    watch = HttpWatch(config.admin_url, token)
+    table = RoutingTable(watch)
     metrics = RouterMetrics()
     server = router_app(config.router, table, metrics)
     host, port = parse_hostport(config.router.listen, key="router.listen")
@@ -107,8 +108,7 @@ async def serve(
                 )
             )
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(follow, table, config.admin_url, token)
+        async with watch, trio.open_nursery() as nursery:
             await nursery.start(table.run)
             listeners = await reuseport_listeners(host, port)
             await nursery.start(server.serve, listeners)

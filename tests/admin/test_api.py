@@ -107,10 +107,10 @@ def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> 
 
 
 def test_the_routers_view_of_a_replica_in_words() -> None:
-    from llmgw.admin.views import traffic_view
     from llmgw.cli.ctl import render_traffic
     from llmgw.engines.base import LoadSignals
     from llmgw.router.balancer import Endpoint
+    from llmgw.router.table import traffic_view
 
     ep = Endpoint(key="m/0", model="m", url="http://127.0.0.1:1")
     as_json = lambda: msgspec.json.decode(msgspec.json.encode(traffic_view(ep, now=100.0)))  # noqa: E731

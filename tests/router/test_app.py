@@ -16,7 +16,8 @@ from llmgw.http import HttpServer, Request, Response
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.breaker import BreakerState
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
-from llmgw.router.table import ModelRouting, Route, RoutingTable, Snapshot
+from llmgw.router.table import RoutingTable
+from llmgw.routing import ModelRouting, Route, Snapshot
 
 KEY = "llmgw-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}

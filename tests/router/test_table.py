@@ -1,20 +1,144 @@
-"""The routing snapshot that the in-process table and every watcher share."""
+"""The routing table follows the control plane's published snapshot, and scrapes gauges.
+
+The tests about following run under a frozen clock (``mock_clock``, rate 0): a
+table or a watch that waited on a timer would never see the change, so they
+show that a change is pushed, not polled for.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import trio
+import trio.lowlevel
 import trio.testing
 
-from llmgw.router.table import FleetRouting
+from llmgw.admin.api import AdminApi
+from llmgw.controlplane.nodes import LivenessPolicy
+from llmgw.controlplane.routing import RoutingPublisher
+from llmgw.controlplane.service import ControlPlane
+from llmgw.http import HttpServer, Request, Response
+from llmgw.router.table import HttpWatch, RoutingTable
+from llmgw.routing import ModelRouting, Route, versioned
+
+TOKEN = "s3cret-token"
 
 
-async def test_the_snapshot_is_built_once_per_max_age_however_many_ask(
-    autojump_clock: trio.testing.MockClock,
+def _fleet(*urls: str, engine: str = "") -> list[Route]:
+    return [Route(key=f"m/{i}", model="m", url=u, engine=engine) for i, u in enumerate(urls)]
+
+
+async def _until(done: Callable[[], bool], wall_s: float = 5.0) -> None:
+    """Let tasks and sockets run, bounded in wall time (the trio clock may be frozen)."""
+    end = time.monotonic() + wall_s
+    while not done():
+        assert time.monotonic() < end, "gave up waiting"
+        await trio.lowlevel.checkpoint()
+
+
+def test_the_version_is_the_content() -> None:
+    a = versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    b = versioned(
+        {"m": ModelRouting()}, list(reversed(_fleet("http://127.0.0.1:1", "http://127.0.0.1:2")))
+    )
+    c = versioned({"m": ModelRouting(kv_ceiling=0.9)}, _fleet("http://127.0.0.1:1"))
+    assert a.version == b.version  # the same fleet, whatever order it was listed in
+    assert c.version != a.version
+    assert [r.key for r in b.routes] == ["m/0", "m/1"]
+
+
+async def test_a_publish_wakes_waiters_only_when_something_changed(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
 ) -> None:
-    routing = FleetRouting(None, max_age_s=0.25)
-    first = routing()
-    assert all(routing() is first for _ in range(5))  # the table and four watchers
-    await trio.sleep(0.3)
-    second = routing()
-    assert second is not first
-    assert second.version == first.version  # nothing changed: same table, new build
+    first = versioned({"m": ModelRouting()}, [])
+    publisher = RoutingPublisher(first)
+    got = []
+
+    async def wait() -> None:
+        got.append(await publisher.next(first.version))
+
+    nursery.start_soon(wait)
+    await trio.testing.wait_all_tasks_blocked()
+    assert publisher.watchers == 1
+    assert not publisher.publish(versioned({"m": ModelRouting()}, []))  # the same, rebuilt
+    await trio.testing.wait_all_tasks_blocked()
+    assert got == [] and publisher.watchers == 1
+    second = versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:1"))
+    assert publisher.publish(second)
+    await trio.testing.wait_all_tasks_blocked()
+    assert got == [second]
+    assert trio.current_time() == 0  # the clock never moved: nothing waited on a timer
+
+
+async def test_the_in_process_table_follows_the_publisher_at_once(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
+    table = RoutingTable(publisher.next, publisher.snapshot)
+    assert table.known("m") and table.endpoints == {}  # the initial snapshot, before run
+    await nursery.start(table.run)
+    publisher.publish(versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:1")))
+    await trio.testing.wait_all_tasks_blocked()
+    assert [e.url for e in table.endpoints["m"]] == ["http://127.0.0.1:1"]
+    assert table.version == publisher.snapshot.version
+    assert trio.current_time() == 0
+
+
+async def test_the_admin_watch_answers_a_standalone_router_on_the_change(
+    mock_clock: trio.testing.MockClock, nursery: trio.Nursery
+) -> None:
+    """Through the admin API's HTTP listener and the standalone router's own watch:
+    the long poll parked on the publisher answers the moment the snapshot changes."""
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
+    )
+    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
+    server = HttpServer(AdminApi(control, TOKEN, routing=publisher))
+    listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    table = RoutingTable(HttpWatch(url, TOKEN))
+    await nursery.start(table.run)
+    await _until(lambda: table.known("m"))  # the first answer: we held no version
+    await _until(lambda: publisher.watchers == 1)  # the next poll is parked
+    publisher.publish(versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:7")))
+    await _until(lambda: "m" in table.endpoints)
+    assert table.version == publisher.snapshot.version
+    assert trio.current_time() == 0
+
+
+async def test_one_dead_replica_ages_no_other_replicas_gauges(nursery: trio.Nursery) -> None:
+    """Five replicas accept connections and never answer; the live one's gauges
+    stay as fresh as the scrape interval (a serial scrape would age them by
+    every dead replica's deadline in turn)."""
+    dead = []
+    for _ in range(5):
+        sock = trio.socket.socket()
+        await sock.bind(("127.0.0.1", 0))
+        sock.listen(8)  # the kernel completes the handshake; nobody ever answers
+        dead.append(sock)
+
+    async def metrics(request: Request) -> Response:
+        body = b"llamacpp:requests_processing 2\nllamacpp:requests_deferred 1\n"
+        return Response(200, [("content-type", "text/plain")], body)
+
+    live = await nursery.start(HttpServer(metrics).serve_tcp, "127.0.0.1", 0)
+    urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in dead]
+    urls.append(f"http://127.0.0.1:{live[0].socket.getsockname()[1]}")  # listed last
+    table = RoutingTable(
+        initial=versioned({"m": ModelRouting()}, _fleet(*urls, engine="llama.cpp")), scrape_s=0.2
+    )
+    await nursery.start(table.run)
+    fresh = table.endpoints["m"][-1]
+    worst = 0.0
+    with trio.fail_after(10):
+        while fresh.load_at is None:
+            await trio.sleep(0.02)
+        for _ in range(75):  # 1.5 s of samples
+            await trio.sleep(0.02)
+            worst = max(worst, trio.current_time() - fresh.load_at)
+    assert fresh.load is not None and fresh.load.running == 2 and fresh.load.waiting == 1
+    assert worst < 0.7, f"the live replica's gauges grew {worst:.2f} s old"
+    assert all(ep.load is None for ep in table.endpoints["m"][:-1])
+    for sock in dead:
+        sock.close()

@@ -1,0 +1,89 @@
+"""The control plane's side of routing: build the snapshot, publish it on change.
+
+``build_snapshot`` is a function of the catalog, the replicas and the nodes.
+``RoutingPublisher`` holds the current snapshot; ``publish`` replaces it only
+when its version differs and then wakes everyone waiting in ``next``: the
+in-process router's table and every ``GET /v1/routing`` watcher. Nobody polls,
+so a change reaches a waiting router as soon as the pass that made it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import msgspec
+import trio
+
+from llmgw.controlplane.catalog import Catalog
+from llmgw.controlplane.nodes import Node
+from llmgw.controlplane.replicas import Replica, ReplicaState
+from llmgw.engines.base import url_host
+from llmgw.routing import ModelRouting, Route, Snapshot, versioned
+
+_ROUTED = (ReplicaState.READY, ReplicaState.DRAINING)
+
+
+def build_snapshot(
+    catalog: Catalog, replicas: Iterable[Replica], nodes: Mapping[str, Node]
+) -> Snapshot:
+    """What a router needs to know: every catalog model, the static endpoints, and
+    each Ready or Draining replica at its head shard's node address."""
+    models: dict[str, ModelRouting] = {}
+    routes: list[Route] = []
+    for name, entry in catalog.models.items():
+        models[name] = ModelRouting(
+            target_waiting=entry.routing.target_waiting, kv_ceiling=entry.routing.kv_ceiling
+        )
+        routes.extend(
+            Route(key=url, model=name, url=url.rstrip("/")) for url in entry.static_endpoints
+        )
+    for replica in replicas:
+        if replica.state not in _ROUTED:
+            continue
+        head = next((s for s in replica.shards if s.rank == 0), None)
+        node = nodes.get(head.node_id) if head is not None else None
+        if head is None or node is None:
+            continue
+        model = catalog.models.get(replica.model)
+        routes.append(
+            Route(
+                key=replica.replica_id,
+                model=replica.model,
+                url=f"http://{url_host(node.address or head.spec.host)}:{head.spec.port}",
+                engine=head.spec.engine,
+                weight=model.routing.weight if model is not None else 1.0,
+                ready=replica.state is ReplicaState.READY,
+                draining=replica.state is ReplicaState.DRAINING,
+            )
+        )
+    return versioned(models, routes)
+
+
+class RoutingPublisher:
+    """The current routing snapshot, and a way to wait for the next one."""
+
+    def __init__(self, snapshot: Snapshot | None = None) -> None:
+        self.snapshot = snapshot or versioned({}, [])
+        self.body = msgspec.json.encode(self.snapshot)  # what every watcher is sent
+        self._changed = trio.Event()
+
+    def publish(self, snapshot: Snapshot) -> bool:
+        """Make ``snapshot`` current if it says something new; True when it did."""
+        if snapshot.version == self.snapshot.version:
+            return False
+        self.snapshot = snapshot
+        self.body = msgspec.json.encode(snapshot)
+        self._changed.set()
+        self._changed = trio.Event()
+        return True
+
+    @property
+    def watchers(self) -> int:
+        """How many are waiting for the next snapshot now."""
+        return self._changed.statistics().tasks_waiting
+
+    async def next(self, since: str) -> Snapshot:
+        """The current snapshot as soon as its version is not ``since``."""
+        while self.snapshot.version == since:
+            await self._changed.wait()
+        return self.snapshot

@@ -1,0 +1,54 @@
+"""What the control plane tells routers: the routing snapshot, as a value.
+
+The control plane builds a ``Snapshot`` once per change of the fleet and
+publishes it; routers only consume it, in process or over the admin API's
+``GET /v1/routing`` watch. Both sides import this module and nothing of each
+other. A snapshot's ``version`` is a hash of its content, so two control
+planes (or one restarted) that see the same fleet give the same version, and
+a router that already holds it is not woken for nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+
+class Route(msgspec.Struct, kw_only=True):
+    key: str  # replica id, or the static URL
+    model: str
+    url: str
+    engine: str = ""  # "" for static endpoints: no metrics to scrape
+    weight: float = 1.0
+    ready: bool = True
+    draining: bool = False
+
+
+class ModelRouting(msgspec.Struct, kw_only=True):
+    target_waiting: float | None = None
+    kv_ceiling: float | None = None
+
+
+class Snapshot(msgspec.Struct, kw_only=True):
+    version: str = ""
+    models: dict[str, ModelRouting] = {}  # every model the catalog knows
+    routes: list[Route] = []
+
+
+def versioned(models: dict[str, ModelRouting], routes: list[Route]) -> Snapshot:
+    """A snapshot whose version is the hash of what it says (routes in key order)."""
+    snap = Snapshot(models=models, routes=sorted(routes, key=lambda r: r.key))
+    snap.version = hashlib.sha256(msgspec.json.encode(snap)).hexdigest()[:16]
+    return snap
+
+
+class TrafficView(msgspec.Struct, kw_only=True):
+    """A router's view of one replica, as the admin API shows it beside the replica."""
+
+    in_flight: int  # requests this router has on it now
+    breaker: str  # closed, open, half-open
+    waiting: float | None = None  # engine gauges as last scraped
+    running: float | None = None
+    kv_usage: float | None = None
+    load_age_s: float | None = None  # since that scrape; None: never scraped
