@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw.controlplane.catalog import Catalog, parse_catalog
 from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
-from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
+from llmgw.controlplane.plan import Plan
+from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.protocol.messages import (
     Engine,
@@ -150,9 +151,9 @@ def with_replicas(cat: Catalog, extra: dict[str, int]) -> Catalog:
 
 
 def ready_all(rec: Reconciler, plan: Plan, now: float) -> None:
-    for node, spec in plan.start:
-        rec.shard_status(node, ShardStatus(shard_id=spec.shard_id, state="starting"), now)
-        rec.shard_status(node, ShardStatus(shard_id=spec.shard_id, state="ready"), now)
+    for s in plan.start:
+        rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state="starting"), now)
+        rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state="ready"), now)
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -217,7 +218,9 @@ def main() -> int:
     cat = parse_catalog(catalog_text(models, per_model), "bench-catalog.toml")
     table = fleet(n)
     nodes = table.nodes
-    rec = Reconciler(cat, Timing(settle_s=0, max_placements_per_pass=total + 1))
+    rec = Reconciler(
+        cat, Timing(settle_s=0, max_placements_per_pass=total + 1), ids=ReplicaIds("bench")
+    )
     t_setup, plan = timed(lambda: rec.reconcile(nodes, 0.0))
     assert not plan.placement_failures, plan.placement_failures
     assert len(plan.start) == total, len(plan.start)
@@ -229,8 +232,8 @@ def main() -> int:
     cap = rec.timing.max_placements_per_pass
     gpus_used = sum(len(s.spec.gpus) for r in rec.replicas.values() for s in r.shards)
     per_node: dict[str, int] = {}
-    for node_id, _ in setup_plan.start:
-        per_node[node_id] = per_node.get(node_id, 0) + 1
+    for start in setup_plan.start:
+        per_node[start.node] = per_node.get(start.node, 0) + 1
     print(
         f"fleet: {n} nodes x {GPUS_PER_NODE} GPUs, {models} models, {total} replicas "
         f"({gpus_used} of {n * GPUS_PER_NODE} GPUs in use, on {len(per_node)} nodes, at most "
@@ -272,7 +275,7 @@ def main() -> int:
         for _ in range(args.place_repeats):
             now += 1.0
             dt, plan = timed(lambda at=now: rec.reconcile(nodes, at))
-            placed = {spec.replica_id for _, spec in plan.start}
+            placed = {s.spec.replica_id for s in plan.start}
             assert len(placed) == expect and not plan.stop and not plan.placement_failures, (
                 label,
                 len(placed),
@@ -307,8 +310,8 @@ def main() -> int:
 
     # (c) registration storm after a control plane restart
     reports: dict[str, list[ShardReport]] = {node_id: [] for node_id in nodes}
-    for node_id, spec in setup_plan.start:
-        reports[node_id].append(ShardReport(spec=spec, state="ready", pid=4242))
+    for start in setup_plan.start:
+        reports[start.node].append(ShardReport(spec=start.spec, state="ready", pid=4242))
     # what arrives: each agent's Register, decoded from the wire (fresh objects, as after
     # a restart; decoding is the stream's cost, not the reconciler's, so not timed)
     wire = [
@@ -323,7 +326,7 @@ def main() -> int:
     def storm(
         interleave: bool = False,
     ) -> tuple[Reconciler, NodeTable, list[float], list[float], list[Plan]]:
-        fresh = Reconciler(cat)  # default Timing: settle_s = 15
+        fresh = Reconciler(cat, ids=ReplicaIds("restarted"))  # default Timing: settle_s = 15
         new_table = NodeTable(POLICY)
         fresh.reconcile(new_table.nodes, 0.0)  # the fleet loop's first pass, nobody there yet
         t_table: list[float] = []
@@ -502,8 +505,8 @@ def main() -> int:
         def place_again(extra: dict[str, int]) -> None:
             rec.set_catalog(with_replicas(cat, extra))
             plan = rec.reconcile(nodes, now + 1.0)
-            for _, spec in plan.start:
-                rec.replicas.pop(spec.replica_id, None)
+            for s in plan.start:
+                rec.replicas.pop(s.spec.replica_id, None)
             rec.set_catalog(cat)
 
         profile(

@@ -107,13 +107,13 @@ class AdminApi:
         return hmac.compare_digest(credential.strip().encode(), self._token)
 
     async def nodes(self, request: Request) -> Response:
-        r = self.fleet.reconciler if self.fleet is not None else None
+        fleet = self.fleet
         views = []
         for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id):
             view = node_view(n, self._gpu_views)
-            if r is not None:
-                view.cordoned = n.node_id in r.cordoned
-                view.draining = n.node_id in r.draining
+            if fleet is not None:
+                view.cordoned = fleet.is_cordoned(n.node_id)
+                view.draining = fleet.is_draining(n.node_id)
             views.append(view)
         return json_response(200, {"nodes": views})
 
@@ -130,9 +130,7 @@ class AdminApi:
         traffic = {} if self._traffic is None else self._traffic(now)
         views = [
             replica_view(r, now, traffic.get(r.replica_id))
-            for r in sorted(
-                fleet.reconciler.replicas.values(), key=lambda r: (r.model, r.replica_id)
-            )
+            for r in sorted(fleet.replicas(), key=lambda r: (r.model, r.replica_id))
         ]
         return json_response(200, {"replicas": views})
 

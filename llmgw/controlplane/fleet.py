@@ -3,14 +3,17 @@
 The reconciler decides; this applies its plans through the dispatcher. It
 hears every registration and status report from the ``ControlPlane`` (under
 no await), runs a pass on a short interval and right after anything
-happened, persists the operator's intent, and reloads the catalog on demand.
+happened, logs what the reconciler noted, persists the operator's intent,
+and reloads the catalog on demand. Everyone else reads the fleet and states
+intent through its methods, never through the reconciler.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import trio
@@ -19,8 +22,10 @@ from llmgw.config import ConfigError
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.intent import IntentStore
-from llmgw.controlplane.placement import Decision, place
-from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
+from llmgw.controlplane.placement import Decision
+from llmgw.controlplane.plan import Command, Drain, Plan, Start, Stop
+from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
+from llmgw.controlplane.replicas import Replica
 from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
 from llmgw.controlplane.service import ControlPlane
 from llmgw.protocol.messages import DrainShard, Register, ShardStatus, StartShard, StopShard
@@ -43,7 +48,8 @@ class FleetManager:
     ) -> None:
         self.control = control
         self.catalog_path = catalog_path
-        self.reconciler = Reconciler(catalog, timing)
+        # ids never repeat across control plane restarts
+        self.reconciler = Reconciler(catalog, timing, ids=ReplicaIds(secrets.token_hex(3)))
         self.intent = IntentStore(state_dir)
         saved = self.intent.load()
         self.reconciler.cordoned = set(saved.cordoned)
@@ -65,26 +71,58 @@ class FleetManager:
     def _status(self, node_id: str, status: ShardStatus) -> None:
         self._queue(self.reconciler.shard_status(node_id, status, self._clock()))
 
+    # --- what it reads -----------------------------------------------------------
+
+    @property
+    def catalog(self) -> Catalog:
+        return self.reconciler.catalog
+
+    def replicas(self) -> Collection[Replica]:
+        """Every replica the control plane knows of (a live view: read it, don't keep it)."""
+        return self.reconciler.replicas.values()
+
+    def is_cordoned(self, node_id: str) -> bool:
+        return node_id in self.reconciler.cordoned
+
+    def is_draining(self, node_id: str) -> bool:
+        return node_id in self.reconciler.draining
+
+    # --- the operator's intent ----------------------------------------------------------
+
     def set_intent(self, node_id: str, intent: str) -> str:
-        """cordon, uncordon or drain: one entry point, so the difference is explicit."""
-        r = self.reconciler
+        """cordon, uncordon or drain, by name (as the admin API takes it).
+
+        Raises:
+            ValueError: no such intent.
+        """
         if intent == "cordon":
-            r.cordoned.add(node_id)
-            what = f"node {node_id} cordoned: nothing new is placed there; what runs stays"
-        elif intent == "uncordon":
-            r.cordoned.discard(node_id)
-            r.draining.discard(node_id)
-            what = f"node {node_id} uncordoned: placement may use it again"
-        elif intent == "drain":
-            r.cordoned.add(node_id)
-            r.draining.add(node_id)
-            what = (
-                f"node {node_id} draining: each replica gets a replacement elsewhere and is "
-                "stopped once the replacement is Ready (or the drain grace is over)"
-            )
-        else:
-            raise ValueError(f"unknown intent {intent!r} (cordon, uncordon or drain)")
-        self.intent.save(r.cordoned, r.draining)
+            return self.cordon(node_id)
+        if intent == "uncordon":
+            return self.uncordon(node_id)
+        if intent == "drain":
+            return self.drain(node_id)
+        raise ValueError(f"unknown intent {intent!r} (cordon, uncordon or drain)")
+
+    def cordon(self, node_id: str) -> str:
+        self.reconciler.cordon(node_id)
+        return self._intent_changed(
+            f"node {node_id} cordoned: nothing new is placed there; what runs stays"
+        )
+
+    def uncordon(self, node_id: str) -> str:
+        self.reconciler.uncordon(node_id)
+        return self._intent_changed(f"node {node_id} uncordoned: placement may use it again")
+
+    def drain(self, node_id: str) -> str:
+        self.reconciler.drain(node_id)
+        return self._intent_changed(
+            f"node {node_id} draining: each replica gets a replacement elsewhere and is "
+            "stopped once the replacement is Ready (or the drain grace is over)"
+        )
+
+    def _intent_changed(self, what: str) -> str:
+        """Persist the intent, say what it means, and run a pass soon."""
+        self.intent.save(self.reconciler.cordoned, self.reconciler.draining)
         log.info("%s", what)
         self._wake.set()
         return what
@@ -101,17 +139,7 @@ class FleetManager:
         return what
 
     def explain(self, model: str) -> Decision | None:
-        m = self.reconciler.catalog.models.get(model)
-        if m is None:
-            return None
-        r = self.reconciler
-        return place(
-            m,
-            r.facts(self.control.nodes.nodes),
-            r.allocations(),
-            self._clock(),
-            avoid=frozenset(r.draining),
-        )
+        return self.reconciler.explain(model, self.control.nodes.nodes, self._clock())
 
     # --- the loop ---------------------------------------------------------------
 
@@ -128,10 +156,9 @@ class FleetManager:
         started = time.perf_counter()
         plan = self.reconciler.reconcile(self.control.nodes.nodes, self._clock())
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
-        for model, why in plan.placement_failures.items():
-            kind = plan.failure_kinds.get(model, "other")
-            self.control.metrics.placement_failures.labels(model, kind).inc()
-            log.warning("cannot place %s: %s", model, why)
+        for model, failure in plan.placement_failures.items():
+            self.control.metrics.placement_failures.labels(model, failure.kind).inc()
+            log.warning("cannot place %s: %s", model, failure.why)
         self._plans.append(plan)
         self.publish_routing()
 
@@ -150,14 +177,10 @@ class FleetManager:
         plans, self._plans = self._plans, []
         for plan in plans:
             for note in plan.notes:
-                log.info("%s", note)
+                log.log(logging.WARNING if note.warning else logging.INFO, "%s", note.text)
             # stops first: what is being replaced lets go of its resources soonest
-            for node, shard, grace in plan.stop:
-                await self._send(node, StopShard(shard_id=shard, grace_s=grace))
-            for node, shard, grace in plan.drain:
-                await self._send(node, DrainShard(shard_id=shard, grace_s=grace))
-            for node, spec in plan.start:
-                await self._send(node, StartShard(spec=spec))
+            for command in plan.commands():
+                await self._send(command.node, _message(command))
 
     async def _send(self, node: str, message: StartShard | StopShard | DrainShard) -> None:
         try:
@@ -167,7 +190,17 @@ class FleetManager:
 
     def _replica_counts(self) -> dict[tuple[str, str], int]:
         counts: dict[tuple[str, str], int] = {}
-        for r in self.reconciler.replicas.values():
+        for r in self.replicas():
             key = (r.model, r.state.value)
             counts[key] = counts.get(key, 0) + 1
         return counts
+
+
+def _message(command: Command) -> StartShard | StopShard | DrainShard:
+    match command:
+        case Start(spec=spec):
+            return StartShard(spec=spec)
+        case Stop(shard_id=shard_id, grace_s=grace):
+            return StopShard(shard_id=shard_id, grace_s=grace)
+        case Drain(shard_id=shard_id, grace_s=grace):
+            return DrainShard(shard_id=shard_id, grace_s=grace)

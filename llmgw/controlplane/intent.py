@@ -8,10 +8,11 @@ plane's state directory, written atomically on every change.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import msgspec
+
+from llmgw.files import write_atomic
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -40,8 +41,8 @@ class IntentStore:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_bytes(
-            msgspec.json.encode(Intent(cordoned=sorted(cordoned), draining=sorted(draining)))
+        write_atomic(
+            self.path,
+            msgspec.json.encode(Intent(cordoned=sorted(cordoned), draining=sorted(draining))),
+            0o644,
         )
-        os.replace(tmp, self.path)

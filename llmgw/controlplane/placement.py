@@ -48,10 +48,16 @@ nobody, so its shared copies count for itself only. Storage the agent could
 not classify counts as local, never as shared. A Lost node's view is no
 evidence (as in ``ctl status``).
 
+Every candidate carries a ``Kind`` beside its words: the words are for the
+operator, the kind is what code counts (``failure_kind``, a bounded metric
+label), so nothing parses the words.
+
 Cost: O(nodes) per profile tried, a few dictionary and set operations per
 node. What placement reads from an inventory is derived once per inventory
-object and kept across calls (``_STATICS``); reasons are short f-strings, and
-a full node's GPU explanation is remembered for the next replica of the pass.
+object and kept in a ``PlacementCache`` that the caller owns and hands to
+each call (the reconciler keeps one across its passes); reasons are short
+f-strings, and a full node's GPU explanation is remembered for the next
+replica of the pass.
 Measured on a 2-core dev VM with 1,000 8-GPU nodes and 2,000 replicas: about
 2 ms per call for a one-profile model, about 2 ms more for each profile that
 fits nowhere first.
@@ -61,6 +67,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import StrEnum
 
 import attrs
 
@@ -90,12 +97,29 @@ class NodeFacts:
     draining: bool = False
 
 
+class Kind(StrEnum):
+    """What a candidate is, as one of a few fixed words (the placement-failure metric's
+    reason label): it fits, or the filter it failed."""
+
+    FITS = "fits"
+    UNREACHABLE = "unreachable"  # not Ready: Unreachable or Lost
+    CORDONED = "cordoned"
+    DRAINING = "draining"  # draining, or a replica is being moved off it
+    SELECTOR = "selector"  # lacks a label the profile needs (a fabric label included)
+    ENGINE = "engine"
+    MEMORY = "memory"
+    GPUS = "gpus"
+    PORTS = "ports"
+    FABRIC = "fabric"  # its fabric has too few fitting nodes
+
+
 @attrs.frozen
 class Candidate:
     node_id: str
     profile: str
     ok: bool
     reason: str  # rejected: why, in words; accepted: how it scored, in words
+    kind: Kind  # the same, as a fixed word: FITS, or the filter it failed
     # accepted: the ranking as one number, higher is better (1e6 for the weights,
     # 1e3 per shard of the model fewer, 1 per GPU left fewer); rejected: 0
     score: float = 0.0
@@ -138,13 +162,16 @@ def place(
     *,
     avoid: frozenset[str] = frozenset(),
     port_range: tuple[int, int] = PORT_RANGE,
+    cache: PlacementCache | None = None,
 ) -> Decision:
     """Where the next replica of ``model`` goes, with every candidate's reason.
 
     ``now`` is the monotonic clock of the pass; nothing here depends on time
     yet (liveness arrives already judged, in ``Node.state``), it is taken so
     that callers need not change when something does. ``avoid`` lists nodes a
-    replica is being moved off. Nothing is mutated.
+    replica is being moved off. ``cache`` keeps what was read from each
+    inventory for the next call (a fresh one when not given). Nothing else is
+    mutated.
     """
     del now
     name = model.name
@@ -154,7 +181,7 @@ def place(
         )
     if not nodes:
         return Decision(name, None, [], [], f"no node can hold {name}: no node has registered")
-    pass_ = _Pass(model, nodes, allocations, avoid, port_range)
+    pass_ = _Pass(model, nodes, allocations, avoid, port_range, cache or PlacementCache())
     candidates: list[Candidate] = []
     failed: list[tuple[Profile, list[Candidate]]] = []
     for profile in model.profiles:
@@ -228,32 +255,42 @@ def _unhealthy(gpu: Gpu) -> str:
     return f"GPU {gpu.index} unhealthy" + (f": {problems}" if problems else "")
 
 
-# node id -> what placement read from its inventory, while that inventory object is
-# current. Derived data only (checked by identity, so never stale): reconcile
-# passes build fresh NodeFacts and still read each inventory once, not once a pass.
-_STATICS: dict[str, _Static] = {}
+class PlacementCache:
+    """What placement read from each node's inventory, while that inventory object is
+    current. Derived data only (checked by identity, so never stale): a caller that
+    keeps one across its passes has each inventory read once, not once a pass, even
+    though every pass builds fresh NodeFacts."""
 
+    def __init__(self) -> None:
+        self._statics: dict[str, _Static] = {}  # node id -> its inventory, as read
 
-def _static(node: Node) -> _Static:
-    inv = node.inventory
-    cached = _STATICS.get(node.node_id)
-    if cached is not None and cached.inv is not inv:
-        old = cached.inv
-        if (
-            old.gpus is inv.gpus
-            and old.engines is inv.engines
-            and old.weights is inv.weights
-            and old.labels is inv.labels
-            and old.fabric == inv.fabric
-            and old.port_range is inv.port_range
-        ):  # a heartbeat replaced only the memory reading
-            cached.inv = inv
-            cached.memory = inv.memory.total_bytes
-        else:
-            cached = None
-    if cached is None:
-        cached = _STATICS[node.node_id] = _Static(inv)
-    return cached
+    def static(self, node: Node) -> _Static:
+        inv = node.inventory
+        cached = self._statics.get(node.node_id)
+        if cached is not None and cached.inv is not inv:
+            old = cached.inv
+            if (
+                old.gpus is inv.gpus
+                and old.engines is inv.engines
+                and old.weights is inv.weights
+                and old.labels is inv.labels
+                and old.fabric == inv.fabric
+                and old.port_range is inv.port_range
+            ):  # a heartbeat replaced only the memory reading
+                cached.inv = inv
+                cached.memory = inv.memory.total_bytes
+            else:
+                cached = None
+        if cached is None:
+            cached = self._statics[node.node_id] = _Static(inv)
+        return cached
+
+    def prune(self, nodes: Sequence[NodeFacts]) -> None:
+        """Forget nodes that left the fleet, once they are many."""
+        if len(self._statics) > 2 * len(nodes) + 64:
+            keep = {f.node.node_id for f in nodes}
+            for node_id in [n for n in self._statics if n not in keep]:
+                del self._statics[node_id]
 
 
 class _Pass:
@@ -266,18 +303,17 @@ class _Pass:
         allocations: Allocations,
         avoid: frozenset[str],
         port_range: tuple[int, int],
+        cache: PlacementCache,
     ) -> None:
         self.model = model
         self.nodes = nodes
-        if len(_STATICS) > 2 * len(nodes) + 64:  # forget nodes that left the fleet
-            keep = {f.node.node_id for f in nodes}
-            for node_id in [n for n in _STATICS if n not in keep]:
-                del _STATICS[node_id]
-        self.statics = [_static(f.node) for f in nodes]
+        cache.prune(nodes)
+        static = cache.static
+        self.statics = [static(f.node) for f in nodes]
         self.allocations = allocations
         self.port_range = port_range
         # None: open to placement; otherwise why not (the same for every profile)
-        self.blocked: list[str | None] = [_blocked(f, avoid) for f in nodes]
+        self.blocked: list[_Refusal | None] = [_blocked(f, avoid) for f in nodes]
         self._shared_in: dict[str, set[str]] = {}
 
     def shared_in(self, weights: str) -> set[str]:
@@ -314,23 +350,23 @@ class _Pass:
         for facts, st, blocked in zip(self.nodes, self.statics, self.blocked, strict=True):
             node_id = facts.node.node_id
             if blocked is not None:
-                append(Candidate(node_id, pname, False, blocked))
+                append(Candidate(node_id, pname, False, blocked[1], blocked[0]))
                 continue
-            reason = _hardware(st, selector, required, min_bytes, multi)
-            if reason is not None:
-                append(Candidate(node_id, pname, False, reason))
+            refused = _hardware(st, selector, required, min_bytes, multi)
+            if refused is not None:
+                append(Candidate(node_id, pname, False, refused[1], refused[0]))
                 continue
             used = gpus_used.get(node_id)
             free = len(st.healthy) - len(st.healthy_set & used) if used else len(st.healthy)
             if free < need:
-                append(Candidate(node_id, pname, False, st.gpu_reason(need, used)))
+                append(Candidate(node_id, pname, False, st.gpu_reason(need, used), Kind.GPUS))
                 continue
             ports = ports_used.get(node_id)
             node_range = st.port_range or port_range
             size = range_size if st.port_range is None else node_range[1] - node_range[0] + 1
             # fewer ports in use than the range holds: one of them is free (found once chosen)
             if ports and len(ports) >= size and free_port(node_id, node_range) is None:
-                append(Candidate(node_id, pname, False, "no free engine port"))
+                append(Candidate(node_id, pname, False, "no free engine port", Kind.PORTS))
                 continue
             if weights in st.held:
                 held, where = 1, "weights here"
@@ -348,6 +384,7 @@ class _Pass:
                     pname,
                     True,
                     f"{where}, {shards} shards of {model} here, {left} GPUs left after",
+                    Kind.FITS,
                     held * 1e6 + (999 - min(shards, 999)) * 1e3 + 999 - min(left, 999),
                 )
             )
@@ -383,7 +420,7 @@ class _Pass:
                     f"{'' if len(members) == 1 else 's'}, needs {want}"
                 )
                 for fit in members:
-                    out[fit[1]] = Candidate(fit[0][3], profile.name, False, why)
+                    out[fit[1]] = Candidate(fit[0][3], profile.name, False, why, Kind.FABRIC)
                 continue
             members.sort()
             chosen = members[:want]
@@ -402,16 +439,23 @@ class _Pass:
         return out, shards, f"{', '.join(s.node_id for s in shards)} in fabric {fabric_key[3]}"
 
 
-def _blocked(facts: NodeFacts, avoid: frozenset[str]) -> str | None:
+# a filter's verdict: its kind and its words
+_Refusal = tuple[Kind, str]
+_CORDONED: _Refusal = (Kind.CORDONED, "cordoned")
+_DRAINING: _Refusal = (Kind.DRAINING, "draining")
+_MOVING_OFF: _Refusal = (Kind.DRAINING, "being moved off this node")
+
+
+def _blocked(facts: NodeFacts, avoid: frozenset[str]) -> _Refusal | None:
     node = facts.node
     if node.state is not NodeState.READY:
-        return str(node.state.value)
+        return Kind.UNREACHABLE, str(node.state.value)
     if facts.cordoned:
-        return "cordoned"
+        return _CORDONED
     if facts.draining:
-        return "draining"
+        return _DRAINING
     if node.node_id in avoid:
-        return "being moved off this node"
+        return _MOVING_OFF
     return None
 
 
@@ -421,24 +465,25 @@ def _hardware(
     required: tuple[str, ...],
     min_bytes: float | None,
     multi: bool,
-) -> str | None:
+) -> _Refusal | None:
     """Why this node cannot run the profile, short of GPUs and ports; None: it can."""
     if multi and not st.fabric:
-        return "multi-node profile needs a fabric label"
+        return Kind.SELECTOR, "multi-node profile needs a fabric label"
     if selector:
         labels = st.labels
         for label, value in selector:
             have = labels.get(label)
             if have is None:
-                return f"label {label}={value} required, node has no label {label}"
+                return Kind.SELECTOR, f"label {label}={value} required, node has no label {label}"
             if have != value:
-                return f"label {label}={value} required, node has {label}={have}"
+                return Kind.SELECTOR, f"label {label}={value} required, node has {label}={have}"
     installed = st.installed
     if not installed.issuperset(required):
-        return f"{' and '.join(e for e in required if e not in installed)} not installed"
+        missing = " and ".join(e for e in required if e not in installed)
+        return Kind.ENGINE, f"{missing} not installed"
     total = st.memory
     if min_bytes is not None and total is not None and total < min_bytes:
-        return f"has {_gb(total / GIB)} GB of memory, needs {_gb(min_bytes / GIB)}"
+        return Kind.MEMORY, f"has {_gb(total / GIB)} GB of memory, needs {_gb(min_bytes / GIB)}"
     return None
 
 
@@ -489,3 +534,15 @@ def _failure_summary(model: str, failed: list[tuple[Profile, list[Candidate]]]) 
         text = "; ".join(parts)
         sections.append(text if len(failed) == 1 else f"with profile {profile.name}, {text}")
     return f"no node can hold {model}: " + " / ".join(sections)
+
+
+def failure_kind(decision: Decision) -> str:
+    """The most common reason nodes were refused, as one of a few fixed words (a
+    ``Kind``'s value, or ``no_nodes``): the placement-failure metric's label."""
+    if not decision.candidates:
+        return "no_nodes"
+    counts: dict[Kind, int] = {}
+    for c in decision.candidates:
+        if not c.ok:
+            counts[c.kind] = counts.get(c.kind, 0) + 1
+    return str(max(counts, key=lambda k: counts[k])) if counts else "other"

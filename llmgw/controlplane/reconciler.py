@@ -29,13 +29,15 @@ send through the dispatcher:
     a rolling move: a replacement first, the original drained only once the
     replacement is Ready or the drain grace is over, so draining the only
     node that can host a model still finishes.
+
+Everything it needs from outside comes in as arguments: ``now`` with every
+call, the replica ids from a ``ReplicaIds`` it is given. It does no I/O and
+logs nothing: what it did is in the plan's notes, which the fleet manager logs.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
-import secrets
 from collections.abc import Mapping
 
 import attrs
@@ -43,11 +45,17 @@ import attrs
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Catalog, Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
-from llmgw.controlplane.placement import Decision, NodeFacts, ShardPlacement, place
+from llmgw.controlplane.placement import (
+    Decision,
+    NodeFacts,
+    PlacementCache,
+    ShardPlacement,
+    failure_kind,
+    place,
+)
+from llmgw.controlplane.plan import Drain, Note, PlacementFailure, Plan, Start, Stop
 from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
-
-log = logging.getLogger("llmgw.controlplane.reconciler")
 
 R = ReplicaState
 
@@ -69,25 +77,19 @@ class Timing:
     settle_s: float = 15.0
 
 
-@attrs.define
-class Plan:
-    start: list[tuple[str, ShardSpec]] = attrs.Factory(list)
-    stop: list[tuple[str, str, float]] = attrs.Factory(list)  # node, shard, grace
-    drain: list[tuple[str, str, float]] = attrs.Factory(list)
-    placement_failures: dict[str, str] = attrs.Factory(dict)  # model -> why
-    failure_kinds: dict[str, str] = attrs.Factory(dict)  # model -> a bounded reason, for metrics
-    notes: list[str] = attrs.Factory(list)
+class ReplicaIds:
+    """Replica ids: the model, a tag for this run of the control plane, a counter.
 
-    def extend(self, other: Plan) -> None:
-        self.start += other.start
-        self.stop += other.stop
-        self.drain += other.drain
-        self.placement_failures.update(other.placement_failures)
-        self.failure_kinds.update(other.failure_kinds)
-        self.notes += other.notes
+    The caller picks the tag (the fleet manager a random one, so that ids never
+    repeat across control plane restarts; tests a fixed one).
+    """
 
-    def __bool__(self) -> bool:
-        return bool(self.start or self.stop or self.drain)
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._count = itertools.count(1)
+
+    def new(self, model: str) -> str:
+        return f"{model}-{self.run}-{next(self._count)}"
 
 
 class _PassState:
@@ -97,6 +99,7 @@ class _PassState:
         self._rec = rec
         self.nodes = nodes
         self.placed = 0
+        self.cache = rec.placement_cache
         self._facts: list[NodeFacts] | None = None
         self._allocations: Allocations | None = None
 
@@ -118,16 +121,18 @@ class _Backoff:
 
 
 class Reconciler:
-    def __init__(self, catalog: Catalog, timing: Timing | None = None) -> None:
+    def __init__(self, catalog: Catalog, timing: Timing | None = None, *, ids: ReplicaIds) -> None:
         self.catalog = catalog
         self.timing = timing or Timing()
         self.replicas: dict[str, Replica] = {}
         self.cordoned: set[str] = set()
         self.draining: set[str] = set()
         self.backoff: dict[str, _Backoff] = {}
-        self._ids = itertools.count(1)
-        self._run = secrets.token_hex(3)  # ids never repeat across control plane restarts
+        self.ids = ids
         self.started_at: float | None = None
+        # what placement read from each inventory, kept from pass to pass (derived data,
+        # never stale): a pass reads only the inventories that changed since the last
+        self.placement_cache = PlacementCache()
 
     # --- inputs from the fleet ----------------------------------------------
 
@@ -183,7 +188,7 @@ class Reconciler:
                 if now - replica.created_at > limit:
                     self._fail(replica, now, plan, f"not ready {limit:g} s after it was placed")
                     continue
-            lost = [s.node_id for s in replica.shards if _lost(nodes.get(s.node_id))]
+            lost = [s.node_id for s in replica.shards if _gone(nodes.get(s.node_id))]
             if lost and replica.state is not R.FAILED:
                 self._fail(replica, now, plan, f"node {lost[0]} is lost")
             if replica.state is R.DRAINING and now - replica.state_since > t.drain_timeout_s:
@@ -202,6 +207,22 @@ class Reconciler:
 
     def set_catalog(self, catalog: Catalog) -> None:
         self.catalog = catalog
+
+    # --- the operator's intent -------------------------------------------------------
+
+    def cordon(self, node_id: str) -> None:
+        """Nothing new is placed there; what runs stays."""
+        self.cordoned.add(node_id)
+
+    def uncordon(self, node_id: str) -> None:
+        """Placement may use the node again (a drain ends too)."""
+        self.cordoned.discard(node_id)
+        self.draining.discard(node_id)
+
+    def drain(self, node_id: str) -> None:
+        """Cordoned, and each replica there moves elsewhere (a rolling move)."""
+        self.cordoned.add(node_id)
+        self.draining.add(node_id)
 
     # --- placement and scaling ------------------------------------------------------
 
@@ -224,6 +245,20 @@ class Reconciler:
             for n in nodes.values()
         ]
 
+    def explain(self, model: str, nodes: Mapping[str, Node], now: float) -> Decision | None:
+        """Where the next replica of ``model`` would go now, and why; None: no such model."""
+        m = self.catalog.models.get(model)
+        if m is None:
+            return None
+        return place(
+            m,
+            self.facts(nodes),
+            self.allocations(),
+            now,
+            avoid=frozenset(self.draining),
+            cache=self.placement_cache,
+        )
+
     def _scale(
         self, model: Model, mine: list[Replica], shared: _PassState, now: float, plan: Plan
     ) -> None:
@@ -238,7 +273,7 @@ class Reconciler:
                 and replica.state in (R.READY, R.STARTING, R.PENDING)
             ):
                 replica.leaving, replica.leaving_since = True, now
-                plan.notes.append(f"replica {replica.replica_id} moves off a draining node")
+                plan.notes.append(Note(f"replica {replica.replica_id} moves off a draining node"))
         counting = [r for r in mine if r.counts]
         missing = model.replicas - len(counting)
         if missing > 0:
@@ -253,7 +288,7 @@ class Reconciler:
             )
             for replica in extras[:-missing]:
                 replica.leaving, replica.leaving_since = True, now
-                plan.notes.append(f"replica {replica.replica_id} is an extra; draining it")
+                plan.notes.append(Note(f"replica {replica.replica_id} is an extra; draining it"))
                 self._drain(replica, now, plan)
         ready = sum(1 for r in mine if r.state is R.READY and not r.leaving)
         for replica in mine:
@@ -274,10 +309,13 @@ class Reconciler:
             return
         facts, allocations, nodes = shared.facts(), shared.allocations(), shared.nodes
         for _ in range(min(missing, self.timing.max_placements_per_pass - shared.placed)):
-            decision = place(model, facts, allocations, now, avoid=frozenset(self.draining))
+            decision = place(
+                model, facts, allocations, now, avoid=frozenset(self.draining), cache=shared.cache
+            )
             if decision.profile is None:
-                plan.placement_failures[model.name] = decision.summary
-                plan.failure_kinds[model.name] = failure_kind(decision)
+                plan.placement_failures[model.name] = PlacementFailure(
+                    decision.summary, failure_kind(decision)
+                )
                 self._back_off(model.name, now)
                 return
             profile = self.catalog.profile(model.name, decision.profile)
@@ -286,8 +324,8 @@ class Reconciler:
             shared.placed += 1
             for shard in replica.shards:
                 allocations.take(shard.node_id, model.name, shard.spec.gpus, shard.spec.port)
-                plan.start.append((shard.node_id, shard.spec))
-            plan.notes.append(f"placed {replica.replica_id}: {decision.summary}")
+                plan.start.append(Start(shard.node_id, shard.spec))
+            plan.notes.append(Note(f"placed {replica.replica_id}: {decision.summary}"))
 
     def _new_replica(
         self,
@@ -297,7 +335,7 @@ class Reconciler:
         nodes: Mapping[str, Node],
         now: float,
     ) -> Replica:
-        rid = f"{model.name}-{self._run}-{next(self._ids)}"
+        rid = self.ids.new(model.name)
         shards = []
         head_node = nodes.get(placements[0].node_id)
         head_address = head_node.address if head_node is not None else placements[0].node_id
@@ -359,8 +397,7 @@ class Reconciler:
         was_serving = replica.state is R.READY
         replica.move(R.FAILED, now, why)
         replica.leaving = True
-        log.warning("replica %s failed: %s", replica.replica_id, why)
-        plan.notes.append(f"replica {replica.replica_id} failed: {why}")
+        plan.notes.append(Note(f"replica {replica.replica_id} failed: {why}", warning=True))
         if not was_serving:
             self._back_off(replica.model, now)
         self._stop_shards(replica, plan)
@@ -370,7 +407,7 @@ class Reconciler:
             return
         replica.move(R.STOPPING, now, why)
         replica.leaving = True
-        plan.notes.append(f"replica {replica.replica_id} stopping: {why}")
+        plan.notes.append(Note(f"replica {replica.replica_id} stopping: {why}"))
         self._stop_shards(replica, plan)
 
     def _drain(self, replica: Replica, now: float, plan: Plan) -> None:
@@ -379,11 +416,11 @@ class Reconciler:
             return
         replica.move(R.DRAINING, now)
         for shard in replica.shards:
-            plan.drain.append((shard.node_id, shard.shard_id, self.timing.drain_timeout_s))
+            plan.drain.append(Drain(shard.node_id, shard.shard_id, self.timing.drain_timeout_s))
 
     def _stop_shards(self, replica: Replica, plan: Plan) -> None:
         for shard in replica.shards:
-            plan.stop.append((shard.node_id, shard.shard_id, self.timing.stop_grace_s))
+            plan.stop.append(Stop(shard.node_id, shard.shard_id, self.timing.stop_grace_s))
 
     def _clean_up(
         self, replica: Replica, nodes: Mapping[str, Node], now: float, plan: Plan
@@ -395,7 +432,7 @@ class Reconciler:
 
     def _let_go(self, replica: Replica, shard: Shard, now: float, plan: Plan, why: str) -> None:
         replica.shards.remove(shard)
-        plan.notes.append(f"let go of shard {shard.shard_id} on {shard.node_id}: {why}")
+        plan.notes.append(Note(f"let go of shard {shard.shard_id} on {shard.node_id}: {why}"))
         if replica.state not in (R.FAILED, R.STOPPING):
             self._fail(replica, now, plan, f"shard {shard.shard_id} on {shard.node_id}: {why}")
         if not replica.shards:
@@ -407,9 +444,12 @@ class Reconciler:
         spec = report.spec
         profile = self.catalog.profile(spec.model, spec.profile)
         if profile is None:
-            plan.stop.append((node_id, spec.shard_id, self.timing.stop_grace_s))
+            plan.stop.append(Stop(node_id, spec.shard_id, self.timing.stop_grace_s))
             plan.notes.append(
-                f"stopping shard {spec.shard_id} on {node_id}: model or profile left the catalog"
+                Note(
+                    f"stopping shard {spec.shard_id} on {node_id}: "
+                    "model or profile left the catalog"
+                )
             )
             return
         replica = self.replicas.get(spec.replica_id)
@@ -426,18 +466,18 @@ class Reconciler:
                 adopted=True,
             )
             self.replicas[spec.replica_id] = replica
-            plan.notes.append(f"adopted replica {spec.replica_id} from {node_id}")
+            plan.notes.append(Note(f"adopted replica {spec.replica_id} from {node_id}"))
         same = next((s for s in replica.shards if s.shard_id == spec.shard_id), None)
         rival = next((s for s in replica.shards if s.rank == spec.rank and s is not same), None)
         if rival is not None:
             if rival.came_up:
                 # two really run; the one we did not ask for goes
-                plan.stop.append((node_id, spec.shard_id, self.timing.stop_grace_s))
-                plan.notes.append(f"stopping stray shard {spec.shard_id} on {node_id}")
+                plan.stop.append(Stop(node_id, spec.shard_id, self.timing.stop_grace_s))
+                plan.notes.append(Note(f"stopping stray shard {spec.shard_id} on {node_id}"))
                 return
             # what we merely placed loses to what the agent reports
             replica.shards.remove(rival)
-            plan.stop.append((rival.node_id, rival.shard_id, self.timing.stop_grace_s))
+            plan.stop.append(Stop(rival.node_id, rival.shard_id, self.timing.stop_grace_s))
         if same is None:
             same = Shard(spec=spec, node_id=node_id)
             replica.shards.append(same)
@@ -449,7 +489,7 @@ class Reconciler:
             same.came_up = True
         if replica.state in (R.FAILED, R.STOPPING):
             # we wanted it gone; the stop may have been dropped while the node was away
-            plan.stop.append((node_id, spec.shard_id, self.timing.stop_grace_s))
+            plan.stop.append(Stop(node_id, spec.shard_id, self.timing.stop_grace_s))
             return
         self._resolve_conflicts(replica, same, now, plan)
         self._settle(replica, now)
@@ -481,39 +521,7 @@ class Reconciler:
         return None
 
 
-def _lost(node: Node | None) -> bool:
-    return node is None or node.state is NodeState.LOST
-
-
 def _gone(node: Node | None) -> bool:
-    """Nothing of ours can be running there (or nobody could tell us to stop it)."""
+    """Nothing of ours can be running there (or nobody could tell us to stop it): the
+    node left the table or is Lost."""
     return node is None or node.state is NodeState.LOST
-
-
-# the words each filter's reason uses -> a bounded metric label
-_KINDS = (
-    ("memory", "memory"),
-    ("GPU", "gpus"),
-    ("cordoned", "cordoned"),
-    ("draining", "draining"),
-    ("moved off", "draining"),
-    ("not installed", "engine"),
-    ("label", "selector"),
-    ("fabric", "fabric"),
-    ("port", "ports"),
-    ("Unreachable", "unreachable"),
-    ("Lost", "unreachable"),
-)
-
-
-def failure_kind(decision: Decision) -> str:
-    """The most common reason nodes were refused, as one of a few fixed words."""
-    if not decision.candidates:
-        return "no_nodes"
-    counts: dict[str, int] = {}
-    for c in decision.candidates:
-        if c.ok:
-            continue
-        kind = next((k for word, k in _KINDS if word in c.reason), "other")
-        counts[kind] = counts.get(kind, 0) + 1
-    return max(counts, key=lambda k: counts[k]) if counts else "other"

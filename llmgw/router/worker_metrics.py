@@ -16,7 +16,6 @@ A worker that does not answer within a second is left out of that page, and
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from llmgw.files import write_atomic
 from llmgw.http import Handler, Request, Response
 
 log = logging.getLogger("llmgw.router")
@@ -123,6 +123,4 @@ def published(run_dir: Path) -> dict[str, int | None]:
 
 def publish_port(run_dir: Path, worker: int, port: int) -> None:
     """Tell the first process where this worker's metrics are (atomically)."""
-    tmp = run_dir / f".worker-{worker}.port"
-    tmp.write_text(str(port))
-    os.replace(tmp, run_dir / f"worker-{worker}.port")
+    write_atomic(run_dir / f"worker-{worker}.port", str(port).encode())

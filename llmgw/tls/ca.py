@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 import re
-import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypeAlias, TypedDict
@@ -29,6 +27,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.types import PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from llmgw.files import write_atomic
 
 __all__ = [
     "CA",
@@ -98,29 +98,11 @@ class CertificateInfo(TypedDict):
 
 
 def _write_file(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` atomically, the file created with ``mode``.
-
-    A temporary sibling is created with ``O_EXCL`` and the final mode, filled,
-    fsync-ed and renamed over ``path``: a crash never leaves a half-written key,
-    and a key never exists, even briefly, with wider permissions than ``mode``.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    """``write_atomic``, its failure in the CA's words."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        write_atomic(path, data, mode)
     except OSError as exc:
         raise CAError(f"cannot write {path}: {_os_reason(exc)}") from exc
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CAError(f"cannot write {path}: {_os_reason(exc)}") from exc
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _os_reason(exc: OSError) -> str:

@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
-from llmgw.controlplane.placement import Candidate, Decision, NodeFacts, place
+from llmgw.controlplane.placement import (
+    Candidate,
+    Decision,
+    Kind,
+    NodeFacts,
+    failure_kind,
+    place,
+)
 from llmgw.protocol.messages import Engine, Gpu, Inventory, Memory, WeightCopy
 
 GIB = 2**30
@@ -119,19 +126,27 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
 
 
 @pytest.mark.parametrize(
-    ("node", "prof", "alloc", "avoid", "reason"),
+    ("node", "prof", "alloc", "avoid", "reason", "kind"),
     [
-        (facts("n", state=NodeState.UNREACHABLE), profile(), None, (), "Unreachable"),
-        (facts("n", state=NodeState.LOST), profile(), None, (), "Lost"),
-        (facts("n", cordoned=True), profile(), None, (), "cordoned"),
-        (facts("n", draining=True), profile(), None, (), "draining"),
-        (facts("n"), profile(), None, ("n",), "being moved off this node"),
+        (
+            facts("n", state=NodeState.UNREACHABLE),
+            profile(),
+            None,
+            (),
+            "Unreachable",
+            Kind.UNREACHABLE,
+        ),
+        (facts("n", state=NodeState.LOST), profile(), None, (), "Lost", Kind.UNREACHABLE),
+        (facts("n", cordoned=True), profile(), None, (), "cordoned", Kind.CORDONED),
+        (facts("n", draining=True), profile(), None, (), "draining", Kind.DRAINING),
+        (facts("n"), profile(), None, ("n",), "being moved off this node", Kind.DRAINING),
         (
             facts("n", inventory(engines=[Engine(name="llama.cpp")])),
             profile(),
             None,
             (),
             "vllm not installed",
+            Kind.ENGINE,
         ),
         (
             facts("n", inventory(engines=VLLM, fabric="ib-a")),
@@ -139,6 +154,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             None,
             (),
             "ray not installed",
+            Kind.ENGINE,
         ),
         (
             facts("n", inventory(engines=[], fabric="ib-a")),
@@ -146,6 +162,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             None,
             (),
             "vllm and ray not installed",
+            Kind.ENGINE,
         ),
         (
             facts("n", inventory(engines=VLLM)),
@@ -153,6 +170,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             None,
             (),
             "llama.cpp not installed",
+            Kind.ENGINE,
         ),
         (
             facts("n", inventory(gpus=3, unhealthy={2: ["pending retired pages"]})),
@@ -160,6 +178,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             busy("n", [0]),
             (),
             "needs 2 GPUs, has 1 free (GPU 2 unhealthy: pending retired pages; GPU 0 in use)",
+            Kind.GPUS,
         ),
         (
             facts("n", inventory(gpus=4, unhealthy={1: ["xid 79", "ecc errors"], 3: []})),
@@ -168,14 +187,23 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             (),
             "needs 3 GPUs, has 0 free (GPU 1 unhealthy: xid 79, ecc errors; GPU 3 unhealthy; "
             "GPUs 0, 2 in use)",
+            Kind.GPUS,
         ),
-        (facts("n", inventory(gpus=0)), profile(gpus=1), None, (), "needs 1 GPU, has none"),
+        (
+            facts("n", inventory(gpus=0)),
+            profile(gpus=1),
+            None,
+            (),
+            "needs 1 GPU, has none",
+            Kind.GPUS,
+        ),
         (
             facts("n", inventory(memory_gb=8)),
             profile(min_memory_gb=24),
             None,
             (),
             "has 8 GB of memory, needs 24",
+            Kind.MEMORY,
         ),
         (
             facts("n", inventory(memory_gb=23.96)),
@@ -183,6 +211,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             None,
             (),
             "has 23.9 GB of memory, needs 24",  # rounded down: a shortfall never reads as enough
+            Kind.MEMORY,
         ),
         (
             facts("n", inventory(labels={"role": "chat"})),
@@ -190,6 +219,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             None,
             (),
             "label role=coding required, node has role=chat",
+            Kind.SELECTOR,
         ),
         (
             facts("n", inventory(labels={"zone": "a"})),
@@ -197,14 +227,23 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             None,
             (),
             "label role=coding required, node has no label role",
+            Kind.SELECTOR,
         ),
-        (facts("n"), profile(), busy("n", [], ports=[20000, 20001]), (), "no free engine port"),
+        (
+            facts("n"),
+            profile(),
+            busy("n", [], ports=[20000, 20001]),
+            (),
+            "no free engine port",
+            Kind.PORTS,
+        ),
         (
             facts("n"),
             profile(engine="vllm-ray", nodes=2),
             None,
             (),
             "multi-node profile needs a fabric label",
+            Kind.SELECTOR,
         ),
         (
             facts("n", inventory(fabric="ib-a")),
@@ -212,6 +251,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             None,
             (),
             "fabric ib-a has 1 fitting node, needs 2",
+            Kind.FABRIC,
         ),
     ],
 )
@@ -221,10 +261,12 @@ def test_each_filter_says_why(
     alloc: Allocations | None,
     avoid: tuple[str, ...],
     reason: str,
+    kind: Kind,
 ) -> None:
     d = decide(model(prof), [node], alloc, avoid=frozenset(avoid), port_range=(20000, 20001))
     assert d.profile is None and d.shards == []
-    assert d.candidates == [Candidate("n", prof.name, False, reason)]
+    assert d.candidates == [Candidate("n", prof.name, False, reason, kind)]
+    assert failure_kind(d) == kind.value  # the metric's label
     assert d.summary == f"no node can hold qwen-coder: n: {reason}"
 
 

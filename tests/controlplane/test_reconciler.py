@@ -6,7 +6,8 @@ import pytest
 
 from llmgw.controlplane.catalog import Catalog, parse_catalog
 from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
-from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
+from llmgw.controlplane.plan import Drain, Plan, Stop
+from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.protocol.messages import (
     Engine,
@@ -57,24 +58,28 @@ def fleet(*names: str, gpus: int = 0, memory_gb: int = 64) -> NodeTable:
     return t
 
 
+def reconciler(cat: Catalog, timing: Timing = NOW, *, run: str = "t") -> Reconciler:
+    return Reconciler(cat, timing, ids=ReplicaIds(run))
+
+
 def ready_all(rec: Reconciler, plan: Plan, now: float) -> None:
-    for node, spec in plan.start:
-        rec.shard_status(node, ShardStatus(shard_id=spec.shard_id, state="starting"), now)
-        rec.shard_status(node, ShardStatus(shard_id=spec.shard_id, state="ready"), now)
+    for s in plan.start:
+        rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state="starting"), now)
+        rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state="ready"), now)
 
 
 def report(plan: Plan, state: str = "ready") -> dict[str, list[ShardReport]]:
     out: dict[str, list[ShardReport]] = {}
-    for node, spec in plan.start:
-        out.setdefault(node, []).append(ShardReport(spec=spec, state=state, pid=1))  # type: ignore[arg-type]
+    for s in plan.start:
+        out.setdefault(s.node, []).append(ShardReport(spec=s.spec, state=state, pid=1))  # type: ignore[arg-type]
     return out
 
 
 def test_a_model_below_its_count_is_placed_and_follows_its_shards() -> None:
     nodes = fleet("n1", "n2", gpus=2)
-    rec = Reconciler(catalog(), NOW)
+    rec = reconciler(catalog())
     plan = rec.reconcile(nodes.nodes, now=0)
-    assert sorted(spec.model for _, spec in plan.start) == ["big", "tiny"]
+    assert sorted(s.spec.model for s in plan.start) == ["big", "tiny"]
     ready_all(rec, plan, now=1)
     assert {r.state for r in rec.replicas.values()} == {ReplicaState.READY}
     assert not rec.reconcile(nodes.nodes, now=2)  # converged: nothing to do
@@ -82,13 +87,13 @@ def test_a_model_below_its_count_is_placed_and_follows_its_shards() -> None:
 
 def test_starting_past_its_timeout_fails_releases_gpus_and_stops_counting() -> None:
     nodes = fleet("n1", gpus=1)
-    rec = Reconciler(catalog(), Timing(startup_margin_s=10, retry_base_s=5, settle_s=0))
+    rec = reconciler(catalog(), Timing(startup_margin_s=10, retry_base_s=5, settle_s=0))
     plan = rec.reconcile(nodes.nodes, now=0)
-    [(node, big)] = [(n, s) for n, s in plan.start if s.model == "big"]
+    [(node, big)] = [(s.node, s.spec) for s in plan.start if s.spec.model == "big"]
     rec.shard_status(node, ShardStatus(shard_id=big.shard_id, state="starting"), 1)
     assert rec.reconcile(nodes.nodes, now=69).start == []  # 60 s + 10 s margin not over yet
     plan = rec.reconcile(nodes.nodes, now=71)
-    assert (node, big.shard_id, 10.0) in plan.stop  # told to stop, GPUs released
+    assert Stop(node, big.shard_id, 10.0) in plan.stop  # told to stop, GPUs released
     failed = rec.replicas[big.replica_id]
     assert failed.state is ReplicaState.FAILED
     assert "not ready 70 s after it was placed" in failed.why
@@ -98,22 +103,21 @@ def test_starting_past_its_timeout_fails_releases_gpus_and_stops_counting() -> N
     rec.shard_status(node, ShardStatus(shard_id=big.shard_id, state="stopped"), 71.5)
     assert 0 not in rec.allocations().gpus.get("n1", set())
     # retried with backoff, not in a tight loop
-    assert [s for _, s in rec.reconcile(nodes.nodes, now=72).start if s.model == "big"] == []
-    assert "big" in [s.model for _, s in rec.reconcile(nodes.nodes, now=77).start]
+    assert [s for s in rec.reconcile(nodes.nodes, now=72).start if s.spec.model == "big"] == []
+    assert "big" in [s.spec.model for s in rec.reconcile(nodes.nodes, now=77).start]
 
 
 def test_what_an_agent_reports_is_adopted_after_a_control_plane_restart() -> None:
     nodes = fleet("n1")
-    first = Reconciler(
+    first = reconciler(
         catalog(
             "[models.tiny]\nreplicas = 1\n" + CATALOG.split("\n", 3)[3].split("[models.big]")[0]
         ),
-        NOW,
     )
     plan = first.reconcile(nodes.nodes, now=0)
     reports = report(plan)
     # a new control plane: no replicas until the agent says what runs
-    second = Reconciler(first.catalog, NOW)
+    second = reconciler(first.catalog, run="t2")
     adopt = second.registered("n1", reports["n1"], now=5)
     assert adopt.stop == []  # never told to stop the replica that is serving
     [replica] = second.replicas.values()
@@ -126,7 +130,7 @@ def test_nothing_is_placed_until_agents_had_time_to_come_back() -> None:
     """After a restart a replica placed before its agent re-registers would double one
     that already serves; agents get the settle time to say what runs."""
     nodes = fleet("n1")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), Timing(settle_s=10))
+    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), Timing(settle_s=10))
     assert rec.reconcile(nodes.nodes, now=100).start == []
     assert rec.reconcile(nodes.nodes, now=109).start == []
     assert len(rec.reconcile(nodes.nodes, now=110).start) == 1
@@ -137,11 +141,10 @@ def test_a_placed_replica_loses_to_the_one_the_agent_reports() -> None:
     under the same replica id, on another port; the agent's engine is the real one."""
     nodes = fleet("n1")
     cat = catalog("\n".join(CATALOG.splitlines()[:8]))
-    running = Reconciler(cat, NOW)
+    running = reconciler(cat, run="r1")
     real = report(running.reconcile(nodes.nodes, now=0))["n1"][0]
-    restarted = Reconciler(cat, NOW)
-    restarted._run = running._run  # the same id sequence: the collision the seed hit
-    ours = restarted.reconcile(nodes.nodes, now=1).start[0][1]
+    restarted = reconciler(cat, run="r1")  # the same id sequence: the collision the seed hit
+    ours = restarted.reconcile(nodes.nodes, now=1).start[0].spec
     assert ours.replica_id == real.spec.replica_id
     assert ours.port == real.spec.port  # same allocator, no ports taken yet
     real = ShardReport(
@@ -165,10 +168,10 @@ def rec_ports(rec: Reconciler) -> set[int]:
 def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
     nodes = fleet("n1", "n2")
     cat = catalog("\n".join(CATALOG.splitlines()[:8]))
-    rec = Reconciler(cat, NOW)
+    rec = reconciler(cat)
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
-    [(node, spec)] = plan.start
+    [(node, spec)] = [(s.node, s.spec) for s in plan.start]
     rec.registered(node, [], now=2)  # an empty report is news
     assert (
         spec.replica_id not in rec.replicas
@@ -180,7 +183,7 @@ def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
 
 def test_a_model_that_left_the_catalog_is_stopped() -> None:
     nodes = fleet("n1")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), NOW)
+    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     rec.set_catalog(
@@ -190,47 +193,48 @@ def test_a_model_that_left_the_catalog_is_stopped() -> None:
         )
     )
     stop = rec.reconcile(nodes.nodes, now=2).stop
-    assert [(n, s) for n, s, _ in stop] == [(plan.start[0][0], plan.start[0][1].shard_id)]
+    assert [(s.node, s.shard_id) for s in stop] == [
+        (plan.start[0].node, plan.start[0].spec.shard_id)
+    ]
     # and an agent reporting such a shard is told to stop it
-    other = Reconciler(rec.catalog, NOW)
+    other = reconciler(rec.catalog, run="t2")
     assert other.registered("n1", report(plan)["n1"], now=3).stop
 
 
 def test_a_lost_node_has_its_replicas_replaced_elsewhere() -> None:
     nodes = fleet("n1", "n2")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), NOW)
+    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
-    [(first, _)] = plan.start
+    [first] = [s.node for s in plan.start]
     nodes.disconnected(first, list(nodes.nodes).index(first), now=2)
     for name, node in nodes.nodes.items():
         if name != first:
             nodes.heartbeat(name, node.connection, Heartbeat(seq=1, sent_at=0), now=99, wall=99)
     nodes.sweep(100)
     moved = rec.reconcile(nodes.nodes, now=100).start
-    assert [n for n, _ in moved] == [n for n in ("n1", "n2") if n != first]
+    assert [s.node for s in moved] == [n for n in ("n1", "n2") if n != first]
 
 
 def test_drain_is_a_rolling_move() -> None:
     nodes = fleet("n1", "n2")
-    rec = Reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), NOW)
+    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
-    [(old_node, old)] = plan.start
-    rec.draining.add(old_node)
-    rec.cordoned.add(old_node)
+    [(old_node, old)] = [(s.node, s.spec) for s in plan.start]
+    rec.drain(old_node)
     step = rec.reconcile(nodes.nodes, now=2)
-    [(new_node, _)] = step.start
+    [new_node] = [s.node for s in step.start]
     assert new_node != old_node
     assert step.drain == [] and step.stop == []  # the original serves until the replacement is up
     ready_all(rec, step, now=3)
     step = rec.reconcile(nodes.nodes, now=4)
-    assert [(n, s) for n, s, _ in step.drain] == [(old_node, old.shard_id)]
+    assert step.drain == [Drain(old_node, old.shard_id, NOW.drain_timeout_s)]
 
 
 def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
     nodes = fleet("n1")
-    rec = Reconciler(
+    rec = reconciler(
         catalog("\n".join(CATALOG.splitlines()[:8])), Timing(drain_grace_s=30, settle_s=0)
     )
     plan = rec.reconcile(nodes.nodes, now=0)
@@ -239,28 +243,29 @@ def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
     step = rec.reconcile(nodes.nodes, now=2)
     assert step.drain == []
     assert "tiny" in step.placement_failures  # nowhere else to go
-    assert "draining" in step.placement_failures["tiny"]
+    assert "draining" in step.placement_failures["tiny"].why
+    assert step.placement_failures["tiny"].kind == "draining"
     step = rec.reconcile(nodes.nodes, now=40)  # the grace is over: drain anyway
-    assert [s for _, s, _ in step.drain] == [plan.start[0][1].shard_id]
+    assert [d.shard_id for d in step.drain] == [plan.start[0].spec.shard_id]
 
 
 def test_above_its_count_the_newest_extra_is_drained() -> None:
     nodes = fleet("n1", "n2")
     two = "\n".join(CATALOG.splitlines()[:8]).replace("replicas = 1", "replicas = 2")
-    rec = Reconciler(catalog(two), NOW)
+    rec = reconciler(catalog(two))
     plan = rec.reconcile(nodes.nodes, now=0)
     assert len(plan.start) == 2
     ready_all(rec, plan, now=1)
     newest = max(rec.replicas.values(), key=lambda r: r.replica_id)
     rec.set_catalog(catalog(two.replace("replicas = 2", "replicas = 1")))
     step = rec.reconcile(nodes.nodes, now=2)
-    assert [s for _, s, _ in step.drain] == [newest.shards[0].shard_id]
+    assert [d.shard_id for d in step.drain] == [newest.shards[0].shard_id]
 
 
 @pytest.mark.parametrize("memory_gb", [8])
 def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
     nodes = fleet("n1", "n2", gpus=1, memory_gb=memory_gb)
-    rec = Reconciler(catalog(), NOW)
+    rec = reconciler(catalog())
     plan = rec.reconcile(nodes.nodes, now=0)
-    assert "has 8 GB of memory, needs 24" in plan.placement_failures["big"]
-    assert plan.failure_kinds["big"] == "memory"  # the metric's bounded label
+    assert "has 8 GB of memory, needs 24" in plan.placement_failures["big"].why
+    assert plan.placement_failures["big"].kind == "memory"  # the metric's bounded label

@@ -60,7 +60,8 @@ from hypothesis.stateful import (
 
 from llmgw.controlplane.catalog import Catalog, parse_catalog
 from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable
-from llmgw.controlplane.reconciler import Plan, Reconciler, Timing
+from llmgw.controlplane.plan import Plan
+from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import TRANSITIONS, Replica, ReplicaState
 from llmgw.protocol.messages import (
     Engine,
@@ -238,9 +239,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
         return make_catalog({m: n for m, n in self.replicas.items() if self.present[m]})
 
     def _new_reconciler(self) -> Reconciler:
-        rec = Reconciler(self._catalog(), TIMING)
-        rec._run = f"cp{self.restarts}"  # deterministic ids (still unique per restart)
-        return rec
+        # deterministic ids (still unique per restart)
+        return Reconciler(self._catalog(), TIMING, ids=ReplicaIds(f"cp{self.restarts}"))
 
     # ---- the stream ----
 
@@ -260,7 +260,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         )
         plan = self.rec.registered(agent.node_id, reports, self.now)
         if "readopted-shard-not-stopped" in KNOWN_BUGS:
-            stopped = {(n, sid) for n, sid, _ in plan.stop}
+            stopped = {(s.node, s.shard_id) for s in plan.stop}
             for report in reports:
                 sid = report.spec.shard_id
                 replica = self.rec.replicas.get(report.spec.replica_id)
@@ -296,18 +296,18 @@ class ReconcilerMachine(RuleBasedStateMachine):
         a node without a stream does not get them."""
         if from_pass:
             self._check_scale_down(plan)
-        for node, spec in plan.start:
-            agent = self.agents[node]
+        for start in plan.start:
+            agent = self.agents[start.node]
             if agent.link == "up":
-                self._start(agent, spec, plan)
-        for node, shard_id, grace in plan.drain:
-            agent = self.agents[node]
+                self._start(agent, start.spec, plan)
+        for drain in plan.drain:
+            agent = self.agents[drain.node]
             if agent.link == "up":
-                self._drain(agent, shard_id, grace)
-        for node, shard_id, _ in plan.stop:
-            agent = self.agents[node]
+                self._drain(agent, drain.shard_id, drain.grace_s)
+        for stop in plan.stop:
+            agent = self.agents[stop.node]
             if agent.link == "up":
-                self._stop(agent, shard_id)
+                self._stop(agent, stop.shard_id)
         self._flush()
 
     # ---- what an agent does with a command ----
@@ -348,7 +348,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
             return True
         if "failed-resources-reused-at-once" not in KNOWN_BUGS:
             return False
-        if (agent.node_id, holder) in {(n, sid) for n, sid, _ in plan.stop}:
+        if (agent.node_id, holder) in {(s.node, s.shard_id) for s in plan.stop}:
             return True
         return any(
             r.state is R.FAILED and any(s.shard_id == holder for s in r.shards)
@@ -553,21 +553,17 @@ class ReconcilerMachine(RuleBasedStateMachine):
 
     @rule(node=st.integers(0, 4))
     def drain(self, node: int) -> None:
-        node_id = list(self.agents)[node % len(self.agents)]
-        self.rec.cordoned.add(node_id)
-        self.rec.draining.add(node_id)
+        self.rec.drain(list(self.agents)[node % len(self.agents)])
 
     @rule(node=st.integers(0, 4))
     def cordon(self, node: int) -> None:
-        self.rec.cordoned.add(list(self.agents)[node % len(self.agents)])
+        self.rec.cordon(list(self.agents)[node % len(self.agents)])
 
     @precondition(lambda self: bool(self.rec.cordoned or self.rec.draining))
     @rule(node=st.integers(0, 4))
     def uncordon(self, node: int) -> None:
         held = sorted(self.rec.cordoned | self.rec.draining)
-        node_id = held[node % len(held)]
-        self.rec.cordoned.discard(node_id)
-        self.rec.draining.discard(node_id)
+        self.rec.uncordon(held[node % len(held)])
 
     @rule(model=st.sampled_from(("tiny", "big", "flex", "wide")), n=st.integers(0, 3))
     def change_replicas(self, model: str, n: int) -> None:
@@ -649,7 +645,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         if "scale-down-drains-serving" in KNOWN_BUGS:
             return
         for note in plan.notes:
-            m = re.fullmatch(r"replica (\S+) is an extra; draining it", note)
+            m = re.fullmatch(r"replica (\S+) is an extra; draining it", note.text)
             if m is None:
                 continue
             drained = self.rec.replicas.get(m.group(1))
@@ -811,7 +807,7 @@ class World:
         return [r for r in self.m.rec.replicas.values() if r.model == model]
 
     def stops(self) -> set[tuple[str, str]]:
-        return {(n, sid) for p in self.plans for n, sid, _ in p.stop}
+        return {(s.node, s.shard_id) for p in self.plans for s in p.stop}
 
 
 def test_a_shard_reported_for_a_stopping_replica_is_told_to_stop() -> None:
@@ -862,7 +858,7 @@ def test_a_failed_replicas_gpus_are_not_reused_while_its_shards_still_run() -> N
     w.plans.clear()
     while w.m.table.nodes[lost].state is not NodeState.LOST:
         w.m._tick(5)
-    starts = [(n, spec) for p in w.plans for n, spec in p.start]
+    starts = [(s.node, s.spec) for p in w.plans for s in p.start]
     clash = [
         spec.shard_id
         for n, spec in starts
@@ -889,7 +885,7 @@ def test_scale_down_keeps_the_replica_that_serves() -> None:
     w.m._register(home)  # back, still serving: adopted, Ready
     w.plans.clear()
     w.m._tick(1)
-    drained = {sid for p in w.plans for _, sid, _ in p.drain}
+    drained = {d.shard_id for p in w.plans for d in p.drain}
     assert shard_id not in drained, (
         f"drained {shard_id}, which serves, and kept "
         f"{[r.replica_id + ' (' + r.state.value + ')' for r in w.where('tiny') if r.counts]}"

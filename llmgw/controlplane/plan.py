@@ -1,0 +1,67 @@
+"""What the reconciler hands the fleet manager: commands to send and words to log.
+
+Plain records, no I/O. The fleet manager sends each plan's stops first (what
+is being replaced lets go of its resources soonest), then its drains, then
+its starts, and logs its notes; the reconciler itself logs nothing.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from llmgw.protocol.messages import ShardSpec
+
+
+@attrs.frozen
+class Start:
+    node: str
+    spec: ShardSpec
+
+
+@attrs.frozen
+class Stop:
+    node: str
+    shard_id: str
+    grace_s: float  # SIGTERM -> SIGKILL on the agent
+
+
+@attrs.frozen
+class Drain:
+    node: str
+    shard_id: str
+    grace_s: float  # stopped after this, finished or not
+
+
+Command = Start | Stop | Drain
+
+
+@attrs.frozen
+class Note:
+    """One line for the log: a step of the plan, or (``warning``) something that failed."""
+
+    text: str
+    warning: bool = False
+
+
+@attrs.frozen
+class PlacementFailure:
+    """A model below its count that could not be placed in this pass."""
+
+    why: str  # the decision's summary, in words
+    kind: str  # a bounded reason, for metrics (``placement.failure_kind``)
+
+
+@attrs.define
+class Plan:
+    start: list[Start] = attrs.Factory(list)
+    stop: list[Stop] = attrs.Factory(list)
+    drain: list[Drain] = attrs.Factory(list)
+    placement_failures: dict[str, PlacementFailure] = attrs.Factory(dict)  # by model
+    notes: list[Note] = attrs.Factory(list)
+
+    def commands(self) -> list[Command]:
+        """In the order they are sent: stops, drains, starts."""
+        return [*self.stop, *self.drain, *self.start]
+
+    def __bool__(self) -> bool:
+        return bool(self.start or self.stop or self.drain)

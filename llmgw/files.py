@@ -1,0 +1,36 @@
+"""Writing a file so that a crash or a reader never sees half of it."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` atomically, the file created with ``mode``.
+
+    A temporary sibling is created with ``O_EXCL`` and the final mode, filled,
+    fsync-ed and renamed over ``path``, and the directory is fsync-ed: a crash
+    leaves the old file or the new one, never half of one, and a secret never
+    exists, even briefly, with wider permissions than ``mode``.
+
+    Raises:
+        OSError: the file could not be written; no temporary file is left.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
