@@ -6,6 +6,12 @@ no await), runs a pass on a short interval and right after anything
 happened, logs what the reconciler noted, persists the operator's intent,
 and reloads the catalog on demand. Everyone else reads the fleet and states
 intent through its methods, never through the reconciler.
+
+Commands go out through one outbox per node, each emptied by its own task
+(started with the node's first command, gone once the outbox is empty): a
+node keeps the order its commands were planned in, and an agent that stops
+reading holds up only its own commands, for at most the stream's send
+timeout, never another node's.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -56,6 +63,7 @@ class FleetManager:
         self.reconciler.draining = set(saved.draining)
         self._clock = clock
         self._plans: list[Plan] = []
+        self._outboxes: dict[str, deque[Command]] = {}  # node -> commands not yet sent
         self._wake = trio.Event()
         self.routing = RoutingPublisher()
         self.publish_routing()
@@ -144,13 +152,14 @@ class FleetManager:
     # --- the loop ---------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            with trio.move_on_after(PASS_INTERVAL_S):
-                await self._wake.wait()
-            self._wake = trio.Event()
-            self.reconcile_once()
-            await self._apply()
+        async with trio.open_nursery() as senders:  # one task per node with commands to send
+            task_status.started()
+            while True:
+                with trio.move_on_after(PASS_INTERVAL_S):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                self.reconcile_once()
+                self._apply(senders)
 
     def reconcile_once(self) -> None:
         started = time.perf_counter()
@@ -173,14 +182,28 @@ class FleetManager:
         self._plans.append(plan)
         self._wake.set()
 
-    async def _apply(self) -> None:
+    def _apply(self, senders: trio.Nursery) -> None:
+        """Log each plan's notes and post its commands, under no await."""
         plans, self._plans = self._plans, []
         for plan in plans:
             for note in plan.notes:
                 log.log(logging.WARNING if note.warning else logging.INFO, "%s", note.text)
             # stops first: what is being replaced lets go of its resources soonest
             for command in plan.commands():
-                await self._send(command.node, _message(command))
+                box = self._outboxes.get(command.node)
+                if box is None:
+                    box = self._outboxes[command.node] = deque()
+                    senders.start_soon(self._send_all, command.node, box)
+                box.append(command)
+
+    async def _send_all(self, node: str, box: deque[Command]) -> None:
+        """Send a node's commands in order until its outbox is empty, then let it go."""
+        try:
+            while box:
+                await self._send(node, _message(box.popleft()))
+        finally:
+            if self._outboxes.get(node) is box:
+                del self._outboxes[node]
 
     async def _send(self, node: str, message: StartShard | StopShard | DrainShard) -> None:
         try:

@@ -1,0 +1,173 @@
+"""The fleet manager over the real agent stream (real control plane, TLS on loopback)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+from trio_websocket import WebSocketConnection, wrap_client_stream
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, BytesMessage, Message, Request
+
+from llmgw.controlplane.catalog import parse_catalog
+from llmgw.controlplane.fleet import FleetManager
+from llmgw.controlplane.reconciler import Timing
+from llmgw.protocol import SUBPROTOCOL, decode, encode
+from llmgw.protocol.messages import AnyMessage, Engine, Inventory, Register, RegisterAck, StartShard
+from llmgw.tls import client_context
+from llmgw.wsio import single_error
+from tests.conftest import Pki
+from tests.stream.harness import Plane, control_plane, wait_for
+
+HEARTBEAT_S = 0.5  # the harness's send timeout is 1 s: a serial send to a stalled node is late
+
+CATALOG = """
+[models.first]
+replicas = 1
+[[models.first.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "/models/first.gguf"
+selector = { node = "n1" }
+
+[models.second]
+replicas = 1
+[[models.second.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "/models/second.gguf"
+selector = { node = "n2" }
+"""
+
+
+def _stall_bytes() -> int:
+    """More than the kernel can buffer towards an agent that reads nothing: the most a
+    socket's send buffer may grow to, and then some (the agent's own receive buffer is
+    pinned small)."""
+    try:
+        most = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        most = 4 << 20
+    return most + (2 << 20)
+
+
+def _register(node: str) -> bytes:
+    inventory = Inventory(engines=[Engine(name="llama.cpp", version="b1")], labels={"node": node})
+    return encode(Register(node_id=node, inventory=inventory))
+
+
+def _decode(data: str | bytes) -> AnyMessage:
+    assert isinstance(data, bytes), "the control plane sends binary messages only"
+    return decode(data)
+
+
+@asynccontextmanager
+async def agent_ws(plane: Plane, node: str) -> AsyncIterator[WebSocketConnection]:
+    """A hand-driven agent that has registered (its ack read), on a real TLS stream."""
+    cert, key = plane.pki.agent(node)
+    tcp = await trio.open_tcp_stream("127.0.0.1", plane.port)
+    tls = trio.SSLStream(tcp, client_context(plane.pki.ca, cert, key), server_hostname="127.0.0.1")
+    with single_error(), trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            ws = await wrap_client_stream(
+                nursery, tls, "127.0.0.1", "/agent", subprotocols=[SUBPROTOCOL]
+            )
+            await ws.send_message(_register(node))
+            assert isinstance(_decode(await ws.get_message()), RegisterAck)
+            yield ws
+            nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def stalled_agent(plane: Plane, node: str) -> AsyncIterator[None]:
+    """An agent that registers, reads its ack, and then reads nothing more from its socket.
+
+    Written on wsproto rather than trio-websocket, whose reader task would go on
+    draining the socket whether or not anyone asks for messages; its receive buffer
+    is pinned small, before connecting, so that the window it advertises stays small.
+    """
+    cert, key = plane.pki.agent(node)
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    with trio.fail_after(5):
+        await sock.connect(("127.0.0.1", plane.port))
+        tls = trio.SSLStream(
+            trio.SocketStream(sock),
+            client_context(plane.pki.ca, cert, key),
+            server_hostname="127.0.0.1",
+        )
+        ws = WSConnection(ConnectionType.CLIENT)
+        await tls.send_all(
+            ws.send(Request(host="127.0.0.1", target="/agent", subprotocols=[SUBPROTOCOL]))
+        )
+        ack: bytes | None = None
+        received = b""
+        while ack is None:
+            data = await tls.receive_some(65536)
+            assert data, "the control plane closed the stream during registration"
+            ws.receive_data(bytes(data))
+            for event in ws.events():
+                if isinstance(event, AcceptConnection):
+                    await tls.send_all(ws.send(Message(data=_register(node))))
+                elif isinstance(event, BytesMessage):
+                    received += event.data
+                    if event.message_finished:
+                        ack = received
+        assert isinstance(decode(ack), RegisterAck)
+    try:
+        yield
+    finally:
+        await trio.aclose_forcefully(tls)
+
+
+async def test_an_agent_that_stops_reading_does_not_delay_commands_to_other_nodes(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n1 stops reading its stream; the pass that starts a replica on n1 and one on n2
+    still gets n2's StartShard there within one heartbeat (n1's start, which can never
+    be delivered, is the first command of the pass). n1's own stream is closed once its
+    send times out, and the log says why."""
+    caplog.set_level(logging.INFO)
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    # n1's start carries more than the kernel buffers, so the send to n1 really blocks
+    first = catalog.models["first"]
+    big = msgspec.structs.replace(first.profiles[0], env={"PAD": "x" * _stall_bytes()})
+    catalog = msgspec.structs.replace(
+        catalog,
+        models={**catalog.models, "first": msgspec.structs.replace(first, profiles=[big])},
+    )
+    async with control_plane(
+        pki, heartbeat=HEARTBEAT_S, unreachable_after=30, lost_after=60
+    ) as plane:
+        fleet = FleetManager(plane.control, catalog, timing=Timing(settle_s=0))
+        async with (
+            stalled_agent(plane, "n1"),
+            agent_ws(plane, "n2") as n2,
+            trio.open_nursery() as nursery,
+        ):
+            # both registered before the fleet runs: its first pass, at once (the
+            # registrations woke it), starts both replicas in one plan
+            started = trio.current_time()
+            await nursery.start(fleet.run)
+            arrived: float | None = None
+            with trio.move_on_after(5):
+                while arrived is None:
+                    message = _decode(await n2.get_message())
+                    if isinstance(message, StartShard):
+                        assert message.spec.model == "second"
+                        arrived = trio.current_time() - started
+            assert arrived is not None, "n2 never got its StartShard"
+            assert arrived < HEARTBEAT_S, (
+                f"n2's StartShard arrived {arrived:.2f} s after the pass began, more than one "
+                f"heartbeat ({HEARTBEAT_S:g} s): it waited behind the send to n1, which reads nothing"
+            )
+            # the stall was real: n1's send timed out, and its stream is closed
+            await wait_for(lambda: not plane.control.dispatcher.connected("n1"), timeout=5)
+            assert "not sent: n1 did not take a message within 1 s" in caplog.text
+            nursery.cancel_scope.cancel()
