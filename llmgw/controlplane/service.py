@@ -1,8 +1,10 @@
 """The control plane's core: what happens when agents register, heartbeat and go.
 
 The stream listener calls these methods synchronously (no awaits inside), so
-the node table never sees a half-applied update. Later stages hook placement
-and reconciliation in here.
+the node table never sees a half-applied update. Placement and reconciliation
+are not here: the fleet manager subscribes to ``on_register`` and
+``on_shard_status``, which are called under the same rule, and sends its
+commands through the ``dispatcher``.
 """
 
 from __future__ import annotations
