@@ -1,7 +1,10 @@
 """Rules of this suite (keep them true; they are why it can run anywhere):
 
 - Network traffic goes to loopback only (127.0.0.1 / ::1), on port 0 or on a
-  port a server of ours bound first; request loops are bounded.
+  port a server of ours bound first; a process that must be told its port
+  before it starts (an engine, a stand-in, ``tools/fleet``) takes one from
+  ``tests/ports.py``, never a port bound to 0 and closed again. Request loops
+  are bounded.
 - Every test that does I/O runs under a deadline (``trio.fail_after`` or the
   helpers' own timeouts), so a regression fails instead of hanging CI.
 - Real parts: real TLS with the project's own CA, real processes for anything

@@ -3,27 +3,21 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.ports import own_port
 from tests.realparts import needs_server
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @needs_server
 def test_the_fleet_command_serves_the_tiny_model_to_the_openai_client(tmp_path: Path) -> None:
     """A CA, a control plane, an agent, a real llama-server with the generated
     model, and the router: ``--check`` asks through the openai SDK and stops."""
-    ports = [free_port() for _ in range(3)]
+    ports = [own_port() for _ in range(3)]
     out = subprocess.run(
         [
             sys.executable,

@@ -12,7 +12,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ import trio
 from llmgw.engines.base import Launch, LoadSignals, ProfileError
 from llmgw.engines.vllm import VLLM, VLLM_RAY
 from llmgw.protocol.messages import ShardSpec
+from tests.ports import own_port
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 BIN = {"vllm": "/opt/vllm/bin/vllm", "ray": "/opt/vllm/bin/ray"}
@@ -531,12 +531,6 @@ def wrapper(bin_dir: Path, name: str) -> str:
     return str(path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Proc:
     def __init__(self, process: trio.Process, log: Path) -> None:
         self.process = process
@@ -589,7 +583,7 @@ async def wait_healthy(client: httpx.AsyncClient, url: str, proc: Proc) -> int:
 
 async def test_single_node_end_to_end(tmp_path: Path) -> None:
     binaries = {"vllm": wrapper(tmp_path / "bin", "vllm")}
-    s = spec(gpus=[2, 3], port=free_port(), settings={"served_model_name": "qwen"})
+    s = spec(gpus=[2, 3], port=own_port(), settings={"served_model_name": "qwen"})
     assert VLLM.validate(s) == []
     launch = VLLM.launch(s, binaries)
     assert launch.health_url is not None and launch.metrics_url is not None
@@ -638,7 +632,7 @@ async def test_single_node_end_to_end(tmp_path: Path) -> None:
 
 async def test_standin_refuses_more_parallelism_than_gpus(tmp_path: Path) -> None:
     binaries = {"vllm": wrapper(tmp_path / "bin", "vllm")}
-    launch = VLLM.launch(spec(gpus=[0, 1], port=free_port()), binaries)
+    launch = VLLM.launch(spec(gpus=[0, 1], port=own_port()), binaries)
     # the node lost a GPU between placement and launch
     async with running(launch, tmp_path / "vllm.log", CUDA_VISIBLE_DEVICES="0") as proc:
         assert await proc.wait() != 0
@@ -650,7 +644,7 @@ async def test_standin_refuses_more_parallelism_than_gpus(tmp_path: Path) -> Non
 
 async def test_standin_refuses_an_unknown_flag_like_vllm(tmp_path: Path) -> None:
     binaries = {"vllm": wrapper(tmp_path / "bin", "vllm")}
-    launch = VLLM.launch(spec(port=free_port(), engine_args=["--no-such-flag"]), binaries)
+    launch = VLLM.launch(spec(port=own_port(), engine_args=["--no-such-flag"]), binaries)
     async with running(launch, tmp_path / "vllm.log") as proc:
         assert await proc.wait() == 2
     assert "vllm: error: unrecognized arguments: --no-such-flag" in proc.log()
@@ -658,7 +652,7 @@ async def test_standin_refuses_an_unknown_flag_like_vllm(tmp_path: Path) -> None
 
 async def test_standin_exits_0_on_sigterm_while_loading(tmp_path: Path) -> None:
     binaries = {"vllm": wrapper(tmp_path / "bin", "vllm")}
-    launch = VLLM.launch(spec(port=free_port()), binaries)
+    launch = VLLM.launch(spec(port=own_port()), binaries)
     async with running(launch, tmp_path / "vllm.log", STANDIN_LOAD_S="30") as proc:
         with trio.fail_after(10):
             while "pretending to load" not in proc.log():
@@ -671,9 +665,9 @@ async def test_two_nodes_over_ray_end_to_end(tmp_path: Path) -> None:
     binaries = {"vllm": wrapper(bin_dir, "vllm"), "ray": wrapper(bin_dir, "ray")}
     ray_dir = tmp_path / "ray"
     env = {"RAY_STANDIN_DIR": str(ray_dir), "STANDIN_LOAD_S": "0.2", "STANDIN_RAY_WAIT_S": "20"}
-    settings: dict[str, str | int | float | bool] = {"ray_port": free_port()}
+    settings: dict[str, str | int | float | bool] = {"ray_port": own_port()}
     common: dict[str, Any] = dict(host="127.0.0.1", head_address="127.0.0.1", gpus=[0])
-    rank0 = ray_spec(rank=0, port=free_port(), settings=settings, **common)
+    rank0 = ray_spec(rank=0, port=own_port(), settings=settings, **common)
     rank1 = ray_spec(rank=1, port=0, settings=settings, **common)
     assert VLLM_RAY.validate(rank0) == [] and VLLM_RAY.validate(rank1) == []
     head_launch = VLLM_RAY.launch(rank0, binaries)
@@ -705,7 +699,7 @@ async def test_two_nodes_over_ray_end_to_end(tmp_path: Path) -> None:
 
 async def test_a_worker_with_no_head_fails_clearly(tmp_path: Path) -> None:
     binaries = {"ray": wrapper(tmp_path / "bin", "ray"), "vllm": "/unused"}
-    port = free_port()
+    port = own_port()
     s = ray_spec(
         rank=1, port=0, host="127.0.0.1", head_address="127.0.0.1", settings={"ray_port": port}
     )
@@ -716,7 +710,7 @@ async def test_a_worker_with_no_head_fails_clearly(tmp_path: Path) -> None:
 
 async def test_vllm_over_ray_with_no_cluster_fails(tmp_path: Path) -> None:
     vllm = wrapper(tmp_path / "bin", "vllm")
-    argv = [vllm, "serve", "m", "--port", str(free_port()), "--distributed-executor-backend", "ray"]
+    argv = [vllm, "serve", "m", "--port", str(own_port()), "--distributed-executor-backend", "ray"]
     launch = Launch(
         argv=argv, env={"RAY_STANDIN_DIR": str(tmp_path / "ray")}, health_url=None, metrics_url=None
     )
