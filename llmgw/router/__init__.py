@@ -8,6 +8,12 @@ let back in, when a request may be retried) is tested without a network:
   model, or says why none (shed with 429, or no replica at all → 503), and
   ``RetryBudget`` bounds retries per request and across the router.
 - ``breaker``: a circuit breaker per replica that counts upstream faults only,
-  never errors the request itself caused, and ``classify`` which decides
-  which is which.
+  never errors the request itself caused (``classify`` says which an
+  engine's answer is).
+- ``verdict``: what one attempt on a replica comes to: the breaker's outcome,
+  whether another replica may be tried, and the client's status.
+
+The shell around them: ``app`` (the endpoint: keys, models, one ``record``
+per request for the metrics and the access log), ``proxy`` (attempts and
+retries), ``relay`` (a response body passed on as it arrives).
 """

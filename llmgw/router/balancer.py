@@ -276,16 +276,6 @@ def choose(
     return Choice(None, f"no Ready replica for model {name}{detail}")
 
 
-def should_retry(outcome: Outcome, *, response_started: bool) -> bool:
-    """Whether a failed attempt may go to another replica at all.
-
-    Only upstream faults: a client error would fail the same way anywhere.
-    Only before the first byte of the response reached the client: after
-    that, a second replica's answer cannot be spliced onto the first's.
-    """
-    return outcome == "upstream_fault" and not response_started
-
-
 @attrs.define
 class RetryBudget:
     """Bounds retries per request and across the router.
@@ -337,17 +327,12 @@ class RetryBudget:
         """A retry was sent."""
         self._current(now)[2] += 1
 
-    def can_retry(
-        self,
-        now: float,
-        *,
-        attempts: int = 1,
-        outcome: Outcome = "upstream_fault",
-        response_started: bool = False,
-    ) -> bool:
-        """Whether a request that has made ``attempts`` attempts may make another."""
-        if not should_retry(outcome, response_started=response_started):
-            return False
+    def can_retry(self, now: float, *, attempts: int = 1) -> bool:
+        """Whether a request that has made ``attempts`` attempts may make another.
+
+        Only the bounds: whether the failure may be retried at all is the
+        attempt's ``verdict``.
+        """
         if attempts >= self.max_attempts:
             return False
         requests, retries = self.totals(now)

@@ -44,18 +44,18 @@ class IllegalMove(AssertionError):
     pass
 
 
-def classify(status: int | None, error: str | None = None) -> Outcome:
-    """Whether an upstream answer was a success, the request's fault, or the replica's.
+def classify(status: int) -> Outcome:
+    """Whether an engine's answer was a success, the request's fault, or the replica's.
 
-    - No status (``error`` says why: connect refused, reset, timeout, a
-      response cut before its head): ``upstream_fault``. Nothing came back,
-      and that is the replica or the path to it, whatever the request was.
+    (An exchange that broke before or during the answer is the replica's
+    fault too; ``verdict`` says so, and what to do about each.)
+
     - 1xx/2xx/3xx: ``success``.
     - 429: ``upstream_fault``, deliberately, although it is a 4xx. From an
       engine it means *this replica* is overloaded, not that the request is
-      wrong: the same request may be sent to another replica, and a replica
-      that refuses everything should leave rotation for a while rather than
-      keep being picked because its in-flight count looks low.
+      wrong: a replica that refuses everything should leave rotation for a
+      while rather than keep being picked because its in-flight count looks
+      low.
     - Other 4xx (400, 404, 408, 413, 422, ...): ``client_error``. Another
       replica would refuse it the same way; it must never open a breaker.
     - 501 Not Implemented / 505: ``client_error``. The engine does not offer
@@ -63,12 +63,9 @@ def classify(status: int | None, error: str | None = None) -> Outcome:
       engine would answer the same.
     - Every other 5xx, 500 included: ``upstream_fault``. Engines answer 500
       for their own internal errors (vLLM's dead engine loop, a CUDA error),
-      which is the replica failing. A request that reliably makes an engine
-      500 is bounded by the retry budget and the per-request attempt limit,
-      and is cheaper than missing a broken replica.
+      which is the replica failing; missing a broken replica costs more than
+      the odd request that reliably makes an engine fail.
     """
-    if status is None:
-        return "upstream_fault"
     if status < 400:
         return "success"
     if status == 429:

@@ -75,8 +75,10 @@ class Engine:
 
 async def serve(nursery: trio.Nursery, handler: object) -> int:
     listeners = await nursery.start(
-        HttpServer(handler, error_body=error_body).serve_tcp, "127.0.0.1", 0
-    )  # type: ignore[arg-type]
+        HttpServer(handler, error_body=error_body).serve_tcp,  # type: ignore[arg-type]
+        "127.0.0.1",
+        0,
+    )
     return int(listeners[0].socket.getsockname()[1])
 
 
@@ -168,6 +170,55 @@ async def test_a_connect_error_is_retried_on_another_replica(rig: Rig) -> None:
     assert rig.app.metrics.retries.labels("m")._value.get() == 3  # each one retried once
 
 
+def requests(rig: Rig, replica: str, status: str) -> float:
+    return float(rig.app.metrics.requests.labels("m", replica, status, "t")._value.get())
+
+
+def upstream_errors(rig: Rig, replica: str, kind: str) -> float:
+    return float(rig.app.metrics.upstream_errors.labels("m", replica, kind)._value.get())
+
+
+async def test_a_503_is_retried_on_another_replica_and_all_503s_are_a_502(rig: Rig) -> None:
+    a, b = rig.engines["a"], rig.engines["b"]
+    a.status = 503
+    [b_ep] = [e for e in rig.table.endpoints["m"] if e.key == "b"]
+    b_ep.in_flight = 100  # busier on paper: "a" is the first choice
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        assert r.status_code == 200 and r.json()["id"] == "b"
+        assert (a.received, b.received) == (1, 1)
+        assert rig.app.metrics.retries.labels("m")._value.get() == 1
+        assert upstream_errors(rig, "a", "status_503") == 1
+        assert requests(rig, "b", "200") == 1
+
+        b.status = 503
+        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+    # both tried, then no replica is left: the last failure, as a 502
+    assert r.status_code == 502
+    assert "answered 503" in r.json()["error"]["message"]
+    assert (a.received, b.received) == (2, 2)
+    assert requests(rig, "-", "502") == 1
+
+
+@pytest.mark.parametrize("status", [429, 500])
+async def test_a_429_or_500_is_relayed_not_retried_and_counts_against_the_replica(
+    rig: Rig, status: int
+) -> None:
+    a, b = rig.engines["a"], rig.engines["b"]
+    a.status = status
+    [a_ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
+    [b_ep] = [e for e in rig.table.endpoints["m"] if e.key == "b"]
+    b_ep.in_flight = 100  # busier on paper: "a" is the first choice
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+    assert r.status_code == status
+    assert r.json() == {"error": {"message": "no"}}  # the engine's own answer
+    assert (a.received, b.received) == (1, 0)
+    assert a_ep.breaker.consecutive_faults == 1
+    assert rig.app.metrics.retries.labels("m")._value.get() == 0
+    assert requests(rig, "a", str(status)) == 1
+
+
 async def test_client_errors_never_open_the_breaker(rig: Rig) -> None:
     rig.engines["a"].status = 400
     rig.table.apply(snapshot(rig.routes(b=(False, False))))
@@ -191,7 +242,7 @@ async def test_saturated_replicas_shed_with_retry_after_or_queue_for_a_bounded_t
         assert int(r.headers["retry-after"]) >= 1
         assert "busy" in r.json()["error"]["message"]
 
-        rig.app.queue_timeout_s = 2.0
+        rig.app.proxy.queue_timeout_s = 2.0
 
         async def room_frees_up() -> None:
             await trio.sleep(0.3)

@@ -16,7 +16,6 @@ from llmgw.router.balancer import (
     RetryBudget,
     choose,
     score,
-    should_retry,
 )
 from llmgw.router.breaker import Breaker, BreakerState
 
@@ -303,21 +302,12 @@ def test_choose_only_admissible_and_never_sheds_on_unknown(
 # --- retries -------------------------------------------------------------------------
 
 
-def test_should_retry_only_upstream_faults_before_first_byte() -> None:
-    assert should_retry("upstream_fault", response_started=False)
-    assert not should_retry("upstream_fault", response_started=True)
-    assert not should_retry("client_error", response_started=False)
-    assert not should_retry("success", response_started=False)
-
-
 def test_retry_budget_attempts_per_request() -> None:
     budget = RetryBudget(max_attempts=3)
     budget.on_request(0)
     assert budget.can_retry(0, attempts=1)
     assert budget.can_retry(0, attempts=2)
     assert not budget.can_retry(0, attempts=3)
-    assert not budget.can_retry(0, attempts=1, response_started=True)
-    assert not budget.can_retry(0, attempts=1, outcome="client_error")
 
 
 def test_retry_budget_ratio_over_window() -> None:

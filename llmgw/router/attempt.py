@@ -1,0 +1,62 @@
+"""One attempt on one replica: its lease on the replica, and its failures in words.
+
+The upstream pool raises its own exceptions (``llmgw.http.client``); the
+verdict, which is pure, takes a ``Failure`` instead, and the metrics a
+``kind`` label. Both translations are here, next to each other, so that the
+proxy and the relay name a failure the same way.
+"""
+
+from __future__ import annotations
+
+from llmgw.http.client import ConnectFailed, UpstreamError, UpstreamReset, UpstreamTimeout
+from llmgw.router.balancer import Endpoint
+from llmgw.router.breaker import Outcome
+from llmgw.router.verdict import Failure
+
+
+def failure(exc: UpstreamError) -> Failure:
+    """The verdict's name for the pool's exception."""
+    if isinstance(exc, UpstreamTimeout):  # ConnectTimeout included
+        return Failure.TIMEOUT
+    if isinstance(exc, ConnectFailed):
+        return Failure.CONNECT
+    if isinstance(exc, UpstreamReset):
+        return Failure.UNANSWERED if exc.before_response else Failure.RESET
+    return Failure.PROTOCOL
+
+
+def kind(exc: UpstreamError) -> str:
+    """The ``kind`` label of ``llmgw_router_upstream_errors`` for the pool's exception."""
+    if isinstance(exc, ConnectFailed):  # ConnectTimeout included
+        return "connect"
+    if isinstance(exc, UpstreamTimeout):
+        return f"timeout_{exc.phase}"
+    if isinstance(exc, UpstreamReset):
+        return "reset"
+    return "protocol"
+
+
+class Lease:
+    """One request on one replica: counted from the start, ended exactly once."""
+
+    __slots__ = ("endpoint", "open")
+
+    def __init__(self, endpoint: Endpoint, now: float) -> None:
+        endpoint.start(now)
+        self.endpoint = endpoint
+        self.open = True
+
+    def finish(self, now: float, outcome: Outcome | None) -> None:
+        """Tell the replica the request ended (``None``: abandoned, no verdict)."""
+        if self.open:
+            self.open = False
+            self.endpoint.finish(now, outcome)
+
+
+def hostport(url: str) -> tuple[str, int]:
+    rest = url.split("://", 1)[-1].split("/", 1)[0]
+    if rest.startswith("["):
+        host, _, port = rest[1:].partition("]:")
+    else:
+        host, _, port = rest.rpartition(":")
+    return host, int(port or 80)

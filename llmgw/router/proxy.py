@@ -1,0 +1,217 @@
+"""Sending a request to a replica of its model, and to another when the verdict allows.
+
+Theory of operation
+-------------------
+A replica is chosen by load (``balancer.choose``) among those the request
+has not tried yet, and the request goes to its engine over the lean
+keep-alive pool, the body forwarded as it came. Each attempt ends in a
+``verdict``, and the verdict alone says what the replica's breaker is told,
+whether another replica may be tried (then within the per-request attempt
+cap and the router's ``RetryBudget``) and what the client gets. A response
+the verdict relays is passed on as it arrives: a streamed body chunk by
+chunk (``Relay``), a whole reply read first.
+
+When every replica is above its admission thresholds the request waits up
+to ``queue_timeout_s`` for room, re-choosing every ``QUEUE_POLL_S``, then is
+shed with a 429 and Retry-After. When no replica can take it at all, the
+answer is a 503, or the last failed attempt's 502 or 504.
+
+A client that leaves mid-attempt cancels the handler: the pool has closed
+the upstream connection, and the replica stops counting the request, with
+no verdict for its breaker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import trio
+
+from llmgw.http import Request, Response
+from llmgw.http.client import UpstreamError, UpstreamPool
+from llmgw.router import attempt
+from llmgw.router.attempt import Lease, hostport
+from llmgw.router.balancer import Admission, RetryBudget, choose
+from llmgw.router.errors import openai_error
+from llmgw.router.record import Record
+from llmgw.router.relay import Relay
+from llmgw.router.table import RoutingTable
+from llmgw.router.verdict import Verdict, verdict
+
+log = logging.getLogger("llmgw.router")
+
+QUEUE_POLL_S = 0.05
+_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
+)
+_NO_THRESHOLDS = Admission()
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Reply(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_reply_decoder = msgspec.json.Decoder(_Reply)
+
+
+class _Failed:
+    """An attempt that gave the client nothing: its verdict, and why in words."""
+
+    __slots__ = ("verdict", "why")
+
+    def __init__(self, verdict: Verdict, why: str) -> None:
+        self.verdict = verdict
+        self.why = why
+
+
+class Proxy:
+    """Routes requests to the replicas in ``table`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        table: RoutingTable,
+        pool: UpstreamPool,
+        budget: RetryBudget,
+        queue_timeout_s: float = 0.0,
+    ) -> None:
+        self.table = table
+        self.pool = pool
+        self.budget = budget
+        self.queue_timeout_s = queue_timeout_s
+
+    async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
+        """The response to a routed request (``record.model``, ``record.started`` set).
+
+        Sets ``record.replica`` when a replica's answer, or its failure, is the response.
+        """
+        model = record.model
+        started = record.started
+        assert started is not None
+        endpoints = self.table.endpoints.get(model, [])
+        admission = self.table.admission.get(model, _NO_THRESHOLDS)
+        tried: set[str] = set()
+        headers = [
+            (k, v)
+            for k, v in request.headers
+            if k not in _HOP and k != "authorization" and k != "host"
+        ]
+        self.budget.on_request(trio.current_time())
+        failed: _Failed | None = None
+        attempts = 0
+        while True:
+            now = trio.current_time()
+            choice = choose(
+                endpoints, now, admission=admission, exclude=frozenset(tried), model=model
+            )
+            ep = choice.endpoint
+            if ep is None:
+                if choice.shed and trio.current_time() - started < self.queue_timeout_s:
+                    await trio.sleep(QUEUE_POLL_S)  # queue for a bounded time before shedding
+                    continue
+                if choice.shed:
+                    record.shed()
+                    r = openai_error(
+                        429,
+                        f"every replica of {model} is busy: {choice.reason}",
+                        "rate_limit_error",
+                    )
+                    r.headers.append(("retry-after", str(max(1, round(choice.retry_after_s)))))
+                    return r
+                if failed is not None:
+                    return _upstream_failed(model, failed)
+                why = f"no replica of {model} can take requests now: {choice.reason}"
+                return openai_error(503, why, "server_error")
+            attempts += 1
+            tried.add(ep.key)
+            lease = Lease(ep, now)
+            try:
+                result = await self._attempt(request, headers, stream, lease, record)
+            except BaseException:
+                # The client left (or the server is stopping) mid-attempt. The pool
+                # has closed the upstream; the replica must not go on counting this
+                # request, nor its breaker a probe that will never end.
+                lease.finish(trio.current_time(), None)
+                raise
+            if isinstance(result, Response):
+                return result
+            failed = result
+            now = trio.current_time()
+            if failed.verdict.retry and self.budget.can_retry(now, attempts=attempts):
+                self.budget.on_retry(now)
+                record.retry()
+                continue
+            record.replica = ep.key
+            return _upstream_failed(model, failed)
+
+    async def _attempt(
+        self,
+        request: Request,
+        headers: list[tuple[str, str]],
+        stream: bool,
+        lease: Lease,
+        record: Record,
+    ) -> Response | _Failed:
+        """One try on one replica: the response, or the failure to judge.
+
+        The lease is finished here or handed to the relay; an exception leaves
+        it open for the caller."""
+        ep = lease.endpoint
+        host, port = hostport(ep.url)
+        try:
+            upstream = await self.pool.request(
+                request.method, host, port, request.path, headers, request.body
+            )
+        except UpstreamError as exc:
+            return _fault(lease, record, exc, started=False)
+        now = trio.current_time()
+        record.first_byte(now)
+        status = upstream.status
+        judged = verdict(status)
+        if not judged.relayed:
+            upstream.body_iter.close()
+            lease.finish(now, judged.outcome)
+            record.upstream_error(ep.key, f"status_{status}")
+            return _Failed(judged, f"replica {ep.key} answered {status}")
+        record.replica = ep.key
+        out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
+        if stream or status >= 300:
+            relay = Relay(upstream, lease, judged.outcome, record, stream)
+            return Response(status, out_headers, relay)
+        try:
+            data = await upstream.read()
+        except UpstreamError as exc:
+            return _fault(lease, record, exc, started=True)
+        lease.finish(trio.current_time(), judged.outcome)
+        record.tokens = _completion_tokens(data)
+        return Response(status, out_headers, data)
+
+
+def _fault(lease: Lease, record: Record, exc: UpstreamError, *, started: bool) -> _Failed:
+    """An attempt the pool failed: the replica and the metrics told, the verdict made."""
+    judged = verdict(attempt.failure(exc), started=started)
+    lease.finish(trio.current_time(), judged.outcome)
+    record.upstream_error(lease.endpoint.key, attempt.kind(exc))
+    return _Failed(judged, f"{type(exc).__name__}: {exc}")
+
+
+def _upstream_failed(model: str, failed: _Failed) -> Response:
+    log.warning("request for %s failed upstream: %s", model, failed.why)
+    return openai_error(
+        failed.verdict.status,
+        f"the replicas of {model} did not answer: {failed.why}",
+        "server_error",
+    )
+
+
+def _completion_tokens(data: bytes) -> int:
+    """The completion tokens a whole reply reports in its usage (0: none)."""
+    try:
+        usage = _reply_decoder.decode(data).usage
+    except msgspec.DecodeError:
+        return 0
+    return 0 if usage is None else usage.completion_tokens

@@ -1,0 +1,151 @@
+"""One request's record: what the router's metrics and its access log say about it.
+
+Theory of operation
+-------------------
+``RouterApp`` opens a ``Record`` as a request arrives and everything that
+happens to the request is noted on it: the key's name once it is checked,
+the model asked for, when it was routed, each attempt's first byte and
+fault, a retry or a shed, the status and replica of the response, the first
+token and the tokens of a reply. Each note that is a metric feeds it there
+and then, so what Prometheus shows is as current as before.
+
+The record ends exactly once: for a whole reply as the handler returns it;
+for a relayed body when the relay ends, however it ends; for a client that
+left before any response, with status 499. Its end observes the request's
+latency and tokens and writes the access log line (``[router] access_log``),
+so both always describe the same request the same way.
+
+Only requests that were routed (a known model the key may use) count in
+``llmgw_router_requests`` and the histograms; every request gets an access
+log line, with the key by its name only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from llmgw.http import Request
+from llmgw.router.breaker import Outcome
+from llmgw.router.metrics import RouterMetrics
+
+access_log = logging.getLogger("llmgw.router.access")
+
+Ended = Literal["ok", "upstream cut", "client left"]
+# A relayed body's end, by the outcome the replica's breaker was told.
+ENDED: dict[Outcome | None, Ended] = {
+    "success": "ok",
+    "client_error": "ok",
+    "upstream_fault": "upstream cut",
+    None: "client left",
+}
+
+
+class Record:
+    """One request, from its arrival to its end (see the module docstring)."""
+
+    __slots__ = (
+        "arrived",
+        "done",
+        "key",
+        "metrics",
+        "model",
+        "replica",
+        "request",
+        "started",
+        "status",
+        "tokens",
+        "ttft",
+    )
+
+    def __init__(self, request: Request, metrics: RouterMetrics, arrived: float | None) -> None:
+        """``arrived``: when the request arrived, for the access log; None: no log line."""
+        self.request = request
+        self.metrics = metrics
+        self.arrived = arrived
+        self.key = "-"  # the API key's name, once checked
+        self.model = "-"  # as asked, known or not
+        self.replica = "-"  # the replica whose answer the client gets
+        self.started: float | None = None  # when it was routed; None: it was not
+        self.status = 0
+        self.ttft: float | None = None
+        self.tokens = 0
+        self.done = False
+
+    def route(self, now: float) -> None:
+        """The model is known and the key may use it: from now on the request counts."""
+        self.started = now
+
+    def first_byte(self, now: float) -> None:
+        """An attempt got its response head."""
+        assert self.started is not None
+        self.metrics.ttfb.labels(self.model).observe(now - self.started)
+
+    def upstream_error(self, replica: str, kind: str) -> None:
+        """An attempt failed at the replica (``kind``: the metric's label)."""
+        self.metrics.upstream_errors.labels(self.model, replica, kind).inc()
+
+    def retry(self) -> None:
+        """A failed attempt is to be tried again on another replica."""
+        self.metrics.retries.labels(self.model).inc()
+
+    def shed(self) -> None:
+        """Every replica was above its admission thresholds: the answer is a 429."""
+        self.metrics.sheds.labels(self.model).inc()
+
+    def respond(self, status: int) -> None:
+        """The response's status is decided (its head is about to go)."""
+        self.status = status
+        if self.started is not None:
+            self.metrics.requests.labels(self.model, self.replica, str(status), self.key).inc()
+
+    def first_token(self, now: float) -> None:
+        """A stream's first event was relayed."""
+        assert self.started is not None
+        self.ttft = now - self.started
+        self.metrics.ttft.labels(self.model).observe(self.ttft)
+
+    def end(self, now: float, ended: Ended = "ok") -> None:
+        """The response is over (``tokens`` set, if it had any). Once; later calls do nothing."""
+        if self.done:
+            return
+        self.done = True
+        if self.started is not None:
+            m = self.metrics
+            m.latency.labels(self.model).observe(now - self.started)
+            # tokens of an answer that completed as a success only
+            if self.tokens and ended == "ok" and self.status < 400:
+                m.tokens.labels(self.model).observe(self.tokens)
+        if self.arrived is not None:
+            self._write(now, ended)
+
+    def left(self, now: float) -> None:
+        """The client left before any response: counted as 499, with no latency."""
+        if self.done:
+            return
+        self.done = True
+        self.replica = "-"
+        self.respond(499)
+        if self.arrived is not None:
+            self._write(now, "client left")
+
+    def _write(self, now: float, ended: Ended) -> None:
+        assert self.arrived is not None
+        request = self.request
+        host, port = request.client[0], request.client[1]
+        client = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        ttft = "-" if self.ttft is None else f"{self.ttft:.3f}s"
+        access_log.info(
+            "%s %s %s status=%d key=%s model=%s replica=%s time=%.3fs ttft=%s tokens=%d end=%s",
+            client,
+            request.method,
+            request.path,
+            self.status,
+            self.key,
+            self.model[:200],
+            self.replica,
+            now - self.arrived,
+            ttft,
+            self.tokens,
+            ended,
+        )

@@ -1,0 +1,111 @@
+"""A replica's response body, passed to the client chunk by chunk as it arrives.
+
+However the relay ends (finished, failed upstream, cancelled, or closed by
+the server before it was ever read), the upstream connection is closed, the
+replica told and the request's record ended, once. An async generator could
+not promise the last: one never started runs no ``finally``.
+
+A streamed (SSE) body is also watched, cheaply, for the time to its first
+event (the first token: an engine sends its head before the prompt is even
+read) and for how many tokens it carried.
+"""
+
+from __future__ import annotations
+
+import re
+
+import trio
+
+from llmgw.http.client import UpstreamError, UpstreamResponse
+from llmgw.router import attempt
+from llmgw.router.attempt import Lease
+from llmgw.router.breaker import Outcome
+from llmgw.router.record import ENDED, Record
+from llmgw.router.verdict import verdict
+
+# Streamed tokens: the usage a stream reports (``stream_options.include_usage``),
+# else the events that carry generated text, one token each on llama.cpp and vLLM
+# (chat ``content``/``reasoning_content``, completions ``text``; empty ones not).
+_STREAM_USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
+_USAGE = b'"completion_tokens"'
+_TEXT, _EMPTY_TEXT = b'content":"', b'content":""'  # chat: content, reasoning_content
+_COMPLETION_TEXT, _EMPTY_COMPLETION = b'"text":"', b'"text":""'
+
+
+class Relay:
+    """The body of ``upstream``, relayed; ``outcome``: the breaker's, if it completes."""
+
+    __slots__ = (
+        "_first",
+        "_lease",
+        "_outcome",
+        "_record",
+        "_stream",
+        "_text_events",
+        "_upstream",
+        "_usage",
+    )
+
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        lease: Lease,
+        outcome: Outcome,
+        record: Record,
+        stream: bool,
+    ) -> None:
+        self._upstream = upstream
+        self._lease = lease
+        self._outcome = outcome
+        self._record = record
+        self._stream = stream
+        self._first = True
+        self._text_events = 0
+        self._usage = 0
+
+    def __aiter__(self) -> Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._upstream.body_iter.__anext__()
+        except StopAsyncIteration:
+            self._end(self._outcome)
+            raise
+        except UpstreamError as exc:
+            self._record.upstream_error(self._lease.endpoint.key, attempt.kind(exc))
+            self._end(verdict(attempt.failure(exc), started=True).outcome)
+            raise
+        except BaseException:
+            self._end(None)
+            raise
+        if self._stream:
+            self._watch(chunk)
+        return chunk
+
+    def _watch(self, chunk: bytes) -> None:
+        # The fewest scans for the common chunk, one token of content: about 0.5 µs.
+        if self._first and b"data:" in chunk:
+            self._first = False
+            self._record.first_token(trio.current_time())
+        n = chunk.count(_TEXT)
+        if n:
+            if _EMPTY_TEXT in chunk:
+                n -= chunk.count(_EMPTY_TEXT)
+            self._text_events += n
+        elif _COMPLETION_TEXT in chunk:
+            self._text_events += chunk.count(_COMPLETION_TEXT) - chunk.count(_EMPTY_COMPLETION)
+        elif _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
+            self._usage = int(found[1])  # a usage event carries no text
+
+    async def aclose(self) -> None:
+        self._end(None)
+
+    def _end(self, outcome: Outcome | None) -> None:
+        if self._lease.open:
+            self._upstream.body_iter.close()
+            now = trio.current_time()
+            self._lease.finish(now, outcome)
+            record = self._record
+            record.tokens = self._usage or self._text_events
+            record.end(now, ENDED[outcome])
