@@ -14,8 +14,9 @@ metrics and a slow scrape blocked whole pools that were in fact idle; a
 replica whose scrape is late here is simply balanced by what this router
 knows about it.
 
-Admission: ``target_waiting`` and ``kv_ceiling`` (measured by ``ctl bench``
-as what a replica holds while still meeting its SLO) mark a replica as
+Admission: ``target_waiting`` and ``kv_ceiling`` (set per model in the
+catalog's ``routing`` table by the operator, as what a replica holds while
+still meeting its SLO; unset, they never trigger) mark a replica as
 saturated; a saturated replica takes no new work while another is below its
 thresholds. When every candidate is above, the request is shed (429 with
 Retry-After, or queued for a bounded time by the caller) rather than piled
@@ -35,39 +36,22 @@ import attrs
 
 from llmgw.engines.base import LoadSignals
 from llmgw.router.breaker import Breaker, BreakerState, Outcome
-
-
-def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attr.name} must be > 0, got {value}")
-
-
-def _non_negative(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attr.name} must be >= 0, got {value}")
-
-
-def _optional_non_negative(
-    _inst: object, attr: attrs.Attribute[float | None], value: float | None
-) -> None:
-    if value is not None and not value >= 0:
-        raise ValueError(f"{attr.name} must be >= 0, got {value}")
+from llmgw.router.validators import non_negative, optional_non_negative, positive
 
 
 @attrs.frozen
 class Admission:
-    """When a replica counts as saturated, and what to do when all are.
+    """When a replica counts as saturated, and what to say when all are.
 
     ``None`` thresholds never trigger (no threshold configured is not a
-    threshold of zero). ``queue_timeout_s`` is how long the caller may hold a
-    request and re-choose before shedding it (0: shed at once);
-    ``retry_after_s`` goes into the 429's Retry-After.
+    threshold of zero). ``retry_after_s`` goes into the 429's Retry-After.
+    How long a request may wait for room before it is shed is the router's
+    ``queue_timeout_s``, not a model's.
     """
 
-    target_waiting: float | None = attrs.field(default=None, validator=_optional_non_negative)
-    kv_ceiling: float | None = attrs.field(default=None, validator=_optional_non_negative)
-    queue_timeout_s: float = attrs.field(default=0.0, validator=_non_negative)
-    retry_after_s: float = attrs.field(default=1.0, validator=_non_negative)
+    target_waiting: float | None = attrs.field(default=None, validator=optional_non_negative)
+    kv_ceiling: float | None = attrs.field(default=None, validator=optional_non_negative)
+    retry_after_s: float = attrs.field(default=1.0, validator=non_negative)
 
 
 @attrs.define(eq=False)
@@ -77,7 +61,7 @@ class Endpoint:
     key: str  # replica id, or the static URL
     model: str
     url: str  # base URL
-    weight: float = attrs.field(default=1.0, validator=_positive)  # relative share
+    weight: float = attrs.field(default=1.0, validator=positive)  # relative share
     ready: bool = True  # Ready in the control plane's table
     draining: bool = False  # no new requests; in-flight ones finish
     in_flight: int = 0  # this router's own count, always fresh

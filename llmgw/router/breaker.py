@@ -22,6 +22,8 @@ from typing import Literal
 
 import attrs
 
+from llmgw.router.validators import non_negative, positive_int
+
 
 class BreakerState(StrEnum):
     CLOSED = "closed"  # traffic flows; consecutive upstream faults are counted
@@ -77,16 +79,6 @@ def classify(status: int) -> Outcome:
     return "upstream_fault"
 
 
-def _positive_int(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
-    if value < 1:
-        raise ValueError(f"{attr.name} must be at least 1, got {value}")
-
-
-def _non_negative(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
-    if not value >= 0:
-        raise ValueError(f"{attr.name} must be >= 0, got {value}")
-
-
 @attrs.define
 class Breaker:
     """Closed → open after ``failure_threshold`` consecutive upstream faults;
@@ -99,9 +91,9 @@ class Breaker:
     cool-down (a fault still increments ``consecutive_faults`` for the record).
     """
 
-    failure_threshold: int = attrs.field(default=5, validator=_positive_int)
-    cooldown_s: float = attrs.field(default=10.0, validator=_non_negative)
-    half_open_probes: int = attrs.field(default=1, validator=_positive_int)
+    failure_threshold: int = attrs.field(default=5, validator=positive_int)
+    cooldown_s: float = attrs.field(default=10.0, validator=non_negative)
+    half_open_probes: int = attrs.field(default=1, validator=positive_int)
     state: BreakerState = BreakerState.CLOSED
     consecutive_faults: int = 0
     opened_at: float | None = None  # when it last opened; None if it never did
