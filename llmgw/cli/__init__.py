@@ -69,7 +69,7 @@ def server(
     ):
         if value is not None:
             overrides.append(f"{key}={_quote(value)}")
-    from llmgw.controlplane import daemon
+    from llmgw.serve import server as daemon
 
     return _start("llmgw server", ServerConfig, config, overrides, daemon.serve)
 
