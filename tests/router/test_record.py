@@ -98,8 +98,9 @@ def test_a_request_never_routed_is_logged_but_not_counted(
     [line] = lines(caplog)
     assert line.startswith("[::1]:4242 POST /v1/chat/completions status=404 key=- model=x")
     assert f"model={'x' * 200} replica=-" in line
-    assert list(m.requests.collect())[0].samples == []
-    assert list(m.latency.collect())[0].samples == []
+    [requests] = m.requests.collect()
+    [latency] = m.latency.collect()
+    assert requests.samples == [] and latency.samples == []
 
 
 def test_without_an_access_log_nothing_is_written(caplog: pytest.LogCaptureFixture) -> None:
