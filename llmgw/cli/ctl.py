@@ -13,6 +13,7 @@ import cyclopts
 import httpx
 import msgspec
 
+from llmgw.addr import url_host
 from llmgw.admin.views import NodeView
 from llmgw.cli.runtime import fail
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
@@ -64,9 +65,7 @@ class Target:
             cfg, base = load_config(ServerConfig, config)
             if url is None:
                 host, port = parse_hostport(cfg.admin.listen, key="admin.listen")
-                if host in ("0.0.0.0", "::", ""):
-                    host = "127.0.0.1"
-                url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+                url = f"http://{url_host(host)}:{port}"
             if token is None and token_file is None:
                 token = cfg.admin.token or None
                 if token is None:

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Mapping
 import msgspec
 import trio
 
+from llmgw.addr import url_host
 from llmgw.controlplane.catalog import Catalog
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
-from llmgw.engines.base import url_host
 from llmgw.routing import ModelRouting, Route, Snapshot, versioned
 
 _ROUTED = (ReplicaState.READY, ReplicaState.DRAINING)

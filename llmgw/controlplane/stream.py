@@ -32,6 +32,7 @@ import attrs
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
 
+from llmgw.addr import join_hostport
 from llmgw.controlplane.dispatcher import AgentConnection
 from llmgw.controlplane.service import ControlPlane
 from llmgw.protocol import CloseCode, ProtocolError, Role, Session, negotiate
@@ -56,7 +57,7 @@ def _peer(stream: trio.SocketStream) -> str:
         host, port, *_ = stream.socket.getpeername()
     except OSError:
         return "?"
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return join_hostport(host, port)
 
 
 class AgentStreamServer:

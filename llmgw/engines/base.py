@@ -107,17 +107,6 @@ def check_extra_args(args: list[str], managed: Mapping[str, str], problems: list
             )
 
 
-def url_host(host: str) -> str:
-    """Where a local client reaches a server bound to ``host``, URL-ready."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    if ":" in host and not host.startswith("["):
-        return f"[{host}]"
-    return host
-
-
 def gpu_env(spec: ShardSpec) -> dict[str, str]:
     """Pin the engine to the GPUs placement gave it (none: hide them all)."""
     return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpus)}

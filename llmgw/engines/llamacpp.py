@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from llmgw.addr import url_host
 from llmgw.engines.base import (
     Launch,
     LoadSignals,
@@ -19,7 +20,6 @@ from llmgw.engines.base import (
     gpu_env,
     int_setting,
     sample_values,
-    url_host,
 )
 from llmgw.protocol.messages import ShardSpec
 

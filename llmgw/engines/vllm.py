@@ -51,6 +51,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from llmgw.addr import join_hostport, url_host
 from llmgw.engines.base import (
     Launch,
     LoadSignals,
@@ -61,7 +62,6 @@ from llmgw.engines.base import (
     gpu_env,
     int_setting,
     sample_values,
-    url_host,
 )
 from llmgw.protocol.messages import ShardSpec
 
@@ -117,14 +117,12 @@ def _ray_address(host: str, port: int) -> str:
             return host
         return f"{host}:{port}"
     try:
-        ip = ipaddress.ip_address(host)
+        ipaddress.ip_address(host)
     except ValueError:
         if host.count(":") == 1:  # name:port or v4:port
             return host
         return f"{host}:{port}"
-    if ip.version == 6:
-        return f"[{host}]:{port}"
-    return f"{host}:{port}"
+    return join_hostport(host, port)
 
 
 @attrs.frozen

@@ -68,6 +68,8 @@ import attrs
 import httptools
 import trio
 
+from llmgw.addr import join_hostport
+
 from ._deadlines import SocketDeadlines
 from .types import Headers
 
@@ -456,10 +458,7 @@ def _request_head(
                 close = "close" in value.lower()
         lines.append(f"{name}: {value}\r\n")
     if not has_host:
-        if ":" in host:
-            lines.append(f"host: [{host}]:{port}\r\n")
-        else:
-            lines.append(f"host: {host}:{port}\r\n")
+        lines.append(f"host: {join_hostport(host, port)}\r\n")
     if body_len or method in _BODY_METHODS:
         lines.append(f"content-length: {body_len}\r\n")
     lines.append("\r\n")

@@ -18,9 +18,9 @@ from pathlib import Path
 import trio
 from prometheus_client import generate_latest
 
+from llmgw.addr import url_host
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, resolve
-from llmgw.engines.base import url_host
 from llmgw.http import HttpServer, ServerLimits
 from llmgw.http.client import ClientLimits, UpstreamPool
 from llmgw.router import worker_metrics

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import trio
 
+from llmgw.addr import join_hostport
 from llmgw.admin.api import AdminApi
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.schema import resolve
@@ -74,7 +75,7 @@ async def _reload_on_sighup(fleet: FleetManager) -> None:
 
 def _show(listener: trio.SocketListener) -> str:
     host, port, *_ = listener.socket.getsockname()
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return join_hostport(host, port)
 
 
 async def serve(config: ServerConfig, base: Path) -> None:
