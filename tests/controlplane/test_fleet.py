@@ -19,7 +19,15 @@ from llmgw.controlplane.catalog import parse_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.reconciler import Timing
 from llmgw.protocol import SUBPROTOCOL, decode, encode
-from llmgw.protocol.messages import AnyMessage, Engine, Inventory, Register, RegisterAck, StartShard
+from llmgw.protocol.messages import (
+    AnyMessage,
+    Engine,
+    Inventory,
+    Register,
+    RegisterAck,
+    ShardStatus,
+    StartShard,
+)
 from llmgw.tls import client_context
 from llmgw.wsio import single_error
 from tests.conftest import Pki
@@ -171,3 +179,46 @@ async def test_an_agent_that_stops_reading_does_not_delay_commands_to_other_node
             await wait_for(lambda: not plane.control.dispatcher.connected("n1"), timeout=5)
             assert "not sent: n1 did not take a message within 1 s" in caplog.text
             nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_that_fails_is_one_warning_in_the_fleet_log(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reconciler logs nothing; the fleet manager logs its notes, a failure as a
+    warning, once."""
+    caplog.set_level(logging.INFO)
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    async with control_plane(
+        pki, heartbeat=HEARTBEAT_S, unreachable_after=30, lost_after=60
+    ) as plane:
+        fleet = FleetManager(plane.control, catalog, timing=Timing(settle_s=0))
+        async with agent_ws(plane, "n2") as n2, trio.open_nursery() as nursery:
+            await nursery.start(fleet.run)
+            with trio.fail_after(5):
+                message = _decode(await n2.get_message())
+            assert isinstance(message, StartShard)
+            shard = message.spec.shard_id
+            await n2.send_message(encode(ShardStatus(shard_id=shard, state="starting")))
+            await n2.send_message(
+                encode(ShardStatus(shard_id=shard, state="failed", detail="engine exited 1"))
+            )
+
+            def failures() -> list[logging.LogRecord]:
+                return [r for r in caplog.records if " failed: " in r.getMessage()]
+
+            await wait_for(lambda: any(r.name.endswith("fleet") for r in failures()))
+            await trio.sleep(0.2)  # a second line, if there were one, would be there by now
+            nursery.cancel_scope.cancel()
+    lines = [
+        (r.name, r.levelname, r.getMessage())
+        for r in failures()
+        if r.getMessage().startswith("replica ")
+    ]
+    assert lines == [
+        (
+            "llmgw.controlplane.fleet",
+            "WARNING",
+            f"replica {message.spec.replica_id} failed: shard {shard} on n2 failed: "
+            "engine exited 1",
+        )
+    ]
