@@ -11,17 +11,15 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import AsyncIterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from . import _wire
+from ._deadlines import SocketDeadlines
 from ._framing import BadResponse, Framed, frame_response
 from ._parsing import Message, RequestParser
-from .types import Headers, Request
-
-if TYPE_CHECKING:
-    from .server import HttpServer
+from .types import ErrorBody, Handler, Headers, Request, ServerLimits, default_error_body
 
 logger = logging.getLogger("llmgw.http")
 
@@ -40,17 +38,48 @@ class _PeerGone(Exception):
     """The client reset or closed the connection under a write, or a write timed out."""
 
 
+class Shared:
+    """What a server shares with its connections: all a connection reads of its
+    server, and the two things it changes (``in_flight``; ``deadlines``' waits)."""
+
+    __slots__ = ("_error_body", "deadlines", "draining", "handler", "in_flight", "limits", "name")
+
+    def __init__(
+        self,
+        handler: Handler,
+        limits: ServerLimits,
+        name: str,
+        error_body: ErrorBody,
+        deadlines: SocketDeadlines[Connection],
+    ) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.name = name
+        self._error_body = error_body
+        self.deadlines = deadlines  # waits for a kept-alive connection's next request
+        self.draining = False
+        self.in_flight = 0  # requests whose handler runs or whose response is being written
+
+    def error_body(self, status: int, message: str) -> tuple[str, bytes]:
+        """The configured error body; the default one if it fails."""
+        try:
+            return self._error_body(status, message)
+        except Exception:
+            logger.exception("%s: error_body failed", self.name)
+            return default_error_body(status, message)
+
+
 class Connection:
     """State of one accepted connection; `run` is its main loop."""
 
-    def __init__(self, server: HttpServer, sock: socket.socket, client: tuple[str, int]) -> None:
+    def __init__(self, server: Shared, sock: socket.socket, client: tuple[str, int]) -> None:
         self.server = server
         self.limits = server.limits
         self.sock = sock
         self.client = client
         self.requests = RequestParser(server.limits, server.name)
         self.waited = False  # the main task blocked since the last response
-        # The wait for the next request's first byte (server._deadlines): its
+        # The wait for the next request's first byte (server.deadlines): its
         # deadline, and whether it passed (or drain() ended the wait).
         self.deadline = 0.0
         self.expired = False
@@ -92,7 +121,7 @@ class Connection:
                 # _deadlines.py); the socket is closed once it expires.
                 if self.server.draining:
                     raise _Timeout
-                await self.server._deadlines.wait(self, True, deadline)
+                await self.server.deadlines.wait(self, True, deadline)
                 if self.expired:
                     raise _Timeout
                 continue
@@ -268,7 +297,7 @@ class Connection:
             http_version=msg.version,
         )
         keep_alive = msg.keep_alive
-        server._in_flight += 1
+        server.in_flight += 1
         try:
             with trio.CancelScope() as scope:
                 self.handler_scope = scope
@@ -314,7 +343,7 @@ class Connection:
                 return keep_alive
             return False  # cancelled: the client went away
         finally:
-            server._in_flight -= 1
+            server.in_flight -= 1
             self.handler_scope = None
             if self.watch_scope is not None:
                 self.watch_scope.cancel()

@@ -72,7 +72,7 @@ from typing import Any
 import trio
 
 from . import _wire
-from ._connection import Connection
+from ._connection import Connection, Shared
 from ._deadlines import SocketDeadlines
 from .types import ErrorBody, Handler, ServerLimits, default_error_body
 
@@ -138,17 +138,18 @@ class HttpServer:
         self.handler = handler
         self.limits = limits
         self.name = name
-        self._error_body = error_body or default_error_body
-        self._draining = False
-        self._open = 0
-        self._in_flight = 0
-        self._connections: set[Connection] = set()
         # Waits for a kept-alive connection's next request: one timer, not a
         # cancel scope each (_deadlines.py). Expiring one closes the connection.
         shortest = min(limits.header_timeout_s, limits.keepalive_timeout_s)
-        self._deadlines: SocketDeadlines[Connection] = SocketDeadlines(
-            min(1.0, shortest / 4), _notify_closing
+        self._shared = Shared(
+            handler,
+            limits,
+            name,
+            error_body or default_error_body,
+            SocketDeadlines(min(1.0, shortest / 4), _notify_closing),
         )
+        self._open = 0
+        self._connections: set[Connection] = set()
         self._accept_scopes: set[trio.CancelScope] = set()
         self._busy = _wire.error_response(
             default_error_body, 503, "server is at its connection limit", keep_alive=False
@@ -165,19 +166,11 @@ class HttpServer:
     @property
     def in_flight(self) -> int:
         """Requests whose handler is running or whose response is being written."""
-        return self._in_flight
+        return self._shared.in_flight
 
     @property
     def draining(self) -> bool:
-        return self._draining
-
-    def error_body(self, status: int, message: str) -> tuple[str, bytes]:
-        """The configured error body; the default one if it fails."""
-        try:
-            return self._error_body(status, message)
-        except Exception:
-            logger.exception("%s: error_body failed", self.name)
-            return default_error_body(status, message)
+        return self._shared.draining
 
     # ------------------------------------------------------------------ serving
     async def serve(
@@ -211,7 +204,7 @@ class HttpServer:
         async with trio.open_nursery() as connections:
             accept_scope = trio.CancelScope()
             self._accept_scopes.add(accept_scope)
-            if self._draining:
+            if self._shared.draining:
                 accept_scope.cancel()
             try:
                 with accept_scope:
@@ -229,10 +222,10 @@ class HttpServer:
 
         ``serve()`` returns once every connection has finished; bound that
         with a deadline of your own."""
-        self._draining = True
+        self._shared.draining = True
         for scope in self._accept_scopes:
             scope.cancel()
-        self._deadlines.expire_all()
+        self._shared.deadlines.expire_all()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         listening = listener.socket
@@ -275,7 +268,7 @@ class HttpServer:
         sock.close()
 
     async def _run_connection(self, sock: socket.socket, client: tuple[str, int]) -> None:
-        conn = Connection(self, sock, client)
+        conn = Connection(self._shared, sock, client)
         self._connections.add(conn)
         try:
             async with trio.open_nursery() as nursery:
