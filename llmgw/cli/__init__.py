@@ -138,7 +138,7 @@ def router(
     if log_level is not None:
         overrides.append(f"log_level={_quote(log_level)}")
     from llmgw.config.schema import StandaloneRouterConfig
-    from llmgw.router import daemon
+    from llmgw.serve import router as daemon
 
     try:
         cfg, base = load_config(StandaloneRouterConfig, config, overrides)

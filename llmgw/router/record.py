@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
+from llmgw.addr import join_hostport
 from llmgw.http import Request
 from llmgw.router.breaker import Outcome
 from llmgw.router.metrics import RouterMetrics
@@ -132,8 +133,7 @@ class Record:
     def _write(self, now: float, ended: Ended) -> None:
         assert self.arrived is not None
         request = self.request
-        host, port = request.client[0], request.client[1]
-        client = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        client = join_hostport(*request.client)
         ttft = "-" if self.ttft is None else f"{self.ttft:.3f}s"
         access_log.info(
             "%s %s %s status=%d key=%s model=%s replica=%s time=%.3fs ttft=%s tokens=%d end=%s",

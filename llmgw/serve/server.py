@@ -23,9 +23,9 @@ from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
-from llmgw.router.daemon import router_app
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
+from llmgw.serve.router import router_app
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")

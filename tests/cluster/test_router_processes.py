@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,12 +24,14 @@ from tests.realparts import needs_server
 pytestmark = needs_server
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def reserved_port() -> socket.socket:
+    """A port held for processes that share it with SO_REUSEPORT (a standalone
+    router's workers): bound, never listening, so no connection lands on it, and
+    nothing else on the machine can take the port while it is held."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 @asynccontextmanager
@@ -43,9 +46,8 @@ async def routed(
     extra_keys: str = "",
 ) -> AsyncIterator[tuple[Cluster, str, str]]:
     key = new_key()
-    router_port = free_port()
     router = (
-        f'[router]\nlisten = "127.0.0.1:{router_port}"\nmax_body_mb = 1\naccess_log = true\n'
+        '[router]\nlisten = "127.0.0.1:0"\nmax_body_mb = 1\naccess_log = true\n'
         f"{router_extra}"
         f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n{extra_keys}'
     )
@@ -65,7 +67,8 @@ async def routed(
         if replicas > 1:
             c.agent("n2")
         await c.wait_ready(replicas)
-        base = f"http://127.0.0.1:{router_port}/v1"
+        m = await c.server.wait_log(r"OpenAI-compatible endpoint on (http://127\.0\.0\.1:\d+/v1)")
+        base = m.group(1)
         with trio.fail_after(20):
             while True:
                 async with httpx.AsyncClient() as client:
@@ -466,12 +469,13 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
     from tests.cluster.procs import Daemon
 
     async with routed(tmp_path, pki) as (c, _, key):
-        port, metrics_port = free_port(), free_port()
+        held = reserved_port()
+        port = held.getsockname()[1]
         (tmp_path / "router.toml").write_text(
             f'admin_url = "{c.server.admin_url}"\n'
             'admin_token_file = "state/admin-token"\n'
             "workers = 2\n"
-            f'metrics_listen = "127.0.0.1:{metrics_port}"\n'
+            'metrics_listen = "127.0.0.1:0"\n'
             f'[router]\nlisten = "127.0.0.1:{port}"\n'
             f'[[router.keys]]\nname = "edge"\nsha256 = "{hash_key(key)}"\n'
         )
@@ -479,6 +483,8 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         c.agents["router"] = router  # killed with the rest
         base = f"http://127.0.0.1:{port}/v1"
         await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
+        m = await router.wait_log(r"router metrics on (http://127\.0\.0\.1:\d+/metrics)")
+        metrics_url = m.group(1)
         client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         for _ in range(6):  # connections land on both workers
             reply = await client.chat.completions.create(
@@ -487,7 +493,7 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
             assert reply.choices[0].message.content
         # one metrics page for both workers, each sample labelled with its worker
         async with httpx.AsyncClient(timeout=5) as raw:
-            page = (await raw.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+            page = (await raw.get(metrics_url)).text
         samples = Samples.parse(page)
         assert samples("llmgw_router_worker_up", worker="1") == 1
         assert samples("llmgw_router_requests_total", model="tiny", status="200") == 6
@@ -504,4 +510,5 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         )
         assert reply.choices[0].message.content  # the engine serves, the router routes
         took = await router.stop(signal.SIGTERM)
+        held.close()
         assert took < 2.0
