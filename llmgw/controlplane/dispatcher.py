@@ -15,7 +15,7 @@ import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from llmgw.controlplane.metrics import ControlPlaneMetrics
-from llmgw.protocol import CloseCode, Session
+from llmgw.protocol import CloseCode, LocalProtocolError, Session
 from llmgw.protocol.messages import Message
 
 log = logging.getLogger("llmgw.controlplane")
@@ -38,7 +38,12 @@ class AgentConnection:
     close_reason: str = "control plane shutting down"
 
     async def send(self, message: Message) -> None:
-        data = self.session.send(message)
+        try:
+            data = self.session.send(message)
+        except LocalProtocolError as exc:
+            # the session failed (a bad message from the agent) and its handler has
+            # not detached it yet: for a sender, that node is not connected
+            raise NodeNotConnected(f"stream to {self.node_id} is closing ({exc})") from None
         try:
             with trio.fail_after(self.send_timeout):
                 await self.ws.send_message(data)

@@ -16,9 +16,10 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Message, Request
 
 from llmgw.controlplane.catalog import parse_catalog
+from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.reconciler import Timing
-from llmgw.protocol import SUBPROTOCOL, decode, encode
+from llmgw.protocol import SUBPROTOCOL, State, decode, encode
 from llmgw.protocol.messages import (
     AnyMessage,
     Engine,
@@ -27,6 +28,7 @@ from llmgw.protocol.messages import (
     RegisterAck,
     ShardStatus,
     StartShard,
+    StopShard,
 )
 from llmgw.tls import client_context
 from llmgw.wsio import single_error
@@ -222,3 +224,25 @@ async def test_a_replica_that_fails_is_one_warning_in_the_fleet_log(
             "engine exited 1",
         )
     ]
+
+
+async def test_a_command_to_a_stream_whose_session_just_failed_is_not_sent(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between a session failing (a bad message from the agent) and its handler
+    detaching it, a command for that node must read as "not connected": any other
+    error would end the outbox's task, and with it the fleet manager and the
+    server."""
+    caplog.set_level(logging.INFO)
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    async with control_plane(pki, heartbeat=HEARTBEAT_S) as plane, agent_ws(plane, "n2"):
+        conn = plane.control.dispatcher.connections["n2"]
+        conn.session.state = State.ERROR  # as the handler leaves it, before it detaches
+        with pytest.raises(NodeNotConnected, match="n2 is closing"):
+            await plane.control.dispatcher.send("n2", StopShard(shard_id="s1"))
+        fleet = FleetManager(plane.control, catalog, timing=Timing(settle_s=0))
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(fleet.run)  # places "first" on n2: its start is not sent
+                await wait_for(lambda: "not sent: stream to n2 is closing" in caplog.text)
+                nursery.cancel_scope.cancel()
