@@ -114,7 +114,7 @@ def fleet(n: int, now: float = 0.0) -> NodeTable:
     table = NodeTable(POLICY)
     for i, node_id in enumerate(node_ids(n)):
         table.register(
-            node_id, inventory(i), [], peer=f"10.0.0.{i % 250}:4000", connection=i, now=now, wall=0
+            node_id, inventory(i), peer=f"10.0.0.{i % 250}:4000", connection=i, now=now, wall=0
         )
     return table
 
@@ -338,7 +338,6 @@ def main() -> int:
             new_table.register(
                 msg.node_id,
                 msg.inventory,
-                msg.shards,
                 peer="10.0.0.1:4000",
                 connection=k,
                 now=at,

@@ -9,6 +9,7 @@ plane's under no await.
 from __future__ import annotations
 
 import hmac
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
@@ -108,12 +109,14 @@ class AdminApi:
 
     async def nodes(self, request: Request) -> Response:
         fleet = self.fleet
+        shards = Counter(s.node_id for r in fleet.replicas() for s in r.shards) if fleet else {}
         views = []
         for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id):
             view = node_view(n, self._gpu_views)
             if fleet is not None:
                 view.cordoned = fleet.is_cordoned(n.node_id)
                 view.draining = fleet.is_draining(n.node_id)
+                view.shards = shards.get(n.node_id, 0)
             views.append(view)
         return json_response(200, {"nodes": views})
 

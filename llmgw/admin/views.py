@@ -36,7 +36,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     weights: list[WeightCopy]
     weights_scanned: bool
     labels: dict[str, str]
-    shards: int
+    shards: int = 0  # the shards of the control plane's replicas on it now
     cordoned: bool = False
     draining: bool = False
 
@@ -92,7 +92,6 @@ def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
         weights=list(inv.weights),
         weights_scanned=inv.weights_scanned,
         labels=dict(inv.labels),
-        shards=len(node.shards),
     )
 
 

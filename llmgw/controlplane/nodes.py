@@ -18,7 +18,7 @@ from enum import StrEnum
 import attrs
 import msgspec
 
-from llmgw.protocol.messages import Heartbeat, Inventory, ShardReport
+from llmgw.protocol.messages import Heartbeat, Inventory
 
 
 class NodeState(StrEnum):
@@ -52,7 +52,6 @@ class Node:
     last_seen: float
     last_seen_wall: float
     registered_at_wall: float
-    shards: list[ShardReport] = attrs.Factory(list)
     last_heartbeat_seq: int = -1
 
     @property
@@ -101,7 +100,6 @@ class NodeTable:
         self,
         node_id: str,
         inventory: Inventory,
-        shards: list[ShardReport],
         *,
         peer: str,
         connection: int,
@@ -122,7 +120,6 @@ class NodeTable:
                 last_seen=now,
                 last_seen_wall=wall,
                 registered_at_wall=wall,
-                shards=list(shards),
             )
             self.nodes[node_id] = node
             return [Change(node_id, None, NodeState.READY, "registered")], news
@@ -134,7 +131,6 @@ class NodeTable:
         node.last_seen = now
         node.last_seen_wall = wall
         node.registered_at_wall = wall
-        node.shards = list(shards)
         node.last_heartbeat_seq = -1
         return self._set(node, NodeState.READY, "registered"), news
 

@@ -55,7 +55,6 @@ class ControlPlane:
         changes, news = self.nodes.register(
             msg.node_id,
             msg.inventory,
-            msg.shards,
             peer=conn.peer,
             connection=conn.generation,
             now=self._clock(),

@@ -138,7 +138,7 @@ async def serve(config: ServerConfig, base: Path) -> None:
             nursery.start_soon(_reload_on_sighup, fleet)
             log.info(
                 "reconciling %d models from %s",
-                len(fleet.reconciler.catalog.models),
+                len(fleet.catalog.models),
                 fleet.catalog_path,
             )
         admin_listeners = await nursery.start(admin.serve_tcp, admin_host, admin_port)

@@ -29,8 +29,8 @@ async def admin(nursery: trio.Nursery) -> tuple[str, ControlPlane]:
             Gpu(index=1, name="NVIDIA H200", healthy=False, problems=["pending retired pages"]),
         ],
     )
-    control.nodes.register("n1", inventory, [], peer="10.1.2.3:555", connection=1, now=0, wall=0)
-    control.nodes.register("n2", Inventory(), [], peer="10.1.2.4:555", connection=2, now=0, wall=0)
+    control.nodes.register("n1", inventory, peer="10.1.2.3:555", connection=1, now=0, wall=0)
+    control.nodes.register("n2", Inventory(), peer="10.1.2.4:555", connection=2, now=0, wall=0)
     listeners = await nursery.start(HttpServer(AdminApi(control, TOKEN)).serve_tcp, "127.0.0.1", 0)
     port = listeners[0].socket.getsockname()[1]
     return f"http://127.0.0.1:{port}", control
@@ -96,8 +96,8 @@ def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> 
         gpus=[Gpu(index=0), Gpu(index=1, healthy=False, problems=["remapped-row failure"])],
         memory=Memory(total_bytes=8 << 30),
     )
-    control.nodes.register("a", inv, [], peer="1.1.1.1:1", connection=1, now=0, wall=100)
-    control.nodes.register("b", Inventory(), [], peer="1.1.1.2:1", connection=2, now=0, wall=100)
+    control.nodes.register("a", inv, peer="1.1.1.1:1", connection=1, now=0, wall=100)
+    control.nodes.register("b", Inventory(), peer="1.1.1.2:1", connection=2, now=0, wall=100)
     text = render_nodes([node_view(n) for n in control.nodes.nodes.values()], now=130)
     lines = text.splitlines()
     assert lines[1].split()[:4] == ["a", "1.1.1.1", "Ready", "30s"]

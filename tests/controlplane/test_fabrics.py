@@ -22,7 +22,7 @@ def local(model: str, storage: str = "local") -> WeightCopy:
 def table(nodes: dict[str, Inventory]) -> NodeTable:
     t = NodeTable(LivenessPolicy(15, 60))
     for i, (node, inv) in enumerate(nodes.items()):
-        t.register(node, inv, [], peer="p", connection=i, now=0, wall=0)
+        t.register(node, inv, peer="p", connection=i, now=0, wall=0)
     return t
 
 

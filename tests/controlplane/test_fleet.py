@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import msgspec
 import pytest
 import trio
@@ -15,10 +16,12 @@ from trio_websocket import WebSocketConnection, wrap_client_stream
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import AcceptConnection, BytesMessage, Message, Request
 
+from llmgw.admin.api import AdminApi
 from llmgw.controlplane.catalog import parse_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.reconciler import Timing
+from llmgw.http import HttpServer
 from llmgw.protocol import SUBPROTOCOL, State, decode, encode
 from llmgw.protocol.messages import (
     AnyMessage,
@@ -246,3 +249,24 @@ async def test_a_command_to_a_stream_whose_session_just_failed_is_not_sent(
                 await nursery.start(fleet.run)  # places "first" on n2: its start is not sent
                 await wait_for(lambda: "not sent: stream to n2 is closing" in caplog.text)
                 nursery.cancel_scope.cancel()
+
+
+async def test_the_admin_node_view_counts_the_shards_placed_since_registration(pki: Pki) -> None:
+    """A node registers running nothing; once a replica is placed on it, the admin
+    API's node view counts that shard (it once showed the registration's count)."""
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    async with control_plane(
+        pki, heartbeat=HEARTBEAT_S, unreachable_after=30, lost_after=60
+    ) as plane:
+        fleet = FleetManager(plane.control, catalog, timing=Timing(settle_s=0))
+        admin = HttpServer(AdminApi(plane.control, "t0ken", fleet))
+        async with agent_ws(plane, "n2") as n2, trio.open_nursery() as nursery:
+            listeners = await nursery.start(admin.serve_tcp, "127.0.0.1", 0)
+            url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1/nodes"
+            await nursery.start(fleet.run)
+            with trio.fail_after(5):
+                assert isinstance(_decode(await n2.get_message()), StartShard)
+            async with httpx.AsyncClient(timeout=5) as client:
+                r = await client.get(url, headers={"authorization": "Bearer t0ken"})
+            assert [(n["node_id"], n["shards"]) for n in r.json()["nodes"]] == [("n2", 1)]
+            nursery.cancel_scope.cancel()

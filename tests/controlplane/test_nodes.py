@@ -13,9 +13,7 @@ POLICY = LivenessPolicy(unreachable_after=15, lost_after=60)
 
 def table_with(node: str = "n1", now: float = 0.0, connection: int = 1) -> NodeTable:
     t = NodeTable(POLICY)
-    t.register(
-        node, Inventory(), [], peer="10.0.0.1:5000", connection=connection, now=now, wall=now
-    )
+    t.register(node, Inventory(), peer="10.0.0.1:5000", connection=connection, now=now, wall=now)
     return t
 
 
@@ -55,7 +53,7 @@ def test_closed_stream_is_unreachable_at_once_then_lost() -> None:
 
 def test_reports_from_a_replaced_stream_are_ignored() -> None:
     t = table_with(connection=1)
-    t.register("n1", Inventory(), [], peer="p", connection=2, now=5, wall=5)
+    t.register("n1", Inventory(), peer="p", connection=2, now=5, wall=5)
     assert t.disconnected("n1", 1, now=6) == []  # the old stream closing changes nothing
     assert t.heartbeat("n1", 1, hb(), now=7, wall=7) == ([], [])
     assert t.nodes["n1"].state is NodeState.READY
@@ -109,7 +107,7 @@ def test_state_always_matches_the_definition(steps: list[tuple[str, float]]) -> 
             connected = False
         elif action == "register":
             connection += 1
-            t.register("n1", Inventory(), [], peer="p", connection=connection, now=now, wall=now)
+            t.register("n1", Inventory(), peer="p", connection=connection, now=now, wall=now)
             connected, last_seen = True, now
         t.sweep(now)
         silent = now - last_seen

@@ -54,7 +54,7 @@ def fleet(*names: str, gpus: int = 0, memory_gb: int = 64) -> NodeTable:
             gpus=[Gpu(index=g, name="H100") for g in range(gpus)],
             engines=[Engine(name="llama.cpp", version="b1"), Engine(name="vllm", version="0.11")],
         )
-        t.register(name, inv, [], peer=f"10.0.0.{i}:1", connection=i, now=0, wall=0)
+        t.register(name, inv, peer=f"10.0.0.{i}:1", connection=i, now=0, wall=0)
     return t
 
 

@@ -252,7 +252,6 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.table.register(
             agent.node_id,
             agent.inventory(),
-            reports,
             peer=f"10.0.0.{agent.node_id[1:]}:4000",
             connection=agent.connection,
             now=self.now,
