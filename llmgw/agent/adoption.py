@@ -1,0 +1,121 @@
+"""Adoption: a restarted agent takes over the engines its previous run left serving.
+
+A restarted agent reads the records and adopts every engine whose pid is
+alive with the same start time and command line (a recycled pid is not our
+engine; see ``procs``). It cannot wait on a process that is not its child,
+so it watches it through a pidfd (polling /proc where there are none) and
+stops it by signalling the group.
+
+An adopted shard starts out ``starting``; one health check of each before the
+first registration, and before its watcher starts, moves those that serve to
+``ready`` (through the lifecycle table, and reported like any other move), so
+a reconnecting agent reports the engines that serve as ready, not as
+starting. The watcher of each of the rest waits for its health as a new
+shard's does, within its spec's startup timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Iterable
+
+import trio
+
+from llmgw.agent.lifecycle import Phase
+from llmgw.agent.output import OutputTail
+from llmgw.agent.procs import ProcessIdentity, is_same_process
+from llmgw.agent.records import RecordStore
+from llmgw.agent.shard import Shard
+from llmgw.engines.base import Launch
+
+log = logging.getLogger("llmgw.agent.supervisor")
+
+WATCH_INTERVAL_S = 0.5
+CHECK_BOUND_S = 3.0  # the health checks before the first registration, all together
+
+
+def adopt_records(records: RecordStore, tail_for: Callable[[str], OutputTail]) -> list[Shard]:
+    """A shard for every recorded engine that is still that engine; forget the others."""
+    adopted: list[Shard] = []
+    for record in records.load_all():
+        sid = record.spec.shard_id
+        recorded = ProcessIdentity(
+            pid=record.pid,
+            start_time=record.start_time,
+            cmdline=tuple(record.cmdline),
+            pgid=record.pgid,
+            state="",
+        )
+        if not is_same_process(recorded):
+            log.info(
+                "shard %s from a previous agent is gone (pid %d is not that engine any more); "
+                "forgetting it",
+                sid,
+                record.pid,
+            )
+            records.remove(sid)
+            continue
+        tail = tail_for(sid)
+        tail.skip_to_end()
+        adopted.append(
+            Shard(
+                spec=record.spec,
+                tail=tail,
+                launch=Launch(
+                    argv=list(record.cmdline),
+                    env={},
+                    health_url=record.health_url,
+                    metrics_url=record.metrics_url,
+                    cleanup=record.cleanup,
+                ),
+                ident=recorded,
+                adopted=True,
+                detail=f"adopted pid {record.pid}",
+                launched_at=record.launched_at,
+            )
+        )
+        log.warning(
+            "adopted shard %s (pid %d) left running by a previous agent; watching it by "
+            "polling. Its earlier output is gone from this agent's memory (what it wrote "
+            "is still in %s)",
+            sid,
+            record.pid,
+            record.log_path,
+        )
+    return adopted
+
+
+async def adopted_exit(shard: Shard) -> None:
+    """Wait for an engine that is not our child to end.
+
+    A pidfd becomes readable when any process exits, child or not; the
+    identity is checked again after opening it, so a pid recycled in
+    between is not waited on. Without pidfds, poll.
+    """
+    assert shard.ident is not None
+    try:
+        fd = os.pidfd_open(shard.ident.pid)
+    except (OSError, AttributeError):
+        while is_same_process(shard.ident):  # noqa: ASYNC110 (no event to wait on)
+            await trio.sleep(WATCH_INTERVAL_S)
+        return
+    try:
+        if is_same_process(shard.ident):
+            await trio.lowlevel.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+async def check_adopted(
+    shards: Iterable[Shard],
+    healthy: Callable[[str], Awaitable[bool]],
+    ready: Callable[[Shard], object],
+) -> None:
+    """One health check of every adopted shard still starting; ``ready`` those that serve."""
+    with trio.move_on_after(CHECK_BOUND_S):
+        for shard in list(shards):
+            url = shard.launch.health_url if shard.launch else None
+            starting = shard.adopted and shard.phase is Phase.STARTING
+            if starting and url is not None and await healthy(url):
+                ready(shard)

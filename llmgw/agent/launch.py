@@ -1,0 +1,111 @@
+"""Launch: from a shard spec to an engine process the agent can find again.
+
+Theory of operation
+-------------------
+The adapter validates the spec first (refusing before minutes of loading).
+
+A process that holds the shard's port and that no spec describes is killed
+(and, for a GPU shard, any process holding GPU memory that no spec
+describes); a port still held after that refuses the launch. The engine
+starts in its own session and process group with its output appended to a
+log file; the full spec, the pid, its start time and command line are
+written to the state directory (atomically) *before* the shard is reported
+``starting``.
+
+A command can overtake the launch at each await: the launcher checks that the
+shard is still ``starting`` right before it spawns, and ends what it spawned
+if a stop or drain came in while it did.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from llmgw.agent.lifecycle import Event, Phase
+from llmgw.agent.procs import ProcessIdentity, identity, port_holders, terminate_group
+from llmgw.agent.shard import Shard
+from llmgw.engines import adapters
+
+if TYPE_CHECKING:
+    from llmgw.agent.supervisor import Supervisor
+
+log = logging.getLogger("llmgw.agent.supervisor")
+
+
+async def launch(sup: Supervisor, shard: Shard) -> bool:
+    """Start the shard's engine; True when it runs and is the shard's to watch."""
+    spec = shard.spec
+    adapter = adapters().get(spec.engine)
+    if adapter is None:
+        known = ", ".join(adapters())
+        sup.fire(shard, Event.REFUSED, f"unknown engine {spec.engine!r} (known: {known})")
+        return False
+    problems = adapter.validate(spec)
+    if problems:
+        sup.fire(shard, Event.REFUSED, "refused before launch: " + "; ".join(problems))
+        return False
+    binaries = dict(sup.binaries())
+    try:
+        how = adapter.launch(spec, binaries)
+    except KeyError as exc:
+        sup.fire(shard, Event.REFUSED, f"{exc.args[0]} is not installed on this node")
+        return False
+    ports = {spec.port} if how.health_url is not None and spec.port else set()
+    if sup.settings.kill_unidentified:
+        await sup.kill_unidentified(ports)
+        if spec.gpus:
+            await sup.kill_gpu_holders()
+    holders = port_holders(ports).get(spec.port, set()) if ports else set()
+    if holders:
+        held = ", ".join(map(str, sorted(holders)))
+        sup.fire(shard, Event.REFUSED, f"port {spec.port} is held by pid {held}")
+        return False
+    if shard.phase is not Phase.STARTING:
+        return False  # stopped or drained while it was being prepared: nothing to launch
+    shard.launch = how
+    fd = shard.tail.open_for_engine()
+    try:
+        process = await trio.lowlevel.open_process(
+            how.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=fd,
+            stderr=fd,
+            start_new_session=True,
+            env={**os.environ, **how.env},
+        )
+    except OSError as exc:
+        os.close(fd)
+        sup.fire(shard, Event.REFUSED, f"cannot start {how.argv[0]}: {exc.strerror or exc}")
+        return False
+    os.close(fd)
+    shard.process = process
+    # Right after the spawn, /proc may not show the new program's argv yet; the
+    # start time is fixed at fork, so record it with the argv we passed.
+    seen = identity(process.pid)
+    shard.ident = ProcessIdentity(
+        pid=process.pid,
+        start_time=seen.start_time if seen else 0,
+        cmdline=tuple(how.argv),
+        pgid=process.pid,  # start_new_session: the engine leads its own group
+        state="R",
+    )
+    shard.launched_at = time.time()
+    sup.write_record(shard)
+    sup.on_event("launched")
+    log.info("shard %s: started %s (pid %d)", spec.shard_id, how.argv[0], process.pid)
+    if sup.fire(shard, Event.LAUNCHED, f"pid {process.pid}").to is not Phase.STARTING:
+        # a stop or drain came while it was spawning; whoever ends the shard may
+        # have looked before there was a process to end
+        log.info("shard %s: ending pid %d, no longer wanted", spec.shard_id, process.pid)
+        await terminate_group(process.pid, grace=2.0)
+        with trio.move_on_after(5):
+            await process.wait()
+        sup.records.remove(spec.shard_id)  # it describes nothing now
+        return False
+    return True

@@ -1,0 +1,107 @@
+"""Processes nobody can describe: they hold an engine port or a GPU, and no shard is them.
+
+Placement hands out this node's engine ports and GPUs; a process holding one
+that no shard spec describes (an engine left by an agent whose records were
+lost, something an operator started by hand) would make the next engine
+placed there fail, or share a GPU it was promised alone. The agent kills
+such processes, and logs each kill with what it was and what it held.
+
+A process that leads its own group (as every engine the agent starts does)
+is ended with its group; anything else gets SIGKILL alone, so the agent never
+signals its own group or a shell's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterable
+
+from llmgw.agent.discovery.gpus import gpu_processes
+from llmgw.agent.procs import (
+    ProcessIdentity,
+    group_members,
+    identity,
+    listening_ports,
+    port_holders,
+    terminate_group,
+)
+from llmgw.agent.shard import Shard
+
+log = logging.getLogger("llmgw.agent.supervisor")
+
+
+def port_range_listeners(port_range: tuple[int, int]) -> set[int]:
+    """The ports of the engine range that something listens on now."""
+    low, high = port_range
+    return {p for p in listening_ports() if low <= p <= high}
+
+
+def ours(shards: Iterable[Shard]) -> set[int]:
+    """This agent and every process of every shard it runs."""
+    pids: set[int] = {os.getpid()}
+    for shard in shards:
+        if shard.ident is not None:
+            pids.update(group_members(shard.ident.pgid))
+            pids.add(shard.ident.pid)
+    return pids
+
+
+async def kill_unidentified(
+    ports: set[int], ours: set[int], on_event: Callable[[str], None]
+) -> None:
+    """Kill processes that hold a port we assign and that no shard describes."""
+    if not ports:
+        return
+    for port, pids in sorted(port_holders(ports).items()):
+        for pid in sorted(pids - ours):
+            who = identity(pid)
+            if who is None:
+                continue
+            command = " ".join(who.cmdline)[:200]
+            log.warning(
+                "killing pid %d (%s): it holds port %d, which this agent assigns to engines, "
+                "and no shard spec describes it",
+                pid,
+                command,
+                port,
+            )
+            on_event("killed")
+            await kill_process(who)
+
+
+async def kill_gpu_holders(
+    nvidia_smi: str, ours: Callable[[], set[int]], on_event: Callable[[str], None]
+) -> None:
+    """Kill processes holding GPU memory that no shard describes: placement hands
+    this node's GPUs out, and would hand theirs out again."""
+    holders = await gpu_processes(nvidia_smi)
+    if not holders:
+        return
+    known = ours()
+    for pid, gpu in sorted(holders.items()):
+        if pid in known:
+            continue
+        who = identity(pid)
+        if who is None:
+            continue
+        log.warning(
+            "killing pid %d (%s): it holds memory on GPU %s, which this agent assigns "
+            "to engines, and no shard spec describes it",
+            pid,
+            " ".join(who.cmdline)[:200],
+            gpu,
+        )
+        on_event("killed")
+        await kill_process(who)
+
+
+async def kill_process(who: ProcessIdentity) -> None:
+    if who.pgid == who.pid and who.pgid != os.getpgrp():
+        await terminate_group(who.pid, grace=2.0)
+    else:
+        try:
+            os.kill(who.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
