@@ -51,7 +51,6 @@ from llmgw.protocol.messages import (
     Register,
     RegisterAck,
     ShardReport,
-    ShardStatus,
     StartShard,
     StopShard,
 )
@@ -77,7 +76,7 @@ class AgentStream:
         self,
         settings: StreamSettings,
         source: InventorySource,
-        supervisor: Supervisor | None = None,
+        supervisor: Supervisor,
         metrics: AgentMetrics | None = None,
     ) -> None:
         self.settings = settings
@@ -224,12 +223,9 @@ class AgentStream:
                 nursery.start_soon(
                     self._heartbeats, ws, session, ack.heartbeat_interval_s, inventory
                 )
-                if self.supervisor is not None:
-                    nursery.start_soon(self._statuses, ws, session, self.supervisor)
+                nursery.start_soon(self._statuses, ws, session, self.supervisor)
                 while True:
-                    command = session.receive(await ws.get_message())
-                    for reply in self.handle_command(command):
-                        await ws.send_message(session.send(reply))
+                    self.handle_command(session.receive(await ws.get_message()))
 
     async def _heartbeats(
         self, ws: WebSocketConnection, session: Session, interval: float, sent: Inventory
@@ -258,34 +254,17 @@ class AgentStream:
 
     def running_shards(self) -> list[ShardReport]:
         """Every shard this agent runs; an empty list is news, and is sent as such."""
-        return self.supervisor.reports() if self.supervisor is not None else []
+        return self.supervisor.reports()
 
-    def handle_command(self, command: object) -> list[ShardStatus]:
+    def handle_command(self, command: object) -> None:
+        """Hand a command to the supervisor, whose answers go up through its outbox."""
         sup = self.supervisor
-        if sup is not None:
-            if isinstance(command, StartShard):
-                sup.start(command.spec)
-            elif isinstance(command, StopShard):
-                sup.stop(command.shard_id, command.grace_s)
-            elif isinstance(command, DrainShard):
-                sup.drain(command.shard_id, command.grace_s)
-            return []
         if isinstance(command, StartShard):
-            log.warning(
-                "cannot start shard %s: this agent does not run engines yet", command.spec.shard_id
-            )
-            return [
-                ShardStatus(
-                    shard_id=command.spec.shard_id,
-                    state="failed",
-                    detail="this agent version does not run engines",
-                )
-            ]
-        if isinstance(command, StopShard | DrainShard):
-            return [
-                ShardStatus(shard_id=command.shard_id, state="stopped", detail="not running here")
-            ]
-        return []
+            sup.start(command.spec)
+        elif isinstance(command, StopShard):
+            sup.stop(command.shard_id, command.grace_s)
+        elif isinstance(command, DrainShard):
+            sup.drain(command.shard_id, command.grace_s)
 
     def _log_closed(self, where: str, exc: ConnectionClosed, state: _Attempt) -> None:
         r = exc.reason

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ssl
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -13,6 +14,7 @@ from trio_websocket import WebSocketConnection, wrap_client_stream
 
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.stream import AgentStream, StreamSettings
+from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.config.schema import DiscoveryConfig, InventoryOverrides, WeightsConfig
 from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.service import ControlPlane
@@ -37,7 +39,9 @@ class Plane:
         cert: tuple[Path, Path] | None = None,
         memory_gb: float | None = None,
         backoff: float = 0.05,
+        state_dir: Path | None = None,
     ) -> AgentStream:
+        """An agent whose supervisor runs no engines until the test runs it (``supervised``)."""
         c, k = cert or self.pki.agent(node)
         settings = StreamSettings(
             node_id=node,
@@ -54,7 +58,15 @@ class Plane:
         source = InventorySource(
             overrides, ("127.0.0.1", self.port), discovery=discovery, weights=weights
         )
-        return AgentStream(settings, source)
+        supervisor = Supervisor(
+            SupervisorSettings(
+                state_dir=state_dir or Path(tempfile.mkdtemp(prefix=f"agent-{node}-")),
+                kill_unidentified=False,
+                nvidia_smi="/nonexistent/nvidia-smi",
+            ),
+            dict,
+        )
+        return AgentStream(settings, source, supervisor)
 
     def refusals(self, reason: str) -> float:
         value = self.control.metrics.registry.get_sample_value(
@@ -92,6 +104,16 @@ async def control_plane(
         await nursery.start(control.run_liveness)
         port = listeners[0].socket.getsockname()[1]
         yield Plane(control, server, port, pki)
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def supervised(agent: AgentStream) -> AsyncIterator[AgentStream]:
+    """The agent's supervisor and stream running, as the agent daemon runs them."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(agent.supervisor.run)
+        nursery.start_soon(agent.run)
+        yield agent
         nursery.cancel_scope.cancel()
 
 
