@@ -3,6 +3,9 @@
 Theory of operation
 -------------------
 The adapter validates the spec first (refusing before minutes of loading).
+Validation reads the model's files (a GGUF header can be megabytes, on a
+filer that may hang), so it runs in a worker thread: the event loop keeps
+heartbeating while it reads.
 
 A process that holds the shard's port and that no spec describes is killed
 (and, for a GPU shard, any process holding GPU memory that no spec
@@ -46,7 +49,8 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
         known = ", ".join(adapters())
         sup.fire(shard, Event.REFUSED, f"unknown engine {spec.engine!r} (known: {known})")
         return False
-    problems = adapter.validate(spec)
+    # the adapter reads the model's files: off the event loop, which must keep heartbeating
+    problems = await trio.to_thread.run_sync(adapter.validate, spec, abandon_on_cancel=True)
     if problems:
         sup.fire(shard, Event.REFUSED, "refused before launch: " + "; ".join(problems))
         return False

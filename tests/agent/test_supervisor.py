@@ -1,4 +1,4 @@
-"""The supervisor with real processes (no engines needed).
+"""The supervisor with real processes and the real stream (no engines needed).
 
 Every test here has a ``fail_after``: a supervisor that hangs must fail the
 test, not the suite.
@@ -6,19 +6,25 @@ test, not the suite.
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import pytest
 import trio
 
+from llmgw.agent.discovery import weights
 from llmgw.agent.procs import identity, terminate_group
 from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.supervisor import Supervisor, SupervisorSettings
-from llmgw.protocol.messages import ShardSpec, ShardStatus
+from llmgw.protocol.messages import ShardSpec, ShardStatus, StartShard
+from tests.conftest import Pki
+from tests.stream.harness import control_plane, supervised, wait_for
 
 
 def free_port() -> int:
@@ -87,3 +93,52 @@ async def test_an_adopted_engine_that_serves_is_reported_ready(tmp_path: Path) -
                     )
                 ]
                 nursery.cancel_scope.cancel()
+
+
+async def test_a_hung_model_file_does_not_stall_heartbeats(
+    pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Validation reads the model file; on a filer that hangs, that read hangs. The agent
+    keeps heartbeating through the real stream while it does, and the shard is refused
+    once the read returns."""
+    caplog.set_level(logging.INFO)
+    entered, release, left = threading.Event(), threading.Event(), threading.Event()
+    real = weights.gguf_complete
+
+    def hanging(path: Path) -> str | None:
+        entered.set()
+        release.wait(timeout=10)  # the NFS server answers again, eventually
+        left.set()
+        return real(path)
+
+    monkeypatch.setattr(weights, "gguf_complete", hanging)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"not a model")
+    spec = ShardSpec(
+        shard_id="s1",
+        replica_id="r1",
+        model="m",
+        profile="p",
+        engine="llama.cpp",
+        port=free_port(),
+        model_path=str(model),
+    )
+    try:
+        async with (
+            control_plane(pki, heartbeat=0.1) as plane,
+            supervised(plane.agent("n1", state_dir=tmp_path / "agent")),
+        ):
+            nodes = plane.control.nodes.nodes
+            await wait_for(lambda: "n1" in nodes and nodes["n1"].last_heartbeat_seq >= 1)
+            with trio.fail_after(5):
+                await plane.control.dispatcher.send("n1", StartShard(spec=spec))
+            await wait_for(entered.is_set)
+            seq = nodes["n1"].last_heartbeat_seq
+            # five heartbeat intervals and more while the read hangs
+            await wait_for(lambda: nodes["n1"].last_heartbeat_seq >= seq + 5)
+            assert not left.is_set()
+            release.set()
+            await wait_for(lambda: "shard s1 failed: refused before launch" in caplog.text)
+            assert "is not a whole GGUF model: not a GGUF file" in caplog.text
+    finally:
+        release.set()
