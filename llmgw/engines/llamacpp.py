@@ -21,6 +21,7 @@ from llmgw.engines.base import (
     int_setting,
     sample_values,
 )
+from llmgw.gguf import gguf_complete
 from llmgw.protocol.messages import ShardSpec
 
 SETTINGS = frozenset(
@@ -56,8 +57,6 @@ class LlamaCppAdapter:
     binary = "llama-server"
 
     def validate(self, spec: ShardSpec) -> list[str]:
-        from llmgw.agent.discovery.weights import gguf_complete
-
         problems: list[str] = []
         unknown = sorted(set(spec.settings) - SETTINGS)
         problems.extend(f"unknown setting {k!r} for llama.cpp" for k in unknown)

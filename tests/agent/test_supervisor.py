@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.agent.discovery import weights
 from llmgw.agent.procs import identity, terminate_group
 from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.supervisor import Supervisor, SupervisorSettings
+from llmgw.engines import llamacpp
 from llmgw.protocol.messages import ShardSpec, ShardStatus, StartShard
 from tests.conftest import Pki
 from tests.stream.harness import control_plane, supervised, wait_for
@@ -103,7 +103,7 @@ async def test_a_hung_model_file_does_not_stall_heartbeats(
     once the read returns."""
     caplog.set_level(logging.INFO)
     entered, release, left = threading.Event(), threading.Event(), threading.Event()
-    real = weights.gguf_complete
+    real = llamacpp.gguf_complete
 
     def hanging(path: Path) -> str | None:
         entered.set()
@@ -111,7 +111,7 @@ async def test_a_hung_model_file_does_not_stall_heartbeats(
         left.set()
         return real(path)
 
-    monkeypatch.setattr(weights, "gguf_complete", hanging)
+    monkeypatch.setattr(llamacpp, "gguf_complete", hanging)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"not a model")
     spec = ShardSpec(
