@@ -142,3 +142,56 @@ async def test_a_hung_model_file_does_not_stall_heartbeats(
             assert "is not a whole GGUF model: not a GGUF file" in caplog.text
     finally:
         release.set()
+
+
+async def test_a_stop_during_validation_launches_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation runs in a thread, so a stop can come while it runs: the shard is
+    stopped at once, and once validation returns nothing is started."""
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(self: llamacpp.LlamaCppAdapter, spec: ShardSpec) -> list[str]:
+        entered.set()
+        release.wait(timeout=10)
+        return []
+
+    monkeypatch.setattr(llamacpp.LlamaCppAdapter, "validate", slow)
+    engine = tmp_path / "llama-server"
+    engine.write_text("#!/bin/sh\nexec sleep 60\n")
+    engine.chmod(0o755)
+    events: list[str] = []
+    sup = Supervisor(
+        SupervisorSettings(state_dir=tmp_path / "agent", kill_unidentified=False),
+        lambda: {"llama-server": str(engine)},
+        on_event=events.append,
+    )
+    spec = ShardSpec(
+        shard_id="s1",
+        replica_id="r1",
+        model="m",
+        profile="p",
+        engine="llama.cpp",
+        port=free_port(),
+        model_path=str(tmp_path / "m.gguf"),
+    )
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sup.run)
+                sup.start(spec)
+                await wait_for(entered.is_set)
+                sup.stop("s1", grace=1.0)
+                await wait_for(lambda: "s1" not in sup.shards)
+                release.set()
+                await trio.sleep(0.5)  # what the launcher does once validation returns
+                assert [(s.state, s.detail) for s in sup.outbox.take()] == [
+                    ("stopping", ""),
+                    ("stopped", ""),
+                ]
+                assert "launched" not in events
+                assert not sup.records.log_path("s1").exists()  # nothing ever ran
+                assert not sup.records.path("s1").exists()
+                nursery.cancel_scope.cancel()
+    finally:
+        release.set()
