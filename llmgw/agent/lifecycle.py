@@ -159,11 +159,6 @@ def move(phase: Phase, event: Event, shard_id: str = "") -> Move:
     return found
 
 
-def launched(phase: Phase) -> bool:
-    """Whether a process launched now is still wanted (else the launcher ends it)."""
-    return phase in (Phase.STARTING, Phase.DRAINING)
-
-
 def expects_exit(phase: Phase) -> bool:
     """Whether its process ending now is what was asked for (no cleanup, no failure)."""
     return phase in (Phase.STOPPING, Phase.GIVING_UP) or phase in TERMINAL

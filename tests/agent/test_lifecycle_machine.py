@@ -188,14 +188,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         w.first_check = False
         w.watcher = "until ready" if w.phase is Phase.STARTING else "watching"
 
-    @precondition(
-        lambda self: (
-            self.w.watcher == "until ready" and self.w.alive and self.w.phase is Phase.STARTING
-        )
-    )
+    @precondition(lambda self: self.w.watcher == "until ready")
     @rule()
     def startup_timeout(self) -> None:
-        # checked with no await before it: only while running and still starting
+        # checked right after a health check that did not answer: anything may have
+        # happened during it
         self.fire(Event.TIMED_OUT)
         self.w.watcher = "watching"
 
