@@ -60,7 +60,7 @@ class Plane:
         )
         supervisor = Supervisor(
             SupervisorSettings(
-                state_dir=state_dir or Path(tempfile.mkdtemp(prefix=f"agent-{node}-")),
+                state_dir=state_dir or Path(tempfile.mkdtemp(prefix=f"{node}-", dir=self.pki.dir)),
                 kill_unidentified=False,
                 nvidia_smi="/nonexistent/nvidia-smi",
             ),
