@@ -10,11 +10,11 @@ describes half a shard.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import msgspec
 
+from llmgw.files import write_atomic
 from llmgw.protocol.messages import ShardSpec
 
 log = logging.getLogger("llmgw.agent.supervisor")
@@ -49,20 +49,7 @@ class RecordStore:
 
     def write(self, record: ShardRecord) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        final = self.path(record.spec.shard_id)
-        tmp = final.with_suffix(".json.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, _encoder.encode(record))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-        dfd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        write_atomic(self.path(record.spec.shard_id), _encoder.encode(record), 0o600)
 
     def remove(self, shard_id: str) -> None:
         try:

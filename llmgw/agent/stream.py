@@ -39,6 +39,7 @@ from trio_websocket import (
 )
 
 from llmgw import __version__
+from llmgw.addr import join_hostport
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.inventory import InventorySource, same_inventory
 from llmgw.agent.metrics import AgentMetrics
@@ -110,7 +111,7 @@ class AgentStream:
         self.sessions_started += 1
         if self.sessions_started > 1 and self.metrics is not None:
             self.metrics.reconnects.inc()
-        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        where = join_hostport(host, port)
         state = _Attempt()
         try:
             await self._session(host, port, where, state)

@@ -105,7 +105,7 @@ def agent(
         overrides.append(f"node_id={_quote(node_id)}")
     if log_level is not None:
         overrides.append(f"log_level={_quote(log_level)}")
-    from llmgw.agent import daemon
+    from llmgw.serve import agent as daemon
 
     return _start("llmgw agent", AgentConfig, config, overrides, daemon.serve)
 

@@ -1,9 +1,11 @@
 """What every engine adapter provides: a profile turned into a process.
 
-An adapter is pure: it validates a shard spec *before* anything is launched
-(an engine that refuses a profile does so after minutes of loading), and it
-builds the command line, the environment, and where to check health and
-read load. The supervisor (``llmgw.agent.supervisor``) does the running.
+An adapter launches nothing: it validates a shard spec *before* anything is
+launched (an engine that refuses a profile does so after minutes of loading;
+validating may read the model file's header, so the agent runs it off the
+event loop), and it builds the command line, the environment, and where to
+check health and read load. The supervisor (``llmgw.agent.supervisor``) does
+the running.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ async def serve(config: AgentConfig, base: Path) -> None:
             ", ".join(f"{e.name} {e.version}".strip() for e in inv.engines) or "none",
             len(inv.weights),
         )
-        assert stream.supervisor is not None and stream.metrics is not None
+        assert stream.metrics is not None  # build() gives it one
         await nursery.start(stream.supervisor.run)
         if config.metrics.listen:
             host, port = parse_hostport(config.metrics.listen, key="metrics.listen")
