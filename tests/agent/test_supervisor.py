@@ -7,64 +7,27 @@ test, not the suite.
 from __future__ import annotations
 
 import logging
-import socket
-import subprocess
-import sys
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 import trio
 
-from llmgw.agent.procs import identity, terminate_group
+from llmgw.agent.procs import identity
 from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.engines import llamacpp
 from llmgw.protocol.messages import ShardSpec, ShardStatus, StartShard
+from tests.cluster.procs import http_server
 from tests.conftest import Pki
+from tests.ports import own_port
 from tests.stream.harness import control_plane, supervised, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-@asynccontextmanager
-async def http_server() -> AsyncIterator[tuple[subprocess.Popen[bytes], int]]:
-    """A process that answers 200 on / as an engine's health endpoint would."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        with trio.fail_after(10):
-            while True:
-                who = identity(proc.pid)
-                if who is not None and who.cmdline and _listening(port):
-                    break
-                await trio.sleep(0.05)
-        yield proc, port
-    finally:
-        await terminate_group(proc.pid, grace=1.0)
-        proc.wait(5)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 async def test_an_adopted_engine_that_serves_is_reported_ready(tmp_path: Path) -> None:
     """The move to ready of an adopted shard is reported like any other move, with its pid."""
-    async with http_server() as (proc, port):
+    port = own_port()
+    async with http_server(port) as proc:
         who = identity(proc.pid)
         assert who is not None
         spec = ShardSpec(
@@ -120,7 +83,7 @@ async def test_a_hung_model_file_does_not_stall_heartbeats(
         model="m",
         profile="p",
         engine="llama.cpp",
-        port=free_port(),
+        port=own_port(),
         model_path=str(model),
     )
     try:
@@ -172,7 +135,7 @@ async def test_a_stop_during_validation_launches_nothing(
         model="m",
         profile="p",
         engine="llama.cpp",
-        port=free_port(),
+        port=own_port(),
         model_path=str(tmp_path / "m.gguf"),
     )
     try:

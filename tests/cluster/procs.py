@@ -6,13 +6,17 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from llmgw.agent.procs import identity, terminate_group
 from tests.conftest import Pki
 
 
@@ -184,3 +188,33 @@ class Server(Daemon):
                     return nodes[node]
                 await trio.sleep(0.1)
         raise AssertionError(f"{node} never became {state}: {await self.nodes()}\n{self.log()}")
+
+
+def listening(port: int) -> bool:
+    """Something accepts connections on this loopback port."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@asynccontextmanager
+async def http_server(port: int) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """A process of its own group that answers 200 on ``/``, as an engine's health
+    endpoint would, on ``port``; yielded once it listens and /proc describes it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        with trio.fail_after(10):
+            while True:
+                who = identity(proc.pid)
+                if who is not None and who.cmdline and listening(port):
+                    break
+                await trio.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            await terminate_group(proc.pid, grace=1.0)
+        proc.wait(5)

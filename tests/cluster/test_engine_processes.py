@@ -24,7 +24,7 @@ import trio
 
 from llmgw.agent.procs import alive, identity
 from llmgw.protocol.messages import Register, ShardSpec, ShardStatus, StartShard, StopShard
-from tests.cluster.procs import Daemon, write_agent_config
+from tests.cluster.procs import Daemon, http_server, listening, write_agent_config
 from tests.conftest import Pki
 from tests.realparts import LLAMA_SERVER, needs_server
 from tests.stream.harness import Plane, control_plane, wait_for
@@ -217,33 +217,12 @@ async def test_a_restarted_agent_adopts_every_engine_and_can_stop_them(
 
 async def test_an_engine_nobody_can_describe_is_killed(tmp_path: Path, pki: Pki) -> None:
     port = free_port()
-    rogue = subprocess.Popen(
-        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        with trio.fail_after(10):
-            while not identity(rogue.pid) or not _listening(port):
+    async with http_server(port) as rogue, fleet(tmp_path, pki) as f:
+        agent = f.start_agent()
+        with trio.fail_after(30):
+            while rogue.poll() is None:
                 await trio.sleep(0.05)
-        async with fleet(tmp_path, pki) as f:
-            agent = f.start_agent()
-            with trio.fail_after(30):
-                while rogue.poll() is None:
-                    await trio.sleep(0.05)
-            await agent.wait_log(
-                rf"killing pid {rogue.pid} \(.*http\.server.*\): it holds port {port}"
-            )
-    finally:
-        if rogue.poll() is None:
-            rogue.kill()
-        rogue.wait(5)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        await agent.wait_log(rf"killing pid {rogue.pid} \(.*http\.server.*\): it holds port {port}")
 
 
 async def test_a_profile_the_engine_would_refuse_is_refused_before_launch(
@@ -308,7 +287,7 @@ async def test_a_vllm_shard_through_the_agent_with_the_stand_in(tmp_path: Path, 
         assert "CUDA_VISIBLE_DEVICES" in log and "0" in log
         await f.send("n1", StopShard(shard_id="v1", grace_s=5))
         await f.status("v1", "stopped")
-        assert not _listening(port)
+        assert not listening(port)
 
 
 async def test_a_process_holding_a_gpu_that_no_spec_describes_is_killed(

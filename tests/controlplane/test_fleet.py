@@ -238,7 +238,10 @@ async def test_a_command_to_a_stream_whose_session_just_failed_is_not_sent(
     server."""
     caplog.set_level(logging.INFO)
     catalog = parse_catalog(CATALOG, "catalog.toml")
-    async with control_plane(pki, heartbeat=HEARTBEAT_S) as plane, agent_ws(plane, "n2"):
+    async with (
+        control_plane(pki, heartbeat=HEARTBEAT_S, unreachable_after=30, lost_after=60) as plane,
+        agent_ws(plane, "n2"),
+    ):
         conn = plane.control.dispatcher.connections["n2"]
         conn.session.state = State.ERROR  # as the handler leaves it, before it detaches
         with pytest.raises(NodeNotConnected, match="n2 is closing"):
