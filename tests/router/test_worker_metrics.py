@@ -4,8 +4,10 @@ honest about a worker that does not answer."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import trio
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,14 +22,17 @@ def registry_with(requests: int) -> CollectorRegistry:
     return r
 
 
-def closed_port() -> int:
+@pytest.fixture
+def closed_port() -> Iterator[int]:
+    """A port held bound and never listening: connecting is refused, and nothing
+    else can take the port while the test runs."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        yield int(s.getsockname()[1])
 
 
 async def test_workers_pages_merge_with_a_worker_label(
-    nursery: trio.Nursery, tmp_path: Path
+    nursery: trio.Nursery, tmp_path: Path, closed_port: int
 ) -> None:
     other = registry_with(5)
 
@@ -38,7 +43,7 @@ async def test_workers_pages_merge_with_a_worker_label(
         HttpServer(worker_metrics.metrics_app(render)).serve_tcp, "127.0.0.1", 0
     )
     worker_metrics.publish_port(tmp_path, 1, listeners[0].socket.getsockname()[1])
-    worker_metrics.publish_port(tmp_path, 2, closed_port())  # a worker that is gone
+    worker_metrics.publish_port(tmp_path, 2, closed_port)  # a worker that is gone
     (tmp_path / "worker-3.port").write_text("not a port")
     with trio.fail_after(5):
         text = (await worker_metrics.page(registry_with(2), tmp_path)).decode()
