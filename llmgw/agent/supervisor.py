@@ -160,8 +160,8 @@ class Supervisor:
         """Move ``shard`` on ``event`` as the lifecycle table says, and act on the move.
 
         ``detail`` goes with the report of a move (None: keep the current one; a
-        report that only says the state again keeps it too); ``grace`` is for the process group's end or the drain the
-        move starts.
+        report that only says the state again keeps it too); ``grace`` is for
+        the process group's end or the drain the move starts.
         """
         before = shard.phase
         m = move(before, event, shard.shard_id)
