@@ -10,8 +10,8 @@ heartbeating while it reads.
 A process that holds the shard's port and that no spec describes is killed
 (and, for a GPU shard, any process holding GPU memory that no spec
 describes); a port still held after that refuses the launch. The engine
-starts in its own session and process group with its output appended to a
-log file; the full spec, the pid, its start time and command line are
+starts in its own session and process group, with a clean environment that
+carries its shard's tag (``env``), and its output appended to a log file; the full spec, the pid, its start time and command line are
 written to the state directory (atomically) *before* the shard is reported
 ``starting``.
 
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from llmgw.agent.env import engine_env
 from llmgw.agent.lifecycle import Event, Phase
 from llmgw.agent.procs import ProcessIdentity, identity, port_holders, terminate_group
 from llmgw.agent.shard import Shard
@@ -81,7 +82,7 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
             stdout=fd,
             stderr=fd,
             start_new_session=True,
-            env={**os.environ, **how.env},
+            env=engine_env(os.environ, how.env, spec.shard_id, sup.settings.state_dir),
         )
     except OSError as exc:
         os.close(fd)

@@ -151,6 +151,33 @@ def parse_cmdline(raw: bytes) -> tuple[str, ...]:
     return tuple(os.fsdecode(p) for p in parts)
 
 
+def parse_environ(raw: bytes) -> dict[str, str]:
+    """``/proc/<pid>/environ``: NUL-separated ``NAME=value`` entries.
+
+    An entry without ``=`` is skipped; decoded as the OS decodes the
+    environment (``os.fsdecode``). Never raises.
+    """
+    env: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        name, sep, value = entry.partition(b"=")
+        if sep and name:
+            env[os.fsdecode(name)] = os.fsdecode(value)
+    return env
+
+
+def environ(pid: int, proc_root: Path = PROC) -> dict[str, str] | None:
+    """The environment ``pid`` was started with; None when it is gone or not ours to read.
+
+    This is the environment at exec: a process changing its own variables
+    later does not change it, which is what makes it a tag.
+    """
+    try:
+        raw = (proc_root / str(pid) / "environ").read_bytes()
+    except OSError:  # gone, not ours (another user's), or a kernel thread
+        return None
+    return parse_environ(raw)
+
+
 def _read_stat(pid: int, proc_root: Path) -> StatFields | None:
     try:
         raw = (proc_root / str(pid) / "stat").read_bytes()

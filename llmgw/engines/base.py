@@ -23,7 +23,7 @@ class Launch:
     """How to start one shard."""
 
     argv: list[str]
-    env: dict[str, str]  # added to the agent's environment
+    env: dict[str, str]  # over the few variables the agent passes on (llmgw.agent.env)
     health_url: str | None  # polled until 200; None: no HTTP endpoint (a Ray worker)
     metrics_url: str | None
     # run after the process group is gone, for what the engine daemonized out of it

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import attrs
 import httpx
+import msgspec
 import pytest
 import trio
 
-from llmgw.agent.procs import alive, identity
+from llmgw.agent.procs import alive, environ, identity
 from llmgw.protocol.messages import Register, ShardSpec, ShardStatus, StartShard, StopShard
 from tests.cluster.procs import Daemon, http_server, listening, write_agent_config
 from tests.conftest import Pki
@@ -63,7 +64,9 @@ class Fleet:
     registers: list[Register] = attrs.Factory(list)
     agents: list[Daemon] = attrs.Factory(list)
 
-    def start_agent(self, node: str = "n1", extra: str = "") -> Daemon:
+    def start_agent(
+        self, node: str = "n1", extra: str = "", env: dict[str, str] | None = None
+    ) -> Daemon:
         config = write_agent_config(
             self.tmp,
             self.pki,
@@ -75,7 +78,7 @@ class Fleet:
                 '[discovery]\nnvidia_smi = "/nonexistent"\n' + extra
             ),
         )
-        agent = Daemon(f"agent-{node}", ["agent", "--config", config.name], self.tmp)
+        agent = Daemon(f"agent-{node}", ["agent", "--config", config.name], self.tmp, env=env)
         self.agents.append(agent.start())
         return agent
 
@@ -157,6 +160,28 @@ async def test_a_llama_server_shard_starts_and_serves(tmp_path: Path, pki: Pki, 
         # the record holds the full spec, written before the shard was reported started
         record = (tmp_path / "agent-n1" / "shards" / "s1.json").read_text()
         assert f'"model_path":"{tiny}"' in record
+
+
+async def test_an_engine_gets_a_clean_environment_with_its_tag(
+    tmp_path: Path, pki: Pki, tiny: Path
+) -> None:
+    """Secrets in the agent's environment stay there; the engine carries its shard's tag."""
+    async with fleet(tmp_path, pki) as f:
+        secrets = {"LLMGW_ADMIN_TOKEN": "admin-secret", "SOME_CLOUD_KEY": "cloud-secret"}
+        f.start_agent(env={**secrets, "LC_ALL": "C.UTF-8"})
+        spec = msgspec.structs.replace(llama_spec(tiny), env={"FROM_PROFILE": "yes"})
+        await f.send("n1", StartShard(spec=spec))
+        ready = await f.status("s1", "ready")
+        assert ready.pid is not None
+        env = environ(ready.pid)
+        assert env is not None
+        assert not set(secrets) & set(env), sorted(env)
+        assert env["FROM_PROFILE"] == "yes"
+        assert env["LC_ALL"] == "C.UTF-8"
+        assert env["PATH"] == os.environ["PATH"]
+        assert env["LLMGW_SHARD_ID"] == "s1"
+        assert env["LLMGW_STATE_DIR"] == os.path.realpath(tmp_path / "agent-n1")
+        await chat(spec.port)
 
 
 async def test_a_killed_engine_is_reported_failed_with_its_output_tail(
@@ -260,7 +285,7 @@ async def test_a_vllm_shard_through_the_agent_with_the_stand_in(tmp_path: Path, 
                 '[discovery]\nnvidia_smi = "/nonexistent"\n'
             ),
         )
-        env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "STANDIN_LOAD_S": "0.5"}
+        env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
         agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path, env=env)
         f.agents.append(agent.start())
         port = free_port()
@@ -274,6 +299,7 @@ async def test_a_vllm_shard_through_the_agent_with_the_stand_in(tmp_path: Path, 
             host="127.0.0.1",
             port=port,
             settings={"max_model_len": 512},
+            env={"STANDIN_LOAD_S": "0.5"},
             startup_timeout_s=30,
         )
         await f.send("n1", StartShard(spec=spec))
@@ -335,7 +361,7 @@ async def test_startup_is_bounded_by_the_profiles_timeout(tmp_path: Path, pki: P
         config = write_agent_config(
             tmp_path, pki, "n1", f.plane.port, extra='[discovery]\nnvidia_smi = "/nonexistent"\n'
         )
-        env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}", "STANDIN_LOAD_S": "600"}
+        env = {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
         f.agents.append(
             Daemon("agent-n1", ["agent", "--config", config.name], tmp_path, env=env).start()
         )
@@ -347,6 +373,7 @@ async def test_startup_is_bounded_by_the_profiles_timeout(tmp_path: Path, pki: P
             engine="vllm",
             gpus=[0],
             port=free_port(),
+            env={"STANDIN_LOAD_S": "600"},
             startup_timeout_s=1.5,
         )
         await f.send("n1", StartShard(spec=spec))
