@@ -10,3 +10,9 @@ class ConfigError(Exception):
         self.problem = problem
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where}: {problem}")
+
+
+def one_line(exc: BaseException) -> str:
+    """An unexpected error as one log line: its type and message, newlines folded."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

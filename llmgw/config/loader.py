@@ -39,14 +39,7 @@ def load_config(
         p = Path(path)
         source = str(p)
         base = p.resolve().parent
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ConfigError(source, "", f"cannot read: {exc.strerror or exc}") from None
-        try:
-            raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+        raw = parse_toml(read_text(p), source)
     for item in overrides:
         _apply_override(raw, item)
     try:
@@ -65,6 +58,40 @@ def load_config(
                 source = f"{source} (overridden on the command line)"
             raise ConfigError(source, exc.key, exc.problem) from None
     return config, base
+
+
+def read_text(path: Path, key: str = "") -> str:
+    """A config-like file's text (a config, a catalog, a token), as UTF-8.
+
+    Raises:
+        ConfigError: one line naming the file (and the key that named it) and why
+            it cannot be used: missing, unreadable, a folder, not UTF-8. No bad
+            file is a traceback.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(str(path), key, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            str(path),
+            key,
+            f"not UTF-8 text (byte {data[exc.start]:#04x} on line {line}): save it as UTF-8",
+        ) from None
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """TOML text -> a mapping; a decode error (or a nesting too deep to parse) is a
+    ConfigError naming ``source``."""
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(source, "", "not valid TOML: nested too deeply") from None
 
 
 def parse_hostport(
@@ -101,7 +128,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         raise ConfigError("command line", item, "an override is written KEY=VALUE")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = text  # a bare word is a string
     node = raw
     parts = key.split(".")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,6 +30,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from llmgw.config.errors import ConfigError
+from llmgw.config.loader import parse_toml, read_text
 
 ENGINES = ("llama.cpp", "vllm", "vllm-ray")
 MULTI_NODE_ENGINES = frozenset({"vllm-ray"})
@@ -127,20 +127,12 @@ def load_catalog(path: str | Path) -> Catalog:
         ConfigError: naming the file, the key (``models.NAME.profiles[PROFILE].FIELD``)
             and the problem.
     """
-    source = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(source, "", f"cannot read: {exc.strerror or exc}") from None
-    return parse_catalog(text, source)
+    return parse_catalog(read_text(Path(path)), str(path))
 
 
 def parse_catalog(text: str, source: str) -> Catalog:
     """Like :func:`load_catalog`, for text already read; ``source`` names it in errors."""
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    raw = parse_toml(text, source)
     for key in raw:
         if key != "models":
             raise ConfigError(source, key, "unknown key (is it misspelt?)")

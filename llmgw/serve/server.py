@@ -14,6 +14,8 @@ import trio
 from llmgw.addr import join_hostport
 from llmgw.admin.api import AdminApi
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
+from llmgw.config.errors import one_line
+from llmgw.config.loader import read_text
 from llmgw.config.schema import resolve
 from llmgw.controlplane.catalog import load_catalog
 from llmgw.controlplane.fleet import FleetManager
@@ -41,25 +43,26 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
         return config.admin.token, None
     if config.admin.token_file:
         path = resolve(base, config.admin.token_file)
-        try:
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(
-                "", "admin.token_file", f"cannot read {path}: {exc.strerror}"
-            ) from None
+        token = read_text(path, "admin.token_file").strip()
         if not token:
-            raise ConfigError("", "admin.token_file", f"{path} is empty")
+            raise ConfigError(str(path), "admin.token_file", "is empty: write the token in it")
         return token, path
     path = resolve(base, config.state_dir) / "admin-token"
-    try:
-        return path.read_text().strip(), path
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        token = read_text(path).strip()
+        if not token:
+            raise ConfigError(str(path), "", "the admin token is empty: delete it to make another")
+        return token, path
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    except OSError as exc:
+        raise ConfigError(
+            str(path), "state_dir", f"cannot write the admin token: {exc.strerror or exc}"
+        ) from None
     log.info("created admin token in %s", path)
     return token, path
 
@@ -71,6 +74,9 @@ async def _reload_on_sighup(fleet: FleetManager) -> None:
                 fleet.reload()
             except ConfigError as exc:
                 log.error("catalog not reloaded, nothing changed: %s", exc)
+            except Exception as exc:  # a reload never takes the server down
+                log.error("catalog not reloaded, nothing changed: %s", one_line(exc))
+                log.debug("the reload failed here", exc_info=True)
 
 
 def _show(listener: trio.SocketListener) -> str:
@@ -84,6 +90,9 @@ async def serve(config: ServerConfig, base: Path) -> None:
     ssl_context = server_context(
         resolve(base, sc.ca), resolve(base, sc.cert), resolve(base, sc.key)
     )
+    # every file is checked before anything is written (the admin token)
+    catalog_path = resolve(base, config.catalog) if config.catalog else None
+    catalog = load_catalog(catalog_path) if catalog_path is not None else None
     token, _ = admin_token(config, base)
     lv = config.liveness
     control = ControlPlane(
@@ -101,12 +110,11 @@ async def serve(config: ServerConfig, base: Path) -> None:
         ),
     )
     fleet = None
-    if config.catalog:
-        catalog_path = resolve(base, config.catalog)
+    if catalog_path is not None and catalog is not None:
         rc = config.reconcile
         fleet = FleetManager(
             control,
-            load_catalog(catalog_path),
+            catalog,
             catalog_path=catalog_path,
             state_dir=resolve(base, config.state_dir),
             timing=Timing(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -162,3 +163,69 @@ async def test_bad_config_exits_2_with_one_line_naming_file_and_key(
     assert result.stderr.decode().strip() == (
         "llmgw agent: defaults (overridden on the command line): backof: unknown key (is it misspelt?)"
     )
+
+
+CATALOG = '[models.m]\nstatic_endpoints = ["http://127.0.0.1:9/v1"]\n'
+NOT_UTF8 = b'[models.m]\nstatic_endpoints = ["http://caf\xe9:9/v1"]\n'
+
+
+async def test_a_catalog_that_is_not_utf8_exits_2_with_one_line_at_start(
+    tmp_path: Path, pki: Pki
+) -> None:
+    config = write_server_config(tmp_path, pki)
+    config.write_text('catalog = "catalog.toml"\n' + config.read_text())
+    (tmp_path / "catalog.toml").write_bytes(NOT_UTF8)
+    with trio.fail_after(30):
+        result = await trio.run_process(
+            [sys.executable, "-m", "llmgw", "server", "--config", str(config)],
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 2
+    lines = result.stderr.decode().strip().splitlines()
+    assert lines == [
+        f"llmgw server: {tmp_path / 'catalog.toml'}: "
+        "not UTF-8 text (byte 0xe9 on line 2): save it as UTF-8"
+    ]
+
+
+async def test_a_bad_catalog_on_sighup_or_reload_keeps_the_server_and_the_old_catalog(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    import httpx
+
+    config = write_server_config(tmp_path, pki)
+    config.write_text('catalog = "catalog.toml"\n' + config.read_text())
+    catalog = tmp_path / "catalog.toml"
+    catalog.write_text(CATALOG)
+    server = Server("server", ["server", "--config", "server.toml"], tmp_path)
+    cluster.append(server.start())
+    await server.ready()
+    token = (tmp_path / "state" / "admin-token").read_text().strip()
+
+    async def routes() -> list[str]:
+        async with httpx.AsyncClient(base_url=server.admin_url, timeout=5) as client:
+            r = await client.get("/v1/routing", headers={"authorization": f"Bearer {token}"})
+        r.raise_for_status()
+        return sorted(route["model"] for route in r.json()["routes"])
+
+    assert await routes() == ["m"]
+    catalog.write_bytes(NOT_UTF8)
+    why = f"{catalog}: not UTF-8 text (byte 0xe9 on line 2): save it as UTF-8"
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGHUP)
+    await server.wait_log("catalog not reloaded, nothing changed: " + re.escape(why))
+    assert server.returncode() is None
+    bad = await server.ctl("reload", check=False)
+    assert bad.returncode == 2
+    assert (
+        bad.stderr.decode()
+        .strip()
+        .endswith(f"HTTP 400: catalog not reloaded, nothing changed: {why}")
+    )
+    assert server.returncode() is None
+    assert await routes() == ["m"]  # the old catalog still routes
+    catalog.write_text(CATALOG.replace("models.m", "models.n"))
+    assert "catalog reloaded" in (await server.ctl("reload")).stdout.decode()
+    assert await routes() == ["n"]
+    assert "Traceback" not in server.log()

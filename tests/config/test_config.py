@@ -67,6 +67,33 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
     )
 
 
+def test_a_file_that_cannot_be_used_is_one_error_naming_it(tmp_path: Path) -> None:
+    """Not UTF-8, a folder, nested past what the parser can follow: each is a
+    ConfigError (one line, exit 2 at start), never a traceback."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes(b'state_dir = "st"\nlog_level = "caf\xe9"\n')
+    assert error(ServerConfig, bad) == (
+        f"{bad}: not UTF-8 text (byte 0xe9 on line 2): save it as UTF-8"
+    )
+    assert error(ServerConfig, tmp_path) == f"{tmp_path}: cannot read: Is a directory"
+    deep = write(tmp_path, "a = " + "[" * 100_000)
+    assert error(ServerConfig, deep) == f"{deep}: not valid TOML: nested too deeply"
+
+
+def test_catalog_files_that_cannot_be_used_are_one_error_naming_them(tmp_path: Path) -> None:
+    from llmgw.controlplane.catalog import load_catalog
+
+    bad = tmp_path / "catalog.toml"
+    bad.write_bytes(b'[models.m]\nstatic_endpoints = ["http://h\xff:1"]\n')
+    with pytest.raises(ConfigError) as info:
+        load_catalog(bad)
+    assert str(info.value) == f"{bad}: not UTF-8 text (byte 0xff on line 2): save it as UTF-8"
+    bad.write_text("[models.m]\nx = " + "{y = " * 100_000)
+    with pytest.raises(ConfigError) as info:
+        load_catalog(bad)
+    assert str(info.value) == f"{bad}: not valid TOML: nested too deeply"
+
+
 def test_overrides_win_and_are_checked_by_the_same_rules(tmp_path: Path) -> None:
     path = write(tmp_path, "[liveness]\nlost_after_s = 90\n")
     cfg, _ = load_config(ServerConfig, path, ["liveness.lost_after_s=120", "admin.listen=[::1]:9"])
