@@ -9,6 +9,8 @@ plane's under no await.
 from __future__ import annotations
 
 import hmac
+import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin.views import GpuViews, node_view, replica_view
 from llmgw.config import ConfigError
+from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import fleet_status
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
@@ -28,6 +31,8 @@ from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
 from llmgw.routing import TrafficView
+
+log = logging.getLogger("llmgw.admin")
 
 _JSON = [("content-type", "application/json")]
 
@@ -76,6 +81,10 @@ class AdminApi:
     async def __call__(self, request: Request) -> Response:
         if request.path == "/healthz":
             return json_response(200, {"status": "ok"})
+        # before routing: without the token, every path looks the same, so the
+        # routes are not listed to whoever can reach the listener
+        if not self._authorized(request):
+            return error(401, "missing or wrong admin token (send Authorization: Bearer <token>)")
         route = self._routes.get((request.method, request.path))
         arg = ""
         if route is None:
@@ -84,8 +93,6 @@ class AdminApi:
             if any(path == request.path for _, path in self._routes):
                 return error(405, f"{request.method} is not allowed on {request.path}")
             return error(404, f"no such endpoint: {request.path}")
-        if not self._authorized(request):
-            return error(401, "missing or wrong admin token (send Authorization: Bearer <token>)")
         if arg:
             return await route(request, arg)  # type: ignore[call-arg]
         return await route(request)
@@ -168,9 +175,12 @@ class AdminApi:
         params = parse_qs(request.query)
         since = params.get("since", [""])[0]
         try:
-            wait = min(max(float(params.get("wait", ["0"])[0]), 0.0), 30.0)
+            wait = float(params.get("wait", ["0"])[0])
         except ValueError:
+            wait = math.nan
+        if not math.isfinite(wait):  # nan would wait forever, inf is not a number of seconds
             return error(400, "wait must be a number of seconds")
+        wait = min(max(wait, 0.0), 30.0)
         routing = self._routing
         if routing.snapshot.version == since:
             with trio.move_on_after(wait):
@@ -185,6 +195,10 @@ class AdminApi:
             what = fleet.reload()
         except ConfigError as exc:
             return error(400, f"catalog not reloaded, nothing changed: {exc}")
+        except Exception as exc:  # a reload never takes the server down
+            log.error("catalog not reloaded, nothing changed: %s", one_line(exc))
+            log.debug("the reload failed here", exc_info=True)
+            return error(500, f"catalog not reloaded, nothing changed: {one_line(exc)}")
         return json_response(200, {"message": what})
 
     async def status(self, request: Request) -> Response:

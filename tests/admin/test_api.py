@@ -45,10 +45,32 @@ async def test_every_route_but_healthz_needs_the_token(admin: tuple[str, Control
                 r = await client.get(path, headers=headers)
                 assert r.status_code == 401
                 assert "admin token" in r.json()["error"]["message"]
+        # without the token an unknown path looks like a known one: no list of routes
+        for method, path in (("GET", "/nope"), ("GET", "/v1/nodes/x/y"), ("PUT", "/v1/nodes")):
+            r = await client.request(method, path)
+            assert r.status_code == 401, (method, path)
         r = await client.get("/nope", headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 404
         r = await client.post("/v1/nodes", headers={"authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 405
+
+
+async def test_routing_wait_that_is_not_a_number_is_refused_at_once(
+    admin: tuple[str, ControlPlane],
+) -> None:
+    url, _ = admin
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        first = await client.get("/v1/routing", headers=auth)
+        version = first.json()["version"]
+        for wait in ("nan", "NaN", "inf", "-inf", "soon", "1e999"):
+            with trio.fail_after(2):
+                r = await client.get(f"/v1/routing?since={version}&wait={wait}", headers=auth)
+            assert r.status_code == 400, wait
+            assert r.json()["error"]["message"] == "wait must be a number of seconds"
+        with trio.fail_after(2):  # a number still waits, and answers when the wait is over
+            r = await client.get(f"/v1/routing?since={version}&wait=0.1", headers=auth)
+        assert r.status_code == 200
 
 
 async def test_nodes_shows_memory_unknown_as_null_and_unhealthy_gpus(
