@@ -22,6 +22,14 @@ thresholds. When every candidate is above, the request is shed (429 with
 Retry-After, or queued for a bounded time by the caller) rather than piled
 onto replicas already past the point where latency holds.
 
+Panic: when every replica of a model that could take the request is
+refused by its own breaker (open, or half-open with its probes taken), the
+request goes to the least bad of them (the fewest consecutive faults, then
+the longest open) rather than a 503 for everyone (Envoy's panic threshold).
+Breakers open on evidence, but evidence can be wrong, and a model that is
+all open answers nobody; a replica that is truly down fails the request fast
+(a refused connection), which is no worse than the 503.
+
 Pure code with an explicit ``now`` (monotonic seconds) and an injectable
 random value, so tests drive it without a network or a clock.
 """
@@ -97,14 +105,16 @@ class Choice:
     ``endpoint`` None and ``shed`` True: every candidate is above its
     admission thresholds; answer 429 with ``retry_after_s`` (after queueing,
     if configured). ``endpoint`` None and ``shed`` False: no replica may take
-    traffic at all (none Ready, all draining, breakers open, all tried);
-    that is the upstream's unavailability, a 503.
+    traffic at all (none Ready, all draining, all tried); that is the
+    upstream's unavailability, a 503. ``panic``: every candidate's breaker
+    refused, and ``endpoint`` is the least bad of them.
     """
 
     endpoint: Endpoint | None
     reason: str
     shed: bool = False
     retry_after_s: float = 1.0
+    panic: bool = False
 
 
 def fresh_load(endpoint: Endpoint, now: float, stale_after_s: float) -> LoadSignals | None:
@@ -159,19 +169,28 @@ def above_thresholds(load: LoadSignals | None, admission: Admission) -> list[str
     return over
 
 
-def _why_not(endpoint: Endpoint, now: float, exclude: frozenset[str]) -> str | None:
-    """Why the endpoint may not take a new request; None when it may."""
+def _why_not(endpoint: Endpoint, exclude: frozenset[str]) -> str | None:
+    """Why the endpoint may not take a new request, its breaker aside; None when it may."""
     if not endpoint.ready:
         return "not Ready"
     if endpoint.draining:
         return "draining"
     if endpoint.key in exclude:
         return "already tried"
-    if not endpoint.breaker.allows(now):
-        if endpoint.breaker.state is BreakerState.HALF_OPEN:
-            return "breaker half-open, probe in flight"
-        return "breaker open"
     return None
+
+
+def _breaker_refuses(endpoint: Endpoint) -> str:
+    if endpoint.breaker.state is BreakerState.HALF_OPEN:
+        return "breaker half-open, probe in flight"
+    return "breaker open"
+
+
+def _least_bad(endpoint: Endpoint) -> tuple[int, float, str]:
+    """Panic's order: the fewest consecutive faults, then the longest open."""
+    breaker = endpoint.breaker
+    opened = breaker.opened_at if breaker.opened_at is not None else float("-inf")
+    return breaker.consecutive_faults, opened, endpoint.key
 
 
 def _describe(endpoint: Endpoint, load: LoadSignals | None, now: float, value: float) -> str:
@@ -207,7 +226,9 @@ def choose(
     Candidates: Ready, not draining, not in ``exclude`` (replicas this
     request already tried), and whose breaker allows a request now. Among
     them, those below their admission thresholds are preferred; if every
-    candidate is above, the request is shed. The least ``score`` wins; equal
+    candidate is above, the request is shed. When the breakers refused every
+    replica that was otherwise a candidate, the least bad of those is the
+    pick (``panic``). The least ``score`` wins; equal
     scores are broken by ``rng_value`` (in [0, 1); drawn when None) over the
     tied keys in sorted order, so identical replicas share load instead of
     the first in the list taking everything.
@@ -226,8 +247,14 @@ def choose(
     refused: list[str] = []
     admissible: list[tuple[float, Endpoint, LoadSignals | None]] = []
     saturated: list[str] = []
+    broken: list[Endpoint] | None = None  # candidates but for their breakers
     for endpoint in endpoints:
-        why = _why_not(endpoint, now, exclude)
+        why = _why_not(endpoint, exclude)
+        if why is None and not endpoint.breaker.allows(now):
+            why = _breaker_refuses(endpoint)
+            if broken is None:
+                broken = []
+            broken.append(endpoint)
         if why is not None:
             refused.append(f"{endpoint.key}: {why}")
             continue
@@ -255,6 +282,14 @@ def choose(
             f"{name} is above its admission thresholds ({'; '.join(saturated)})",
             shed=True,
             retry_after_s=admission.retry_after_s,
+        )
+    if broken is not None:
+        pick = min(broken, key=_least_bad)
+        return Choice(
+            pick,
+            f"panic: every replica of model {name} is refused by its breaker; least bad: "
+            f"{pick.key} ({pick.breaker.consecutive_faults} consecutive faults)",
+            panic=True,
         )
     detail = f" ({'; '.join(refused)})" if refused else ""
     return Choice(None, f"no Ready replica for model {name}{detail}")

@@ -2,12 +2,14 @@
 
 A replica that keeps failing at the transport level (refused connections,
 resets, timeouts, 502/503/504) is taken out of rotation for a cool-down, then
-let back in one probe at a time. The breaker counts *upstream faults* only:
-an answer that is the request's own fault (a 400 for a malformed body, a 404
-for an unknown route, a 413 for a prompt that is too long) says nothing about
-the replica. Counting those is how SGLang's router took whole fleets out: one
+let back in one probe at a time. The breaker counts *upstream faults* only,
+evidence that the replica itself is broken: an engine's own answer, whatever
+its status (a 400 for a malformed body, a 500 for an image part a text
+model cannot read), is about the request and says nothing about the
+replica. Counting those is how SGLang's router took whole fleets out: one
 client sending bad requests opened every breaker in turn, and the model went
-dark for everybody.
+dark for everybody. Faults a request may have caused itself are counted
+only once another replica has failed to reproduce them (``verdict``).
 
 Pure code with an explicit ``now`` (a monotonic clock reading in seconds): the
 router reports every request it sends (``on_start``) and its outcome exactly
@@ -47,36 +49,22 @@ class IllegalMove(AssertionError):
 
 
 def classify(status: int) -> Outcome:
-    """Whether an engine's answer was a success, the request's fault, or the replica's.
+    """What an engine's answer tells the replica's breaker: a success, or nothing.
 
-    (An exchange that broke before or during the answer is the replica's
-    fault too; ``verdict`` says so, and what to do about each.)
+    - 1xx/2xx/3xx: ``success``: the replica works; a fault streak is over.
+    - Anything else, 429 and 500 included: ``client_error``, an error answer
+      that says nothing about the replica's health. An engine that answers
+      is up; what it said is about this request (llama.cpp answers 500 to an
+      image part a text model cannot read, 400 to a prompt that is too
+      long), and counting such answers lets one client open the breaker of
+      every replica in turn. A 429 is the engine's own admission, which the
+      balancer's load signals already follow. A replica broken in a way that
+      still answers is taken out by its health check (not Ready), not here.
 
-    - 1xx/2xx/3xx: ``success``.
-    - 429: ``upstream_fault``, deliberately, although it is a 4xx. From an
-      engine it means *this replica* is overloaded, not that the request is
-      wrong: a replica that refuses everything should leave rotation for a
-      while rather than keep being picked because its in-flight count looks
-      low.
-    - Other 4xx (400, 404, 408, 413, 422, ...): ``client_error``. Another
-      replica would refuse it the same way; it must never open a breaker.
-    - 501 Not Implemented / 505: ``client_error``. The engine does not offer
-      what was asked (an endpoint or feature); every replica of the same
-      engine would answer the same.
-    - Every other 5xx, 500 included: ``upstream_fault``. Engines answer 500
-      for their own internal errors (vLLM's dead engine loop, a CUDA error),
-      which is the replica failing; missing a broken replica costs more than
-      the odd request that reliably makes an engine fail.
+    ``verdict`` takes 502, 503 and 504 out before asking: those say the
+    replica had no answer to give, and are judged with the failures.
     """
-    if status < 400:
-        return "success"
-    if status == 429:
-        return "upstream_fault"
-    if status < 500:
-        return "client_error"
-    if status in (501, 505):
-        return "client_error"
-    return "upstream_fault"
+    return "success" if status < 400 else "client_error"
 
 
 @attrs.define
@@ -155,7 +143,7 @@ class Breaker:
             self.probes_in_flight = 0
 
     def on_client_error(self, now: float) -> None:
-        """The request was at fault (a 4xx it caused): never counts against the replica.
+        """The engine answered with an error: never counts against the replica.
 
         It neither counts nor resets the fault streak: it is a verdict on the
         request, not the replica. A half-open probe that ends this way frees

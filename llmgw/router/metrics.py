@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -111,6 +111,20 @@ class RouterMetrics:
         self.sheds = Counter(
             "llmgw_router_sheds",
             "Requests shed with 429 (every replica above its thresholds)",
+            ["model"],
+            registry=r,
+        )
+
+        self.panic = Gauge(
+            "llmgw_router_panic",
+            "1 while every replica of the model is refused by its breaker and requests "
+            "go to the least bad one anyway (panic)",
+            ["model"],
+            registry=r,
+        )
+        self.panic_routed = Counter(
+            "llmgw_router_panic_routed",
+            "Requests sent to a replica its breaker refused, in panic",
             ["model"],
             registry=r,
         )

@@ -11,6 +11,16 @@ cap and the router's ``RetryBudget``) and what the client gets. A response
 the verdict relays is passed on as it arrives: a streamed body chunk by
 chunk (``Relay``), a whole reply read first.
 
+A suspect fault (one the request may have caused) is held, not told to the
+breaker, until the next attempt ends: if that one fails the same way on
+another replica the request is poison and gets its error, counted against
+neither; otherwise, or when there is no next attempt, the held fault counts.
+A client that leaves mid-way settles nothing: the held fault is dropped.
+
+When every replica's breaker refuses, the balancer picks the least bad one
+(panic); the model's entering and leaving panic is logged once each, and
+counted in ``llmgw_router_panic`` and ``llmgw_router_panic_routed``.
+
 When every replica is above its admission thresholds the request waits up
 to ``queue_timeout_s`` for room, re-choosing every ``QUEUE_POLL_S``, then is
 shed with a 429 and Retry-After. When no replica can take it at all, the
@@ -32,12 +42,13 @@ from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamError, UpstreamPool
 from llmgw.router import attempt
 from llmgw.router.attempt import Lease, hostport
-from llmgw.router.balancer import Admission, RetryBudget, choose
+from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
+from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
 from llmgw.router.record import Record
 from llmgw.router.relay import Relay
 from llmgw.router.table import RoutingTable
-from llmgw.router.verdict import Verdict, verdict
+from llmgw.router.verdict import Verdict, poisoned, verdict
 
 log = logging.getLogger("llmgw.router")
 
@@ -83,6 +94,7 @@ class Proxy:
         self.pool = pool
         self.budget = budget
         self.queue_timeout_s = queue_timeout_s
+        self._panicking: set[str] = set()  # models whose last pick was in panic
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
         """The response to a routed request (``record.model``, ``record.started`` set).
@@ -102,6 +114,7 @@ class Proxy:
         ]
         self.budget.on_request(trio.current_time())
         failed: _Failed | None = None
+        held: Endpoint | None = None  # where ``failed``, a suspect fault, waits to be settled
         attempts = 0
         while True:
             now = trio.current_time()
@@ -123,9 +136,14 @@ class Proxy:
                     r.headers.append(("retry-after", str(max(1, round(choice.retry_after_s)))))
                     return r
                 if failed is not None:
+                    _count(held, trio.current_time())  # no other replica to check it against
                     return _upstream_failed(model, failed)
                 why = f"no replica of {model} can take requests now: {choice.reason}"
                 return openai_error(503, why, "server_error")
+            if choice.panic:
+                self._panic(model, choice, record)
+            elif self._panicking and ep.breaker.state is BreakerState.CLOSED:
+                self._calm(model, record)
             attempts += 1
             tried.add(ep.key)
             lease = Lease(ep, now)
@@ -137,16 +155,41 @@ class Proxy:
                 # request, nor its breaker a probe that will never end.
                 lease.finish(trio.current_time(), None)
                 raise
-            if isinstance(result, Response):
-                return result
-            failed = result
             now = trio.current_time()
+            if isinstance(result, Response):
+                _count(held, now)  # another replica answered: the held fault was its replica's
+                return result
+            if failed is not None and held is not None:
+                if poisoned(failed.verdict, result.verdict):
+                    record.replica = ep.key
+                    return _upstream_failed(model, result, poison=(held.key, ep.key))
+                _count(held, now)
+            failed = result
+            held = ep if failed.verdict.suspect is not None else None
             if failed.verdict.retry and self.budget.can_retry(now, attempts=attempts):
                 self.budget.on_retry(now)
                 record.retry()
                 continue
+            _count(held, now)  # no other replica to check it against
             record.replica = ep.key
             return _upstream_failed(model, failed)
+
+    def _panic(self, model: str, choice: Choice, record: Record) -> None:
+        record.metrics.panic_routed.labels(model).inc()
+        if model not in self._panicking:
+            self._panicking.add(model)
+            record.metrics.panic.labels(model).set(1)
+            log.warning(
+                "%s; sending its requests there until a breaker closes "
+                "(see `llmgw ctl replicas` for the replicas' faults)",
+                choice.reason,
+            )
+
+    def _calm(self, model: str, record: Record) -> None:
+        if model in self._panicking:
+            self._panicking.discard(model)
+            record.metrics.panic.labels(model).set(0)
+            log.warning("model %s left panic: a replica's breaker is closed again", model)
 
     async def _attempt(
         self,
@@ -174,7 +217,7 @@ class Proxy:
         judged = verdict(status)
         if not judged.relayed:
             upstream.body_iter.close()
-            lease.finish(now, judged.outcome)
+            _end(lease, judged)
             record.upstream_error(ep.key, f"status_{status}")
             return _Failed(judged, f"replica {ep.key} answered {status}")
         record.replica = ep.key
@@ -194,12 +237,38 @@ class Proxy:
 def _fault(lease: Lease, record: Record, exc: UpstreamError, *, started: bool) -> _Failed:
     """An attempt the pool failed: the replica and the metrics told, the verdict made."""
     judged = verdict(attempt.failure(exc), started=started)
-    lease.finish(trio.current_time(), judged.outcome)
+    _end(lease, judged)
     record.upstream_error(lease.endpoint.key, attempt.kind(exc))
     return _Failed(judged, f"{type(exc).__name__}: {exc}")
 
 
-def _upstream_failed(model: str, failed: _Failed) -> Response:
+def _end(lease: Lease, judged: Verdict) -> None:
+    """A failed attempt's end; a suspect fault is held for the next attempt to settle."""
+    lease.finish(trio.current_time(), None if judged.suspect is not None else judged.outcome)
+
+
+def _count(held: Endpoint | None, now: float) -> None:
+    """A held suspect fault is settled as its replica's."""
+    if held is not None:
+        held.breaker.on_upstream_fault(now)
+
+
+def _upstream_failed(
+    model: str, failed: _Failed, *, poison: tuple[str, str] | None = None
+) -> Response:
+    if poison is not None:
+        log.warning(
+            "request for %s failed the same way on replicas %s and %s (%s): taken for the "
+            "request's own fault, counted against neither",
+            model,
+            *poison,
+            failed.why,
+        )
+        return openai_error(
+            failed.verdict.status,
+            f"the request failed the same way on two replicas of {model}: {failed.why}",
+            "server_error",
+        )
     log.warning("request for %s failed upstream: %s", model, failed.why)
     return openai_error(
         failed.verdict.status,

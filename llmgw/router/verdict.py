@@ -3,39 +3,63 @@
 An attempt ends in an *answer* (the status of the response head the engine
 sent) or a *failure* (the exchange broke: no connection, a timeout, a reset,
 a response that is not HTTP), either before the response started or while
-its body was being read (``started``). ``verdict`` maps that to three
-things, and nothing else in the router decides any of them:
+its body was being read (``started``). ``verdict`` maps that to what the
+replica's breaker is told, whether the request may go elsewhere and what the
+client gets, and nothing else in the router decides any of them:
 
 - ``outcome``: what the replica's breaker is told (``breaker.classify`` for
-  an answer; a failure is always the replica's);
+  an answer);
+- ``suspect``: set when the fault may be the request's own doing rather
+  than the replica's; the breaker is then told only once the request's next
+  attempt has shown which (see *Poison* below);
 - ``retry``: whether the request may go to another replica (still within
   the per-request attempt cap and the retry budget);
 - ``status``: what the client is answered if it gets this attempt's result:
   the engine's own status when its answer is relayed (``relayed``), else 502,
   or 504 when the replica ran out of time.
 
-=========================================  ==============  =====  ===========
-the attempt ended in                       outcome         retry  client gets
-=========================================  ==============  =====  ===========
-1xx, 2xx, 3xx                              success         no     as sent
-4xx but 429; 501; 505                      client_error    no     as sent
-429; 500; 506 and up                       upstream_fault  no     as sent
-502, 503, 504                              upstream_fault  yes    502
-no connection (refused, unreachable)       upstream_fault  yes    502
-a timeout (connect, send, head)            upstream_fault  yes    504
-a reset before any byte of the response    upstream_fault  yes    502
-a reset mid-head; not HTTP                 upstream_fault  no     502
-any failure once the body was being read   upstream_fault  no     504 for a
-                                                                  timeout, else
-                                                                  502
-=========================================  ==============  =====  ===========
+=========================================  ==============  =======  =====  ===========
+the attempt ended in                       outcome         suspect  retry  client gets
+=========================================  ==============  =======  =====  ===========
+1xx, 2xx, 3xx                              success         -        no     as sent
+any other answer but 502-504 (4xx, 429,    client_error    -        no     as sent
+500, 501, 505 and up)
+502, 503, 504                              upstream_fault  gateway  yes    502
+no connection (refused, unreachable)       upstream_fault  -        yes    502
+a timeout (connect, send, head)            upstream_fault  timeout  yes    504
+a reset before any byte of the response    upstream_fault  closed   yes    502
+a reset mid-head; not HTTP                 upstream_fault  -        no     502
+any failure once the body was being read   upstream_fault  -        no     504 for a
+                                                                           timeout, else
+                                                                           502
+=========================================  ==============  =======  =====  ===========
 
-Only 502, 503 and 504 are taken for the replica having no answer at all
-(its proxy or its server said so) and sent elsewhere. A 429 or a 500 counts
-against the replica, so one that refuses or fails everything leaves
-rotation, but is relayed as the engine sent it: the client gets the engine's
-own words (a 429's Retry-After, a 500's message), and a request that makes
-engines fail is not multiplied across the fleet.
+An engine's own answer never counts against its replica, whatever its
+status. The engine is up and speaking HTTP, and what it said is about this
+request: llama.cpp answers 500 to an ``image_url`` part it cannot read, so
+counting 500s let one client open the breaker of a model's only replica and
+keep the model down for everybody. The answer is relayed as the engine sent
+it (a 429's Retry-After, a 500's message) and not retried: a request that
+makes engines fail is not multiplied across the fleet. A replica that is
+broken and still answers (vLLM's dead engine loop answers 500 to all) is
+taken out by its failing health check, which makes it not Ready, not by its
+answers.
+
+502, 503 and 504 are taken for the replica having no answer at all: an
+engine still loading or out of capacity says 503, a proxy in front of a dead
+engine says 502 or 504. That is evidence about the replica, so they count
+against it, but they are suspect, like the failures a request could cause
+(a prompt that runs past the head timeout, a request that crashes the
+engine): they are retried elsewhere, and the client never gets an engine's
+502-504 body, only the router's own 502.
+
+Poison: a suspect fault is counted against its replica only once the
+request's next attempt, on another replica, ends some other way (an answer,
+a connect error, another kind of fault), or when no other attempt is made.
+When the next attempt fails the same way (the same ``suspect``), the request
+is poison: it gets its error at once, no further attempt is made, and
+neither replica's breaker counts it (``poisoned``). A connect error is never
+suspect: nothing was sent, so the request cannot have caused it.
 
 A failure before the response is retried when no byte of an answer came:
 nothing was sent, or nothing came back before the connection broke or the
@@ -65,6 +89,14 @@ class Failure(Enum):
     PROTOCOL = "protocol"  # the response is not valid HTTP, or exceeds a limit
 
 
+class Suspect(Enum):
+    """How a fault that the request itself may have caused showed; two alike are poison."""
+
+    GATEWAY = "gateway"  # an answer of 502, 503 or 504
+    TIMEOUT = "timeout"  # no response in time
+    CLOSED = "closed"  # the connection closed before any byte of a response
+
+
 @attrs.frozen
 class Verdict:
     """What an attempt comes to; see the module docstring for the table."""
@@ -73,6 +105,8 @@ class Verdict:
     retry: bool  # whether another replica may be tried
     status: int  # what the client is answered, if this attempt answers it
     relayed: bool  # the engine's answer goes to the client as it is
+    # the fault may be the request's: counted once the next attempt shows whose
+    suspect: Suspect | None = None
 
 
 _BAD_GATEWAY = 502
@@ -82,16 +116,27 @@ _NO_ANSWER = frozenset((502, 503, 504))
 _RETRIED_FAILURES = frozenset((Failure.CONNECT, Failure.TIMEOUT, Failure.UNANSWERED))
 
 
+_SUSPECT_FAILURES = {Failure.TIMEOUT: Suspect.TIMEOUT, Failure.UNANSWERED: Suspect.CLOSED}
+
+
 def _judge_status(status: int) -> Verdict:
     if status in _NO_ANSWER:
-        return Verdict("upstream_fault", retry=True, status=_BAD_GATEWAY, relayed=False)
+        return Verdict(
+            "upstream_fault",
+            retry=True,
+            status=_BAD_GATEWAY,
+            relayed=False,
+            suspect=Suspect.GATEWAY,
+        )
     return Verdict(classify(status), retry=False, status=status, relayed=True)
 
 
 def _judge_failure(failure: Failure, started: bool) -> Verdict:
     status = _GATEWAY_TIMEOUT if failure is Failure.TIMEOUT else _BAD_GATEWAY
     retry = not started and failure in _RETRIED_FAILURES
-    return Verdict("upstream_fault", retry=retry, status=status, relayed=False)
+    # Only a retried fault can be checked against another replica's.
+    suspect = _SUSPECT_FAILURES.get(failure) if retry else None
+    return Verdict("upstream_fault", retry=retry, status=status, relayed=False, suspect=suspect)
 
 
 # Every verdict made once: judging an answer on the hot path allocates nothing.
@@ -114,3 +159,10 @@ def verdict(ended: int | Failure, *, started: bool = False) -> Verdict:
         return _BY_FAILURE[ended, started]
     found = _BY_STATUS.get(ended)
     return found if found is not None else _judge_status(ended)
+
+
+def poisoned(first: Verdict, then: Verdict) -> bool:
+    """Whether a request whose attempt ended in ``first`` and whose next, on
+    another replica, ended in ``then`` failed the same way twice: the
+    request's fault, counted against neither replica."""
+    return first.suspect is not None and then.suspect is first.suspect

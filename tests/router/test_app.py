@@ -178,9 +178,12 @@ def upstream_errors(rig: Rig, replica: str, kind: str) -> float:
     return float(rig.app.metrics.upstream_errors.labels("m", replica, kind)._value.get())
 
 
-async def test_a_503_is_retried_on_another_replica_and_all_503s_are_a_502(rig: Rig) -> None:
+async def test_a_503_is_retried_and_counts_only_when_another_replica_answers(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
     a, b = rig.engines["a"], rig.engines["b"]
     a.status = 503
+    [a_ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
     [b_ep] = [e for e in rig.table.endpoints["m"] if e.key == "b"]
     b_ep.in_flight = 100  # busier on paper: "a" is the first choice
     async with httpx.AsyncClient(timeout=10) as client:
@@ -190,33 +193,56 @@ async def test_a_503_is_retried_on_another_replica_and_all_503s_are_a_502(rig: R
         assert rig.app.metrics.retries.labels("m")._value.get() == 1
         assert upstream_errors(rig, "a", "status_503") == 1
         assert requests(rig, "b", "200") == 1
+        # b answered what a could not: a's 503 was a's
+        assert (a_ep.breaker.consecutive_faults, b_ep.breaker.consecutive_faults) == (1, 0)
 
         b.status = 503
-        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
-    # both tried, then no replica is left: the last failure, as a 502
+        with caplog.at_level(logging.WARNING, logger="llmgw.router"):
+            r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+    # the same failure on both: the request's own (poison), counted against neither,
+    # and answered with the last failure, as a 502
     assert r.status_code == 502
+    assert "failed the same way on two replicas" in r.json()["error"]["message"]
     assert "answered 503" in r.json()["error"]["message"]
     assert (a.received, b.received) == (2, 2)
-    assert requests(rig, "-", "502") == 1
+    assert requests(rig, "b", "502") == 1
+    assert (a_ep.breaker.consecutive_faults, b_ep.breaker.consecutive_faults) == (1, 0)
+    assert "failed the same way on replicas a and b" in caplog.text
 
 
-@pytest.mark.parametrize("status", [429, 500])
-async def test_a_429_or_500_is_relayed_not_retried_and_counts_against_the_replica(
-    rig: Rig, status: int
-) -> None:
-    a, b = rig.engines["a"], rig.engines["b"]
-    a.status = status
+async def test_a_503_on_the_only_replica_left_counts_against_it(rig: Rig) -> None:
+    rig.engines["a"].status = 503
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))
     [a_ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
-    [b_ep] = [e for e in rig.table.endpoints["m"] if e.key == "b"]
-    b_ep.in_flight = 100  # busier on paper: "a" is the first choice
     async with httpx.AsyncClient(timeout=10) as client:
         r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
-    assert r.status_code == status
-    assert r.json() == {"error": {"message": "no"}}  # the engine's own answer
-    assert (a.received, b.received) == (1, 0)
+    assert r.status_code == 502  # nowhere to check it: the replica's
     assert a_ep.breaker.consecutive_faults == 1
+
+
+@pytest.mark.parametrize("status", [429, 500, 507])
+async def test_an_engines_own_error_is_relayed_not_retried_and_never_opens_the_breaker(
+    rig: Rig, status: int
+) -> None:
+    # llama.cpp answers 500 to an image part a text model cannot read: a client
+    # sending those must not take the model's only replica out for everybody
+    a, b = rig.engines["a"], rig.engines["b"]
+    a.status = status
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))
+    [a_ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
+    async with httpx.AsyncClient(timeout=10) as client:
+        for _ in range(12):  # more than the breaker's threshold
+            r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+            assert r.status_code == status
+            assert r.json() == {"error": {"message": "no"}}  # the engine's own answer
+        a.status = 200
+        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        assert r.status_code == 200  # the good client is served
+    assert (a.received, b.received) == (13, 0)
+    assert a_ep.breaker.state is BreakerState.CLOSED
+    assert a_ep.breaker.consecutive_faults == 0
     assert rig.app.metrics.retries.labels("m")._value.get() == 0
-    assert requests(rig, "a", str(status)) == 1
+    assert requests(rig, "a", str(status)) == 12
 
 
 async def test_client_errors_never_open_the_breaker(rig: Rig) -> None:
@@ -227,6 +253,37 @@ async def test_client_errors_never_open_the_breaker(rig: Rig) -> None:
             r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
             assert r.status_code == 400  # relayed as the engine said it
     assert rig.table.endpoints["m"][0].breaker.state is BreakerState.CLOSED
+
+
+async def test_every_breaker_open_is_panic_not_a_503_and_is_logged_once(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = trio.current_time()
+    for ep in rig.table.endpoints["m"]:
+        for _ in range(ep.breaker.failure_threshold):
+            ep.breaker.on_upstream_fault(now)
+        assert ep.breaker.state is BreakerState.OPEN
+    metrics = rig.app.metrics
+    async with httpx.AsyncClient(timeout=10) as client:
+        with caplog.at_level(logging.WARNING, logger="llmgw.router"):
+            for _ in range(3):
+                r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+                assert r.status_code == 200  # sent to the least bad replica anyway
+            assert metrics.panic_routed.labels("m")._value.get() == 3
+            assert metrics.panic.labels("m")._value.get() == 1
+            # a breaker closes (its cool-down over, its probe a success): panic is over
+            [a_ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
+            later = now + a_ep.breaker.cooldown_s + 1
+            assert a_ep.breaker.allows(later)
+            a_ep.breaker.on_start(later)
+            a_ep.breaker.on_success(later)
+            r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+            assert r.status_code == 200 and r.json()["id"] == "a"
+    assert metrics.panic_routed.labels("m")._value.get() == 3
+    assert metrics.panic.labels("m")._value.get() == 0
+    entered = [r for r in caplog.records if "panic: every replica of model m" in r.message]
+    left = [r for r in caplog.records if "left panic" in r.message]
+    assert (len(entered), len(left)) == (1, 1)
 
 
 async def test_saturated_replicas_shed_with_retry_after_or_queue_for_a_bounded_time(

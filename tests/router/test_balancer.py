@@ -52,30 +52,55 @@ def open_breaker() -> Breaker:
     ],
 )
 def test_inadmissible_replica_never_chosen_even_when_idle(bad: dict[str, object], why: str) -> None:
-    if bad.get("breaker") == "open":
+    tripped = bad.get("breaker") == "open"
+    if tripped:
         bad = {"breaker": open_breaker()}
     idle = ep("idle", **bad)
     busy = ep("busy", in_flight=50)
     for r in (0.0, 0.5, 0.99):
         choice = choose([idle, busy], NOW, admission=OPEN, rng_value=r)
-        assert choice.endpoint is busy
+        assert choice.endpoint is busy and not choice.panic
     alone = choose([idle], NOW, admission=OPEN)
-    assert alone.endpoint is None
     assert not alone.shed
+    if tripped:  # the only one left: panic sends it there rather than refuse everyone
+        assert alone.endpoint is idle and alone.panic
+        assert "panic: every replica of model m is refused by its breaker" in alone.reason
+        return
+    assert alone.endpoint is None and not alone.panic
     assert "no Ready replica for model m" in alone.reason
     assert why in alone.reason
 
 
+def test_panic_picks_the_least_bad_of_the_open_breakers() -> None:
+    worse = Breaker(failure_threshold=1, cooldown_s=60)
+    for _ in range(3):
+        worse.on_upstream_fault(NOW)
+    later = Breaker(failure_threshold=1, cooldown_s=60)
+    later.on_upstream_fault(NOW + 5)
+    a, b, c = ep("a", breaker=worse), ep("b", breaker=open_breaker()), ep("c", breaker=later)
+    off = ep("off", ready=False)
+    choice = choose([a, b, c, off], NOW + 10, admission=OPEN)
+    assert choice.panic and choice.endpoint is b  # fewest faults, then the longest open
+    assert choose([a, c], NOW + 10, admission=OPEN).endpoint is c  # fewer faults
+    # a replica the request already tried, not Ready or draining is no panic pick
+    tried = choose([b], NOW + 10, admission=OPEN, exclude=frozenset({"b"}))
+    assert tried.endpoint is None and not tried.panic
+    assert choose([off], NOW, admission=OPEN).endpoint is None
+    # one closed breaker is enough: no panic
+    assert choose([a, b, ep("ok", in_flight=99)], NOW, admission=OPEN).endpoint.key == "ok"  # type: ignore[union-attr]
+
+
 def test_half_open_breaker_takes_a_probe_after_cooldown() -> None:
-    e = ep("r1", breaker=open_breaker())
-    assert choose([e], NOW + 59, admission=OPEN).endpoint is None
-    choice = choose([e], NOW + 60, admission=OPEN)
-    assert choice.endpoint is e
+    e, other = ep("r1", breaker=open_breaker()), ep("r2", in_flight=9)
+    assert choose([e, other], NOW + 59, admission=OPEN).endpoint is other
+    choice = choose([e, other], NOW + 60, admission=OPEN)
+    assert choice.endpoint is e and not choice.panic
     e.start(NOW + 60)
     assert e.breaker.state is BreakerState.HALF_OPEN
-    again = choose([e], NOW + 61, admission=OPEN)
-    assert again.endpoint is None
-    assert "probe in flight" in again.reason
+    again = choose([e, other], NOW + 61, admission=OPEN)
+    assert again.endpoint is other
+    alone = choose([e], NOW + 61, admission=OPEN)
+    assert alone.panic and "probe in flight" not in alone.reason
 
 
 def test_exclude_sends_the_retry_elsewhere() -> None:
@@ -289,14 +314,22 @@ def test_choose_only_admissible_and_never_sheds_on_unknown(
             and e.breaker.state is BreakerState.CLOSED
         )
 
+    def panic_candidate(e: Endpoint) -> bool:
+        return e.ready and not e.draining and e.key not in exclude
+
     if choice.endpoint is not None:
-        assert candidate(choice.endpoint)
         assert not choice.shed
+        if choice.panic:  # only when the breakers refused every candidate
+            assert panic_candidate(choice.endpoint)
+            assert not any(candidate(e) for e in endpoints)
+        else:
+            assert candidate(choice.endpoint)
     unknown = [e for e in endpoints if candidate(e) and (e.load_at is None or NOW - e.load_at > 5)]
     if unknown:
-        assert choice.endpoint is not None
+        assert choice.endpoint is not None and not choice.panic
     if not any(candidate(e) for e in endpoints):
-        assert choice.endpoint is None and not choice.shed
+        assert not choice.shed
+        assert (choice.endpoint is None) == (not any(panic_candidate(e) for e in endpoints))
 
 
 # --- retries -------------------------------------------------------------------------

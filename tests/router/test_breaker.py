@@ -161,16 +161,28 @@ def test_illegal_move_is_refused() -> None:
         (408, "client_error"),
         (413, "client_error"),
         (422, "client_error"),
-        (429, "upstream_fault"),  # the replica is overloaded
-        (500, "upstream_fault"),  # engines' internal errors
+        # an engine's own answers say nothing about the replica, whatever the status:
+        (429, "client_error"),  # its admission; the balancer follows its load
+        (500, "client_error"),  # llama.cpp's answer to an image part it cannot read
         (501, "client_error"),
-        (502, "upstream_fault"),
-        (503, "upstream_fault"),
-        (504, "upstream_fault"),
+        (507, "client_error"),
     ],
 )
 def test_classify(status: int, expected: str) -> None:
     assert classify(status) == expected
+
+
+def test_no_answer_of_an_engine_ever_opens_it() -> None:
+    b = Breaker(failure_threshold=1)
+    for status in range(100, 600):
+        b.on_start(0.0)
+        outcome = classify(status)
+        assert outcome != "upstream_fault"
+        if outcome == "success":
+            b.on_success(0.0)
+        else:
+            b.on_client_error(0.0)
+    assert b.state is BreakerState.CLOSED
 
 
 @given(st.lists(st.sampled_from(["start", "ok", "fault", "client", "cancel", "tick"]), max_size=80))

@@ -14,14 +14,16 @@ from llmgw.http.client import (
 )
 from llmgw.router import attempt
 from llmgw.router.breaker import classify
-from llmgw.router.verdict import Failure, Verdict, verdict
+from llmgw.router.verdict import Failure, Suspect, Verdict, poisoned, verdict
 
 
 def relayed(status: int, outcome: str) -> Verdict:
     return Verdict(outcome, retry=False, status=status, relayed=True)  # type: ignore[arg-type]
 
 
-RETRIED_502 = Verdict("upstream_fault", retry=True, status=502, relayed=False)
+RETRIED_502 = Verdict(
+    "upstream_fault", retry=True, status=502, relayed=False, suspect=Suspect.GATEWAY
+)
 
 
 @pytest.mark.parametrize(
@@ -39,18 +41,18 @@ RETRIED_502 = Verdict("upstream_fault", retry=True, status=502, relayed=False)
         (413, relayed(413, "client_error")),
         (422, relayed(422, "client_error")),
         (499, relayed(499, "client_error")),
-        # the replica is overloaded: counted against it, but relayed, not retried
-        (429, relayed(429, "upstream_fault")),
-        # an engine's internal error: counted against it, but relayed, not retried
-        (500, relayed(500, "upstream_fault")),
+        # the engine's own answers, whatever their status: about the request, not
+        # the replica (llama.cpp's 500 to an image part); relayed, not retried
+        (429, relayed(429, "client_error")),
+        (500, relayed(500, "client_error")),
         (501, relayed(501, "client_error")),
         (502, RETRIED_502),
         (503, RETRIED_502),
         (504, RETRIED_502),
         (505, relayed(505, "client_error")),
-        (507, relayed(507, "upstream_fault")),
-        (599, relayed(599, "upstream_fault")),
-        (600, relayed(600, "upstream_fault")),  # beyond the table: judged all the same
+        (507, relayed(507, "client_error")),
+        (599, relayed(599, "client_error")),
+        (600, relayed(600, "client_error")),  # beyond the table: judged all the same
     ],
 )
 @pytest.mark.parametrize("started", [False, True])
@@ -66,11 +68,12 @@ def test_every_status_agrees_with_the_breaker_and_allocates_nothing() -> None:
             assert v == RETRIED_502
         else:
             assert v == relayed(status, classify(status))
+            assert v.outcome != "upstream_fault"  # an engine's answer never opens a breaker
         assert verdict(status) is v  # made once, at import
 
 
-def failed(retry: bool, status: int) -> Verdict:
-    return Verdict("upstream_fault", retry=retry, status=status, relayed=False)
+def failed(retry: bool, status: int, suspect: Suspect | None = None) -> Verdict:
+    return Verdict("upstream_fault", retry=retry, status=status, relayed=False, suspect=suspect)
 
 
 # (exception the pool raises, its Failure, its metric kind, its verdict before the
@@ -94,42 +97,42 @@ POOL_FAILURES: list[tuple[UpstreamError, Failure, str, Verdict, Verdict]] = [
         ConnectTimeout("e:1: connect timed out", "connect"),
         Failure.TIMEOUT,
         "connect",
-        failed(True, 504),
+        failed(True, 504, Suspect.TIMEOUT),
         failed(False, 504),
     ),
     (
         UpstreamTimeout("e:1: sending the request timed out", "send"),
         Failure.TIMEOUT,
         "timeout_send",
-        failed(True, 504),
+        failed(True, 504, Suspect.TIMEOUT),
         failed(False, 504),
     ),
     (
         UpstreamTimeout("e:1: no response head in time", "head"),
         Failure.TIMEOUT,
         "timeout_head",
-        failed(True, 504),
+        failed(True, 504, Suspect.TIMEOUT),
         failed(False, 504),
     ),
     (
         UpstreamTimeout("e:1: no body bytes in time", "body"),
         Failure.TIMEOUT,
         "timeout_body",
-        failed(True, 504),
+        failed(True, 504, Suspect.TIMEOUT),
         failed(False, 504),
     ),
     (
         UpstreamReset("e:1: send failed: [Errno 32] Broken pipe", "send", True),
         Failure.UNANSWERED,
         "reset",
-        failed(True, 502),
+        failed(True, 502, Suspect.CLOSED),
         failed(False, 502),
     ),
     (
         UpstreamReset("e:1: connection closed without a response", "head", True),
         Failure.UNANSWERED,
         "reset",
-        failed(True, 502),
+        failed(True, 502, Suspect.CLOSED),
         failed(False, 502),
     ),
     (
@@ -204,3 +207,32 @@ def test_every_failure_is_the_replicas_and_none_is_retried_once_started() -> Non
         Failure.TIMEOUT,
         Failure.UNANSWERED,
     }
+
+
+def test_only_a_retried_fault_is_suspect_and_a_connect_error_never() -> None:
+    for f in Failure:
+        for started in (False, True):
+            v = verdict(f, started=started)
+            assert (v.suspect is not None) == (v.retry and f is not Failure.CONNECT)
+
+
+@pytest.mark.parametrize(
+    ("first", "then", "poison"),
+    [
+        (503, 502, True),  # 502-504 are one way of failing
+        (504, 504, True),
+        (503, Failure.TIMEOUT, False),
+        (Failure.TIMEOUT, Failure.TIMEOUT, True),
+        (Failure.UNANSWERED, Failure.UNANSWERED, True),
+        (Failure.UNANSWERED, Failure.TIMEOUT, False),
+        (Failure.TIMEOUT, 200, False),  # another replica answered: the first one's fault
+        (Failure.TIMEOUT, 500, False),
+        (Failure.CONNECT, Failure.CONNECT, False),  # nothing was sent: never the request's
+        (Failure.TIMEOUT, Failure.CONNECT, False),
+        (500, 500, False),  # answers are not faults at all
+    ],
+)
+def test_poison_is_the_same_suspect_fault_twice(
+    first: int | Failure, then: int | Failure, poison: bool
+) -> None:
+    assert poisoned(verdict(first), verdict(then)) is poison
