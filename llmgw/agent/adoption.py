@@ -2,7 +2,15 @@
 
 A restarted agent reads the records and adopts every engine whose pid is
 alive with the same start time and command line (a recycled pid is not our
-engine; see ``procs``). It cannot wait on a process that is not its child,
+engine; see ``procs``), or with the same start time and this agent's tag for
+that shard in its environment (``env``): a record read from its previous
+copy may hold the command line of a launcher the engine has since exec'd.
+
+An engine of ours whose record cannot be read at all (tagged, but no record
+describes it) is never killed: the agent cannot describe its shard to the
+control plane, so it does not adopt it, but leaves it serving and says so in
+one line with the pid to stop by hand. Stray killing (``strays``) spares it
+for the same reason. It cannot wait on a process that is not its child,
 so it watches it through a pidfd (polling /proc where there are none) and
 stops it by signalling the group.
 
@@ -19,12 +27,22 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 
+import attrs
 import trio
 
+from llmgw.agent.env import tagged_shard
 from llmgw.agent.lifecycle import Phase
 from llmgw.agent.output import OutputTail
-from llmgw.agent.procs import ProcessIdentity, is_same_process
+from llmgw.agent.procs import (
+    ProcessIdentity,
+    alive,
+    all_pids,
+    environ,
+    identity,
+    is_same_process,
+)
 from llmgw.agent.records import RecordStore
 from llmgw.agent.shard import Shard
 from llmgw.engines.base import Launch
@@ -35,7 +53,52 @@ WATCH_INTERVAL_S = 0.5
 CHECK_BOUND_S = 3.0  # the health checks before the first registration, all together
 
 
-def adopt_records(records: RecordStore, tail_for: Callable[[str], OutputTail]) -> list[Shard]:
+def is_our_engine(recorded: ProcessIdentity, shard_id: str, state_dir: Path) -> bool:
+    """The recorded engine still runs: same pid, start time and command line, or
+    same pid and start time with this agent's tag for ``shard_id``."""
+    if is_same_process(recorded):
+        return True
+    now = identity(recorded.pid)
+    return (
+        now is not None
+        and alive(recorded.pid)
+        and now.start_time == recorded.start_time
+        and tagged_shard(environ(recorded.pid), state_dir) == shard_id
+    )
+
+
+def tagged_leaders(state_dir: Path) -> dict[int, str]:
+    """Group leaders carrying the tag of this agent's state dir: pid -> shard."""
+    found: dict[int, str] = {}
+    for pid in all_pids():
+        sid = tagged_shard(environ(pid), state_dir)
+        if sid is None:
+            continue
+        who = identity(pid)
+        if who is not None and who.pgid == pid and alive(pid):
+            found[pid] = sid
+    return found
+
+
+def report_unrecorded(adopted: Iterable[Shard], state_dir: Path) -> dict[int, str]:
+    """Log every engine of ours that no record describes; they are left running."""
+    known = {s.ident.pid for s in adopted if s.ident is not None}
+    left = {pid: sid for pid, sid in tagged_leaders(state_dir).items() if pid not in known}
+    for pid, sid in sorted(left.items()):
+        log.error(
+            "pid %d is an engine this agent started for shard %s, but no readable record "
+            "describes it; it is left running and unmanaged. Stop it with "
+            "'kill -TERM -- -%d' if it is not wanted",
+            pid,
+            sid,
+            pid,
+        )
+    return left
+
+
+def adopt_records(
+    records: RecordStore, tail_for: Callable[[str], OutputTail], state_dir: Path
+) -> list[Shard]:
     """A shard for every recorded engine that is still that engine; forget the others."""
     adopted: list[Shard] = []
     for record in records.load_all():
@@ -47,7 +110,7 @@ def adopt_records(records: RecordStore, tail_for: Callable[[str], OutputTail]) -
             pgid=record.pgid,
             state="",
         )
-        if not is_same_process(recorded):
+        if not is_our_engine(recorded, sid, state_dir):
             log.info(
                 "shard %s from a previous agent is gone (pid %d is not that engine any more); "
                 "forgetting it",
@@ -56,6 +119,9 @@ def adopt_records(records: RecordStore, tail_for: Callable[[str], OutputTail]) -
             )
             records.remove(sid)
             continue
+        now = identity(record.pid)
+        if now is not None and now.cmdline and now.cmdline != recorded.cmdline:
+            recorded = attrs.evolve(recorded, cmdline=now.cmdline)  # recognised by its tag
         tail = tail_for(sid)
         tail.skip_to_end()
         adopted.append(

@@ -186,6 +186,11 @@ def _read_stat(pid: int, proc_root: Path) -> StatFields | None:
     return parse_stat(raw.decode("utf-8", "surrogateescape"))
 
 
+def all_pids(proc_root: Path = PROC) -> list[int]:
+    """Every pid there is now."""
+    return _pids(proc_root)
+
+
 def _pids(proc_root: Path) -> list[int]:
     """Every pid in ``proc_root``; other entries (self, net, sys, ...) are skipped."""
     try:

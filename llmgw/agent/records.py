@@ -5,6 +5,12 @@ identifies a process, the spec is what lets it be described back to the
 control plane and matched to a replica. Written atomically (temp file,
 fsync, rename) before the shard is reported started, so a record never
 describes half a shard.
+
+The previous copy of each record is kept beside it (``<id>.json.prev``; at
+the first write, a second copy of the first), and read when the record
+itself cannot be: a disk error or a hand edit that spoils one file leaves the
+engine adoptable. A record that cannot be read is moved aside as
+``<id>.json.bad`` for whoever wants to see what went wrong.
 """
 
 from __future__ import annotations
@@ -47,30 +53,74 @@ class RecordStore:
     def log_path(self, shard_id: str) -> Path:
         return self.dir / f"{shard_id}.log"
 
+    def previous(self, shard_id: str) -> Path:
+        return self.dir / f"{shard_id}.json.prev"
+
     def write(self, record: ShardRecord) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path(record.spec.shard_id), _encoder.encode(record), 0o600)
+        path = self.path(record.spec.shard_id)
+        data = _encoder.encode(record)
+        old = _read(path)
+        # the previous copy is written first: at every moment one of the two is whole
+        write_atomic(self.previous(record.spec.shard_id), data if old is None else old[1], 0o600)
+        write_atomic(path, data, 0o600)
 
     def remove(self, shard_id: str) -> None:
+        for path in (self.path(shard_id), self.previous(shard_id)):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def shard_ids(self) -> set[str]:
+        """Every shard with a record or a previous copy of one."""
         try:
-            self.path(shard_id).unlink()
-        except FileNotFoundError:
-            pass
+            names = [p.name for p in self.dir.iterdir()]
+        except OSError:
+            return set()
+        ids = set()
+        for name in names:
+            for suffix in (".json", ".json.prev"):
+                if name.endswith(suffix) and len(name) > len(suffix):
+                    ids.add(name[: -len(suffix)])
+        return ids
 
     def load_all(self) -> list[ShardRecord]:
-        """Every readable record; a corrupt one is logged and set aside, not fatal."""
+        """Every readable record, the previous copy where the record is not readable.
+
+        A corrupt record is logged and set aside, not fatal.
+        """
         out = []
-        try:
-            paths = sorted(self.dir.glob("*.json"))
-        except OSError:
-            return []
-        for path in paths:
+        for sid in sorted(self.shard_ids()):
+            path = self.path(sid)
             try:
                 out.append(_decoder.decode(path.read_bytes()))
+                continue
+            except FileNotFoundError:
+                pass
             except (OSError, msgspec.DecodeError) as exc:
                 log.error("cannot read shard record %s (%s); moving it aside", path, exc)
                 try:
                     path.rename(path.with_suffix(".json.bad"))
                 except OSError:
                     pass
+            prev = _read(self.previous(sid))
+            if prev is None:
+                log.error(
+                    "shard %s has no readable record and no readable previous copy; "
+                    "an engine of it that still runs is left running, unmanaged",
+                    sid,
+                )
+                continue
+            log.warning("shard %s: using the previous copy of its record", sid)
+            out.append(prev[0])
         return out
+
+
+def _read(path: Path) -> tuple[ShardRecord, bytes] | None:
+    """The record at ``path`` and its bytes; None when it is missing or unreadable."""
+    try:
+        data = path.read_bytes()
+        return _decoder.decode(data), data
+    except (OSError, msgspec.DecodeError):
+        return None

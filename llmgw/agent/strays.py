@@ -6,6 +6,11 @@ lost, something an operator started by hand) would make the next engine
 placed there fail, or share a GPU it was promised alone. The agent kills
 such processes, and logs each kill with what it was and what it held.
 
+A process carrying this agent's tag (``env``) is spared: it is an engine this
+agent started whose record was lost or spoiled, and killing a healthy engine
+because a file went bad would take its replica down for nothing. It is
+logged, with the pid to stop by hand.
+
 A process that leads its own group (as every engine the agent starts does)
 is ended with its group; anything else gets SIGKILL alone, so the agent never
 signals its own group or a shell's.
@@ -17,10 +22,13 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from llmgw.agent.discovery.gpus import gpu_processes
+from llmgw.agent.env import tagged_shard
 from llmgw.agent.procs import (
     ProcessIdentity,
+    environ,
     group_members,
     identity,
     listening_ports,
@@ -48,8 +56,25 @@ def ours(shards: Iterable[Shard]) -> set[int]:
     return pids
 
 
+def spared(who: ProcessIdentity, holds: str, state_dir: Path) -> bool:
+    """True (and logged) when ``who`` carries this agent's tag: an engine of ours."""
+    sid = tagged_shard(environ(who.pid), state_dir)
+    if sid is None:
+        return False
+    log.error(
+        "pid %d holds %s and no record describes it, but it is an engine this agent "
+        "started for shard %s: leaving it running. Stop it with 'kill -TERM -- -%d' "
+        "if it is not wanted",
+        who.pid,
+        holds,
+        sid,
+        who.pgid,
+    )
+    return True
+
+
 async def kill_unidentified(
-    ports: set[int], ours: set[int], on_event: Callable[[str], None]
+    ports: set[int], ours: set[int], on_event: Callable[[str], None], state_dir: Path
 ) -> None:
     """Kill processes that hold a port we assign and that no shard describes."""
     if not ports:
@@ -57,7 +82,7 @@ async def kill_unidentified(
     for port, pids in sorted(port_holders(ports).items()):
         for pid in sorted(pids - ours):
             who = identity(pid)
-            if who is None:
+            if who is None or spared(who, f"port {port}", state_dir):
                 continue
             command = " ".join(who.cmdline)[:200]
             log.warning(
@@ -72,7 +97,10 @@ async def kill_unidentified(
 
 
 async def kill_gpu_holders(
-    nvidia_smi: str, ours: Callable[[], set[int]], on_event: Callable[[str], None]
+    nvidia_smi: str,
+    ours: Callable[[], set[int]],
+    on_event: Callable[[str], None],
+    state_dir: Path,
 ) -> None:
     """Kill processes holding GPU memory that no shard describes: placement hands
     this node's GPUs out, and would hand theirs out again."""
@@ -84,7 +112,7 @@ async def kill_gpu_holders(
         if pid in known:
             continue
         who = identity(pid)
-        if who is None:
+        if who is None or spared(who, f"memory on GPU {gpu}", state_dir):
             continue
         log.warning(
             "killing pid %d (%s): it holds memory on GPU %s, which this agent assigns "

@@ -41,7 +41,7 @@ import httpx
 import trio
 
 from llmgw.agent import strays
-from llmgw.agent.adoption import adopt_records, adopted_exit, check_adopted
+from llmgw.agent.adoption import adopt_records, adopted_exit, check_adopted, report_unrecorded
 from llmgw.agent.launch import launch
 from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, expects_exit, move
 from llmgw.agent.output import OutputTail
@@ -345,20 +345,28 @@ class Supervisor:
 
     def adopt_all(self) -> list[Shard]:
         """Take over every engine a previous agent left (their watchers are started after)."""
-        adopted = adopt_records(self.records, self._tail)
+        state_dir = self.settings.state_dir
+        adopted = adopt_records(self.records, self._tail, state_dir)
         for shard in adopted:
             self.shards[shard.shard_id] = shard
+            self.write_record(shard)  # whole again, where it was read from its previous copy
             self.on_event("adopted")
+        report_unrecorded(adopted, state_dir)
         return adopted
 
     async def kill_unidentified(self, ports: set[int]) -> None:
         """Kill processes that hold a port we assign and that no shard describes."""
-        await strays.kill_unidentified(ports, strays.ours(self.shards.values()), self.on_event)
+        await strays.kill_unidentified(
+            ports, strays.ours(self.shards.values()), self.on_event, self.settings.state_dir
+        )
 
     async def kill_gpu_holders(self) -> None:
         """Kill processes holding GPU memory that no shard describes."""
         await strays.kill_gpu_holders(
-            self.settings.nvidia_smi, lambda: strays.ours(self.shards.values()), self.on_event
+            self.settings.nvidia_smi,
+            lambda: strays.ours(self.shards.values()),
+            self.on_event,
+            self.settings.state_dir,
         )
 
     # --- plumbing -------------------------------------------------------------

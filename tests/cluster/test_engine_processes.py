@@ -240,6 +240,50 @@ async def test_a_restarted_agent_adopts_every_engine_and_can_stop_them(
         await chat(two.port)
 
 
+async def test_an_engine_whose_record_is_spoiled_keeps_serving(
+    tmp_path: Path, pki: Pki, tiny: Path
+) -> None:
+    """A truncated record: the engine is adopted from the record's previous copy; with
+    that spoiled too, the engine is recognised by its tag and left serving, not killed."""
+    async with fleet(tmp_path, pki) as f:
+        agent = f.start_agent()
+        spec = llama_spec(tiny)
+        await f.send("n1", StartShard(spec=spec))
+        pid = (await f.status("s1", "ready")).pid
+        assert pid is not None
+        before = identity(pid)
+        shards = tmp_path / "agent-n1" / "shards"
+        record = shards / "s1.json"
+
+        await agent.stop(signal.SIGKILL)
+        record.write_bytes(record.read_bytes()[:40])
+        f.registers.clear()
+        agent.start()
+        await wait_for(lambda: bool(f.registers), timeout=30)
+        reports = {r.spec.shard_id: r for r in f.registers[-1].shards}
+        assert {s: (r.state, r.pid) for s, r in reports.items()} == {"s1": ("ready", pid)}
+        await agent.wait_log(r"shard s1: using the previous copy of its record")
+        assert identity(pid) == before
+        assert msgspec.json.decode(record.read_bytes())["pid"] == pid  # whole again
+        await chat(spec.port)
+
+        await agent.stop(signal.SIGKILL)
+        record.write_bytes(b"{")
+        (shards / "s1.json.prev").write_bytes(b"")
+        f.registers.clear()
+        agent.start()
+        await agent.wait_log(
+            rf"pid {pid} is an engine this agent started for shard s1, but no readable "
+            r"record describes it; it is left running"
+        )
+        # registered: the strays on the engine ports were dealt with before that
+        await wait_for(lambda: bool(f.registers), timeout=30)
+        assert f.registers[-1].shards == []  # it cannot say what the engine serves
+        assert identity(pid) == before
+        assert "killing pid" not in agent.log()
+        await chat(spec.port)
+
+
 async def test_an_engine_nobody_can_describe_is_killed(tmp_path: Path, pki: Pki) -> None:
     port = free_port()
     async with http_server(port) as rogue, fleet(tmp_path, pki) as f:
