@@ -17,6 +17,7 @@ from llmgw.addr import url_host
 from llmgw.admin.views import NodeView
 from llmgw.cli.runtime import fail
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
+from llmgw.config.loader import read_text
 from llmgw.config.schema import resolve
 from llmgw.controlplane.fabrics import FleetStatus, describe_copies
 
@@ -46,7 +47,8 @@ class Target:
     admin_url
         The management API's URL. [env: LLMGW_ADMIN_URL; default http://127.0.0.1:7444]
     token
-        Admin bearer token. [env: LLMGW_ADMIN_TOKEN]
+        Admin bearer token; avoid it: a command line is visible to every user of
+        the machine (prefer --token-file or LLMGW_ADMIN_TOKEN). [env: LLMGW_ADMIN_TOKEN]
     token_file
         File holding the admin token. [env: LLMGW_ADMIN_TOKEN_FILE]
     """
@@ -58,6 +60,13 @@ class Target:
 
     def resolve(self) -> tuple[str, str]:
         url = self.admin_url or os.environ.get("LLMGW_ADMIN_URL")
+        if self.token:
+            print(
+                "llmgw ctl: warning: --token is visible to every user of this machine"
+                " (ps, /proc/PID/cmdline); use --token-file FILE or LLMGW_ADMIN_TOKEN",
+                file=sys.stderr,
+                flush=True,
+            )
         token = self.token or os.environ.get("LLMGW_ADMIN_TOKEN")
         token_file = self.token_file or _env_path("LLMGW_ADMIN_TOKEN_FILE")
         config = self.config or _env_path("LLMGW_SERVER_CONFIG")
@@ -74,11 +83,9 @@ class Target:
                     )
         if token is None and token_file is not None:
             try:
-                token = token_file.read_text().strip()
-            except OSError as exc:
-                raise CtlError(
-                    f"cannot read admin token file {token_file}: {exc.strerror}"
-                ) from None
+                token = read_text(token_file).strip()
+            except ConfigError as exc:
+                raise CtlError(f"admin token file {exc}") from None
         if not token:
             raise CtlError(
                 "no admin token: pass --token, --token-file or --config SERVER.toml "

@@ -6,6 +6,7 @@ Every config struct refuses unknown keys. Cross-field rules live in
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import msgspec
@@ -58,6 +59,20 @@ class AdminConfig(_Section):
     listen: str = "127.0.0.1:7444"
     token: str = ""
     token_file: str = ""  # default: <state_dir>/admin-token, created on first start
+    # the admin API is plain HTTP: an address that is not loopback is refused
+    # unless this says, on purpose, that the token may cross the network in clear
+    insecure_listen: bool = False
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a listen host is loopback only (a name other than localhost is not
+    known to be: it could resolve to anything)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ReconcileConfig(_Section):
@@ -103,7 +118,15 @@ class ServerConfig(_Section):
 
     def validate(self) -> None:
         parse_hostport(self.agent_stream.listen, key="agent_stream.listen")
-        parse_hostport(self.admin.listen, key="admin.listen")
+        admin_host, _ = parse_hostport(self.admin.listen, key="admin.listen")
+        if not is_loopback(admin_host) and not self.admin.insecure_listen:
+            raise ConfigError(
+                "",
+                "admin.listen",
+                f"{self.admin.listen!r} is not loopback, and the admin API is plain HTTP"
+                " (its token would cross the network in clear): listen on 127.0.0.1 and"
+                " reach it over SSH, or set admin.insecure_listen = true to accept that",
+            )
         lv = self.liveness
         _positive("liveness.heartbeat_interval_s", lv.heartbeat_interval_s, at_most=3600)
         _positive("liveness.unreachable_after_s", lv.unreachable_after_s, at_most=DAY_S)
@@ -182,9 +205,7 @@ class EnginesConfig(_Section):
     port_range: list[int] = msgspec.field(default_factory=lambda: [20000, 20999])  # engine ports
     kill_unidentified: bool = True  # kill a process on those ports that no shard describes
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
-    log_max_mb: int = 64  # each engine's log is rotated past this (one old copy kept)
-    stopped_log_keep_hours: float = 72.0  # logs of shards no longer running here, at most
-    stopped_logs_max_mb: int = 1024  # those logs in all, newest kept
+    log_max_mb: int = 64  # each engine's log file is truncated past this
 
 
 class MetricsConfig(_Section):
@@ -238,8 +259,6 @@ class AgentConfig(_Section):
             )
         _positive("engines.stop_grace_s", self.engines.stop_grace_s, at_most=3600)
         _positive("engines.log_max_mb", self.engines.log_max_mb)
-        _positive("engines.stopped_log_keep_hours", self.engines.stopped_log_keep_hours)
-        _positive("engines.stopped_logs_max_mb", self.engines.stopped_logs_max_mb)
         if self.metrics.listen:
             parse_hostport(self.metrics.listen, key="metrics.listen")
         _positive("discovery.probe_timeout_s", self.discovery.probe_timeout_s, at_most=600)

@@ -16,7 +16,7 @@ from llmgw.admin.api import AdminApi
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
-from llmgw.config.schema import resolve
+from llmgw.config.schema import is_loopback, resolve
 from llmgw.controlplane.catalog import load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.nodes import LivenessPolicy
@@ -137,6 +137,12 @@ async def serve(config: ServerConfig, base: Path) -> None:
     )
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
+    if not is_loopback(admin_host):  # only with admin.insecure_listen (see the schema)
+        log.warning(
+            "admin API on %s is plain HTTP beyond loopback (admin.insecure_listen = true):"
+            " its token crosses the network in clear",
+            config.admin.listen,
+        )
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(stream.serve, stream_host, stream_port)
         log.info("agent stream listening on %s", ", ".join(_show(x) for x in listeners))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -229,3 +230,76 @@ async def test_a_bad_catalog_on_sighup_or_reload_keeps_the_server_and_the_old_ca
     assert "catalog reloaded" in (await server.ctl("reload")).stdout.decode()
     assert await routes() == ["n"]
     assert "Traceback" not in server.log()
+
+
+async def test_ctl_warns_about_a_token_on_its_command_line_and_reads_files_safely(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki)
+    token = (tmp_path / "state" / "admin-token").read_text().strip()
+    ctl = [sys.executable, "-m", "llmgw", "ctl", "status", "--admin-url", server.admin_url]
+    with trio.fail_after(30):
+        given = await trio.run_process(
+            [*ctl, "--token", token], capture_stdout=True, capture_stderr=True, check=False
+        )
+    assert given.returncode == 0
+    assert given.stderr.decode().strip() == (
+        "llmgw ctl: warning: --token is visible to every user of this machine"
+        " (ps, /proc/PID/cmdline); use --token-file FILE or LLMGW_ADMIN_TOKEN"
+    )
+    with trio.fail_after(30):
+        quiet = await trio.run_process(
+            ctl,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            env={**os.environ, "LLMGW_ADMIN_TOKEN": token},
+        )
+    assert quiet.returncode == 0
+    assert quiet.stderr == b""
+    bad = tmp_path / "latin1-token"
+    bad.write_bytes(b"caf\xe9\n")
+    with trio.fail_after(30):
+        result = await trio.run_process(
+            [*ctl, "--token-file", str(bad)], capture_stderr=True, check=False
+        )
+    assert result.returncode == 2
+    assert result.stderr.decode().splitlines() == [
+        f"llmgw ctl status: admin token file {bad}: "
+        "not UTF-8 text (byte 0xe9 on line 1): save it as UTF-8"
+    ]
+
+
+async def test_an_admin_listener_beyond_loopback_needs_an_explicit_opt_in(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    config = write_server_config(tmp_path, pki)
+    with trio.fail_after(30):
+        result = await trio.run_process(
+            [sys.executable, "-m", "llmgw", "server", "--config", str(config)]
+            + ["--admin-listen", "0.0.0.0:0"],
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 2
+    assert result.stderr.decode().splitlines() == [
+        f"llmgw server: {config} (overridden on the command line): admin.listen: '0.0.0.0:0'"
+        " is not loopback, and the admin API is plain HTTP (its token would cross the network"
+        " in clear): listen on 127.0.0.1 and reach it over SSH, or set"
+        " admin.insecure_listen = true to accept that"
+    ]
+    assert not (tmp_path / "state").exists()  # refused before anything was written
+    server = Server(
+        "server",
+        ["server", "--config", "server.toml", "--admin-listen", "0.0.0.0:0"]
+        + ["--set", "admin.insecure_listen=true"],
+        tmp_path,
+    )
+    cluster.append(server.start())
+    await server.wait_log(
+        r"WARNING llmgw.server: admin API on 0.0.0.0:0 is plain HTTP beyond loopback"
+        r" \(admin.insecure_listen = true\): its token crosses the network in clear"
+    )
+    m = await server.wait_log(r"admin API listening on http://0\.0\.0\.0:(\d+)")
+    server.admin_url = f"http://127.0.0.1:{m.group(1)}"
+    await server.ctl("status")  # served, to whoever holds the token

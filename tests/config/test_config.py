@@ -94,6 +94,22 @@ def test_catalog_files_that_cannot_be_used_are_one_error_naming_them(tmp_path: P
     assert str(info.value) == f"{bad}: not valid TOML: nested too deeply"
 
 
+@pytest.mark.parametrize("listen", ["127.0.0.1:7444", "127.9.9.9:1", "localhost:1", "[::1]:1"])
+def test_admin_on_loopback_needs_no_opt_in(tmp_path: Path, listen: str) -> None:
+    cfg, _ = load_config(ServerConfig, write(tmp_path, f'[admin]\nlisten = "{listen}"\n'))
+    assert cfg.admin.listen == listen
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:7444", "10.0.0.1:7444", "[::]:1", "cp.example:1"])
+def test_admin_beyond_loopback_is_refused_unless_opted_in(tmp_path: Path, listen: str) -> None:
+    path = write(tmp_path, f'[admin]\nlisten = "{listen}"\n')
+    assert error(ServerConfig, path).startswith(
+        f"{path}: admin.listen: {listen!r} is not loopback, and the admin API is plain HTTP"
+    )
+    cfg, _ = load_config(ServerConfig, path, ["admin.insecure_listen=true"])
+    assert cfg.admin.insecure_listen
+
+
 def test_overrides_win_and_are_checked_by_the_same_rules(tmp_path: Path) -> None:
     path = write(tmp_path, "[liveness]\nlost_after_s = 90\n")
     cfg, _ = load_config(ServerConfig, path, ["liveness.lost_after_s=120", "admin.listen=[::1]:9"])
