@@ -25,7 +25,8 @@ send through the dispatcher:
     its startup timeout (its GPUs released, it stops counting); fail what
     sits on a Lost node; clean up failed replicas; place replicas for models
     below their count (retrying failures with backoff, not in a tight loop);
-    drain the newest extras above it; and move replicas off draining nodes as
+    drain the extras above it (``surplus``: never one that serves while one that
+    does not could go, and never an adopted one for a replacement); and move replicas off draining nodes as
     a rolling move: a replacement first, the original drained only once the
     replacement is Ready or the drain grace is over, so draining the only
     node that can host a model still finishes.
@@ -168,6 +169,8 @@ class Reconciler:
                     plan,
                     f"shard {shard.shard_id} on {node_id} {status.state}: {status.detail}",
                 )
+            elif replica.state is R.DRAINING and not replica.shards:
+                self._stop(replica, now, plan, "drained")  # forgotten in the next pass
         self._settle(replica, now)
         return plan
 
@@ -279,14 +282,7 @@ class Reconciler:
         if missing > 0:
             self._place(model, missing, shared, now, plan)
         elif missing < 0:
-            # the ones not serving yet go first, then the newest: never drain a Ready
-            # replica while one that is still loading is kept
-            order = {rid: i for i, rid in enumerate(self.replicas)}
-            extras = sorted(
-                counting,
-                key=lambda r: (r.state is R.READY, -r.created_at, -order[r.replica_id]),
-            )
-            for replica in extras[:-missing]:
+            for replica in surplus(counting, -missing, list(self.replicas)):
                 replica.leaving, replica.leaving_since = True, now
                 plan.notes.append(Note(f"replica {replica.replica_id} is an extra; draining it"))
                 self._drain(replica, now, plan)
@@ -519,6 +515,29 @@ class Reconciler:
                 if shard.shard_id == shard_id:
                     return replica, shard
         return None
+
+
+def surplus(counting: list[Replica], n: int, known: list[str]) -> list[Replica]:
+    """The ``n`` replicas of one model to let go when more count than are wanted.
+
+    The ones not serving go first: a Ready replica is never drained while one
+    that is still loading is kept. Among those that serve, an adopted one ran
+    before this control plane started, so it is older than anything placed
+    since (its ``created_at`` is only when it was adopted): the replacement a
+    restarted control plane placed before a late agent came back goes, and the
+    engine that was serving all along stays. Then the newest go first
+    (``known``: replica ids in the order they became known, for ties).
+    """
+    order = {rid: i for i, rid in enumerate(known)}
+    return sorted(
+        counting,
+        key=lambda r: (
+            r.state is R.READY,
+            r.adopted,
+            -r.created_at,
+            -order.get(r.replica_id, len(order)),
+        ),
+    )[:n]
 
 
 def _gone(node: Node | None) -> bool:

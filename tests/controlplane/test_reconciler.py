@@ -161,6 +161,29 @@ def test_a_placed_replica_loses_to_the_one_the_agent_reports() -> None:
     assert rec_ports(restarted) == {20004}
 
 
+@pytest.mark.parametrize("replacement", ["starting", "ready"])
+def test_a_late_agents_serving_replica_stays_and_the_replacement_goes(replacement: str) -> None:
+    """A restarted control plane places a replacement once the settle time is over; the
+    agent that runs the serving engine registers after that. One replica is wanted and
+    two count: the one placed since goes, loading or already up, never the engine that
+    served all along."""
+    cat = catalog("\n".join(CATALOG.splitlines()[:8]))
+    serving = report(reconciler(cat, run="r1").reconcile(fleet("n1").nodes, now=0))["n1"]
+    restarted = reconciler(cat, Timing(settle_s=15), run="r2")
+    only_n2 = fleet("n2")
+    assert restarted.reconcile(only_n2.nodes, now=100).start == []  # settling
+    [start] = restarted.reconcile(only_n2.nodes, now=116).start
+    assert start.node == "n2"
+    for state in ("starting", replacement):
+        restarted.shard_status("n2", ShardStatus(shard_id=start.spec.shard_id, state=state), 117)  # type: ignore[arg-type]
+    assert restarted.registered("n1", serving, now=120).stop == []
+    plan = restarted.reconcile(fleet("n1", "n2").nodes, now=121)
+    let_go = [(s.node, s.shard_id) for s in plan.stop] + [(d.node, d.shard_id) for d in plan.drain]
+    assert let_go == [("n2", start.spec.shard_id)]
+    kept = restarted.replicas[serving[0].spec.replica_id]
+    assert kept.state is ReplicaState.READY and not kept.leaving
+
+
 def rec_ports(rec: Reconciler) -> set[int]:
     return rec.allocations().ports.get("n1", set())
 
