@@ -26,13 +26,20 @@ import logging
 import os
 import subprocess
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import trio
 
-from llmgw.agent.env import engine_env
+from llmgw.agent.env import engine_env, tagged_shard
 from llmgw.agent.lifecycle import Event, Phase
-from llmgw.agent.procs import ProcessIdentity, identity, port_holders, terminate_group
+from llmgw.agent.procs import (
+    ProcessIdentity,
+    environ,
+    identity,
+    port_holders,
+    terminate_group,
+)
 from llmgw.agent.shard import Shard
 from llmgw.engines import adapters
 
@@ -40,6 +47,19 @@ if TYPE_CHECKING:
     from llmgw.agent.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent.supervisor")
+
+
+def held_why(port: int, holders: set[int], state_dir: Path) -> str:
+    """Why a port cannot be had, in words that say what to do where the agent knows."""
+    for pid in sorted(holders):
+        sid = tagged_shard(environ(pid), state_dir)
+        if sid is not None:
+            return (
+                f"port {port} is held by pid {pid}, an engine this agent started for shard "
+                f"{sid} that no readable record describes; stop it (kill -TERM -- -{pid}) "
+                "to free the port"
+            )
+    return f"port {port} is held by pid {', '.join(map(str, sorted(holders)))}"
 
 
 async def launch(sup: Supervisor, shard: Shard) -> bool:
@@ -68,8 +88,7 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
             await sup.kill_gpu_holders()
     holders = port_holders(ports).get(spec.port, set()) if ports else set()
     if holders:
-        held = ", ".join(map(str, sorted(holders)))
-        sup.fire(shard, Event.REFUSED, f"port {spec.port} is held by pid {held}")
+        sup.fire(shard, Event.REFUSED, held_why(spec.port, holders, sup.settings.state_dir))
         return False
     if shard.phase is not Phase.STARTING:
         return False  # stopped or drained while it was being prepared: nothing to launch

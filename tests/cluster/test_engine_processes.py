@@ -282,6 +282,15 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
         assert identity(pid) == before
         assert "killing pid" not in agent.log()
         await chat(spec.port)
+        # placed again on its port, the shard is refused with what to do
+        await f.send("n1", StartShard(spec=msgspec.structs.replace(spec, shard_id="s2")))
+        refused = await f.status("s2", "failed", timeout=20)
+        assert refused.detail == (
+            f"port {spec.port} is held by pid {pid}, an engine this agent started for shard "
+            f"s1 that no readable record describes; stop it (kill -TERM -- -{pid}) to free "
+            "the port"
+        )
+        assert identity(pid) == before
 
 
 async def test_an_engine_nobody_can_describe_is_killed(tmp_path: Path, pki: Pki) -> None:
@@ -427,3 +436,57 @@ async def test_startup_is_bounded_by_the_profiles_timeout(tmp_path: Path, pki: P
         assert any("vllm stand-in" in line for line in failed.output_tail)
         assert starting.pid is not None
         assert not alive(starting.pid)
+
+
+CHATTY = """#!{python}
+import sys, time
+line = b"x" * 1023 + b"\\n"
+for _ in range(8 * 1024):  # 8 MB, then quiet
+    sys.stdout.buffer.write(line)
+sys.stdout.buffer.flush()
+time.sleep(600)
+"""
+
+
+async def test_an_engines_log_stays_within_its_limit_and_goes_after_it_stops(
+    tmp_path: Path, pki: Pki, tiny: Path
+) -> None:
+    """A chatty engine's log is rotated while it runs; once the shard stopped, its logs
+    are deleted after the time they may be kept."""
+    chatty = tmp_path / "chatty-llama-server"
+    chatty.write_text(CHATTY.format(python=sys.executable))
+    chatty.chmod(0o755)
+    async with fleet(tmp_path, pki) as f:
+        config = write_agent_config(
+            tmp_path,
+            pki,
+            "n1",
+            f.plane.port,
+            extra=(
+                f'[engines]\nllama_server = "{chatty}"\n'
+                f"port_range = [{PORT_BASE}, {PORT_BASE + 9}]\nstop_grace_s = 5\n"
+                "log_max_mb = 1\nstopped_log_keep_hours = 0.001\n"
+                '[discovery]\nnvidia_smi = "/nonexistent"\n'
+            ),
+        )
+        agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
+        f.agents.append(agent.start())
+        await f.send("n1", StartShard(spec=llama_spec(tiny)))
+        await f.status("s1", "starting")
+        shards = tmp_path / "agent-n1" / "shards"
+        log, old = shards / "s1.log", shards / "s1.log.1"
+
+        def bounded() -> bool:
+            try:
+                sizes = log.stat().st_size, old.stat().st_size
+            except FileNotFoundError:
+                return False
+            return max(sizes) <= 1 << 20 and sizes[1] > 0
+
+        await wait_for(bounded, timeout=30)
+        assert old.read_bytes().endswith(b"x" * 1023 + b"\n")
+
+        await f.send("n1", StopShard(shard_id="s1", grace_s=5))
+        await f.status("s1", "stopped")
+        await wait_for(lambda: not log.exists() and not old.exists(), timeout=30)
+        await agent.wait_log(r"deleted s1\.log, left by a shard that no longer runs here")
