@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -303,3 +305,56 @@ async def test_an_admin_listener_beyond_loopback_needs_an_explicit_opt_in(
     m = await server.wait_log(r"admin API listening on http://0\.0\.0\.0:(\d+)")
     server.admin_url = f"http://127.0.0.1:{m.group(1)}"
     await server.ctl("status")  # served, to whoever holds the token
+
+
+def _start_with_open_files(
+    cluster: list[Daemon], tmp_path: Path, name: str, args: list[str], soft: int, hard: int
+) -> Daemon:
+    """A daemon started under a given open-files limit, as a systemd unit would set it."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    daemon = Daemon(name, args, tmp_path)
+    with daemon.log_path.open("ab") as log:
+        daemon.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmgw", *args],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            preexec_fn=limit,
+        )
+    cluster.append(daemon)
+    return daemon
+
+
+def _open_files_limits(pid: int) -> list[str]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return line.split()[3:5]
+    raise AssertionError("no open files line in /proc/PID/limits")
+
+
+async def test_daemons_raise_their_open_files_limit_to_the_hard_limit_and_say_so(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    write_server_config(tmp_path, pki)
+    server = _start_with_open_files(
+        cluster, tmp_path, "server", ["server", "--config", "server.toml"], 256, 8192
+    )
+    await server.wait_log(r"INFO llmgw: open files limit: 8192\n")
+    assert server.proc is not None
+    assert _open_files_limits(server.proc.pid) == ["8192", "8192"]
+    port = int((await server.wait_log(r"agent stream listening on 127\.0\.0\.1:(\d+)")).group(1))
+    config = write_agent_config(tmp_path, pki, "n1", port)
+    agent = _start_with_open_files(
+        cluster, tmp_path, "agent", ["agent", "--config", config.name], 256, 1024
+    )
+    await agent.wait_log(
+        r"WARNING llmgw: open files limit is 1024: each connection holds one; raise the hard"
+        r" limit \(LimitNOFILE= in the systemd unit, or ulimit -Hn\)"
+    )
+    assert agent.proc is not None
+    assert _open_files_limits(agent.proc.pid) == ["1024", "1024"]
