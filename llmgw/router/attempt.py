@@ -8,7 +8,13 @@ proxy and the relay name a failure the same way.
 
 from __future__ import annotations
 
-from llmgw.http.client import ConnectFailed, UpstreamError, UpstreamReset, UpstreamTimeout
+from llmgw.http.client import (
+    ConnectFailed,
+    ConnectTimeout,
+    UpstreamError,
+    UpstreamReset,
+    UpstreamTimeout,
+)
 from llmgw.router.balancer import Endpoint
 from llmgw.router.breaker import Outcome
 from llmgw.router.verdict import Failure
@@ -16,7 +22,9 @@ from llmgw.router.verdict import Failure
 
 def failure(exc: UpstreamError) -> Failure:
     """The verdict's name for the pool's exception."""
-    if isinstance(exc, UpstreamTimeout):  # ConnectTimeout included
+    if isinstance(exc, ConnectTimeout):
+        return Failure.CONNECT_TIMEOUT
+    if isinstance(exc, UpstreamTimeout):
         return Failure.TIMEOUT
     if isinstance(exc, ConnectFailed):
         return Failure.CONNECT

@@ -227,8 +227,9 @@ def choose(
     request already tried), and whose breaker allows a request now. Among
     them, those below their admission thresholds are preferred; if every
     candidate is above, the request is shed. When the breakers refused every
-    replica that was otherwise a candidate, the least bad of those is the
-    pick (``panic``). The least ``score`` wins; equal
+    replica that was otherwise a candidate, and none this request already
+    tried has its breaker closed (a retry after a healthy replica failed is
+    no panic), the least bad of those is the pick (``panic``). The least ``score`` wins; equal
     scores are broken by ``rng_value`` (in [0, 1); drawn when None) over the
     tied keys in sorted order, so identical replicas share load instead of
     the first in the list taking everything.
@@ -248,6 +249,7 @@ def choose(
     admissible: list[tuple[float, Endpoint, LoadSignals | None]] = []
     saturated: list[str] = []
     broken: list[Endpoint] | None = None  # candidates but for their breakers
+    healthy_tried = False  # a replica this request tried has its breaker closed
     for endpoint in endpoints:
         why = _why_not(endpoint, exclude)
         if why is None and not endpoint.breaker.allows(now):
@@ -257,6 +259,13 @@ def choose(
             broken.append(endpoint)
         if why is not None:
             refused.append(f"{endpoint.key}: {why}")
+            if (
+                endpoint.key in exclude
+                and endpoint.ready
+                and not endpoint.draining
+                and endpoint.breaker.state is BreakerState.CLOSED
+            ):
+                healthy_tried = True
             continue
         load = fresh_load(endpoint, now, stale_after_s)
         over = above_thresholds(load, endpoint.admission or admission)
@@ -283,7 +292,7 @@ def choose(
             shed=True,
             retry_after_s=admission.retry_after_s,
         )
-    if broken is not None:
+    if broken is not None and not healthy_tried:
         pick = min(broken, key=_least_bad)
         return Choice(
             pick,

@@ -41,6 +41,8 @@ TRANSITIONS: dict[tuple[BreakerState, BreakerState], str] = {
     (BreakerState.HALF_OPEN, BreakerState.OPEN): "a probe failed: cool-down restarts",
 }
 
+# success: the replica worked; client_error: an error answer, a verdict on the
+# request and never on the replica; upstream_fault: the replica failed.
 Outcome = Literal["success", "client_error", "upstream_fault"]
 
 

@@ -180,8 +180,8 @@ class Proxy:
             self._panicking.add(model)
             record.metrics.panic.labels(model).set(1)
             log.warning(
-                "%s; sending its requests there until a breaker closes "
-                "(see `llmgw ctl replicas` for the replicas' faults)",
+                "%s; sending the model's requests there anyway until a breaker closes "
+                "(see `llmgw ctl replicas` for why they opened)",
                 choice.reason,
             )
 

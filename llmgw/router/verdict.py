@@ -26,7 +26,8 @@ any other answer but 502-504 (4xx, 429,    client_error    -        no     as se
 500, 501, 505 and up)
 502, 503, 504                              upstream_fault  gateway  yes    502
 no connection (refused, unreachable)       upstream_fault  -        yes    502
-a timeout (connect, send, head)            upstream_fault  timeout  yes    504
+no connection in time                      upstream_fault  -        yes    504
+a timeout (send, head)                     upstream_fault  timeout  yes    504
 a reset before any byte of the response    upstream_fault  closed   yes    502
 a reset mid-head; not HTTP                 upstream_fault  -        no     502
 any failure once the body was being read   upstream_fault  -        no     504 for a
@@ -58,8 +59,9 @@ request's next attempt, on another replica, ends some other way (an answer,
 a connect error, another kind of fault), or when no other attempt is made.
 When the next attempt fails the same way (the same ``suspect``), the request
 is poison: it gets its error at once, no further attempt is made, and
-neither replica's breaker counts it (``poisoned``). A connect error is never
-suspect: nothing was sent, so the request cannot have caused it.
+neither replica's breaker counts it (``poisoned``). A connect error, or a
+connect timeout, is never suspect: nothing was sent, so the request cannot
+have caused it.
 
 A failure before the response is retried when no byte of an answer came:
 nothing was sent, or nothing came back before the connection broke or the
@@ -83,7 +85,8 @@ class Failure(Enum):
     """How an exchange with a replica broke, in the words the verdict needs."""
 
     CONNECT = "connect"  # no connection was made: nothing was sent
-    TIMEOUT = "timeout"  # a bounded wait ran out (connecting included)
+    CONNECT_TIMEOUT = "connect_timeout"  # no connection in time: nothing was sent
+    TIMEOUT = "timeout"  # a bounded wait ran out once connected
     UNANSWERED = "unanswered"  # the connection closed before any byte of a response
     RESET = "reset"  # the connection closed after part of the response
     PROTOCOL = "protocol"  # the response is not valid HTTP, or exceeds a limit
@@ -113,7 +116,10 @@ _BAD_GATEWAY = 502
 _GATEWAY_TIMEOUT = 504
 _NO_ANSWER = frozenset((502, 503, 504))
 # Before the response started: retried only when the engine cannot have answered.
-_RETRIED_FAILURES = frozenset((Failure.CONNECT, Failure.TIMEOUT, Failure.UNANSWERED))
+_RETRIED_FAILURES = frozenset(
+    (Failure.CONNECT, Failure.CONNECT_TIMEOUT, Failure.TIMEOUT, Failure.UNANSWERED)
+)
+_TIMEOUTS = frozenset((Failure.CONNECT_TIMEOUT, Failure.TIMEOUT))
 
 
 _SUSPECT_FAILURES = {Failure.TIMEOUT: Suspect.TIMEOUT, Failure.UNANSWERED: Suspect.CLOSED}
@@ -132,7 +138,7 @@ def _judge_status(status: int) -> Verdict:
 
 
 def _judge_failure(failure: Failure, started: bool) -> Verdict:
-    status = _GATEWAY_TIMEOUT if failure is Failure.TIMEOUT else _BAD_GATEWAY
+    status = _GATEWAY_TIMEOUT if failure in _TIMEOUTS else _BAD_GATEWAY
     retry = not started and failure in _RETRIED_FAILURES
     # Only a retried fault can be checked against another replica's.
     suspect = _SUSPECT_FAILURES.get(failure) if retry else None

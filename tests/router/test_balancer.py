@@ -86,6 +86,11 @@ def test_panic_picks_the_least_bad_of_the_open_breakers() -> None:
     tried = choose([b], NOW + 10, admission=OPEN, exclude=frozenset({"b"}))
     assert tried.endpoint is None and not tried.panic
     assert choose([off], NOW, admission=OPEN).endpoint is None
+    # a retry after a replica whose breaker is closed is no panic: the model is not down
+    healthy = ep("healthy")
+    retry = choose([healthy, b], NOW + 10, admission=OPEN, exclude=frozenset({"healthy"}))
+    assert retry.endpoint is None and not retry.panic
+    assert "breaker open" in retry.reason
     # one closed breaker is enough: no panic
     assert choose([a, b, ep("ok", in_flight=99)], NOW, admission=OPEN).endpoint.key == "ok"  # type: ignore[union-attr]
 
@@ -327,9 +332,14 @@ def test_choose_only_admissible_and_never_sheds_on_unknown(
     unknown = [e for e in endpoints if candidate(e) and (e.load_at is None or NOW - e.load_at > 5)]
     if unknown:
         assert choice.endpoint is not None and not choice.panic
+    healthy_tried = any(
+        e.ready and not e.draining and e.key in exclude and e.breaker.state is BreakerState.CLOSED
+        for e in endpoints
+    )
     if not any(candidate(e) for e in endpoints):
         assert not choice.shed
-        assert (choice.endpoint is None) == (not any(panic_candidate(e) for e in endpoints))
+        panics = not healthy_tried and any(panic_candidate(e) for e in endpoints)
+        assert (choice.endpoint is None) == (not panics)
 
 
 # --- retries -------------------------------------------------------------------------

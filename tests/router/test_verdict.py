@@ -95,9 +95,9 @@ POOL_FAILURES: list[tuple[UpstreamError, Failure, str, Verdict, Verdict]] = [
     ),
     (
         ConnectTimeout("e:1: connect timed out", "connect"),
-        Failure.TIMEOUT,
+        Failure.CONNECT_TIMEOUT,
         "connect",
-        failed(True, 504, Suspect.TIMEOUT),
+        failed(True, 504),
         failed(False, 504),
     ),
     (
@@ -199,21 +199,24 @@ def test_every_failure_is_the_replicas_and_none_is_retried_once_started() -> Non
         for started in (False, True):
             v = verdict(f, started=started)
             assert v.outcome == "upstream_fault" and not v.relayed
-            assert v.status == (504 if f is Failure.TIMEOUT else 502)
+            timeout = f in (Failure.TIMEOUT, Failure.CONNECT_TIMEOUT)
+            assert v.status == (504 if timeout else 502)
             if started:
                 assert not v.retry
     assert {f for f in Failure if verdict(f).retry} == {
         Failure.CONNECT,
+        Failure.CONNECT_TIMEOUT,
         Failure.TIMEOUT,
         Failure.UNANSWERED,
     }
 
 
-def test_only_a_retried_fault_is_suspect_and_a_connect_error_never() -> None:
+def test_only_a_retried_fault_is_suspect_and_a_failure_to_connect_never() -> None:
     for f in Failure:
         for started in (False, True):
             v = verdict(f, started=started)
-            assert (v.suspect is not None) == (v.retry and f is not Failure.CONNECT)
+            nothing_sent = f in (Failure.CONNECT, Failure.CONNECT_TIMEOUT)
+            assert (v.suspect is not None) == (v.retry and not nothing_sent)
 
 
 @pytest.mark.parametrize(
@@ -229,6 +232,8 @@ def test_only_a_retried_fault_is_suspect_and_a_connect_error_never() -> None:
         (Failure.TIMEOUT, 500, False),
         (Failure.CONNECT, Failure.CONNECT, False),  # nothing was sent: never the request's
         (Failure.TIMEOUT, Failure.CONNECT, False),
+        (Failure.CONNECT_TIMEOUT, Failure.CONNECT_TIMEOUT, False),
+        (Failure.TIMEOUT, Failure.CONNECT_TIMEOUT, False),
         (500, 500, False),  # answers are not faults at all
     ],
 )
