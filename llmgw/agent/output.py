@@ -3,9 +3,11 @@
 Engines write to a file, not a pipe: a pipe would break when the agent
 restarts (the engine would die of SIGPIPE), and engines must outlive agent
 restarts. The agent follows the file into a bounded ring of lines, whose
-tail travels with every failure report. The file is bounded too: past
-``max_bytes`` it is truncated, which an engine appending with O_APPEND
-survives.
+tail travels with every failure report. The file is bounded by ``logs``,
+which rotates it (copy, then truncate) while the engine runs; a read that
+finds the file shorter than where it stopped starts again from the top, and
+a read that is far behind skips to the last ``READ_MAX`` bytes: the tail is
+about how the engine ended.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from pathlib import Path
 
 TAIL_LINES = 200
 MAX_LINE = 1000
+READ_MAX = 4 << 20
 
 
 class OutputTail:
-    def __init__(self, path: Path, *, lines: int = TAIL_LINES, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, path: Path, *, lines: int = TAIL_LINES) -> None:
         self.path = path
         self.lines: deque[str] = deque(maxlen=lines)
-        self.max_bytes = max_bytes
         self._offset = 0
         self._partial = b""
 
@@ -45,10 +47,13 @@ class OutputTail:
         try:
             with self.path.open("rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                if size < self._offset:  # truncated under us
+                if size < self._offset:  # rotated under us
                     self._offset = 0
+                if size - self._offset > READ_MAX:
+                    self._offset = size - READ_MAX
+                    self._partial = b""
                 f.seek(self._offset)
-                data = f.read(4 << 20)
+                data = f.read(READ_MAX)
                 self._offset += len(data)
         except OSError:
             return
@@ -57,12 +62,6 @@ class OutputTail:
             self._partial = chunks.pop()[-MAX_LINE:]
             for raw in chunks:
                 self.lines.append(raw[:MAX_LINE].decode(errors="replace").rstrip("\r"))
-        if size > self.max_bytes:
-            try:
-                os.truncate(self.path, 0)
-            except OSError:
-                pass
-            self._offset = 0
 
     def tail(self, n: int = 40) -> list[str]:
         self.poll()

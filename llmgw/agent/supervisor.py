@@ -15,7 +15,8 @@ when the table says so, forgets a shard that reached ``stopped`` or
 or a drain.
 
 Launch is ``launch``; adoption of engines a previous agent left is
-``adoption``; processes nobody can describe are ``strays``.
+``adoption``; processes nobody can describe are ``strays``; engine log
+files are bounded by ``logs``.
 
 Readiness is the engine's own health endpoint, bounded by the spec's startup
 timeout; a shard with no HTTP endpoint (a Ray worker) is ready once it has
@@ -40,7 +41,7 @@ import attrs
 import httpx
 import trio
 
-from llmgw.agent import strays
+from llmgw.agent import logs, strays
 from llmgw.agent.adoption import adopt_records, adopted_exit, check_adopted, report_unrecorded
 from llmgw.agent.launch import launch
 from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, expects_exit, move
@@ -68,6 +69,8 @@ class SupervisorSettings:
     kill_unidentified: bool = True
     stop_grace_s: float = 10.0
     log_max_bytes: int = 64 << 20
+    stopped_log_keep_s: float = 72 * 3600.0
+    stopped_logs_max_bytes: int = 1 << 30
     nvidia_smi: str = "nvidia-smi"
 
 
@@ -104,6 +107,7 @@ class Supervisor:
             )
             for shard in adopted:
                 self._spawn(self._run_adopted, shard)
+            nursery.start_soon(self._mind_logs)
             if self.settings.kill_unidentified:
                 await self.kill_unidentified(strays.port_range_listeners(self.settings.port_range))
                 await self.kill_gpu_holders()
@@ -402,7 +406,19 @@ class Supervisor:
             self.write_record(shard)
 
     def _tail(self, shard_id: str) -> OutputTail:
-        return OutputTail(self.records.log_path(shard_id), max_bytes=self.settings.log_max_bytes)
+        return OutputTail(self.records.log_path(shard_id))
+
+    async def _mind_logs(self) -> None:
+        """Bound the running engines' logs; sweep those of shards that no longer run."""
+        s = self.settings
+        await logs.mind(
+            lambda: [sh.tail.path for sh in self.shards.values() if sh.ident is not None],
+            lambda: set(self.shards) | self.records.shard_ids(),
+            self.records.dir,
+            max_bytes=s.log_max_bytes,
+            keep_s=s.stopped_log_keep_s,
+            keep_bytes=s.stopped_logs_max_bytes,
+        )
 
     def _spawn(self, fn: Callable[..., object], *args: object) -> None:
         if self._nursery is None:

@@ -205,7 +205,9 @@ class EnginesConfig(_Section):
     port_range: list[int] = msgspec.field(default_factory=lambda: [20000, 20999])  # engine ports
     kill_unidentified: bool = True  # kill a process on those ports that no shard describes
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
-    log_max_mb: int = 64  # each engine's log file is truncated past this
+    log_max_mb: int = 64  # each engine's log is rotated past this (one old copy kept)
+    stopped_log_keep_hours: float = 72.0  # logs of shards no longer running here, at most
+    stopped_logs_max_mb: int = 1024  # those logs in all, newest kept
 
 
 class MetricsConfig(_Section):
@@ -259,6 +261,8 @@ class AgentConfig(_Section):
             )
         _positive("engines.stop_grace_s", self.engines.stop_grace_s, at_most=3600)
         _positive("engines.log_max_mb", self.engines.log_max_mb)
+        _positive("engines.stopped_log_keep_hours", self.engines.stopped_log_keep_hours)
+        _positive("engines.stopped_logs_max_mb", self.engines.stopped_logs_max_mb)
         if self.metrics.listen:
             parse_hostport(self.metrics.listen, key="metrics.listen")
         _positive("discovery.probe_timeout_s", self.discovery.probe_timeout_s, at_most=600)

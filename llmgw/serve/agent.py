@@ -77,6 +77,8 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
             kill_unidentified=e.kill_unidentified,
             stop_grace_s=e.stop_grace_s,
             log_max_bytes=e.log_max_mb << 20,
+            stopped_log_keep_s=e.stopped_log_keep_hours * 3600,
+            stopped_logs_max_bytes=e.stopped_logs_max_mb << 20,
             nvidia_smi=config.discovery.nvidia_smi,
         ),
         lambda: binaries(config, source, base),
