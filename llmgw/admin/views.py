@@ -104,6 +104,7 @@ class ShardView(msgspec.Struct, kw_only=True):
     port: int
     gpus: list[int]
     output_tail: list[str]
+    healthy: bool = True  # False: ready, but not answering its health checks
 
 
 class ReplicaView(msgspec.Struct, kw_only=True):
@@ -116,6 +117,7 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     adopted: bool
     state_since: float  # seconds ago
     shards: list[ShardView]
+    healthy: bool = True  # False: a shard's engine is not answering; it is not routed
     traffic: TrafficView | None = None  # the in-process router's view, if it runs
 
 
@@ -129,6 +131,7 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
         leaving=r.leaving,
         adopted=r.adopted,
         state_since=max(0.0, now - r.state_since),
+        healthy=r.healthy,
         shards=[
             ShardView(
                 shard_id=s.shard_id,
@@ -139,6 +142,7 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
                 port=s.spec.port,
                 gpus=list(s.spec.gpus),
                 output_tail=s.output_tail[-10:],
+                healthy=s.healthy,
             )
             for s in sorted(r.shards, key=lambda s: s.rank)
         ],

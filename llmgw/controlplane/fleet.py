@@ -32,7 +32,7 @@ from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.plan import Command, Drain, Plan, Start, Stop
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
-from llmgw.controlplane.replicas import Replica
+from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
 from llmgw.controlplane.service import ControlPlane
 from llmgw.protocol.messages import DrainShard, Register, ShardStatus, StartShard, StopShard
@@ -214,7 +214,9 @@ class FleetManager:
     def _replica_counts(self) -> dict[tuple[str, str], int]:
         counts: dict[tuple[str, str], int] = {}
         for r in self.replicas():
-            key = (r.model, r.state.value)
+            # a Ready replica whose engine does not answer is not served from: counted apart
+            unhealthy = r.state is ReplicaState.READY and not r.healthy
+            key = (r.model, "Unhealthy" if unhealthy else r.state.value)
             counts[key] = counts.get(key, 0) + 1
         return counts
 

@@ -18,7 +18,10 @@ send through the dispatcher:
     the replica that is serving.
 
 ``shard_status(node, status, now)``
-    A shard moved; the replica follows (``TRANSITIONS`` in replicas.py).
+    A shard moved; the replica follows (``TRANSITIONS`` in replicas.py). A
+    ready shard may also be reported unhealthy (its engine stopped answering
+    its agent's health checks): the replica stays Ready, it is only not
+    routed (``Replica.healthy``) until the engine answers again.
 
 ``reconcile(nodes, now)``
     One pass: stop what left the catalog; fail what is stuck starting past
@@ -156,6 +159,7 @@ class Reconciler:
             return plan
         replica, shard = found
         shard.state, shard.detail = status.state, status.detail
+        self._follow_health(replica, shard, status.healthy, plan)
         if status.output_tail:
             shard.output_tail = list(status.output_tail)
         if status.state == "ready":
@@ -434,6 +438,20 @@ class Reconciler:
         if not replica.shards:
             self.replicas.pop(replica.replica_id, None)
 
+    def _follow_health(self, replica: Replica, shard: Shard, healthy: bool, plan: Plan) -> None:
+        """Only a ready shard can be unhealthy; a change is noted once, as it happens."""
+        healthy = healthy or shard.state != "ready"
+        if healthy == shard.healthy:
+            return
+        shard.healthy = healthy
+        where = f"replica {replica.replica_id}: shard {shard.shard_id} on {shard.node_id}"
+        if healthy:
+            plan.notes.append(Note(f"{where} answers its health check again; routed again"))
+        else:
+            plan.notes.append(
+                Note(f"{where} is unhealthy ({shard.detail}); not routed", warning=True)
+            )
+
     # --- adoption ------------------------------------------------------------------------
 
     def _adopt(self, node_id: str, report: ShardReport, now: float, plan: Plan) -> None:
@@ -481,6 +499,7 @@ class Reconciler:
         same.spec = spec
         same.state = report.state
         same.detail = report.detail
+        self._follow_health(replica, same, report.healthy, plan)
         if report.state == "ready":
             same.came_up = True
         if replica.state in (R.FAILED, R.STOPPING):

@@ -64,6 +64,8 @@ class Shard:
     detail: str = ""
     output_tail: list[str] = attrs.Factory(list)
     came_up: bool = False  # reported ready at least once
+    # False: ready, but its engine stopped answering its agent's health checks
+    healthy: bool = True
 
     @property
     def shard_id(self) -> str:
@@ -106,6 +108,11 @@ class Replica:
     @property
     def nodes(self) -> list[str]:
         return [s.node_id for s in self.shards]
+
+    @property
+    def healthy(self) -> bool:
+        """No shard's engine has stopped answering its health checks."""
+        return all(s.healthy for s in self.shards)
 
     @property
     def counts(self) -> bool:

@@ -27,7 +27,8 @@ def build_snapshot(
     catalog: Catalog, replicas: Iterable[Replica], nodes: Mapping[str, Node]
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
-    each Ready or Draining replica at its head shard's node address."""
+    each Ready or Draining replica at its head shard's node address (a Ready one
+    that is unhealthy as not ready)."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     for name, entry in catalog.models.items():
@@ -52,7 +53,8 @@ def build_snapshot(
                 url=f"http://{url_host(node.address or head.spec.host)}:{head.spec.port}",
                 engine=head.spec.engine,
                 weight=model.routing.weight if model is not None else 1.0,
-                ready=replica.state is ReplicaState.READY,
+                # an engine that answers no health check takes no new request
+                ready=replica.state is ReplicaState.READY and replica.healthy,
                 draining=replica.state is ReplicaState.DRAINING,
             )
         )

@@ -122,6 +122,7 @@ class ShardReport(_Wire, frozen=True):
     state: ShardState
     pid: int | None = None
     detail: str = ""
+    healthy: bool = True  # as in ShardStatus
 
 
 # --- messages ---------------------------------------------------------------
@@ -171,6 +172,9 @@ class ShardStatus(Message, frozen=True):
     detail: str = ""
     output_tail: list[str] = []
     pid: int | None = None
+    # a ready engine that stopped answering its health check is still ready (its
+    # process runs, and may come back): False takes it out of routing until it answers
+    healthy: bool = True
 
 
 class StartShard(Message, frozen=True):

@@ -9,6 +9,7 @@ from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
 from llmgw.controlplane.plan import Drain, Plan, Stop
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import ReplicaState
+from llmgw.controlplane.routing import build_snapshot
 from llmgw.protocol.messages import (
     Engine,
     Gpu,
@@ -292,3 +293,40 @@ def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
     plan = rec.reconcile(nodes.nodes, now=0)
     assert "has 8 GB of memory, needs 24" in plan.placement_failures["big"].why
     assert plan.placement_failures["big"].kind == "memory"  # the metric's bounded label
+
+
+def test_an_unhealthy_ready_replica_stays_ready_but_is_not_routed_until_it_answers() -> None:
+    nodes = fleet("n1")
+    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    [start] = plan.start
+    [replica] = rec.replicas.values()
+
+    def routed_ready() -> list[bool]:
+        return [
+            r.ready for r in build_snapshot(rec.catalog, rec.replicas.values(), nodes.nodes).routes
+        ]
+
+    assert routed_ready() == [True]
+    sick = ShardStatus(
+        shard_id=start.spec.shard_id, state="ready", detail="no answer", healthy=False
+    )
+    notes = rec.shard_status("n1", sick, now=2).notes
+    assert [(n.warning, n.text) for n in notes] == [
+        (
+            True,
+            f"replica {replica.replica_id}: shard {start.spec.shard_id} on n1 is unhealthy (no answer); not routed",
+        )
+    ]
+    assert replica.state is ReplicaState.READY and not replica.healthy
+    assert routed_ready() == [False]
+    assert not rec.shard_status("n1", sick, now=3).notes  # said once, at the change
+    assert not rec.reconcile(nodes.nodes, now=4)  # not replaced: it may come back
+    # a reconnecting agent says so again in its registration
+    spec = start.spec
+    assert not rec.registered("n1", [ShardReport(spec=spec, state="ready", healthy=False)], 5).notes
+    well = ShardStatus(shard_id=spec.shard_id, state="ready", detail="answers")
+    [note] = rec.shard_status("n1", well, now=6).notes
+    assert "answers its health check again" in note.text and not note.warning
+    assert replica.healthy and routed_ready() == [True]
