@@ -41,8 +41,9 @@ import attrs
 import httpx
 import trio
 
-from llmgw.agent import logs, strays
+from llmgw.agent import health, logs, strays
 from llmgw.agent.adoption import adopt_records, adopted_exit, check_adopted, report_unrecorded
+from llmgw.agent.health import HealthSettings
 from llmgw.agent.launch import launch
 from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, expects_exit, move
 from llmgw.agent.output import OutputTail
@@ -72,6 +73,7 @@ class SupervisorSettings:
     stopped_log_keep_s: float = 72 * 3600.0
     stopped_logs_max_bytes: int = 1 << 30
     nvidia_smi: str = "nvidia-smi"
+    health: HealthSettings = attrs.Factory(HealthSettings)  # checks of engines once ready
 
 
 class Supervisor:
@@ -90,6 +92,7 @@ class Supervisor:
         self.on_event = on_event or (lambda _: None)
         self._nursery: trio.Nursery | None = None
         self._failed: set[str] = set()
+        self._unhealthy: set[str] = set()  # ready shards whose engine stopped answering
         self._http = httpx.AsyncClient(timeout=2.0)
 
     # --- the daemon side --------------------------------------------------
@@ -116,7 +119,13 @@ class Supervisor:
 
     def reports(self) -> list[ShardReport]:
         return [
-            ShardReport(spec=s.spec, state=s.state, pid=s.pid, detail=s.detail)
+            ShardReport(
+                spec=s.spec,
+                state=s.state,
+                pid=s.pid,
+                detail=s.detail,
+                healthy=s.shard_id not in self._unhealthy,
+            )
             for s in self.shards.values()
             if s.phase not in TERMINAL
         ]
@@ -253,6 +262,8 @@ class Supervisor:
         """Until the engine ends; an end nobody asked for is a failure, with its output."""
         if shard.phase in TERMINAL:
             return
+        if shard.phase is Phase.READY and shard.launch and shard.launch.health_url:
+            self._spawn(self._check_health, shard, shard.launch.health_url)
         if shard.process is not None:
             code = await shard.process.wait()
             why = (
@@ -271,6 +282,33 @@ class Supervisor:
             await terminate_group(shard.ident.pgid, grace=2.0)
         await self._cleanup(shard)
         self.fire(shard, Event.EXITED, f"engine {why}")
+
+    async def _check_health(self, shard: Shard, url: str) -> None:
+        """While it is ready: is its engine still answering? Each change is reported."""
+        sid = shard.shard_id
+
+        def changed(healthy: bool, why: str) -> None:
+            if healthy:
+                self._unhealthy.discard(sid)
+                log.info("shard %s %s", sid, why)
+            else:
+                self._unhealthy.add(sid)
+                log.warning("shard %s is unhealthy: %s", sid, why)
+            self.outbox.put(
+                ShardStatus(
+                    shard_id=sid, state=shard.state, detail=why, pid=shard.pid, healthy=healthy
+                )
+            )
+
+        try:
+            await health.watch(
+                lambda: self._healthy(url),
+                lambda: shard.phase is Phase.READY and self.shards.get(sid) is shard,
+                self.settings.health,
+                changed,
+            )
+        finally:
+            self._unhealthy.discard(sid)
 
     def _running(self, shard: Shard) -> bool:
         if shard.process is not None:

@@ -299,7 +299,8 @@ def render_replicas(data: dict[str, Any]) -> str:
             f" {s['state']}"
             for s in r["shards"]
         )
-        state = r["state"] + (" (leaving)" if r["leaving"] and r["state"] != "Draining" else "")
+        state = r["state"] + (",unhealthy" if not r.get("healthy", True) else "")
+        state += " (leaving)" if r["leaving"] and r["state"] != "Draining" else ""
         rows.append(
             [
                 r["replica_id"],
@@ -314,6 +315,11 @@ def render_replicas(data: dict[str, Any]) -> str:
         if r["why"] and r["state"] in ("Failed", "Stopping"):
             problems.append(f"{r['replica_id']}: {r['why']}")
         for s in r["shards"]:
+            if not s.get("healthy", True):
+                problems.append(
+                    f"{r['replica_id']} shard {s['shard_id']} on {s['node_id']} "
+                    f"is not routed: {s['detail']}"
+                )
             if s["detail"] and s["state"] == "failed":
                 problems.append(
                     f"{r['replica_id']} shard {s['shard_id']} on {s['node_id']}: {s['detail']}"

@@ -98,12 +98,32 @@ class RouterConfig(_Section):
     listen: str = ""  # the OpenAI-compatible endpoint, e.g. "0.0.0.0:8000"; empty: none
     keys: list[KeyConfig] = []
     max_body_mb: float = 16.0
+    max_bodies_mb: float = 256.0  # bodies held at once, all clients together; past it: 503
+    max_connections: int = 10_000  # open at once, all clients; past it: 503
+    max_connections_per_address: int = 1000  # open from one client IP; past it: 503
     max_attempts: int = 3  # per request, retries included (only before the first byte)
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 120.0  # request sent -> head and first body byte (prefill)
     idle_timeout_s: float = 60.0  # between chunks of a streamed answer
     queue_timeout_s: float = 0.0  # every replica saturated: wait this long for room, then 429
     access_log: bool = False  # one line per request (logger llmgw.router.access), key by name
+
+    def validate(self) -> None:
+        """The bounds on what clients may make the endpoint hold (called by the
+        configs that hold a ``[router]``)."""
+        _positive("router.max_body_mb", self.max_body_mb)
+        if self.max_bodies_mb < self.max_body_mb:
+            raise ConfigError(
+                "",
+                "router.max_bodies_mb",
+                f"must be at least router.max_body_mb ({self.max_body_mb:g}), "
+                f"got {self.max_bodies_mb:g}",
+            )
+        for key in ("max_connections", "max_connections_per_address"):
+            if getattr(self, key) < 1:
+                raise ConfigError(
+                    "", f"router.{key}", f"must be at least 1, got {getattr(self, key)}"
+                )
 
 
 class ServerConfig(_Section):
@@ -158,6 +178,7 @@ class ServerConfig(_Section):
             "retry_cap_s",
         ):
             _positive(f"reconcile.{key}", getattr(rc, key), at_most=DAY_S)
+        self.router.validate()
         _check_log_level(self.log_level)
 
 
@@ -208,6 +229,8 @@ class EnginesConfig(_Section):
     log_max_mb: int = 64  # each engine's log is rotated past this (one old copy kept)
     stopped_log_keep_hours: float = 72.0  # logs of shards no longer running here, at most
     stopped_logs_max_mb: int = 1024  # those logs in all, newest kept
+    health_interval_s: float = 2.0  # a ready engine's health is checked this often
+    unhealthy_after: int = 3  # checks in a row without an answer: reported unhealthy
 
 
 class MetricsConfig(_Section):
@@ -260,6 +283,8 @@ class AgentConfig(_Section):
                 "", "engines.port_range", f"must be [low, high] within 1-65535, got {pr}"
             )
         _positive("engines.stop_grace_s", self.engines.stop_grace_s, at_most=3600)
+        _positive("engines.health_interval_s", self.engines.health_interval_s, at_most=3600)
+        _positive("engines.unhealthy_after", self.engines.unhealthy_after, at_most=1000)
         _positive("engines.log_max_mb", self.engines.log_max_mb)
         _positive("engines.stopped_log_keep_hours", self.engines.stopped_log_keep_hours)
         _positive("engines.stopped_logs_max_mb", self.engines.stopped_logs_max_mb)
@@ -302,6 +327,7 @@ class StandaloneRouterConfig(_Section):
             )
         if not self.router.keys:
             raise ConfigError("", "router.keys", "no API keys: make one with `llmgw ctl key NAME`")
+        self.router.validate()
         if self.metrics_listen:
             metrics = parse_hostport(self.metrics_listen, key="metrics_listen")
             if metrics[1] == host_port[1] and metrics[1] != 0:

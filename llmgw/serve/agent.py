@@ -9,6 +9,7 @@ from pathlib import Path
 
 import trio
 
+from llmgw.agent.health import HealthSettings
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.stream import AgentStream, StreamSettings
@@ -79,6 +80,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
             log_max_bytes=e.log_max_mb << 20,
             stopped_log_keep_s=e.stopped_log_keep_hours * 3600,
             stopped_logs_max_bytes=e.stopped_logs_max_mb << 20,
+            health=HealthSettings.every(e.health_interval_s, e.unhealthy_after),
             nvidia_smi=config.discovery.nvidia_smi,
         ),
         lambda: binaries(config, source, base),
