@@ -36,38 +36,50 @@ def fail(program: str, message: str) -> int:
     return EXIT_CONFIG
 
 
-def raise_open_files_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit, and log it.
+def raise_open_files_limit() -> tuple[int, str]:
+    """Raise this process's soft limit on open files to its hard limit.
 
     systemd's default soft limit is 1024: a few thousand idle connections
     would make ``accept`` fail for everyone. The hard limit is the ceiling an
     operator set (``LimitNOFILE`` in the unit); going up to it needs no privilege.
-    Returns the soft limit in force afterwards.
+    Returns the soft limit now in force and why it could not be raised ("" if
+    it was, or needed no raising); logging is left to :func:`log_open_files`.
     """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = NR_OPEN if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError) as exc:
-            log.warning("could not raise the open files limit from %d to %d: %s", soft, target, exc)
-    if soft != resource.RLIM_INFINITY and soft < FEW_OPEN_FILES:
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft, ""
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        return soft, f"could not raise it to {target}: {exc}"
+    return target, ""
+
+
+def log_open_files(soft: int, problem: str) -> None:
+    """Log the open-files limit; warn when it is low enough to refuse clients."""
+    if soft != resource.RLIM_INFINITY and (problem or soft < FEW_OPEN_FILES):
         log.warning(
-            "open files limit is %d: each connection holds one; raise the hard limit"
+            "open files limit is %d%s: each connection holds one; raise the hard limit"
             " (LimitNOFILE= in the systemd unit, or ulimit -Hn)",
             soft,
+            f" ({problem})" if problem else "",
         )
     else:
         log.info("open files limit: %d", soft)
-    return soft
 
 
-async def run_until_signalled(main: Callable[[], Awaitable[None]]) -> None:
+async def run_until_signalled(
+    main: Callable[[], Awaitable[None]], started: Callable[[], None] | None = None
+) -> None:
     """Run ``main`` until it returns or SIGTERM/SIGINT arrives, then cancel it.
 
     Shutdown is a cancellation, not a flag: every wait in the daemon unblocks
     at once, and cleanups run under their own short shielded deadlines.
+
+    ``started`` is called once ``main`` first yields, that is after its
+    synchronous start-up checks (config files, certificates, the catalog):
+    a daemon refused at start prints its one line and nothing else.
     """
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -79,8 +91,15 @@ async def run_until_signalled(main: Callable[[], Awaitable[None]]) -> None:
                     return
 
             nursery.start_soon(watch)
+            if started is not None:
+                nursery.start_soon(_after_first_checkpoint, started)
             await main()
             nursery.cancel_scope.cancel()
+
+
+async def _after_first_checkpoint(fn: Callable[[], None]) -> None:
+    await trio.lowlevel.checkpoint()  # cancelled here if main failed before yielding
+    fn()
 
 
 def run_daemon(
@@ -88,9 +107,9 @@ def run_daemon(
 ) -> int:
     """Run a daemon under trio; an operator's mistake found while starting (a bad
     certificate path, a bad catalog) exits 2 with its one line, not a traceback."""
-    raise_open_files_limit()
+    open_files = raise_open_files_limit()
     try:
-        trio.run(run_until_signalled, main)
+        trio.run(run_until_signalled, main, lambda: log_open_files(*open_files))
     except operator_errors as exc:
         return fail(program, str(exc))
     except BaseExceptionGroup as group:
