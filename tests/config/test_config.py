@@ -157,3 +157,26 @@ def test_parse_hostport_defaults_and_errors() -> None:
     for bad in ("[::1", "[::1]x", ":80", "h:port"):
         with pytest.raises(ConfigError):
             parse_hostport(bad)
+
+
+def test_admin_token_files_that_cannot_be_used_are_one_error_naming_them(tmp_path: Path) -> None:
+    from llmgw.serve.server import admin_token
+
+    token = tmp_path / "token"
+    cfg, base = load_config(ServerConfig, write(tmp_path, '[admin]\ntoken_file = "token"\n'))
+    token.write_bytes(b"caf\xe9\n")
+    with pytest.raises(ConfigError) as info:
+        admin_token(cfg, base)
+    assert str(info.value) == (
+        f"{token}: admin.token_file: not UTF-8 text (byte 0xe9 on line 1): save it as UTF-8"
+    )
+    token.write_text("\n")
+    with pytest.raises(ConfigError) as info:
+        admin_token(cfg, base)
+    assert str(info.value) == f"{token}: admin.token_file: is empty: write the token in it"
+    cfg, base = load_config(ServerConfig, write(tmp_path, 'state_dir = "st"\n'))
+    (tmp_path / "st").mkdir()
+    (tmp_path / "st" / "admin-token").write_bytes(b"\xff")
+    with pytest.raises(ConfigError) as info:
+        admin_token(cfg, base)
+    assert "not UTF-8 text" in str(info.value)
