@@ -294,6 +294,7 @@ class Supervisor:
             else:
                 self._unhealthy.add(sid)
                 log.warning("shard %s is unhealthy: %s", sid, why)
+            self.on_event("recovered" if healthy else "unhealthy")
             self.outbox.put(
                 ShardStatus(
                     shard_id=sid, state=shard.state, detail=why, pid=shard.pid, healthy=healthy

@@ -640,7 +640,9 @@ class ReconcilerMachine(RuleBasedStateMachine):
 
     def _check_scale_down(self, plan: Plan) -> None:
         """The docstring's promise, for scale-down: a serving replica is drained as an
-        extra only when no replica of the model that counts is still not serving."""
+        extra only when no replica of the model that counts is still not serving, and
+        an adopted one (it served before this control plane started) only when no
+        replica placed since still counts."""
         if "scale-down-drains-serving" in KNOWN_BUGS:
             return
         for note in plan.notes:
@@ -653,13 +655,15 @@ class ReconcilerMachine(RuleBasedStateMachine):
             waiting = [
                 r
                 for r in self.rec.replicas.values()
-                if r.model == drained.model and r.counts and r.state is not R.READY
+                if r.model == drained.model
+                and r.counts
+                and (r.state is not R.READY or (drained.adopted and not r.adopted))
             ]
             if waiting:
                 self.violations.append(
                     f"scale-down drained serving replica {drained.replica_id} while "
                     f"{', '.join(f'{r.replica_id} ({r.state.value})' for r in waiting)} "
-                    "still counts without serving"
+                    "still counts without serving, or was placed since it was adopted"
                 )
 
     # ---- invariants ----
