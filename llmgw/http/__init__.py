@@ -1,7 +1,9 @@
 """The lean HTTP/1.1 server shared by the admin API and the router."""
 
+from .logsafe import printable
 from .server import HttpServer
 from .types import (
+    Admit,
     ErrorBody,
     Handler,
     Headers,
@@ -12,6 +14,7 @@ from .types import (
 )
 
 __all__ = [
+    "Admit",
     "ErrorBody",
     "Handler",
     "Headers",
@@ -20,6 +23,7 @@ __all__ = [
     "Response",
     "ServerLimits",
     "default_error_body",
+    "printable",
 ]
 
 from .client import (

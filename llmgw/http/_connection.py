@@ -18,8 +18,9 @@ import trio
 from . import _wire
 from ._deadlines import SocketDeadlines
 from ._framing import BadResponse, Framed, frame_response
-from ._parsing import Message, RequestParser
-from .types import ErrorBody, Handler, Headers, Request, ServerLimits, default_error_body
+from ._parsing import BodyBudget, Message, RequestParser
+from .logsafe import printable
+from .types import Admit, ErrorBody, Handler, ServerLimits, default_error_body
 
 logger = logging.getLogger("llmgw.http")
 
@@ -40,9 +41,20 @@ class _PeerGone(Exception):
 
 class Shared:
     """What a server shares with its connections: all a connection reads of its
-    server, and the two things it changes (``in_flight``; ``deadlines``' waits)."""
+    server, and the things it changes (``in_flight``; the bytes charged to
+    ``budget``; ``deadlines``' waits)."""
 
-    __slots__ = ("_error_body", "deadlines", "draining", "handler", "in_flight", "limits", "name")
+    __slots__ = (
+        "_error_body",
+        "admit",
+        "budget",
+        "deadlines",
+        "draining",
+        "handler",
+        "in_flight",
+        "limits",
+        "name",
+    )
 
     def __init__(
         self,
@@ -51,10 +63,13 @@ class Shared:
         name: str,
         error_body: ErrorBody,
         deadlines: SocketDeadlines[Connection],
+        admit: Admit | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits
         self.name = name
+        self.admit = admit
+        self.budget = BodyBudget(limits.max_bodies_bytes)  # request bodies held, all connections
         self._error_body = error_body
         self.deadlines = deadlines  # waits for a kept-alive connection's next request
         self.draining = False
@@ -77,7 +92,9 @@ class Connection:
         self.limits = server.limits
         self.sock = sock
         self.client = client
-        self.requests = RequestParser(server.limits, server.name)
+        self.requests = RequestParser(
+            server.limits, server.name, client, server.admit, server.budget
+        )
         self.waited = False  # the main task blocked since the last response
         # The wait for the next request's first byte (server.deadlines): its
         # deadline, and whether it passed (or drain() ended the wait).
@@ -221,7 +238,9 @@ class Connection:
         """Answer a protocol error or timeout, then close (lingering)."""
         if status == 0:
             return
-        logger.debug("%s: %d to %s:%d: %s", self.server.name, status, *self.client, message)
+        logger.debug(
+            "%s: %d to %s:%d: %s", self.server.name, status, *self.client, printable(message)
+        )
         try:
             await self._send_all(
                 _wire.error_response(self.server.error_body, status, message, keep_alive=False)
@@ -284,18 +303,50 @@ class Connection:
             self.waited = False
 
     async def _respond(self, msg: Message) -> bool:
-        """Run the handler for `msg` and write its response. True: keep the connection."""
+        """Write `msg`'s answer from its head, or run its handler and write its
+        response; its body's bytes go back to the budget. True: keep the connection."""
+        try:
+            if msg.answer is not None:
+                return await self._answer(msg)
+            return await self._handle(msg)
+        finally:
+            self.requests.release(msg)
+
+    async def _answer(self, msg: Message) -> bool:
+        """Write the answer ``admit`` gave from the head; no handler runs, and no
+        watcher reads a body that was refused."""
+        assert msg.answer is not None
+        try:
+            framed = frame_response(
+                msg.answer, msg.method, msg.version, msg.keep_alive and not self.server.draining
+            )
+        except Exception:
+            logger.exception(
+                "%s: invalid answer to %s %s", self.server.name, msg.method, printable(msg.path)
+            )
+            await _close_body(msg.answer.body)
+            await self._send_all(
+                _wire.error_response(
+                    self.server.error_body,
+                    500,
+                    "internal server error",
+                    keep_alive=False,
+                    head_only=msg.method == "HEAD",
+                )
+            )
+            return False
+        await self._write(framed, msg)
+        return framed.keep_alive
+
+    async def _handle(self, msg: Message) -> bool:
+        """Run the handler for `msg` and write its response."""
         server = self.server
+        request = msg.request
+        assert request is not None
         body = msg.body
-        request = Request(
-            method=msg.method,
-            path=msg.path,
-            query=msg.query,
-            headers=Headers(msg.headers),
-            body=(body[0] if len(body) == 1 else b"".join(body)) if body else b"",
-            client=self.client,
-            http_version=msg.version,
-        )
+        if body:
+            request.body = body[0] if len(body) == 1 else b"".join(body)
+            msg.body = []  # the request holds the one copy
         keep_alive = msg.keep_alive
         server.in_flight += 1
         try:
@@ -306,7 +357,7 @@ class Connection:
                     response = await server.handler(request)
                 except Exception:
                     logger.exception(
-                        "%s: handler failed for %s %s", server.name, msg.method, msg.path
+                        "%s: handler failed for %s %s", server.name, msg.method, printable(msg.path)
                     )
                 else:
                     try:
@@ -318,13 +369,16 @@ class Connection:
                             "%s: invalid response to %s %s: %s",
                             server.name,
                             msg.method,
-                            msg.path,
+                            printable(msg.path),
                             exc,
                         )
                         await _close_body(response.body)
                     except Exception:
                         logger.exception(
-                            "%s: invalid response to %s %s", server.name, msg.method, msg.path
+                            "%s: invalid response to %s %s",
+                            server.name,
+                            msg.method,
+                            printable(msg.path),
                         )
                         await _close_body(getattr(response, "body", None))
                     else:
@@ -398,7 +452,7 @@ class Connection:
                 "%s: response stream for %s %s failed",
                 self.server.name,
                 msg.method,
-                msg.path,
+                printable(msg.path),
                 exc_info=exc,
             )
             raise _PeerGone("response stream failed") from exc

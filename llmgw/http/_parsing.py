@@ -3,6 +3,14 @@
 Sans-I/O: the connection feeds bytes in and reads complete messages, in
 order, from ``msgs``. Parsing stops for good at the first error, recorded in
 ``failure`` to be answered after the requests that completed before it.
+
+Memory a client can make the server hold is bounded before anything else:
+the head by ``max_header_bytes``; the body by ``admit``, which sees each
+head before any byte of its body is kept and may answer it there (a request
+without a good key never gets a byte of its body buffered); and every body
+held, all connections together, by one ``BodyBudget`` (``max_bodies_bytes``):
+a byte past it is a 503, and a request's bytes go back to it when its
+response is written or its connection ends.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from .types import ServerLimits
+from .types import Admit, Headers, Request, Response, ServerLimits
 
 logger = logging.getLogger("llmgw.http")
 
@@ -32,10 +40,25 @@ class _Reject(Exception):
         self.message = message
 
 
+class _Answered(Exception):
+    """Raised inside a parser callback: ``admit`` answered a request whose body is coming."""
+
+
+class BodyBudget:
+    """Request body bytes held now, all connections of one server together."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+
 class Message:
     """Parser-side state of one request while it is being read."""
 
     __slots__ = (
+        "answer",
         "body",
         "body_len",
         "chunked",
@@ -50,11 +73,14 @@ class Message:
         "method",
         "path",
         "query",
+        "request",
         "url",
         "version",
     )
 
     def __init__(self) -> None:
+        self.answer: Response | None = None  # admit's answer: the handler does not run
+        self.request: Request | None = None  # made once the head is complete
         self.url = b""
         self.headers: list[tuple[str, str]] = []
         self.body: list[bytes] = []
@@ -97,9 +123,20 @@ def split_target(url: bytes) -> tuple[str, str]:
 class RequestParser:
     """One connection's parser state: a queue of requests being read."""
 
-    def __init__(self, limits: ServerLimits, name: str) -> None:
+    def __init__(
+        self,
+        limits: ServerLimits,
+        name: str,
+        client: tuple[str, int] = ("", 0),
+        admit: Admit | None = None,
+        budget: BodyBudget | None = None,
+    ) -> None:
         self.limits = limits
         self.name = name
+        self.client = client
+        self.admit = admit
+        self.budget = budget or BodyBudget(limits.max_bodies_bytes)
+        self.held = 0  # body bytes of this connection's requests, charged to the budget
         self.parser = httptools.HttpRequestParser(self)
         self.msgs: collections.deque[Message] = collections.deque()
         self.cur: Message | None = None  # the request the parser is inside, if any
@@ -114,9 +151,20 @@ class RequestParser:
         """No byte of a next request has arrived."""
         return self.cur is None and self.stall == 0
 
+    def release(self, msg: Message) -> None:
+        """``msg``'s body is no longer held: give its bytes back to the budget."""
+        n = msg.body_len
+        if n:
+            msg.body_len = 0
+            self.held -= n
+            self.budget.used -= n
+
     def dispose(self) -> None:
-        """Drop buffered requests and break the parser <-> callbacks reference cycle."""
+        """Drop buffered requests, give back every byte still charged, and break
+        the parser <-> callbacks reference cycle."""
         self.msgs.clear()
+        self.budget.used -= self.held
+        self.held = 0
         del self.parser
 
     # httptools callbacks
@@ -192,14 +240,37 @@ class RequestParser:
         msg.path, msg.query = split_target(msg.url)
         msg.head_bytes = 0  # from here on it counts trailers
         msg.head_done = True
+        request = Request(
+            method, msg.path, msg.query, Headers(msg.headers), b"", self.client, msg.version
+        )
+        msg.request = request
+        admit = self.admit
+        if admit is not None:
+            verdict = admit(request)
+            if isinstance(verdict, Response):
+                msg.answer = verdict
+                if msg.chunked or msg.content_length:
+                    # A body is coming that nobody will read: answer, then close.
+                    msg.keep_alive = False
+                    msg.done = True
+                    self.cur = None
+                    raise _Answered
+            else:
+                request.admitted = verdict
 
     def on_body(self, data: bytes) -> None:
         self.progress = True
         msg = self.cur
         assert msg is not None
-        msg.body_len += len(data)
+        n = len(data)
+        msg.body_len += n  # charged to the budget even if refused: release() gives it back
+        self.held += n
+        budget = self.budget
+        budget.used += n
         if msg.body_len > self.limits.max_body_bytes:
             raise _Reject(413, "request body too large")
+        if budget.used > budget.limit:
+            raise _Reject(503, "the server holds too many request bodies now; retry shortly")
         msg.body.append(data)
 
     def on_chunk_header(self) -> None:
@@ -226,6 +297,8 @@ class RequestParser:
             cause = exc.__context__
             if isinstance(cause, _Reject):
                 self.failure = (cause.status, cause.message)
+            elif isinstance(cause, _Answered):
+                self.failure = (0, "")  # the answered request is complete; nothing after it
             elif isinstance(cause, Exception):
                 logger.error("%s: request parsing failed", self.name, exc_info=cause)
                 self.failure = (500, "internal server error")
@@ -249,4 +322,4 @@ class RequestParser:
         self.cur = None
         msgs = self.msgs
         while msgs and not msgs[-1].done:
-            msgs.pop()
+            self.release(msgs.pop())

@@ -5,8 +5,11 @@ Theory of operation
 
 Accepting. One accept task per listener takes connections, sets TCP_NODELAY,
 detaches the socket from trio's wrapper and spawns one task per connection
-(``_connection.Connection.run``). Beyond ``max_connections`` a connection is
-answered with a canned 503 and closed on the spot, with no task spawned.
+(``_connection.Connection.run``). Beyond ``max_connections``, or beyond
+``max_connections_per_address`` from one client IP address, a connection is
+answered with a canned 503 (in the server's error format) and closed on the
+spot, with no task spawned: one address holding connections open cannot
+shut every other client out.
 
 The connection loop. A connection serves one request at a time:
 
@@ -18,9 +21,15 @@ The connection loop. A connection serves one request at a time:
    ``keepalive_timeout_s`` (``header_timeout_s`` on a fresh connection) and
    ends quietly; from the first byte, the head must arrive within
    ``header_timeout_s`` or the client gets 408.
-2. Answer ``Expect: 100-continue``, then read the body within
+2. Admit the head: ``admit``, when given, sees the request as soon as its
+   head is complete and before any byte of its body is kept, and may answer
+   it from the head alone (a request without a good key); a body that was
+   coming is then never read, and the connection closes after the answer.
+   Otherwise answer ``Expect: 100-continue``, then read the body within
    ``body_timeout_s``. Limits are enforced inside the parser callbacks
-   (431/413 as soon as a bound is crossed, Content-Length checked up front).
+   (431/413 as soon as a bound is crossed, Content-Length checked up front;
+   503 once the bodies held by all connections together would pass
+   ``max_bodies_bytes``).
 3. Run the handler, then write the response: head and a small body in one
    ``send``; a streamed body chunk by chunk as it is produced (chunked
    encoding, or close-delimited for an HTTP/1.0 client). A handler that
@@ -74,7 +83,7 @@ import trio
 from . import _wire
 from ._connection import Connection, Shared
 from ._deadlines import SocketDeadlines
-from .types import ErrorBody, Handler, ServerLimits, default_error_body
+from .types import Admit, ErrorBody, Handler, ServerLimits, default_error_body
 
 logger = logging.getLogger("llmgw.http")
 
@@ -134,10 +143,12 @@ class HttpServer:
         limits: ServerLimits = ServerLimits(),  # noqa: B008 (frozen, so sharing is safe)
         error_body: ErrorBody | None = None,
         name: str = "http",
+        admit: Admit | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits
         self.name = name
+        error_body = error_body or default_error_body
         # Waits for a kept-alive connection's next request: one timer, not a
         # cancel scope each (_deadlines.py). Expiring one closes the connection.
         shortest = min(limits.header_timeout_s, limits.keepalive_timeout_s)
@@ -145,16 +156,27 @@ class HttpServer:
             handler,
             limits,
             name,
-            error_body or default_error_body,
+            error_body,
             SocketDeadlines(min(1.0, shortest / 4), _notify_closing),
+            admit,
         )
         self._open = 0
+        self._per_address: dict[str, int] = {}  # open connections by client IP address
         self._connections: set[Connection] = set()
         self._accept_scopes: set[trio.CancelScope] = set()
         self._busy = _wire.error_response(
-            default_error_body, 503, "server is at its connection limit", keep_alive=False
+            self._shared.error_body, 503, "server is at its connection limit", keep_alive=False
+        )
+        self._busy_address = _wire.error_response(
+            self._shared.error_body,
+            503,
+            "too many connections from your address; close some and retry",
+            keep_alive=False,
         )
         self._warn_busy = _Throttled("%s: connection limit %d reached, refusing connections")
+        self._warn_address = _Throttled(
+            "%s: %s holds %d connections, the limit per address; refusing more from it"
+        )
         self._warn_accept = _Throttled("%s: accept failed: %s; backing off")
 
     # ------------------------------------------------------------------ metrics
@@ -162,6 +184,15 @@ class HttpServer:
     def open_connections(self) -> int:
         """Connections accepted and not yet closed."""
         return self._open
+
+    def connections_from(self, host: str) -> int:
+        """Open connections from the client IP address ``host``."""
+        return self._per_address.get(host, 0)
+
+    @property
+    def body_bytes(self) -> int:
+        """Request body bytes held now, all connections together."""
+        return self._shared.budget.used
 
     @property
     def in_flight(self) -> int:
@@ -230,6 +261,8 @@ class HttpServer:
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         listening = listener.socket
         limit = self.limits.max_connections
+        per_address_limit = self.limits.max_connections_per_address
+        per_address = self._per_address
         while True:
             try:
                 accepted, address = await listening.accept()
@@ -244,30 +277,32 @@ class HttpServer:
             sock = socket.socket(fileno=accepted.detach())
             sock.setblocking(False)
             if self._open >= limit:
-                self._refuse(sock)
+                self._warn_busy.warn(self.name, limit)
+                _refuse(sock, self._busy)
                 continue
-            if sock.family in (socket.AF_INET, socket.AF_INET6):
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                except OSError:
-                    pass
             if isinstance(address, tuple):
                 client = (str(address[0]), int(address[1]))
             else:
                 client = (str(address), 0)
+            host = ""  # no cap per address for a Unix socket's clients
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                host = client[0]
+                held = per_address.get(host, 0)
+                if held >= per_address_limit:
+                    self._warn_address.warn(self.name, host, held)
+                    _refuse(sock, self._busy_address)
+                    continue
+                per_address[host] = held + 1
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError:
+                    pass
             self._open += 1
-            nursery.start_soon(self._run_connection, sock, client)
+            nursery.start_soon(self._run_connection, sock, client, host)
 
-    def _refuse(self, sock: socket.socket) -> None:
-        """Over the connection limit: a best-effort 503, then close."""
-        self._warn_busy.warn(self.name, self.limits.max_connections)
-        try:
-            sock.send(self._busy)
-        except OSError:
-            pass
-        sock.close()
-
-    async def _run_connection(self, sock: socket.socket, client: tuple[str, int]) -> None:
+    async def _run_connection(
+        self, sock: socket.socket, client: tuple[str, int], host: str
+    ) -> None:
         conn = Connection(self._shared, sock, client)
         self._connections.add(conn)
         try:
@@ -281,5 +316,20 @@ class HttpServer:
             self._connections.discard(conn)
             conn.dispose()
             self._open -= 1
+            if host:
+                held = self._per_address[host] - 1
+                if held:
+                    self._per_address[host] = held
+                else:
+                    del self._per_address[host]
             trio.lowlevel.notify_closing(sock)
             sock.close()
+
+
+def _refuse(sock: socket.socket, answer: bytes) -> None:
+    """Over a connection limit: a best-effort 503, then close."""
+    try:
+        sock.send(answer)
+    except OSError:
+        pass
+    sock.close()

@@ -49,9 +49,12 @@ class Headers:
         return len(self.raw)
 
 
-@attrs.frozen
+@attrs.define
 class Request:
-    """One complete request: head and whole body, read before the handler runs."""
+    """One complete request: head and whole body, read before the handler runs.
+
+    The server makes it when the head is complete (``body`` still empty, which
+    is how the server's ``admit`` sees it), and sets ``body`` once it is read."""
 
     method: str
     path: str
@@ -60,6 +63,8 @@ class Request:
     body: bytes
     client: tuple[str, int]
     http_version: str
+    admitted: object = None
+    """What the server's ``admit`` returned for this request's head (None without one)."""
 
 
 @attrs.define
@@ -78,6 +83,14 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+Admit = Callable[[Request], object]
+"""Called as soon as a request's head is complete, before any byte of its body is
+kept (``request.body`` is still empty). A ``Response`` is the request's answer,
+given from its head alone: the handler does not run, and a body the client is
+sending is never read or kept (the connection closes after the answer). Anything
+else is kept as ``request.admitted`` for the handler. It runs inside the parser:
+it must not block, and what it raises is a 500."""
 
 ErrorBody = Callable[[int, str], tuple[str, bytes]]
 """(status, message) -> (content type, body) for responses the server makes itself."""
@@ -108,3 +121,9 @@ class ServerLimits:
     """Longest wait for the client to take more response bytes -> connection closed."""
     max_connections: int = 10_000
     """Open connections beyond this are answered 503 at once and closed."""
+    max_connections_per_address: int = 1_000
+    """Open connections from one client IP address beyond this are answered 503 at
+    once and closed, so that one address cannot hold every connection there is."""
+    max_bodies_bytes: int = 256 * 1024 * 1024
+    """Request body bytes held at once, all connections together (from the first byte
+    read until the response is written); a body that would take more -> 503."""

@@ -1,20 +1,28 @@
 """The OpenAI-compatible endpoint: authenticate, find the model, hand the request on.
 
-A request is authenticated (hashed API keys, each optionally limited to
-some models) and its JSON read only for ``model`` and ``stream`` (the body
-is forwarded as is). A model the key may use and the table knows is routed:
+A request is judged first by its head alone (``admit``, which the HTTP
+server calls before it keeps any byte of the body): the endpoint, the
+method and the API key (hashed keys, each optionally limited to some
+models). Everything that needs no body is answered there: a request without
+a good key gets its 401 with none of its body read, however much it sends,
+so a client without a key cannot make the server hold memory. Only then is
+the body read, and its JSON only for ``model`` and ``stream`` (the body is
+forwarded as is). A model the key may use and the table knows is routed:
 ``Proxy`` sends it to a replica and says what the client gets.
 
-Each request has one ``Record``, opened here as it arrives and ended exactly
-once: here for a whole reply, by the relay for a relayed body, here again
-(status 499) when the client left before any response. The HTTP server
-cancels the handler the moment the client disconnects, or closes the relayed
-body; either way the upstream connection is closed at once, so an engine
-that notices (vLLM; llama-server while streaming) stops generating for a
-client that is gone, and the replica stops counting the request.
+Each request has one ``Record``, opened as its head is admitted and ended
+exactly once: at once for an answer from the head, here for a whole reply,
+by the relay for a relayed body, here again (status 499) when the client
+left before any response. The HTTP server cancels the handler the moment the
+client disconnects, or closes the relayed body; either way the upstream
+connection is closed at once, so an engine that notices (vLLM; llama-server
+while streaming) stops generating for a client that is gone, and the replica
+stops counting the request.
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import msgspec
 import trio
@@ -64,11 +72,27 @@ class RouterApp:
         )
         self.metrics.watch(lambda: [e for eps in self.table.endpoints.values() for e in eps])
 
-    async def __call__(self, request: Request) -> Response:
+    def admit(self, request: Request) -> Response | tuple[Record, ApiKey]:
+        """Judge a request by its head (its body is not read yet): an answer, or
+        the record and key of a request to read and route."""
         arrived = trio.current_time() if self.access_log else None
         record = Record(request, self.metrics, arrived)
+        verdict = self._head(request, record)
+        if isinstance(verdict, Response):
+            record.respond(verdict.status)
+            record.end(trio.current_time())
+            return verdict
+        return record, verdict
+
+    async def __call__(self, request: Request) -> Response:
+        admitted = request.admitted
+        if admitted is None:  # a server without our admit: judge the head now
+            admitted = self.admit(request)
+            if isinstance(admitted, Response):
+                return admitted
+        record, key = cast(tuple[Record, ApiKey], admitted)
         try:
-            response = await self._serve(request, record)
+            response = await self._route(request, record, key)
         except trio.Cancelled:
             record.left(trio.current_time())
             raise
@@ -77,28 +101,31 @@ class RouterApp:
             record.end(trio.current_time())
         return response
 
-    async def _serve(self, request: Request, record: Record) -> Response:
-        if request.path == "/healthz":
+    def _head(self, request: Request, record: Record) -> Response | ApiKey:
+        """What the head alone decides: an answer, or the key of a request to route."""
+        path = request.path
+        if path in ROUTES:
+            if request.method != "POST":
+                return openai_error(405, f"{path} takes POST")
+            return self._key(request, record) or self._unauthorized()
+        if path == "/healthz":
             return Response(200, [("content-type", "application/json")], b'{"status":"ok"}')
-        if request.path == "/v1/models" and request.method == "GET":
+        if path == "/v1/models" and request.method == "GET":
             key = self._key(request, record)
             if key is None:
                 return self._unauthorized()
             return self._models(key.models)
-        if request.path.startswith("/v1/models/") and request.method == "GET":
+        if path.startswith("/v1/models/") and request.method == "GET":
             key = self._key(request, record)
             if key is None:
                 return self._unauthorized()
             # ids may hold a slash ("org/name"), sent as is or percent-encoded (the
             # server has decoded the path)
-            return self._model(request.path[len("/v1/models/") :], key.models)
-        if request.path not in ROUTES:
-            return openai_error(404, f"no such endpoint: {request.method} {request.path}")
-        if request.method != "POST":
-            return openai_error(405, f"{request.path} takes POST")
-        key = self._key(request, record)
-        if key is None:
-            return self._unauthorized()
+            return self._model(path[len("/v1/models/") :], key.models)
+        return openai_error(404, f"no such endpoint: {request.method} {path}")
+
+    async def _route(self, request: Request, record: Record, key: ApiKey) -> Response:
+        """A request with a good key for an endpoint that routes: read the model, send it on."""
         try:
             body = _decoder.decode(request.body)
         except msgspec.DecodeError as exc:

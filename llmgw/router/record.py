@@ -17,7 +17,10 @@ so both always describe the same request the same way.
 
 Only requests that were routed (a known model the key may use) count in
 ``llmgw_router_requests`` and the histograms; every request gets an access
-log line, with the key by its name only.
+log line, with the key by its name only. What the client wrote (the path,
+decoded; the model) is escaped (``llmgw.http.printable``): a ``%0a`` in a
+path or a newline in a model cannot start a forged line, nor a space a
+forged field.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 from typing import Literal
 
 from llmgw.addr import join_hostport
-from llmgw.http import Request
+from llmgw.http import Request, printable
 from llmgw.router.breaker import Outcome
 from llmgw.router.metrics import RouterMetrics
 
@@ -139,10 +142,10 @@ class Record:
             "%s %s %s status=%d key=%s model=%s replica=%s time=%.3fs ttft=%s tokens=%d end=%s",
             client,
             request.method,
-            request.path,
+            printable(request.path, field=True),
             self.status,
             self.key,
-            self.model[:200],
+            printable(self.model[:200], field=True),
             self.replica,
             now - self.arrived,
             ttft,

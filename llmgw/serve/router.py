@@ -42,19 +42,26 @@ def router_app(config: RouterConfig, table: RoutingTable, metrics: RouterMetrics
             idle_timeout_s=config.idle_timeout_s,
         )
     )
+    app = RouterApp(
+        table,
+        keys,
+        pool,
+        max_attempts=config.max_attempts,
+        metrics=metrics,
+        queue_timeout_s=config.queue_timeout_s,
+        access_log=config.access_log,
+    )
     return HttpServer(
-        RouterApp(
-            table,
-            keys,
-            pool,
-            max_attempts=config.max_attempts,
-            metrics=metrics,
-            queue_timeout_s=config.queue_timeout_s,
-            access_log=config.access_log,
+        app,
+        limits=ServerLimits(
+            max_body_bytes=int(config.max_body_mb * 2**20),
+            max_bodies_bytes=int(config.max_bodies_mb * 2**20),
+            max_connections=config.max_connections,
+            max_connections_per_address=config.max_connections_per_address,
         ),
-        limits=ServerLimits(max_body_bytes=int(config.max_body_mb * 2**20)),
         error_body=error_body,
         name="router",
+        admit=app.admit,  # the key is checked from the head, before any body is kept
     )
 
 
