@@ -3,7 +3,8 @@
 They are not timed here (figures belong in their own output, on a quiet
 machine); this only keeps them from rotting as the code they drive changes.
 The router benchmarks need their own virtualenvs (uvicorn, LiteLLM) and are
-left to be run by hand.
+left to be run by hand; the abuse benchmark needs llama-server, as the
+cluster tests do.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.realparts import needs_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,3 +74,11 @@ def test_bench_agents_holds_a_small_fleet() -> None:
     )
     assert "registrations / reconnects" in text
     assert "N = 5: no problems seen" in text
+
+
+@needs_server
+def test_bench_abuse_runs_every_attack() -> None:
+    text = run_tool("tools/bench_abuse.py", "--quick", timeout=180)
+    rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1]}
+    assert {"nokey", "poison", "flood", "log"} <= set(rows), text
+    assert "forged lines in the server's log: 0" in rows["log"], text

