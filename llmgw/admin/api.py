@@ -78,13 +78,21 @@ class AdminApi:
             ("GET", ("v1", "models", None, "placement"), self.placement),
         ]
 
-    async def __call__(self, request: Request) -> Response:
+    def admit(self, request: Request) -> Response | bool:
+        """Judge a request by its head, before any byte of its body is read: without
+        the token every path looks the same (the routes are not listed to whoever
+        can reach the listener), and nothing it sends is kept."""
         if request.path == "/healthz":
             return json_response(200, {"status": "ok"})
-        # before routing: without the token, every path looks the same, so the
-        # routes are not listed to whoever can reach the listener
         if not self._authorized(request):
             return error(401, "missing or wrong admin token (send Authorization: Bearer <token>)")
+        return True
+
+    async def __call__(self, request: Request) -> Response:
+        if request.admitted is None:  # a server without our admit: judge the head now
+            answer = self.admit(request)
+            if isinstance(answer, Response):
+                return answer
         route = self._routes.get((request.method, request.path))
         arg = ""
         if route is None:

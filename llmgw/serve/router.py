@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 
 from llmgw.addr import url_host
 from llmgw.config import ConfigError, parse_hostport
+from llmgw.config.loader import read_text
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, resolve
 from llmgw.http import HttpServer, ServerLimits
 from llmgw.http.client import ClientLimits, UpstreamPool
@@ -84,11 +85,10 @@ async def reuseport_listeners(host: str, port: int) -> list[trio.SocketListener]
 def admin_token(config: StandaloneRouterConfig, base: Path) -> str:
     if config.admin_token:
         return config.admin_token
-    path = resolve(base, config.admin_token_file)
-    try:
-        return path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError("", "admin_token_file", f"cannot read {path}: {exc.strerror}") from None
+    token = read_text(resolve(base, config.admin_token_file), "admin_token_file").strip()
+    if not token:
+        raise ConfigError("", "admin_token_file", f"{config.admin_token_file} is empty")
+    return token
 
 
 async def serve(

@@ -131,10 +131,8 @@ async def serve(config: ServerConfig, base: Path) -> None:
     if config.router.listen:
         table = RoutingTable(routing.next, routing.snapshot)
         router = (table, router_app(config.router, table, RouterMetrics(control.metrics.registry)))
-    admin = HttpServer(
-        AdminApi(control, token, fleet, routing, router[0].traffic if router else None),
-        name="admin",
-    )
+    admin_api = AdminApi(control, token, fleet, routing, router[0].traffic if router else None)
+    admin = HttpServer(admin_api, name="admin", admit=admin_api.admit)
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
     if not is_loopback(admin_host):  # only with admin.insecure_listen (see the schema)

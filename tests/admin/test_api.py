@@ -148,3 +148,32 @@ def test_the_routers_view_of_a_replica_in_words() -> None:
         == "3 in flight, breaker open, 2 waiting, 8 running, kv 91%, gauges 40s old"
     )
     assert render_traffic(None) == "-"  # no router in this server
+
+
+async def test_a_request_without_the_token_is_refused_before_its_body(
+    nursery: trio.Nursery,
+) -> None:
+    """With the API's head check (as ``llmgw server`` wires it), a stranger's body is
+    never waited for nor kept: the 401 comes as soon as the head is in."""
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
+    )
+    api = AdminApi(control, TOKEN)
+    server = HttpServer(api, admit=api.admit)
+    listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(5):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        head = (
+            b"POST /v1/catalog/reload HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: 900000\r\n\r\n"
+        )
+        await stream.send_all(head + b"{" * 1000)  # then the body stalls
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = await stream.receive_some(65536)
+            assert chunk, f"closed without an answer: {got!r}"
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 401 ")
+    assert server.body_bytes == 0
+    await stream.aclose()

@@ -192,6 +192,28 @@ async def test_a_catalog_that_is_not_utf8_exits_2_with_one_line_at_start(
     ]
 
 
+async def test_a_standalone_router_whose_token_file_is_not_utf8_exits_2_with_one_line(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "token").write_bytes(NOT_UTF8)
+    (tmp_path / "router.toml").write_text(
+        'admin_url = "http://127.0.0.1:1"\nadmin_token_file = "token"\n'
+        '[router]\nlisten = "127.0.0.1:0"\n'
+        f'[[router.keys]]\nname = "t"\nsha256 = "{"0" * 64}"\n'
+    )
+    with trio.fail_after(30):
+        result = await trio.run_process(
+            [sys.executable, "-m", "llmgw", "router", "--config", str(tmp_path / "router.toml")],
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 2
+    lines = result.stderr.decode().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"llmgw router: {tmp_path / 'token'}")
+    assert "not UTF-8 text" in lines[0]
+
+
 async def test_a_bad_catalog_on_sighup_or_reload_keeps_the_server_and_the_old_catalog(
     cluster: list[Daemon], tmp_path: Path, pki: Pki
 ) -> None:
