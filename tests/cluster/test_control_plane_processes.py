@@ -57,6 +57,21 @@ class Cluster:
     server: Server
     agents: dict[str, Daemon] = attrs.Factory(dict)
 
+    async def restart_server(self) -> None:
+        """SIGKILL the control plane and start it again on the same stream port, with
+        a 2 s settle time: what it knew is gone, the agents and engines are not."""
+        port = self.server.stream_port
+        await self.server.stop(signal.SIGKILL)
+        write_server_config(
+            self.tmp, self.pki, stream_port=port, heartbeat=0.2, unreachable_after=2, lost_after=6
+        )
+        config = self.tmp / "server.toml"
+        config.write_text(
+            'catalog = "catalog.toml"\n' + config.read_text() + "[reconcile]\nsettle_s = 2\n"
+        )
+        self.server.start()
+        await self.server.ready(count=2)
+
     def agent(self, node: str, *, memory_gb: int = 16) -> Daemon:
         i = int(node[1:]) - 1
         low = BASE + 10 * i
@@ -170,17 +185,7 @@ async def test_placed_then_adopted_across_a_control_plane_restart(tmp_path: Path
         for r in before:
             await chat(r["shards"][0]["port"])
 
-        port = c.server.stream_port
-        await c.server.stop(signal.SIGKILL)
-        write_server_config(
-            tmp_path, pki, stream_port=port, heartbeat=0.2, unreachable_after=2, lost_after=6
-        )
-        config = tmp_path / "server.toml"
-        config.write_text(
-            'catalog = "catalog.toml"\n' + config.read_text() + "[reconcile]\nsettle_s = 2\n"
-        )
-        c.server.start()
-        await c.server.ready(count=2)
+        await c.restart_server()
         after = await c.wait_ready(2)
         assert {r["replica_id"] for r in after} == set(pids)  # the same replicas came back
         assert all(r["adopted"] for r in after)

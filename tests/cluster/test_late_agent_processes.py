@@ -11,7 +11,6 @@ from pathlib import Path
 import trio
 
 from llmgw.agent.procs import alive, identity
-from tests.cluster.procs import write_server_config
 from tests.cluster.test_control_plane_processes import chat, cluster, engine_pid
 from tests.conftest import Pki
 from tests.realparts import needs_server
@@ -34,17 +33,7 @@ async def test_a_late_agent_keeps_its_serving_engine_and_the_replacement_goes(
 
         # the control plane restarts, and n1's agent stays away past the settle time
         await c.agents["n1"].stop(signal.SIGKILL)  # its engine keeps serving
-        port = c.server.stream_port
-        await c.server.stop(signal.SIGKILL)
-        write_server_config(
-            tmp_path, pki, stream_port=port, heartbeat=0.2, unreachable_after=2, lost_after=6
-        )
-        config = tmp_path / "server.toml"
-        config.write_text(
-            'catalog = "catalog.toml"\n' + config.read_text() + "[reconcile]\nsettle_s = 2\n"
-        )
-        c.server.start()
-        await c.server.ready(count=2)
+        await c.restart_server()
         # a replacement is placed on n2 once the settle time is over; it comes up there
         [replacement] = await c.wait_ready(1, timeout=60)
         assert replacement["shards"][0]["node_id"] == "n2"
