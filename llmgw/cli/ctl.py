@@ -167,13 +167,14 @@ def _engines(node: NodeView) -> str:
 
 
 def render_nodes(nodes: list[NodeView], now: float) -> str:
-    rows = [["NODE", "ADDRESS", "STATE", "LAST SEEN", "MEM", "FABRIC", "ENGINES", "GPUS"]]
+    rows = [["NODE", "ADDRESS", "STATE", "SHARDS", "LAST SEEN", "MEM", "FABRIC", "ENGINES", "GPUS"]]
     for n in nodes:
         rows.append(
             [
                 n.node_id,
                 n.address,
                 _state(n),
+                str(n.shards),
                 _ago(n.last_seen, now),
                 _mem(n.memory_total_bytes),
                 n.fabric or "-",

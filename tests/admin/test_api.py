@@ -122,10 +122,11 @@ def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> 
     control.nodes.register("b", Inventory(), peer="1.1.1.2:1", connection=2, now=0, wall=100)
     text = render_nodes([node_view(n) for n in control.nodes.nodes.values()], now=130)
     lines = text.splitlines()
-    assert lines[1].split()[:4] == ["a", "1.1.1.1", "Ready", "30s"]
+    assert lines[0].split()[:4] == ["NODE", "ADDRESS", "STATE", "SHARDS"]
+    assert lines[1].split()[:5] == ["a", "1.1.1.1", "Ready", "0", "30s"]
     assert lines[1].endswith("2 (1 unhealthy: GPU 1: remapped-row failure)")
-    assert lines[1].split()[5] == "8G"
-    assert lines[2].split()[5] == "-"  # no memory reported: unknown, not 0
+    assert lines[1].split()[6] == "8G"
+    assert lines[2].split()[6] == "-"  # no memory reported: unknown, not 0
 
 
 def test_the_routers_view_of_a_replica_in_words() -> None:

@@ -54,11 +54,11 @@ async def test_agent_registers_and_shows_in_ctl_nodes(
     table = (await server.ctl("nodes")).stdout.decode()
     header, row = table.splitlines()[:2]
     assert header.split() == [
-        "NODE", "ADDRESS", "STATE", "LAST", "SEEN", "MEM", "FABRIC", "ENGINES", "GPUS",
+        "NODE", "ADDRESS", "STATE", "SHARDS", "LAST", "SEEN", "MEM", "FABRIC", "ENGINES", "GPUS",
     ]  # fmt: skip
     cells = row.split()
-    assert cells[:3] == ["n1", "127.0.0.1", "Ready"]
-    assert cells[5:7] == ["12G", "-"]  # memory as written, no fabric
+    assert cells[:4] == ["n1", "127.0.0.1", "Ready", "0"]  # no control plane's shards there
+    assert cells[6:8] == ["12G", "-"]  # memory as written, no fabric
     assert cells[-1] == "0"  # no GPUs
 
 
