@@ -2,7 +2,8 @@
 
 A registry per server (not the library's global one) keeps test servers in
 one process apart. Label values are bounded: states, message types and
-refusal reasons, never node ids or request ids.
+refusal reasons, never request ids; node ids only on the failure counter
+(a node appears there once one of its engines failed).
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ class ControlPlaneMetrics:
             "llmgw_placement_failures",
             "Passes in which a model below its count could not be placed, by model and reason",
             ["model", "reason"],
+            registry=r,
+        )
+        self.replica_failures = Counter(
+            "llmgw_replica_failures",
+            "Engine shards that failed (exited, crashed), by model and node",
+            ["model", "node"],
             registry=r,
         )
         self.liveness_changes = Counter(
