@@ -198,7 +198,9 @@ class Reconciler:
             lost = [s.node_id for s in replica.shards if _gone(nodes.get(s.node_id))]
             if lost and replica.state is not R.FAILED:
                 self._fail(replica, now, plan, f"node {lost[0]} is lost")
-            if replica.state is R.DRAINING and now - replica.state_since > t.drain_timeout_s:
+            if replica.state is R.DRAINING and not replica.shards:
+                self._stop(replica, now, plan, "drained")  # nothing of it runs
+            elif replica.state is R.DRAINING and now - replica.state_since > t.drain_timeout_s:
                 self._stop(replica, now, plan, "drain grace over")
             if replica.state in (R.FAILED, R.STOPPING):
                 self._clean_up(replica, nodes, now, plan)
@@ -230,6 +232,12 @@ class Reconciler:
         """Cordoned, and each replica there moves elsewhere (a rolling move)."""
         self.cordoned.add(node_id)
         self.draining.add(node_id)
+
+    def is_drained(self, node_id: str) -> bool:
+        """Draining, and no shard of any replica is left there."""
+        return node_id in self.draining and not any(
+            s.node_id == node_id for r in self.replicas.values() for s in r.shards
+        )
 
     # --- placement and scaling ------------------------------------------------------
 

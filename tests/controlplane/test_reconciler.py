@@ -256,6 +256,30 @@ def test_drain_is_a_rolling_move() -> None:
     assert step.drain == [Drain(old_node, old.shard_id, NOW.drain_timeout_s)]
 
 
+def test_a_drained_node_is_empty_at_once_without_waiting_on_the_grace() -> None:
+    nodes = fleet("n1", "n2")
+    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    [(old_node, old)] = [(s.node, s.spec) for s in plan.start]
+    rec.drain(old_node)
+    assert not rec.is_drained(old_node)  # the replica still runs there
+    step = rec.reconcile(nodes.nodes, now=2)
+    ready_all(rec, step, now=3)
+    step = rec.reconcile(nodes.nodes, now=4)
+    assert [d.shard_id for d in step.drain] == [old.shard_id]
+    assert not rec.is_drained(old_node)
+    # the engine finishes its requests and stops: the replica is gone at once
+    stopped = rec.shard_status(old_node, ShardStatus(shard_id=old.shard_id, state="stopped"), 5)
+    assert [n.text for n in stopped.notes if "stopping" in n.text] == [
+        f"replica {old.replica_id} stopping: drained"
+    ]
+    notes = [n.text for t in (6, 200) for n in rec.reconcile(nodes.nodes, now=t).notes]
+    assert not any("drain grace over" in n for n in notes), notes
+    assert rec.is_drained(old_node)
+    assert [r.state for r in rec.replicas.values()] == [ReplicaState.READY]
+
+
 def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
     nodes = fleet("n1")
     rec = reconciler(
