@@ -213,6 +213,7 @@ class AgentStream:
         state.registered = True
         state.stage = "session"
         self.registrations += 1
+        self.supervisor.registered.set()
         log.info(
             "registered with control plane %s as node %s; heartbeat every %g s",
             where,

@@ -94,11 +94,16 @@ class Supervisor:
         self._failed: set[str] = set()
         self._unhealthy: set[str] = set()  # ready shards whose engine stopped answering
         self._http = httpx.AsyncClient(timeout=2.0)
+        # set by the stream on the first RegisterAck: until the control plane has
+        # accepted this agent as this node, it kills nothing (it may be an impostor,
+        # or a second agent beside the one whose engines hold these ports)
+        self.registered = trio.Event()
 
     # --- the daemon side --------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Adopt what a previous agent left, kill what nobody can describe, then serve."""
+        """Adopt what a previous agent left, then serve; once the control plane has
+        accepted the registration, kill what nobody can describe."""
         async with self._http, trio.open_nursery() as nursery:
             self._nursery = nursery
             adopted = self.adopt_all()
@@ -111,10 +116,11 @@ class Supervisor:
             for shard in adopted:
                 self._spawn(self._run_adopted, shard)
             nursery.start_soon(self._mind_logs)
+            task_status.started()
             if self.settings.kill_unidentified:
+                await self.registered.wait()
                 await self.kill_unidentified(strays.port_range_listeners(self.settings.port_range))
                 await self.kill_gpu_holders()
-            task_status.started()
             await trio.sleep_forever()
 
     def reports(self) -> list[ShardReport]:

@@ -11,6 +11,7 @@ import trio
 
 from llmgw.agent.health import HealthSettings
 from llmgw.agent.inventory import InventorySource
+from llmgw.agent.lock import hold
 from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.stream import AgentStream, StreamSettings
 from llmgw.agent.supervisor import Supervisor, SupervisorSettings
@@ -91,6 +92,12 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
 
 
 async def serve(config: AgentConfig, base: Path) -> None:
+    # before anything reads the state dir: a second agent on it refuses here
+    with hold(resolve(base, config.state_dir)):
+        await _serve(config, base)
+
+
+async def _serve(config: AgentConfig, base: Path) -> None:
     stream = build(config, base)
     log.info(
         "agent %s starting; control plane %s",

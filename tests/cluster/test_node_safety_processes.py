@@ -1,0 +1,85 @@
+"""Safety on a node: one agent per state dir, and no kills before the control
+plane has accepted the agent's registration."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw.agent.procs import identity
+from tests.cluster.procs import Daemon, Server, http_server, write_agent_config
+from tests.cluster.test_processes import start_server
+from tests.conftest import Pki
+from tests.ports import own_port
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[list[Daemon]]:
+    started: list[Daemon] = []
+    yield started
+    for d in started:
+        d.kill()
+
+
+def engines(port: int) -> str:
+    """An engine port range of one port, a port of this test process's own."""
+    return f"[engines]\nport_range = [{port}, {port}]\n"
+
+
+async def test_a_second_agent_on_the_same_state_dir_refuses_naming_the_first(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server: Server = await start_server(cluster, tmp_path, pki)
+    config = write_agent_config(tmp_path, pki, "n1", server.stream_port, extra=engines(own_port()))
+    first = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
+    cluster.append(first.start())
+    await first.wait_log(r"registered with control plane .* as node n1")
+    with trio.fail_after(30):
+        second = await trio.run_process(
+            [sys.executable, "-m", "llmgw", "agent", "--config", config.name],
+            cwd=tmp_path,
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert second.returncode == 2
+    assert first.proc is not None
+    assert second.stderr.decode().splitlines() == [
+        f"llmgw agent: another agent (pid {first.proc.pid}) runs with state dir "
+        f"{tmp_path / 'agent-n1'}; stop it first, or give this one another state_dir"
+    ]
+    assert first.returncode() is None  # the first runs on, still registered
+    await server.wait_node("n1", "Ready")
+    # once the first is gone, its lock goes with it, however it ended
+    first.kill()
+    again = Daemon("agent-n1-again", ["agent", "--config", config.name], tmp_path)
+    cluster.append(again.start())
+    await again.wait_log(r"registered with control plane .* as node n1")
+
+
+async def test_a_refused_agent_kills_nothing_on_its_engine_ports(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki)
+    port = own_port()
+    async with http_server(port) as engine:
+        before = identity(engine.pid)
+        assert before is not None
+        # an agent claiming node n2 with n1's certificate, whose engine ports hold
+        # a process it cannot describe
+        config = write_agent_config(
+            tmp_path, pki, "n2", server.stream_port, cert_node="n1", extra=engines(port)
+        )
+        impostor = Daemon("agent-n2", ["agent", "--config", config.name], tmp_path)
+        cluster.append(impostor.start())
+        refused = r"refused this agent \(node n2\): 4001 IDENTITY_MISMATCH"
+        await impostor.wait_log(refused, count=2)
+        assert engine.poll() is None
+        after = identity(engine.pid)
+        assert after is not None and after.start_time == before.start_time
+        assert "killing pid" not in impostor.log()
+        assert "n2" not in await server.nodes()
