@@ -15,8 +15,10 @@ when the table says so, forgets a shard that reached ``stopped`` or
 or a drain.
 
 Launch is ``launch``; adoption of engines a previous agent left is
-``adoption``; processes nobody can describe are ``strays``; engine log
-files are bounded by ``logs``.
+``adoption``; processes nobody can describe are ``strays``, killed only
+once the control plane has accepted this agent's registration (``registered``:
+an agent it refuses may stand beside the one whose engines those are); engine
+log files are bounded by ``logs``.
 
 Readiness is the engine's own health endpoint, bounded by the spec's startup
 timeout; a shard with no HTTP endpoint (a Ray worker) is ready once it has
