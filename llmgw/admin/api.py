@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,12 +22,13 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw.admin.views import GpuViews, node_view, replica_view
+from llmgw.admin.views import GpuViews, ModelView, failure_view, node_view, replica_view
 from llmgw.config import ConfigError
 from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import fleet_status
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
+from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
@@ -69,6 +71,7 @@ class AdminApi:
             ("GET", "/v1/status"): self.status,
             ("GET", "/metrics"): self.metrics,
             ("GET", "/v1/replicas"): self.replicas,
+            ("GET", "/v1/models"): self.models,
             ("POST", "/v1/catalog/reload"): self.reload,
             ("GET", "/v1/routing"): self.routing,
         }
@@ -131,6 +134,7 @@ class AdminApi:
             if fleet is not None:
                 view.cordoned = fleet.is_cordoned(n.node_id)
                 view.draining = fleet.is_draining(n.node_id)
+                view.drained = fleet.is_drained(n.node_id)
                 view.shards = shards.get(n.node_id, 0)
             views.append(view)
         return json_response(200, {"nodes": views})
@@ -151,6 +155,38 @@ class AdminApi:
             for r in sorted(fleet.replicas(), key=lambda r: (r.model, r.replica_id))
         ]
         return json_response(200, {"replicas": views})
+
+    async def models(self, request: Request) -> Response:
+        """One row per catalog model: wanted, ready, starting, failed; where; why not."""
+        fleet = self._need_fleet()
+        if isinstance(fleet, Response):
+            return fleet
+        wall = time.time()
+        by_model: dict[str, list[Replica]] = {}
+        for r in fleet.replicas():
+            by_model.setdefault(r.model, []).append(r)
+        views = []
+        for name in sorted(fleet.catalog.models):
+            model = fleet.catalog.models[name]
+            mine = by_model.get(name, [])
+            states = Counter(r.state for r in mine)
+            ready = states[ReplicaState.READY]
+            starting = states[ReplicaState.PENDING] + states[ReplicaState.STARTING]
+            view = ModelView(
+                model=name,
+                wanted=model.replicas,
+                ready=ready,
+                starting=starting,
+                failed=states[ReplicaState.FAILED],
+                nodes=sorted({s.node_id for r in mine for s in r.shards}),
+                retry_in_s=fleet.crash_loop_wait(name),
+                failures=[failure_view(f, wall) for f in fleet.failures.recent(name)],
+            )
+            why = fleet.cannot_place.get(name)
+            if why is not None and ready + starting < model.replicas:
+                view.cannot_place, view.cannot_place_at = why
+            views.append(view)
+        return json_response(200, {"models": views})
 
     async def node_intent(self, request: Request, node_id: str) -> Response:
         fleet = self._need_fleet()

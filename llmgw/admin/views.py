@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from llmgw.controlplane.failures import Failure
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica
 from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
@@ -39,6 +40,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     shards: int = 0  # the shards of the control plane's replicas on it now
     cordoned: bool = False
     draining: bool = False
+    drained: bool = False  # draining, and nothing of the control plane's runs there
 
 
 def _gpu(g: Gpu) -> GpuView:
@@ -148,3 +150,44 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
         ],
         traffic=traffic,
     )
+
+
+class FailureView(msgspec.Struct, kw_only=True):
+    model: str
+    replica_id: str
+    shard_id: str
+    node_id: str
+    reason: str
+    exit_code: int | None
+    signal: str | None
+    output_tail: list[str]
+    at: float  # wall clock, seconds since the epoch
+    ago_s: float
+
+
+def failure_view(f: Failure, wall_now: float) -> FailureView:
+    return FailureView(
+        model=f.model,
+        replica_id=f.replica_id,
+        shard_id=f.shard_id,
+        node_id=f.node_id,
+        reason=f.reason,
+        exit_code=f.exit_code,
+        signal=f.signal,
+        output_tail=list(f.output_tail),
+        at=f.at,
+        ago_s=max(0.0, wall_now - f.at),
+    )
+
+
+class ModelView(msgspec.Struct, kw_only=True):
+    model: str
+    wanted: int
+    ready: int
+    starting: int  # Pending or Starting
+    failed: int  # Failed replicas not yet cleaned up
+    nodes: list[str]  # where its replicas' shards run
+    cannot_place: str = ""  # placement's words, while it is below its count and cannot place
+    cannot_place_at: float | None = None
+    retry_in_s: float | None = None  # its replicas keep failing: the next try, in seconds
+    failures: list[FailureView] = []  # the last few, newest first

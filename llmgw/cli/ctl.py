@@ -155,6 +155,8 @@ def table(rows: list[list[str]]) -> str:
 
 
 def _state(node: NodeView) -> str:
+    if node.drained:
+        return f"{node.state},Drained"
     if node.draining:
         return f"{node.state},draining"
     if node.cordoned:
@@ -329,6 +331,70 @@ def render_replicas(data: dict[str, Any]) -> str:
     return "\n".join([table(rows), *([""] + problems if problems else [])])
 
 
+def _exit(f: dict[str, Any]) -> str:
+    if f.get("signal"):
+        return f"signal {f['signal']}"
+    if f.get("exit_code") is not None:
+        return f"exit {f['exit_code']}"
+    return "-"
+
+
+def _age(seconds: float) -> str:
+    return _ago(0.0, seconds)
+
+
+def _model_state(m: dict[str, Any]) -> str:
+    """What an operator most needs to know about a model, in words."""
+    words = []
+    retry = m.get("retry_in_s")
+    if m.get("cannot_place"):
+        words.append(f"cannot place: {m['cannot_place']}")
+        if retry is not None:
+            words.append(f"next try in {retry:.0f} s")
+    elif retry is not None:
+        words.append(f"crash loop, next try in {retry:.0f} s")
+    if m["failures"]:
+        f = m["failures"][0]
+        words.append(f"last failure {_age(f['ago_s'])} on {f['node_id']}: {f['reason']}")
+    return "; ".join(words) or "-"
+
+
+def render_models(data: dict[str, Any]) -> str:
+    rows = [["MODEL", "WANTED", "READY", "STARTING", "FAILED", "NODES", "PROBLEMS"]]
+    for m in data["models"]:
+        rows.append(
+            [
+                m["model"],
+                str(m["wanted"]),
+                str(m["ready"]),
+                str(m["starting"]),
+                str(m["failed"]),
+                ",".join(m["nodes"]) or "-",
+                _model_state(m),
+            ]
+        )
+    return table(rows)
+
+
+def render_failures(data: dict[str, Any]) -> str:
+    """Every model's last few engine failures, newest first, with the engine's last lines."""
+    failures = sorted((f for m in data["models"] for f in m["failures"]), key=lambda f: f["ago_s"])
+    if not failures:
+        return "no engine failures kept"
+    rows = [["AGE", "MODEL", "REPLICA", "NODE", "EXIT", "REASON"]]
+    for f in failures:
+        rows.append(
+            [_age(f["ago_s"]), f["model"], f["replica_id"], f["node_id"], _exit(f), f["reason"]]
+        )
+    lines = [table(rows)]
+    for f in failures:
+        if f["output_tail"]:
+            lines.append("")
+            lines.append(f"{f['replica_id']} on {f['node_id']} ({_age(f['ago_s'])}), last lines:")
+            lines.extend(f"    {line}" for line in f["output_tail"][-10:])
+    return "\n".join(lines)
+
+
 def render_placement(d: dict[str, Any]) -> str:
     lines = [d["summary"], ""]
     rows = [["NODE", "PROFILE", "FITS", "WHY"]]
@@ -339,8 +405,32 @@ def render_placement(d: dict[str, Any]) -> str:
 
 
 @ctl_app.command
-def replicas(*, target: Target | None = None, json: bool = False) -> int:
+def replicas(*, target: Target | None = None, json: bool = False, failures: bool = False) -> int:
     """List replicas with their shards (node, port, GPUs, state) and per-shard errors.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a table.
+    failures
+        Show the last few engine failures of each model instead (kept after their
+        replicas are gone): when, where, the exit and the engine's last lines.
+    """
+    if failures:
+        return _run(
+            "llmgw ctl replicas",
+            lambda: _print(get(target or Target(), "/v1/models"), json, render_failures),
+        )
+    return _run(
+        "llmgw ctl replicas",
+        lambda: _print(get(target or Target(), "/v1/replicas"), json, render_replicas),
+    )
+
+
+@ctl_app.command
+def models(*, target: Target | None = None, json: bool = False) -> int:
+    """One row per catalog model: replicas wanted, ready, starting and failed, where they
+    run, and what is wrong (cannot place, a crash loop, the last failure).
 
     Parameters
     ----------
@@ -348,8 +438,8 @@ def replicas(*, target: Target | None = None, json: bool = False) -> int:
         Print the API's JSON instead of a table.
     """
     return _run(
-        "llmgw ctl replicas",
-        lambda: _print(get(target or Target(), "/v1/replicas"), json, render_replicas),
+        "llmgw ctl models",
+        lambda: _print(get(target or Target(), "/v1/models"), json, render_models),
     )
 
 
@@ -374,12 +464,79 @@ def uncordon(node: str, *, target: Target | None = None, json: bool = False) -> 
 
 
 @ctl_app.command
-def drain(node: str, *, target: Target | None = None, json: bool = False) -> int:
+def drain(
+    node: str,
+    *,
+    wait: bool = False,
+    timeout: float = 300.0,
+    target: Target | None = None,
+    json: bool = False,
+) -> int:
     """Move every replica off NODE as a rolling move: a replacement is placed elsewhere
     first, and the original is stopped once the replacement is Ready (or the drain
     grace is over, so draining the only node that can host a model still finishes).
-    The node stays cordoned until `uncordon`."""
-    return _intent("drain", node, target, json)
+    The node stays cordoned until `uncordon`; once nothing runs there it reads Drained.
+
+    Parameters
+    ----------
+    wait
+        Wait until NODE is drained, with a line of progress each time it changes;
+        exit 0 once nothing runs there, non-zero (saying what still runs) on --timeout.
+    timeout
+        How long --wait waits, in seconds.
+    json
+        Print the API's JSON instead of words (progress then goes to stderr).
+    """
+    if not wait:
+        return _intent("drain", node, target, json)
+
+    def run() -> None:
+        t = target or Target()
+        data = call(t, "POST", f"/v1/nodes/{node}", {"intent": "drain"})
+        _print(data, json, lambda d: d["message"])
+        _wait_drained(t, node, timeout, sys.stderr if json else sys.stdout)
+
+    return _run("llmgw ctl drain", run)
+
+
+def _wait_drained(target: Target, node: str, timeout: float, out: Any) -> None:
+    """Poll until NODE reads drained; one line of progress each time the numbers change."""
+    deadline = time.monotonic() + timeout
+    first: set[str] | None = None
+    said = ""
+    while True:
+        view = next((n for n in get(target, "/v1/nodes")["nodes"] if n["node_id"] == node), None)
+        if view is not None and view.get("drained"):
+            print(f"node {node} drained: nothing runs there", file=out, flush=True)
+            return
+        here = [
+            r
+            for r in get(target, "/v1/replicas")["replicas"]
+            if any(s["node_id"] == node for s in r["shards"])
+        ]
+        ids = {r["replica_id"] for r in here}
+        first = ids if first is None else first
+        draining = sum(1 for r in here if r["state"] == "Draining")
+        line = (
+            f"{node}: {len(here)} replicas left, {len(first - ids)} moved, "
+            f"{draining} draining, {len(here) - draining} waiting for a replacement "
+            "or the drain grace"
+        )
+        if line != said:
+            print(line, file=out, flush=True)
+            said = line
+        if time.monotonic() >= deadline:
+            what = "; ".join(
+                f"replica {r['replica_id']} ({r['model']}, {r['state']}"
+                + (f": {r['why']}" if r["why"] else "")
+                + ")"
+                for r in here
+            )
+            raise CtlError(
+                f"node {node} is not drained after {timeout:g} s; still there: "
+                + (what or "no replica (the node is not connected?)")
+            )
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 @ctl_app.command(name="explain-placement")

@@ -28,6 +28,7 @@ import trio
 from llmgw.config import ConfigError
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
+from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.plan import Command, Drain, Plan, Start, Stop
@@ -61,10 +62,14 @@ class FleetManager:
         saved = self.intent.load()
         self.reconciler.cordoned = set(saved.cordoned)
         self.reconciler.draining = set(saved.draining)
+        self.drained: set[str] = set()  # draining nodes where nothing runs, as of the last pass
         self._clock = clock
         self._plans: list[Plan] = []
         self._outboxes: dict[str, deque[Command]] = {}  # node -> commands not yet sent
         self._wake = trio.Event()
+        self.failures = FailureLog()  # the last few engine failures of each model
+        # the last pass's words for a model placement could not place, and when (wall clock)
+        self.cannot_place: dict[str, tuple[str, float]] = {}
         self.routing = RoutingPublisher()
         self.publish_routing()
         control.on_register.append(self._registered)
@@ -77,7 +82,40 @@ class FleetManager:
         self._queue(self.reconciler.registered(node_id, msg.shards, self._clock()))
 
     def _status(self, node_id: str, status: ShardStatus) -> None:
+        if status.state == "failed":
+            self._record_failure(node_id, status)
         self._queue(self.reconciler.shard_status(node_id, status, self._clock()))
+
+    def _record_failure(self, node_id: str, status: ShardStatus) -> None:
+        """Keep what the agent said about a failed shard of one of our replicas."""
+        for replica in self.reconciler.replicas.values():
+            for shard in replica.shards:
+                if shard.shard_id == status.shard_id and shard.node_id == node_id:
+                    exit_code, sig = exit_of(status.detail)
+                    tail = list(status.output_tail or shard.output_tail)
+                    self.failures.record(
+                        Failure(
+                            model=replica.model,
+                            replica_id=replica.replica_id,
+                            shard_id=shard.shard_id,
+                            node_id=node_id,
+                            reason=status.detail or "failed",
+                            exit_code=exit_code,
+                            signal=sig,
+                            output_tail=tail[-TAIL_LINES:],
+                            at=time.time(),
+                        )
+                    )
+                    self.control.metrics.replica_failures.labels(replica.model, node_id).inc()
+                    return
+
+    def crash_loop_wait(self, model: str) -> float | None:
+        """Seconds until the next try at a model whose replicas keep failing, if waiting."""
+        backoff = self.reconciler.backoff.get(model)
+        if backoff is None or backoff.failures == 0:
+            return None
+        left = backoff.next_attempt - self._clock()
+        return left if left > 0 else None
 
     # --- what it reads -----------------------------------------------------------
 
@@ -94,6 +132,9 @@ class FleetManager:
 
     def is_draining(self, node_id: str) -> bool:
         return node_id in self.reconciler.draining
+
+    def is_drained(self, node_id: str) -> bool:
+        return node_id in self.drained
 
     # --- the operator's intent ----------------------------------------------------------
 
@@ -165,11 +206,29 @@ class FleetManager:
         started = time.perf_counter()
         plan = self.reconciler.reconcile(self.control.nodes.nodes, self._clock())
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        wall = time.time()
+        for model in list(self.cannot_place):
+            if model not in plan.placement_failures and model not in self.catalog.models:
+                del self.cannot_place[model]
         for model, failure in plan.placement_failures.items():
+            self.cannot_place[model] = (failure.why, wall)
             self.control.metrics.placement_failures.labels(model, failure.kind).inc()
             log.warning("cannot place %s: %s", model, failure.why)
         self._plans.append(plan)
+        self._follow_drains()
         self.publish_routing()
+
+    def _follow_drains(self) -> None:
+        """A draining node is drained once no shard is left there; one line when it becomes so."""
+        nodes = self.control.nodes.nodes
+        drained = {
+            n
+            for n in self.reconciler.draining
+            if n in nodes and nodes[n].connected and self.reconciler.is_drained(n)
+        }
+        for node_id in sorted(drained - self.drained):
+            log.info("node %s drained: nothing runs there; uncordon it to use it again", node_id)
+        self.drained = drained
 
     def publish_routing(self) -> None:
         """Give routers the fleet as this pass left it; wakes them only on a change."""

@@ -178,3 +178,50 @@ async def test_a_request_without_the_token_is_refused_before_its_body(
     assert got.startswith(b"HTTP/1.1 401 ")
     assert server.body_bytes == 0
     await stream.aclose()
+
+
+async def test_models_needs_the_token_and_a_control_plane(admin: tuple[str, ControlPlane]) -> None:
+    url, _ = admin
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        assert (await client.get("/v1/models")).status_code == 401
+        r = await client.get("/v1/models", headers={"authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 409  # no catalog profiles: nothing is placed, no models to show
+
+
+def test_a_model_row_says_crash_loop_cannot_place_and_the_last_failure() -> None:
+    from llmgw.cli.ctl import render_failures, render_models
+    from llmgw.controlplane.failures import exit_of
+
+    assert exit_of("engine exited with code 1") == (1, None)
+    assert exit_of("engine killed by signal SIGKILL") == (None, "SIGKILL")
+    failure = {
+        "model": "m",
+        "replica_id": "m-1",
+        "shard_id": "m-1-0",
+        "node_id": "n1",
+        "reason": "engine exited with code 1",
+        "exit_code": 1,
+        "signal": None,
+        "output_tail": ["error: invalid argument: --nope"],
+        "at": 0.0,
+        "ago_s": 90.0,
+    }
+    row = {"model": "m", "wanted": 1, "ready": 0, "starting": 0, "failed": 0, "nodes": []}
+    data = {
+        "models": [
+            {**row, "retry_in_s": 12.4, "cannot_place": "", "failures": [failure]},
+            {
+                **row,
+                "model": "big",
+                "retry_in_s": None,
+                "cannot_place": "no node fits",
+                "failures": [],
+            },
+        ]
+    }
+    lines = render_models(data).splitlines()
+    assert lines[1].startswith("m ") and "crash loop, next try in 12 s" in lines[1]
+    assert "last failure 2m ago on n1: engine exited with code 1" in lines[1]
+    assert lines[2].endswith("cannot place: no node fits")  # waiting to place is no crash loop
+    text = render_failures(data)
+    assert "exit 1" in text and "    error: invalid argument: --nope" in text
