@@ -42,6 +42,8 @@ from llmgw.agent.procs import (
     environ,
     identity,
     is_same_process,
+    reaped_exit,
+    zombie_exit,
 )
 from llmgw.agent.records import RecordStore
 from llmgw.agent.shard import Shard
@@ -51,6 +53,9 @@ log = logging.getLogger("llmgw.agent.supervisor")
 
 WATCH_INTERVAL_S = 0.5
 CHECK_BOUND_S = 3.0  # the health checks before the first registration, all together
+# an adopted engine's exit status: looked for this many times, this far apart
+EXIT_STATUS_TRIES = 5
+EXIT_STATUS_WAIT_S = 0.02
 
 
 def is_our_engine(recorded: ProcessIdentity, shard_id: str, state_dir: Path) -> bool:
@@ -152,23 +157,35 @@ def adopt_records(
     return adopted
 
 
-async def adopted_exit(shard: Shard) -> None:
-    """Wait for an engine that is not our child to end.
+async def adopted_exit(shard: Shard) -> int | None:
+    """Wait for an engine that is not our child to end; its returncode if it can be read.
 
     A pidfd becomes readable when any process exits, child or not; the
     identity is checked again after opening it, so a pid recycled in
-    between is not waited on. Without pidfds, poll.
+    between is not waited on. Without pidfds, poll. The exit status is its
+    parent's to reap, but it can be read while the engine is a zombie, or from
+    the pidfd once it is reaped (where the kernel keeps it there): the few
+    moments in between are waited out.
     """
-    assert shard.ident is not None
+    ident = shard.ident
+    assert ident is not None
     try:
-        fd = os.pidfd_open(shard.ident.pid)
+        fd = os.pidfd_open(ident.pid)
     except (OSError, AttributeError):
-        while is_same_process(shard.ident):  # noqa: ASYNC110 (no event to wait on)
+        while is_same_process(ident):  # noqa: ASYNC110 (no event to wait on)
             await trio.sleep(WATCH_INTERVAL_S)
-        return
+        return zombie_exit(ident)
     try:
-        if is_same_process(shard.ident):
+        if is_same_process(ident):
             await trio.lowlevel.wait_readable(fd)
+        for _ in range(EXIT_STATUS_TRIES):
+            code = zombie_exit(ident)
+            if code is None:
+                code = reaped_exit(fd)
+            if code is not None:
+                return code
+            await trio.sleep(EXIT_STATUS_WAIT_S)
+        return None
     finally:
         os.close(fd)
 

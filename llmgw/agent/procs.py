@@ -46,7 +46,8 @@ Zombies count as gone. A child of ours that was killed stays a zombie until
 its parent reaps it: the supervisor reaps its own children (``Popen.wait`` /
 ``trio.Process.wait``). For an adopted engine, which is not our child, the
 zombie state means it is dead and its parent (init or a subreaper) will reap
-it; nothing is left for us to do.
+it; nothing is left for us to do but read how it ended, from its stat while it
+is a zombie (``zombie_exit``) or from its pidfd once reaped (``reaped_exit``).
 
 Limits: ``net/tcp`` shows the sockets of the reader's network namespace only,
 and ``/proc/<pid>/fd`` of another user's process is readable only by that user
@@ -57,9 +58,11 @@ signalling helper still signals real processes.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
+import struct
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -248,6 +251,68 @@ def alive(pid: int, proc_root: Path = PROC) -> bool:
     """``pid`` exists and is not a zombie (a zombie has exited: it counts as gone)."""
     st = _read_stat(pid, proc_root)
     return st is not None and st.state not in _DEAD_STATES
+
+
+def describe_exit(returncode: int) -> str:
+    """How a process ended, in words: ``exited with code 1``, ``killed by signal 9 (SIGKILL)``.
+
+    ``returncode`` as ``subprocess`` gives it: negative for a signal.
+    """
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    number = -returncode
+    try:
+        return f"killed by signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"killed by signal {number}"
+
+
+# PIDFD_GET_INFO (linux/pidfd.h): _IOWR(0xFF, 11, struct pidfd_info), here with
+# the struct's first 64 bytes, which end with the exit status. The kernel keeps
+# a process's exit status for the holders of its pidfd once it is reaped, by
+# whomever (Linux 6.15 and later): the status of an engine that is not our child.
+_PIDFD_INFO_SIZE = 64
+_PIDFD_GET_INFO = (3 << 30) | (_PIDFD_INFO_SIZE << 16) | (0xFF << 8) | 11
+_PIDFD_INFO_EXIT = 1 << 3
+_PIDFD_EXIT_CODE_AT = 60  # __s32 exit_code, after mask, cgroupid and eleven __u32 ids
+
+
+def reaped_exit(pidfd: int) -> int | None:
+    """The returncode of the process behind ``pidfd`` once it has been reaped; None
+    while it has not, or where the kernel does not keep it (before Linux 6.15)."""
+    buf = bytearray(_PIDFD_INFO_SIZE)
+    struct.pack_into("=Q", buf, 0, _PIDFD_INFO_EXIT)
+    try:
+        fcntl.ioctl(pidfd, _PIDFD_GET_INFO, buf, True)
+    except OSError:
+        return None
+    (mask,) = struct.unpack_from("=Q", buf, 0)
+    if not mask & _PIDFD_INFO_EXIT:
+        return None
+    (status,) = struct.unpack_from("=i", buf, _PIDFD_EXIT_CODE_AT)
+    return _returncode(status)
+
+
+def zombie_exit(recorded: ProcessIdentity, proc_root: Path = PROC) -> int | None:
+    """The returncode of ``recorded`` while it is a zombie nobody has reaped yet
+    (field 52 of its stat, Linux 3.5 and later); None otherwise."""
+    try:
+        text = (proc_root / str(recorded.pid) / "stat").read_bytes().decode("ascii", "replace")
+    except _GONE:
+        return None
+    st = parse_stat(text)
+    rest = text[text.rfind(")") + 1 :].split()
+    if st is None or st.start_time != recorded.start_time or st.state != "Z" or len(rest) < 50:
+        return None
+    status = rest[49]  # field 52: exit_code, as waitpid would give it
+    return _returncode(int(status)) if status.isascii() and status.isdigit() else None
+
+
+def _returncode(status: int) -> int | None:
+    try:
+        return os.waitstatus_to_exitcode(status)
+    except ValueError:  # not an exit (a stopped process)
+        return None
 
 
 def group_members(pgid: int, proc_root: Path = PROC, *, include_zombies: bool = False) -> list[int]:

@@ -11,9 +11,13 @@ reason, ends every task of it.
 
 Every attempt that fails is logged once, with the reason the control plane
 gave when it gave one (a close code and reason, or the upgrade's refusal
-body); a refusal is never reported as a clean close. The backoff is reset
-only when a registration was accepted, so an agent the control plane keeps
-refusing backs off to the ceiling instead of hammering it.
+body); a refusal is never reported as a clean close. What the operator can
+mend is named with what to do: a connection refused or unanswered, a
+control-plane certificate without the address dialed (with the names it
+holds, read over a second handshake that checks the CA only), or from another
+CA. The backoff is reset only when a registration was accepted, so an agent
+the control plane keeps refusing backs off to the ceiling instead of
+hammering it.
 
 The read side blocks until the control plane sends something, which may be
 never; a WebSocket ping with a deadline on every heartbeat bounds how long a
@@ -23,7 +27,9 @@ the stream is then closed with 1001 under a short shielded deadline.
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Sequence
@@ -55,9 +61,12 @@ from llmgw.protocol.messages import (
     StartShard,
     StopShard,
 )
+from llmgw.tls.contexts import NAME_MISMATCH, NOT_FROM_OUR_CA, certificate_names
 from llmgw.wsio import close_quietly, close_ws, single_error, split_cancelled
 
 log = logging.getLogger("llmgw.agent")
+
+X509_CERT_HAS_EXPIRED = 10  # OpenSSL's X509_V_ERR_CERT_HAS_EXPIRED
 
 
 @attrs.frozen
@@ -70,6 +79,10 @@ class StreamSettings:
     backoff_initial: float = 0.5
     backoff_max: float = 30.0
     max_message_bytes: int = 1024 * 1024
+    ca_file: str = ""  # named when the control plane's certificate is not from that CA
+    # checks the chain but not the name: reads which names a certificate holds
+    # when it failed the name check (``client_context(check_name=False)``)
+    name_probe_context: ssl.SSLContext | None = None
 
 
 class AgentStream:
@@ -126,7 +139,9 @@ class AgentStream:
         return state.registered
 
     def _log_failure(self, where: str, state: _Attempt, exc: BaseException) -> None:
-        if isinstance(exc, ConnectionClosed):
+        if isinstance(exc, _Explained):
+            log.error("%s", exc)
+        elif isinstance(exc, ConnectionClosed):
             self._log_closed(where, exc, state)
         elif isinstance(exc, ConnectionRejected):
             body = (exc.body or b"").decode(errors="replace").strip()
@@ -166,13 +181,32 @@ class AgentStream:
     async def _session(self, host: str, port: int, where: str, state: _Attempt) -> None:
         s = self.settings
         state.stage = "connect"
-        with trio.fail_after(s.connect_timeout):
-            tcp = await trio.open_tcp_stream(host, port)
+        try:
+            with trio.fail_after(s.connect_timeout):
+                tcp = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError:
+            raise _Explained(
+                f"no answer from {where} within {s.connect_timeout:g} s:"
+                " a firewall, or a wrong address?"
+            ) from None
+        except OSError as exc:
+            raise _Explained(connect_problem(host, where, exc)) from None
         tls = trio.SSLStream(tcp, s.ssl_context, server_hostname=host)
         try:
             state.stage = "TLS handshake"
-            with trio.fail_after(s.handshake_timeout):
-                await tls.do_handshake()
+            try:
+                with trio.fail_after(s.handshake_timeout):
+                    await tls.do_handshake()
+            except trio.BrokenResourceError as exc:
+                refused = exc.__cause__
+                if not isinstance(refused, ssl.SSLCertVerificationError):
+                    raise
+                names = None
+                if refused.verify_code in NAME_MISMATCH:
+                    names = await self._certificate_names(host, port)
+                raise _Explained(
+                    certificate_problem(where, host, refused, names, s.ca_file)
+                ) from None
             with single_error():
                 async with trio.open_nursery() as nursery:
                     state.stage = "WebSocket upgrade"
@@ -192,6 +226,27 @@ class AgentStream:
                     nursery.cancel_scope.cancel()
         finally:
             await close_quietly(tls)
+
+    async def _certificate_names(self, host: str, port: int) -> list[str] | None:
+        """The names and addresses in the control plane's certificate, read over a
+        second handshake that checks the CA but not the name; None if it cannot be."""
+        ctx = self.settings.name_probe_context
+        if ctx is None:
+            return None
+        with trio.move_on_after(self.settings.handshake_timeout):
+            try:
+                tcp = await trio.open_tcp_stream(host, port)
+            except OSError:
+                return None
+            tls = trio.SSLStream(tcp, ctx, server_hostname=host)
+            try:
+                await tls.do_handshake()
+                return certificate_names(tls.getpeercert())
+            except (trio.BrokenResourceError, ssl.SSLError, OSError):
+                return None
+            finally:
+                await close_quietly(tls)
+        return None
 
     async def _registered_session(
         self, ws: WebSocketConnection, where: str, state: _Attempt
@@ -290,6 +345,68 @@ class AgentStream:
             )
         else:
             log.warning("control plane %s closed the stream: %s %s: %s", where, code, label, text)
+
+
+class _Explained(Exception):
+    """A failure to reach the control plane, already in the words an operator acts on."""
+
+
+def connect_problem(host: str, where: str, exc: OSError) -> str:
+    """Why a TCP connection to the control plane failed, and what to look at."""
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve {host!r} ({exc.strerror or exc}): is control_plane right?"
+    cause = exc.__cause__
+    errors = list(cause.exceptions) if isinstance(cause, BaseExceptionGroup) else [exc]
+    codes = {e.errno for e in errors if isinstance(e, OSError)}
+    if codes == {errno.ECONNREFUSED}:
+        return (
+            f"connection refused by {where}: is llmgw server running there"
+            " and listening on that port?"
+        )
+    if errno.ETIMEDOUT in codes:
+        return f"no answer from {where}: a firewall, or a wrong address?"
+    if codes & {errno.EHOSTUNREACH, errno.ENETUNREACH}:
+        return f"no route to {where}: a wrong address, or is that network down?"
+    first = next((e for e in errors if isinstance(e, OSError)), exc)
+    return f"cannot connect to control plane {where}: {first.strerror or first}"
+
+
+def certificate_problem(
+    where: str,
+    host: str,
+    exc: ssl.SSLCertVerificationError,
+    names: list[str] | None,
+    ca_file: str,
+) -> str:
+    """Why this agent refused the control plane's certificate, and which command mends it."""
+    issue = "llmgw ctl cert server {} --dir pki"
+    if exc.verify_code in NAME_MISMATCH:
+        if names is None:
+            holds = "its names could not be read"
+        elif names:
+            holds = "it holds " + ", ".join(names)
+        else:
+            holds = "it holds no names or addresses at all (agents ignore its common name)"
+        wanted = " ".join([host, *(n for n in names or () if n != host)])
+        return (
+            f"control plane {where} presented a certificate that is not valid for {host}"
+            f" ({holds}): issue one that holds every name and address agents dial,"
+            f" with {issue.format(wanted)}"
+        )
+    if exc.verify_code in NOT_FROM_OUR_CA:
+        ca = f"the CA in {ca_file} (this agent's ca)" if ca_file else "the CA this agent trusts"
+        return (
+            f"control plane {where} presented a certificate that is not signed by {ca}:"
+            " give the agent the ca.pem of the CA that issued the server's certificate,"
+            f" or issue the server one from this CA with {issue.format(host)}"
+        )
+    reason = exc.verify_message or _ssl_reason(exc)
+    if exc.verify_code == X509_CERT_HAS_EXPIRED:
+        return (
+            f"control plane {where} presented a certificate that has expired:"
+            f" issue it a new one with {issue.format(host)}"
+        )
+    return f"control plane {where} presented a certificate this agent refuses: {reason}"
 
 
 @attrs.define

@@ -35,7 +35,6 @@ Every report is queued in the ``outbox`` for whichever session is up;
 from __future__ import annotations
 
 import logging
-import signal
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -49,7 +48,7 @@ from llmgw.agent.health import HealthSettings
 from llmgw.agent.launch import launch
 from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, expects_exit, move
 from llmgw.agent.output import OutputTail
-from llmgw.agent.procs import alive, identity, is_same_process, terminate_group
+from llmgw.agent.procs import alive, describe_exit, identity, is_same_process, terminate_group
 from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.shard import Outbox, Shard
 from llmgw.engines import adapters
@@ -273,15 +272,14 @@ class Supervisor:
         if shard.phase is Phase.READY and shard.launch and shard.launch.health_url:
             self._spawn(self._check_health, shard, shard.launch.health_url)
         if shard.process is not None:
-            code = await shard.process.wait()
-            why = (
-                f"killed by signal {signal.Signals(-code).name}"
-                if code < 0
-                else f"exited with code {code}"
-            )
+            why = describe_exit(await shard.process.wait())
         else:
-            await adopted_exit(shard)
-            why = "exited (adopted: its exit status is its old parent's to read)"
+            code = await adopted_exit(shard)
+            why = (
+                describe_exit(code)
+                if code is not None
+                else "exited (adopted: its exit status could not be read)"
+            )
         if expects_exit(shard.phase):
             return
         # what the engine left behind (children in its group, a daemonized Ray head)

@@ -10,6 +10,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from llmgw.serve import ListenError
+
 log = logging.getLogger("llmgw")
 
 EXIT_CONFIG = 2
@@ -21,13 +23,26 @@ FEW_OPEN_FILES = 4096
 NR_OPEN = 1 << 20
 
 
+# Libraries that log every request at INFO: the router scrapes each engine's
+# metrics every second and the agent checks each engine's health, so their
+# lines would bury every change an operator should see. Their warnings still
+# show; all of it shows at log_level = "debug".
+CHATTY_LIBRARIES = ("httpx", "httpcore")
+
+
 def setup_logging(level: str) -> None:
+    """Log to stderr; INFO is for changes, so chatty libraries speak at WARNING and up."""
+    threshold = getattr(logging, level.upper(), logging.INFO)
     logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
+        level=threshold,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
         force=True,
     )
+    for name in CHATTY_LIBRARIES:
+        logging.getLogger(name).setLevel(
+            logging.NOTSET if threshold <= logging.DEBUG else logging.WARNING
+        )
 
 
 def fail(program: str, message: str) -> int:
@@ -106,14 +121,16 @@ def run_daemon(
     program: str, main: Callable[[], Awaitable[None]], operator_errors: tuple[type[Exception], ...]
 ) -> int:
     """Run a daemon under trio; an operator's mistake found while starting (a bad
-    certificate path, a bad catalog) exits 2 with its one line, not a traceback."""
+    certificate path, a bad catalog, a port another process holds) exits 2 with
+    its one line, not a traceback."""
+    errors: tuple[type[Exception], ...] = (*operator_errors, ListenError)
     open_files = raise_open_files_limit()
     try:
         trio.run(run_until_signalled, main, lambda: log_open_files(*open_files))
-    except operator_errors as exc:
+    except errors as exc:
         return fail(program, str(exc))
     except BaseExceptionGroup as group:
-        found = group.subgroup(operator_errors)
+        found = group.subgroup(errors)
         if found is None:
             raise
         first = found.exceptions[0]

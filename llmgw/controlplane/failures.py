@@ -17,7 +17,7 @@ KEEP_PER_MODEL = 5
 TAIL_LINES = 20
 
 _EXIT = re.compile(r"exited with code (-?\d+)")
-_SIGNAL = re.compile(r"killed by signal (\w+)")
+_SIGNAL = re.compile(r"killed by signal (?:\d+ \()?(\w+)")  # "9 (SIGKILL)", or "SIGKILL"
 
 
 class Failure(msgspec.Struct, kw_only=True, frozen=True):

@@ -8,10 +8,13 @@ connection. The handler:
 
 1. does the TLS handshake itself, bounded by ``handshake_timeout`` (a
    plaintext client or one that offers no certificate would otherwise hang
-   the handler), and reads the verified client certificate's common name;
+   the handler), and reads the verified client certificate's common name.
+   A failure says which side refused what: a client that closes half-way,
+   having been sent our certificate, is most likely an agent that does not
+   trust it (trio sends no alert), not one this server refused;
 2. reads the WebSocket upgrade and negotiates the subprotocol (the protocol
    version); a mismatch is rejected during the upgrade with the reason in the
-   body;
+   body, and a connection that ends before asking is let go at once;
 3. feeds every binary message to a sans-I/O ``Session`` and hands the result to
    the ``ControlPlane``. A protocol error closes the stream with the error's
    code and reason, logged here too, so both sides can say why.
@@ -38,7 +41,7 @@ from llmgw.controlplane.service import ControlPlane
 from llmgw.protocol import CloseCode, ProtocolError, Role, Session, negotiate
 from llmgw.protocol.errors import OutOfOrder, VersionMismatch
 from llmgw.protocol.messages import Heartbeat, Register, ShardStatus
-from llmgw.tls.contexts import peer_common_name
+from llmgw.tls.contexts import NOT_FROM_OUR_CA, peer_common_name
 from llmgw.wsio import CLOSE_TIMEOUT, close_quietly, close_ws, single_error, split_cancelled
 
 log = logging.getLogger("llmgw.controlplane.stream")
@@ -99,7 +102,8 @@ class AgentStreamServer:
 
     async def _handle(self, tcp: trio.SocketStream) -> None:
         peer = _peer(tcp)
-        tls = trio.SSLStream(tcp, self.ssl_context, server_side=True)
+        heard = _Noting(tcp)
+        tls = trio.SSLStream(heard, self.ssl_context, server_side=True)
         try:
             with trio.fail_after(self.limits.handshake_timeout):
                 await tls.do_handshake()
@@ -113,14 +117,14 @@ class AgentStreamServer:
             await close_quietly(tls)
             return
         except (trio.BrokenResourceError, ssl.SSLError) as exc:
-            self._refused(peer, "tls", f"TLS handshake failed: {_tls_reason(exc)}")
+            self._handshake_failed(peer, exc, heard.anything)
             await close_quietly(tls)
             return
         identity = peer_common_name(tls)
         try:
             with single_error():
                 async with trio.open_nursery() as nursery:
-                    await self._upgrade_and_run(nursery, tls, peer, identity)
+                    await self._upgrade_and_run(nursery, _Noting(tls), peer, identity)
                     nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, ConnectionClosed, ssl.SSLError) as exc:
             log.info("agent stream from %s broke: %s", peer, exc)
@@ -130,18 +134,31 @@ class AgentStreamServer:
     async def _upgrade_and_run(
         self,
         nursery: trio.Nursery,
-        tls: trio.SSLStream[trio.SocketStream],
+        tls: _Noting,
         peer: str,
         identity: str | None,
     ) -> None:
         limits = self.limits
+        # a client that closes before asking for the stream (an agent that read
+        # this server's certificate after refusing it) would otherwise hold the
+        # upgrade until its deadline: trio-websocket waits on for the request
+        upgrade = trio.CancelScope()
+
+        async def abandon_when_closed() -> None:
+            await tls.ended.wait()
+            upgrade.cancel()
+
+        nursery.start_soon(abandon_when_closed)
         try:
-            with trio.fail_after(limits.handshake_timeout):
+            with upgrade, trio.fail_after(limits.handshake_timeout):
                 request = await wrap_server_stream(
                     nursery, tls, max_message_size=limits.max_message_bytes
                 )
         except trio.TooSlowError:
             self._refused(peer, "upgrade_timeout", "no WebSocket upgrade in time")
+            return
+        if upgrade.cancelled_caught:
+            log.debug("connection from %s closed after TLS, before asking for the stream", peer)
             return
         try:
             subprotocol = negotiate(request.proposed_subprotocols)
@@ -224,10 +241,85 @@ class AgentStreamServer:
         finally:
             self.control.disconnected(conn)
 
+    def _handshake_failed(self, peer: str, exc: BaseException, heard: bool) -> None:
+        """One line on a failed TLS handshake, saying which side refused what."""
+        cause = exc if isinstance(exc, ssl.SSLError) else (exc.__cause__ or exc.__context__)
+        reason = (cause.reason or "") if isinstance(cause, ssl.SSLError) else ""
+        dropped = isinstance(cause, ssl.SSLEOFError | ConnectionResetError) or (
+            reason == "UNEXPECTED_EOF_WHILE_READING"
+        )
+        if dropped and heard:
+            # an agent refusing our certificate closes without a word (trio sends no alert)
+            self.control.metrics.refusals.labels("tls").inc()
+            log.warning(
+                "agent from %s dropped the TLS handshake: it probably does not trust this"
+                " server's certificate (see the agent's log)",
+                peer,
+            )
+        elif reason.startswith(("SSLV3_ALERT_", "TLSV1_ALERT_")) and (
+            "CERTIFICATE" in reason or "UNKNOWN_CA" in reason
+        ):
+            self.control.metrics.refusals.labels("tls").inc()
+            alert = reason.split("_ALERT_", 1)[1].lower().replace("_", " ")
+            log.warning(
+                "agent from %s refused this server's certificate (%s); see the agent's log",
+                peer,
+                alert,
+            )
+        elif isinstance(cause, ssl.SSLCertVerificationError):
+            if cause.verify_code in NOT_FROM_OUR_CA:
+                why = "its certificate is not signed by the CA in agent_stream.ca"
+            else:
+                why = f"its certificate is refused: {cause.verify_message or reason}"
+            self._refused(peer, "tls", why)
+        elif reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+            self._refused(
+                peer, "tls", "it offered no certificate (an agent needs its cert and key)"
+            )
+        elif dropped:
+            self._refused(peer, "tls", "it closed the connection before any TLS handshake")
+        else:
+            self._refused(peer, "tls", f"TLS handshake failed: {_tls_reason(exc)}")
+
     def _refused(self, peer: str, reason: str, detail: str, *, identity: str | None = None) -> None:
         self.control.metrics.refusals.labels(reason).inc()
         who = f"{peer} (certificate {identity!r})" if identity else peer
         log.warning("refused agent stream from %s: %s", who, detail)
+
+
+class _Noting(trio.abc.Stream):
+    """A stream, noting whether the peer sent anything and when it ended.
+
+    Around the TCP stream: a client that closes having said nothing is not one
+    that dropped the TLS handshake half-way. Around the TLS stream: the end of
+    a connection that never asked for the WebSocket upgrade.
+    """
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self.anything = False
+        self.ended = trio.Event()
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        try:
+            data = await self.inner.receive_some(max_bytes)
+        except trio.BrokenResourceError:
+            self.ended.set()
+            raise
+        if data:
+            self.anything = True
+        else:
+            self.ended.set()
+        return data
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 class _Silent(Exception):

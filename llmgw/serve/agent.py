@@ -18,6 +18,7 @@ from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.config import AgentConfig, parse_hostport
 from llmgw.config.schema import resolve
 from llmgw.http import HttpServer
+from llmgw.serve import open_listeners
 from llmgw.tls.contexts import client_context
 
 log = logging.getLogger("llmgw.agent")
@@ -48,7 +49,8 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
     nid = node_id(config)
     cert = resolve(base, config.cert or f"pki/{nid}.pem")
     key = resolve(base, config.key or f"pki/{nid}-key.pem")
-    ssl_context = client_context(resolve(base, config.ca), cert, key)
+    ca = resolve(base, config.ca)
+    ssl_context = client_context(ca, cert, key)
     addresses = [
         parse_hostport(a, key=f"control_plane[{i}]") for i, a in enumerate(config.control_plane)
     ]
@@ -60,6 +62,8 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         handshake_timeout=config.handshake_timeout_s,
         backoff_initial=config.backoff.initial_s,
         backoff_max=config.backoff.max_s,
+        ca_file=str(ca),
+        name_probe_context=client_context(ca, cert, key, check_name=False),
     )
     metrics = AgentMetrics()
     source = InventorySource(
@@ -119,7 +123,9 @@ async def _serve(config: AgentConfig, base: Path) -> None:
         if config.metrics.listen:
             host, port = parse_hostport(config.metrics.listen, key="metrics.listen")
             server = HttpServer(stream.metrics.handle, name="agent-metrics")
-            listeners = await nursery.start(server.serve_tcp, host, port)
+            listeners = await open_listeners(
+                "metrics.listen", host, port, lambda: nursery.start(server.serve_tcp, host, port)
+            )
             where = listeners[0].socket.getsockname()
             log.info("agent metrics on http://%s:%d/metrics", where[0], where[1])
         await stream.run()

@@ -29,6 +29,7 @@ from llmgw.router.app import RouterApp, error_body
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import HttpWatch, RoutingTable
+from llmgw.serve import open_listeners
 
 log = logging.getLogger("llmgw.router")
 
@@ -67,17 +68,23 @@ def router_app(config: RouterConfig, table: RoutingTable, metrics: RouterMetrics
 
 
 async def reuseport_listeners(host: str, port: int) -> list[trio.SocketListener]:
-    listeners = []
+    listeners: list[trio.SocketListener] = []
     for family, kind, proto, _, addr in socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     ):
         sock = trio.socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        await sock.bind(addr)
-        sock.listen(4096)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            await sock.bind(addr)
+            sock.listen(4096)
+        except OSError:
+            sock.close()
+            for listener in listeners:
+                listener.socket.close()
+            raise
         listeners.append(trio.SocketListener(sock))
     return listeners
 
@@ -101,6 +108,10 @@ async def serve(
     metrics = RouterMetrics()
     server = router_app(config.router, table, metrics)
     host, port = parse_hostport(config.router.listen, key="router.listen")
+    # bound before any worker starts: a port held elsewhere is one line, from worker 0
+    listeners = await open_listeners(
+        "router.listen", host, port, lambda: reuseport_listeners(host, port)
+    )
     children: list[trio.Process] = []
     made_run_dir = False
     if worker == 0 and config.metrics_listen and config.workers > 1:
@@ -117,7 +128,6 @@ async def serve(
     try:
         async with watch, trio.open_nursery() as nursery:
             await nursery.start(table.run)
-            listeners = await reuseport_listeners(host, port)
             await nursery.start(server.serve, listeners)
             where = ", ".join(
                 f"http://{x.socket.getsockname()[0]}:{x.socket.getsockname()[1]}/v1"
@@ -165,10 +175,9 @@ async def _serve_metrics(
                 return generate_latest(registry)
             return await worker_metrics.page(registry, pages)
 
-        listeners = await nursery.start(
-            HttpServer(worker_metrics.metrics_app(render), name="router-metrics").serve_tcp,
-            host,
-            port,
+        app = HttpServer(worker_metrics.metrics_app(render), name="router-metrics")
+        listeners = await open_listeners(
+            "metrics_listen", host, port, lambda: nursery.start(app.serve_tcp, host, port)
         )
         log.info(
             "router metrics on %s",

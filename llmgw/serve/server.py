@@ -27,6 +27,7 @@ from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
+from llmgw.serve import open_listeners
 from llmgw.serve.router import router_app
 from llmgw.tls.contexts import server_context
 
@@ -142,7 +143,12 @@ async def serve(config: ServerConfig, base: Path) -> None:
             config.admin.listen,
         )
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(stream.serve, stream_host, stream_port)
+        listeners = await open_listeners(
+            "agent_stream.listen",
+            stream_host,
+            stream_port,
+            lambda: nursery.start(stream.serve, stream_host, stream_port),
+        )
         log.info("agent stream listening on %s", ", ".join(_show(x) for x in listeners))
         await nursery.start(control.run_liveness)
         if fleet is not None:
@@ -153,11 +159,21 @@ async def serve(config: ServerConfig, base: Path) -> None:
                 len(fleet.catalog.models),
                 fleet.catalog_path,
             )
-        admin_listeners = await nursery.start(admin.serve_tcp, admin_host, admin_port)
+        admin_listeners = await open_listeners(
+            "admin.listen",
+            admin_host,
+            admin_port,
+            lambda: nursery.start(admin.serve_tcp, admin_host, admin_port),
+        )
         if router is not None:
             await nursery.start(router[0].run)
             r_host, r_port = parse_hostport(config.router.listen, key="router.listen")
-            r_listeners = await nursery.start(router[1].serve_tcp, r_host, r_port)
+            r_listeners = await open_listeners(
+                "router.listen",
+                r_host,
+                r_port,
+                lambda: nursery.start(router[1].serve_tcp, r_host, r_port),
+            )
             log.info(
                 "OpenAI-compatible endpoint on %s",
                 ", ".join(f"http://{_show(x)}/v1" for x in r_listeners),

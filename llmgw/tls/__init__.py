@@ -20,6 +20,7 @@ from llmgw.tls.ca import (
 from llmgw.tls.contexts import (
     PeerCertSource,
     TLSConfigError,
+    certificate_names,
     client_context,
     peer_common_name,
     server_context,
@@ -32,6 +33,7 @@ __all__ = [
     "CertificateInfo",
     "PeerCertSource",
     "TLSConfigError",
+    "certificate_names",
     "client_context",
     "describe_certificate",
     "init_ca",

@@ -11,14 +11,18 @@ file is read and checked first and failures are re-raised as
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import ssl
 from pathlib import Path
 from typing import Any, NoReturn, Protocol, TypeAlias
 
 __all__ = [
+    "NAME_MISMATCH",
+    "NOT_FROM_OUR_CA",
     "PeerCertSource",
     "TLSConfigError",
+    "certificate_names",
     "client_context",
     "peer_common_name",
     "server_context",
@@ -108,7 +112,10 @@ def _load_identity(ctx: ssl.SSLContext, cert_file: Path, key_file: Path) -> None
         raise TLSConfigError(f"key {key_file} is encrypted") from exc
     except ssl.SSLError as exc:
         if exc.reason == "KEY_VALUES_MISMATCH":
-            raise TLSConfigError(f"key {key_file} does not match certificate {cert_file}") from exc
+            raise TLSConfigError(
+                f"key {key_file} does not match certificate {cert_file}: give the key written"
+                " with that certificate (llmgw ctl cert writes NAME.pem and NAME-key.pem together)"
+            ) from exc
         # The certificate parsed above, so what OpenSSL rejects now is the key.
         raise TLSConfigError(f"cannot load key {key_file}: {_reason(exc)}") from exc
     except OSError as exc:
@@ -133,11 +140,17 @@ def server_context(ca_file: StrPath, cert_file: StrPath, key_file: StrPath) -> s
     return ctx
 
 
-def client_context(ca_file: StrPath, cert_file: StrPath, key_file: StrPath) -> ssl.SSLContext:
-    """Agent side: verify the control plane's SANs against the project CA, present our cert."""
+def client_context(
+    ca_file: StrPath, cert_file: StrPath, key_file: StrPath, *, check_name: bool = True
+) -> ssl.SSLContext:
+    """Agent side: verify the control plane's SANs against the project CA, present our cert.
+
+    ``check_name=False`` still verifies the chain but not the name: only to read
+    which names a certificate that failed the name check holds, never for a session.
+    """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # check_hostname + CERT_REQUIRED
     _harden(ctx)
-    ctx.check_hostname = True
+    ctx.check_hostname = check_name
     # Python/OpenSSL default to falling back to the subject CN when a cert has
     # no DNS SAN; turn that off so a CN-only cert fails here exactly as it does
     # for IP addresses (never matched against CN) and for Go and browsers.
@@ -166,3 +179,30 @@ def peer_common_name(ssl_object: PeerCertSource) -> str | None:
     if len(names) != 1:
         return None
     return names[0]
+
+
+# OpenSSL's X509_V_ERR_* codes (SSLCertVerificationError.verify_code) that mean
+# "the certificate does not hold the name or address dialed" ...
+NAME_MISMATCH = frozenset({62, 64})  # HOSTNAME_MISMATCH, IP_ADDRESS_MISMATCH
+# ... and "it was not issued by a CA we trust": unable to get the issuer (2, 20),
+# self-signed (18, 19), cannot verify the leaf's signature (21, 7).
+NOT_FROM_OUR_CA = frozenset({2, 7, 18, 19, 20, 21})
+
+
+def certificate_names(cert: object) -> list[str]:
+    """The DNS names and IP addresses a certificate (``getpeercert()``) holds, in order."""
+    if not isinstance(cert, dict):
+        return []
+    names: list[str] = []
+    for entry in cert.get("subjectAltName", ()):
+        if len(entry) != 2:
+            continue
+        kind, value = entry[0], str(entry[1]).strip()
+        if kind == "IP Address":
+            try:  # ssl spells IPv6 in full: 0:0:0:0:0:0:0:1
+                value = str(ipaddress.ip_address(value))
+            except ValueError:
+                pass
+        if kind in ("DNS", "IP Address"):
+            names.append(value)
+    return names

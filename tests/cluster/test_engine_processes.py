@@ -194,7 +194,7 @@ async def test_a_killed_engine_is_reported_failed_with_its_output_tail(
         assert ready.pid is not None
         os.kill(ready.pid, signal.SIGKILL)
         failed = await f.status("s1", "failed")
-        assert failed.detail == "engine killed by signal SIGKILL"
+        assert failed.detail == "engine killed by signal 9 (SIGKILL)"
         tail = "\n".join(failed.output_tail)
         assert "llama" in tail.lower(), tail  # the engine's own words
         assert not (tmp_path / "agent-n1" / "shards" / "s1.json").exists()

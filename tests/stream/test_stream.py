@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import attrs
 import msgspec
 import pytest
 import trio
@@ -20,6 +22,7 @@ from llmgw.agent.stream import AgentStream
 from llmgw.controlplane.nodes import NodeState
 from llmgw.protocol import CloseCode, encode
 from llmgw.protocol.messages import Heartbeat, Inventory, Register
+from llmgw.tls import client_context, issue_server, load_ca
 from tests.conftest import Pki
 from tests.stream.harness import Plane, bare_client_context, control_plane, raw_ws, wait_for
 
@@ -138,6 +141,82 @@ async def test_plaintext_clients_are_refused(pki: Pki) -> None:
             silent = await trio.open_tcp_stream("127.0.0.1", plane.port)
             assert await silent.receive_some(1024) == b""
         await wait_for(lambda: plane.refusals("tls_timeout") == timeouts + 1)
+
+
+async def test_an_agent_that_does_not_trust_the_server_says_why_and_so_does_the_server(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with with_healthy_neighbour(pki) as plane:
+        doubter = plane.agent("n1")
+        foreign_ca = pki.other_ca_dir / "ca.pem"
+        settings = attrs.evolve(
+            doubter.settings,
+            ssl_context=client_context(foreign_ca, *pki.agent("n1")),
+            ca_file=str(foreign_ca),
+        )
+        object.__setattr__(doubter, "settings", settings)
+        with trio.fail_after(5):
+            assert not await doubter.session("127.0.0.1", plane.port)
+        await wait_for(lambda: plane.refusals("tls") == 1)
+    agent_log = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    server_log = [r.getMessage() for r in caplog.records if r.name.startswith("llmgw.controlplane")]
+    assert agent_log == [
+        f"control plane 127.0.0.1:{plane.port} presented a certificate that is not signed by"
+        f" the CA in {foreign_ca} (this agent's ca): give the agent the ca.pem of the CA that"
+        " issued the server's certificate, or issue the server one from this CA with"
+        " llmgw ctl cert server 127.0.0.1 --dir pki"
+    ]
+    assert any(
+        m.startswith("agent from 127.0.0.1:")
+        and m.endswith(
+            "dropped the TLS handshake: it probably does not trust this server's certificate"
+            " (see the agent's log)"
+        )
+        for m in server_log
+    ), server_log
+
+
+async def test_a_name_mismatch_names_what_the_certificate_holds(
+    pki: Pki, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dialed at an address its certificate lacks: the agent reads the certificate's
+    names over a second handshake that checks the CA only, and the server lets that
+    connection go at once."""
+    caplog.set_level(logging.INFO)
+    cert, key = issue_server(load_ca(pki.dir), ["cp.example.net", "10.9.9.9"], tmp_path)
+    elsewhere = attrs.evolve(pki, server_cert=cert, server_key=key)
+    async with control_plane(elsewhere, handshake_timeout=0.5) as plane:
+        agent = plane.agent("n1")
+        settings = attrs.evolve(
+            agent.settings,
+            name_probe_context=client_context(pki.ca, *pki.agent("n1"), check_name=False),
+        )
+        object.__setattr__(agent, "settings", settings)
+        with trio.fail_after(5):
+            assert not await agent.session("127.0.0.1", plane.port)
+        await trio.sleep(1)  # past the upgrade deadline: the probe was let go at once
+        assert plane.refusals("upgrade_timeout") == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert said == [
+        f"control plane 127.0.0.1:{plane.port} presented a certificate that is not valid for"
+        " 127.0.0.1 (it holds cp.example.net, 10.9.9.9): issue one that holds every name and"
+        " address agents dial, with llmgw ctl cert server 127.0.0.1 cp.example.net 10.9.9.9"
+        " --dir pki"
+    ]
+
+
+async def test_a_connection_that_says_nothing_is_not_an_agent_dropping_tls(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    async with control_plane(pki) as plane:
+        with trio.fail_after(5):
+            tcp = await trio.open_tcp_stream("127.0.0.1", plane.port)
+            await tcp.aclose()
+        await wait_for(lambda: plane.refusals("tls") == 1)
+    assert "it closed the connection before any TLS handshake" in caplog.text
+    assert "dropped the TLS handshake" not in caplog.text
 
 
 async def test_wrong_protocol_version_is_rejected_during_upgrade(pki: Pki) -> None:

@@ -24,6 +24,7 @@ from cryptography.x509.oid import NameOID
 from llmgw.tls import (
     CA,
     TLSConfigError,
+    certificate_names,
     client_context,
     init_ca,
     issue_agent,
@@ -32,6 +33,7 @@ from llmgw.tls import (
     peer_common_name,
     server_context,
 )
+from llmgw.tls.contexts import NOT_FROM_OUR_CA
 
 NODE = "gpu-node-01"
 IO_TIMEOUT = 5
@@ -438,7 +440,8 @@ def test_key_that_does_not_match_certificate(pki: Pki) -> None:
     _, other_key = pki.server
     with pytest.raises(TLSConfigError) as info:
         client_context(pki.ca_file, cert, other_key)
-    assert str(info.value) == f"key {other_key} does not match certificate {cert}"
+    assert str(info.value).startswith(f"key {other_key} does not match certificate {cert}: ")
+    assert "\n" not in str(info.value)
 
 
 def test_garbage_and_swapped_files(pki: Pki, tmp_path: Path) -> None:
@@ -474,3 +477,33 @@ def test_encrypted_key_is_refused_without_prompting(pki: Pki, tmp_path: Path) ->
         )
     )
     _raises_naming(encrypted, "is encrypted", client_context, pki.ca_file, cert, encrypted)
+
+
+def test_certificate_names_reads_dns_names_and_addresses_as_people_write_them() -> None:
+    cert = {
+        "subject": ((("commonName", "server"),),),
+        "subjectAltName": (
+            ("DNS", "cp.example.net"),
+            ("IP Address", "10.0.0.1"),
+            ("IP Address", "0:0:0:0:0:0:0:1\n"),  # how ssl spells ::1
+            ("email", "ops@example.net"),
+        ),
+    }
+    assert certificate_names(cert) == ["cp.example.net", "10.0.0.1", "::1"]
+    assert certificate_names({}) == []
+    assert certificate_names(None) == []
+
+
+async def test_a_context_without_the_name_check_still_checks_the_ca(
+    pki: Pki, tmp_path: Path
+) -> None:
+    """What the agent reads a refused certificate's names with: the name is not
+    checked, the chain still is."""
+    cert = issue_server(pki.ca, ["cp.example.net"], tmp_path, name="elsewhere")
+    names_only = client_context(pki.ca_file, *pki.agent, check_name=False)
+    out = await exchange(pki.server_ctx(cert), names_only, dial="127.0.0.1")
+    assert out.ok, out
+    foreign = init_ca(tmp_path / "foreign")
+    lax_foreign = client_context(foreign.cert, *pki.agent, check_name=False)
+    out = await exchange(pki.server_ctx(cert), lax_foreign, dial="127.0.0.1")
+    assert verify_code(out.client_error) in NOT_FROM_OUR_CA
