@@ -127,7 +127,7 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
         # a stop or drain came while it was spawning; whoever ends the shard may
         # have looked before there was a process to end
         log.info("shard %s: ending pid %d, no longer wanted", spec.shard_id, process.pid)
-        await terminate_group(process.pid, grace=2.0)
+        await terminate_group(process.pid, grace=2.0, on_sigkill=sup.sigkill_hook(shard, 2.0))
         with trio.move_on_after(5):
             await process.wait()
         sup.records.remove(spec.shard_id)  # it describes nothing now

@@ -63,7 +63,7 @@ import os
 import re
 import signal
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -441,9 +441,17 @@ def _killpg(pgid: int, sig: signal.Signals) -> bool:
 
 
 async def terminate_group(
-    pgid: int, *, grace: float, poll: float = 0.05, proc_root: Path = PROC
+    pgid: int,
+    *,
+    grace: float,
+    poll: float = 0.05,
+    proc_root: Path = PROC,
+    on_sigkill: Callable[[Sequence[int]], None] | None = None,
 ) -> bool:
     """SIGTERM process group ``pgid``, SIGKILL it after ``grace`` s; True once it is empty.
+
+    ``on_sigkill`` hears the members still there when the grace is over, just
+    before the SIGKILL: the caller logs and reports that kill.
 
     "Empty" means no member is left but zombies (see the module docstring:
     the supervisor reaps its own children). Gives up ``KILL_WAIT`` s after
@@ -460,6 +468,11 @@ async def terminate_group(
         return True
     if await _wait_empty(pgid, grace, poll, proc_root):
         return True
+    if on_sigkill is not None:
+        left = group_members(pgid, proc_root)
+        if not left:
+            return True
+        on_sigkill(left)
     if not _killpg(pgid, signal.SIGKILL):
         return True
     return await _wait_empty(pgid, KILL_WAIT, poll, proc_root)

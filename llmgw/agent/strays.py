@@ -4,7 +4,12 @@ Placement hands out this node's engine ports and GPUs; a process holding one
 that no shard spec describes (an engine left by an agent whose records were
 lost, something an operator started by hand) would make the next engine
 placed there fail, or share a GPU it was promised alone. The agent kills
-such processes, and logs each kill with what it was and what it held.
+such processes, logs each kill with what it was and what it held, and
+reports it (``on_kill``) for the control plane to log too.
+
+Every kill the agent makes, these and a shard's SIGKILL after its stop
+grace, waits in ``KillReports`` until a registered session carries it up on
+a heartbeat.
 
 A process carrying this agent's tag (``env``) is spared: it is an engine this
 agent started whose record was lost or spoiled, and killing a healthy engine
@@ -21,8 +26,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+import trio
 
 from llmgw.agent.discovery.gpus import gpu_processes
 from llmgw.agent.env import tagged_shard
@@ -36,8 +44,51 @@ from llmgw.agent.procs import (
     terminate_group,
 )
 from llmgw.agent.shard import Shard
+from llmgw.protocol.messages import ProcessKill
 
 log = logging.getLogger("llmgw.agent.supervisor")
+
+KILL_REPORTS_LIMIT = 1000
+COMMAND_MAX_CHARS = 200
+NO_SPEC = "and no shard spec describes it"
+
+
+class KillReports:
+    """Kills waiting for a session to report them (bounded, oldest dropped).
+
+    A kill leaves only once a heartbeat carrying it was sent (``sent``), so one
+    made while the stream is down goes up on the next registered session."""
+
+    def __init__(self) -> None:
+        self.items: list[ProcessKill] = []
+        self.changed = trio.Event()
+
+    def put(self, kill: ProcessKill) -> None:
+        self.items.append(kill)
+        del self.items[:-KILL_REPORTS_LIMIT]
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def sent(self, batch: Sequence[ProcessKill]) -> None:
+        gone = {id(k) for k in batch}
+        self.items = [k for k in self.items if id(k) not in gone]
+
+
+def kill_report(
+    pid: int, cmdline: Sequence[str], reason: str, kind: str, shard_id: str = ""
+) -> ProcessKill:
+    return ProcessKill(
+        pid=pid,
+        reason=reason,
+        kind=kind,
+        shard_id=shard_id,
+        command=short_command(cmdline),
+        killed_at=time.time(),
+    )
+
+
+def short_command(cmdline: Sequence[str]) -> str:
+    return " ".join(cmdline)[:COMMAND_MAX_CHARS]
 
 
 def port_range_listeners(port_range: tuple[int, int]) -> set[int]:
@@ -74,7 +125,11 @@ def spared(who: ProcessIdentity, holds: str, state_dir: Path) -> bool:
 
 
 async def kill_unidentified(
-    ports: set[int], ours: set[int], on_event: Callable[[str], None], state_dir: Path
+    ports: set[int],
+    ours: set[int],
+    on_event: Callable[[str], None],
+    state_dir: Path,
+    on_kill: Callable[[ProcessKill], None] = lambda _: None,
 ) -> None:
     """Kill processes that hold a port we assign and that no shard describes."""
     if not ports:
@@ -84,16 +139,11 @@ async def kill_unidentified(
             who = identity(pid)
             if who is None or spared(who, f"port {port}", state_dir):
                 continue
-            command = " ".join(who.cmdline)[:200]
-            log.warning(
-                "killing pid %d (%s): it holds port %d, which this agent assigns to engines, "
-                "and no shard spec describes it",
-                pid,
-                command,
-                port,
-            )
+            what = f"port {port}, which this agent assigns to engines, {NO_SPEC}"
+            log.warning("killing pid %d (%s): it holds %s", pid, short_command(who.cmdline), what)
             on_event("killed")
             await kill_process(who)
+            on_kill(kill_report(pid, who.cmdline, f"held {what}", "stray"))
 
 
 async def kill_gpu_holders(
@@ -101,6 +151,7 @@ async def kill_gpu_holders(
     ours: Callable[[], set[int]],
     on_event: Callable[[str], None],
     state_dir: Path,
+    on_kill: Callable[[ProcessKill], None] = lambda _: None,
 ) -> None:
     """Kill processes holding GPU memory that no shard describes: placement hands
     this node's GPUs out, and would hand theirs out again."""
@@ -114,15 +165,11 @@ async def kill_gpu_holders(
         who = identity(pid)
         if who is None or spared(who, f"memory on GPU {gpu}", state_dir):
             continue
-        log.warning(
-            "killing pid %d (%s): it holds memory on GPU %s, which this agent assigns "
-            "to engines, and no shard spec describes it",
-            pid,
-            " ".join(who.cmdline)[:200],
-            gpu,
-        )
+        what = f"memory on GPU {gpu}, which this agent assigns to engines, {NO_SPEC}"
+        log.warning("killing pid %d (%s): it holds %s", pid, short_command(who.cmdline), what)
         on_event("killed")
         await kill_process(who)
+        on_kill(kill_report(pid, who.cmdline, f"held {what}", "stray"))
 
 
 async def kill_process(who: ProcessIdentity) -> None:

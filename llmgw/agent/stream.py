@@ -19,6 +19,12 @@ CA. The backoff is reset only when a registration was accepted, so an agent
 the control plane keeps refusing backs off to the ceiling instead of
 hammering it.
 
+What the supervisor killed (a stray, an engine that outlived its stop grace)
+goes up on a heartbeat sent at once for it; a kill made while no session is
+registered waits for the next one. A field of ``Heartbeat`` and not a message
+of its own, so that a control plane from before kills were reported does not
+close the stream on a type it does not know.
+
 The read side blocks until the control plane sends something, which may be
 never; a WebSocket ping with a deadline on every heartbeat bounds how long a
 dead peer goes unnoticed. Cancellation (SIGTERM) unblocks every wait at once;
@@ -67,6 +73,7 @@ from llmgw.wsio import close_quietly, close_ws, single_error, split_cancelled
 log = logging.getLogger("llmgw.agent")
 
 X509_CERT_HAS_EXPIRED = 10  # OpenSSL's X509_V_ERR_CERT_HAS_EXPIRED
+KILLS_PER_HEARTBEAT = 100  # bounds the message; the rest follow at once
 
 
 @attrs.frozen
@@ -287,16 +294,29 @@ class AgentStream:
     async def _heartbeats(
         self, ws: WebSocketConnection, session: Session, interval: float, sent: Inventory
     ) -> None:
+        """Every ``interval``, and at once when the supervisor killed something: the
+        control plane hears of each kill on the heartbeat that carries it."""
         seq = 0
+        kills = self.supervisor.kills
         while True:
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                while not kills.items:
+                    await kills.changed.wait()
             seq += 1
             current = self.source.inventory()
             changed: Inventory | None = None
             if not same_inventory(current, sent):
                 changed = sent = current
-            hb = Heartbeat(seq=seq, sent_at=time.time(), memory=current.memory, inventory=changed)
+            batch = kills.items[:KILLS_PER_HEARTBEAT]
+            hb = Heartbeat(
+                seq=seq,
+                sent_at=time.time(),
+                memory=current.memory,
+                inventory=changed,
+                kills=batch,
+            )
             await ws.send_message(session.send(hb))
+            kills.sent(batch)
             # the read side may wait forever; a pong proves the control plane is alive
             with trio.fail_after(max(interval, 1.0) * 3):
                 await ws.ping()

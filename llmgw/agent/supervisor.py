@@ -29,13 +29,16 @@ Stop (adopted or not): SIGTERM to the group, SIGKILL after the grace; the
 shard is reported ``stopped`` only once no process of its group remains.
 
 Every report is queued in the ``outbox`` for whichever session is up;
-``reports()`` describes every shard for ``Register``.
+``reports()`` describes every shard for ``Register``. Every kill (a stray, a
+group that outlived its grace after SIGTERM: ``sigkill_hook``) is logged
+and queued in ``kills``, which the stream carries up on its heartbeats so
+that the control plane logs it too.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -90,6 +93,7 @@ class Supervisor:
         self.records = RecordStore(settings.state_dir)
         self.shards: dict[str, Shard] = {}
         self.outbox = Outbox()
+        self.kills = strays.KillReports()  # what this agent killed, until reported
         self.on_event = on_event or (lambda _: None)
         self._nursery: trio.Nursery | None = None
         self._failed: set[str] = set()
@@ -285,7 +289,13 @@ class Supervisor:
         # what the engine left behind (children in its group, a daemonized Ray head)
         # would hold its port and GPUs
         if shard.ident is not None:
-            await terminate_group(shard.ident.pgid, grace=2.0)
+            await terminate_group(
+                shard.ident.pgid,
+                grace=2.0,
+                on_sigkill=self.sigkill_hook(
+                    shard, 2.0, "left running by its engine, which exited;"
+                ),
+            )
         await self._cleanup(shard)
         self.fire(shard, Event.EXITED, f"engine {why}")
 
@@ -326,7 +336,9 @@ class Supervisor:
         """End the shard's process group (the terminator), then say how that went."""
         gone = True
         if shard.ident is not None:
-            gone = await terminate_group(shard.ident.pgid, grace=grace)
+            gone = await terminate_group(
+                shard.ident.pgid, grace=grace, on_sigkill=self.sigkill_hook(shard, grace)
+            )
             if shard.process is not None:
                 with trio.move_on_after(5):
                     await shard.process.wait()
@@ -390,6 +402,35 @@ class Supervisor:
         load = adapter.parse_metrics(response.text)
         return not load.running and not load.waiting
 
+    def sigkill_hook(
+        self, shard: Shard, grace: float, how: str = ""
+    ) -> Callable[[Sequence[int]], None]:
+        """For ``terminate_group``: when the shard's group outlived ``grace`` s after
+        SIGTERM, log the SIGKILL and report it (``how``: what is left, when not the engine)."""
+
+        def overdue(members: Sequence[int]) -> None:
+            ident = shard.ident
+            pid = ident.pid if ident is not None and ident.pid in members else min(members)
+            who = identity(pid)
+            cmdline = who.cmdline if who is not None and who.cmdline else ()
+            if not cmdline and ident is not None and pid == ident.pid:
+                cmdline = ident.cmdline
+            others = f" (and {len(members) - 1} more of its group)" if len(members) > 1 else ""
+            reason = " ".join(filter(None, [how, f"did not stop {grace:g} s after SIGTERM"]))
+            log.warning(
+                "shard %s: pid %d (%s)%s %s; sending SIGKILL",
+                shard.shard_id,
+                pid,
+                strays.short_command(cmdline),
+                others,
+                reason,
+            )
+            self.kills.put(
+                strays.kill_report(pid, cmdline, reason + others, "stop_timeout", shard.shard_id)
+            )
+
+        return overdue
+
     # --- adoption and strays ----------------------------------------------------
 
     def adopt_all(self) -> list[Shard]:
@@ -406,7 +447,11 @@ class Supervisor:
     async def kill_unidentified(self, ports: set[int]) -> None:
         """Kill processes that hold a port we assign and that no shard describes."""
         await strays.kill_unidentified(
-            ports, strays.ours(self.shards.values()), self.on_event, self.settings.state_dir
+            ports,
+            strays.ours(self.shards.values()),
+            self.on_event,
+            self.settings.state_dir,
+            self.kills.put,
         )
 
     async def kill_gpu_holders(self) -> None:
@@ -416,6 +461,7 @@ class Supervisor:
             lambda: strays.ours(self.shards.values()),
             self.on_event,
             self.settings.state_dir,
+            self.kills.put,
         )
 
     # --- plumbing -------------------------------------------------------------

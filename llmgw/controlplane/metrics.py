@@ -2,8 +2,9 @@
 
 A registry per server (not the library's global one) keeps test servers in
 one process apart. Label values are bounded: states, message types and
-refusal reasons, never request ids; node ids only on the failure counter
-(a node appears there once one of its engines failed).
+refusal reasons, never request ids; node ids only on the failure and kill
+counters (a node appears there once one of its engines failed, or once it
+killed a process).
 """
 
 from __future__ import annotations
@@ -83,6 +84,13 @@ class ControlPlaneMetrics:
             "llmgw_replica_failures",
             "Engine shards that failed (exited, crashed), by model and node",
             ["model", "node"],
+            registry=r,
+        )
+        self.agent_kills = Counter(
+            "llmgw_agent_kills",
+            "Processes agents killed, by node and kind: stray (held an engine port or a "
+            "GPU that no shard describes), stop_timeout (SIGKILL after a stop's grace), other",
+            ["node", "reason_kind"],
             registry=r,
         )
         self.liveness_changes = Counter(

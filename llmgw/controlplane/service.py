@@ -20,9 +20,12 @@ from llmgw import __version__
 from llmgw.controlplane.dispatcher import AgentConnection, Dispatcher
 from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import Change, LivenessPolicy, NodeTable
-from llmgw.protocol.messages import Heartbeat, Register, RegisterAck, ShardStatus
+from llmgw.http.logsafe import printable
+from llmgw.protocol.messages import Heartbeat, ProcessKill, Register, RegisterAck, ShardStatus
 
 log = logging.getLogger("llmgw.controlplane")
+
+KILL_KINDS = frozenset({"stray", "stop_timeout"})  # any other kind is counted as "other"
 
 
 class ControlPlane:
@@ -87,6 +90,23 @@ class ControlPlane:
             conn.node_id, conn.generation, hb, now=self._clock(), wall=wall
         )
         self._report(changes, news, conn.node_id)
+        for kill in hb.kills:
+            self.process_killed(conn.node_id, kill)
+
+    def process_killed(self, node_id: str, kill: ProcessKill) -> None:
+        """A node killed a process (a stray, an engine past its stop grace): one line,
+        in the node's words escaped, and a count by kind."""
+        shard = f" of shard {printable(kill.shard_id)}" if kill.shard_id else ""
+        log.warning(
+            "node %s killed pid %d%s (%s): %s",
+            node_id,
+            kill.pid,
+            shard,
+            printable(kill.command) or "command unknown",
+            printable(kill.reason),
+        )
+        kind = kill.kind if kill.kind in KILL_KINDS else "other"
+        self.metrics.agent_kills.labels(node_id, kind).inc()
 
     def shard_status(self, conn: AgentConnection, status: ShardStatus) -> None:
         if status.state == "failed":

@@ -125,6 +125,22 @@ class ShardReport(_Wire, frozen=True):
     healthy: bool = True  # as in ShardStatus
 
 
+class ProcessKill(_Wire, frozen=True):
+    """A process the agent killed: a stray, or an engine that outlived its stop grace.
+
+    ``kind`` is a string, not a closed set: a kind a newer agent adds must not
+    make an older control plane refuse the heartbeat that carries it (it
+    counts an unknown kind as ``other``).
+    """
+
+    pid: int
+    reason: str  # in words: "did not stop 10 s after SIGTERM"
+    kind: str = "other"  # "stray", "stop_timeout", "other"
+    shard_id: str = ""  # empty: no shard describes it (a stray)
+    command: str = ""  # its command line, cut short
+    killed_at: float | None = None  # the agent's wall clock, seconds since the epoch
+
+
 # --- messages ---------------------------------------------------------------
 
 
@@ -156,12 +172,20 @@ class RegisterAck(Message, frozen=True):
 
 
 class Heartbeat(Message, frozen=True):
-    """Up: memory every time, the inventory only when it changed."""
+    """Up: memory every time, the inventory only when it changed, and what the
+    agent killed since the last one.
+
+    ``kills`` rides on the heartbeat rather than in a message of its own: a
+    control plane that does not know a message type closes the stream (4005),
+    but it ignores a field it does not know, so an older one keeps the node.
+    An agent with kills to report sends its heartbeat early.
+    """
 
     seq: int
     sent_at: float  # the agent's wall clock, seconds since the epoch
     memory: Memory = msgspec.field(default_factory=Memory)
     inventory: Inventory | None = None
+    kills: list[ProcessKill] = []
 
 
 class ShardStatus(Message, frozen=True):

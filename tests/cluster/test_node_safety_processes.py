@@ -1,5 +1,6 @@
-"""Safety on a node: one agent per state dir, and no kills before the control
-plane has accepted the agent's registration."""
+"""Safety on a node: one agent per state dir, no kills before the control plane
+has accepted the agent's registration, and every kill reported to the control
+plane, which logs and counts it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -83,3 +85,37 @@ async def test_a_refused_agent_kills_nothing_on_its_engine_ports(
         assert after is not None and after.start_time == before.start_time
         assert "killing pid" not in impostor.log()
         assert "n2" not in await server.nodes()
+
+
+async def metrics(server: Server) -> str:
+    token = (server.workdir / "state" / "admin-token").read_text().strip()
+    async with httpx.AsyncClient(timeout=5) as client:
+        response = await client.get(
+            f"{server.admin_url}/metrics", headers={"authorization": f"Bearer {token}"}
+        )
+    return response.text
+
+
+async def test_a_stray_the_agent_kills_is_logged_by_the_control_plane_with_why(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    server = await start_server(cluster, tmp_path, pki)
+    port = own_port()
+    async with http_server(port) as stray:
+        config = write_agent_config(tmp_path, pki, "n1", server.stream_port, extra=engines(port))
+        agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
+        cluster.append(agent.start())
+        with trio.fail_after(30):
+            while stray.poll() is None:
+                await trio.sleep(0.05)
+        await agent.wait_log(rf"killing pid {stray.pid} \(.*http\.server.*\): it holds port {port}")
+        why = (
+            f"held port {port}, which this agent assigns to engines, and no shard spec describes it"
+        )
+        line = await server.wait_log(rf"WARNING .*node n1 killed pid {stray.pid} .*")
+        assert line.group(0).endswith(
+            f"node n1 killed pid {stray.pid} ({sys.executable} -m http.server {port} "
+            f"--bind 127.0.0.1): {why}"
+        ), line.group(0)
+    assert server.log().count(f"killed pid {stray.pid} ") == 1  # reported once
+    assert 'llmgw_agent_kills_total{node="n1",reason_kind="stray"} 1.0' in await metrics(server)

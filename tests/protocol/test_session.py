@@ -35,6 +35,7 @@ from llmgw.protocol.messages import (
     Heartbeat,
     Inventory,
     Memory,
+    ProcessKill,
     Register,
     RegisterAck,
     ShardSpec,
@@ -160,6 +161,49 @@ def test_unknown_fields_from_a_newer_peer_are_ignored() -> None:
     assert decode(data) == Heartbeat(seq=3, sent_at=1.5)
 
 
+def test_kills_ride_on_a_heartbeat_that_an_older_control_plane_still_reads() -> None:
+    kill = ProcessKill(
+        pid=4242,
+        reason="did not stop 10 s after SIGTERM",
+        kind="stop_timeout",
+        shard_id="s1",
+        command="llama-server --port 20001",
+        killed_at=1.5,
+    )
+    agent, cp = pair()
+    cp.receive(agent.send(register()))
+    agent.receive(cp.send(ack()))
+    data = agent.send(Heartbeat(seq=1, sent_at=2.0, kills=[kill]))
+    got = cp.receive(data)
+    assert isinstance(got, Heartbeat) and got.kills == [kill]
+    assert cp.registered
+
+    # a control plane from before kills were reported: its Heartbeat had no such
+    # field, and it reads the same bytes without refusing the stream
+    class OldHeartbeat(msgspec.Struct, tag="Heartbeat", tag_field="type"):
+        seq: int
+        sent_at: float
+        memory: Memory = msgspec.field(default_factory=Memory)
+        inventory: Inventory | None = None
+
+    old = msgspec.msgpack.decode(data, type=OldHeartbeat | Register)
+    assert old == OldHeartbeat(seq=1, sent_at=2.0)
+    # a kind this control plane does not know is a string like any other
+    newer = msgspec.msgpack.encode(
+        {
+            "type": "Heartbeat",
+            "seq": 2,
+            "sent_at": 3.0,
+            "kills": [{"pid": 7, "reason": "r", "kind": "oom"}],
+        }
+    )
+    assert cp.receive(newer) == Heartbeat(
+        seq=2, sent_at=3.0, kills=[ProcessKill(pid=7, reason="r", kind="oom")]
+    )
+    # and a heartbeat without kills is the same bytes as before
+    assert b"kills" not in encode(hb())
+
+
 def test_version_negotiation() -> None:
     assert negotiate(["llmgw.agent.v1"]) == "llmgw.agent.v1"
     with pytest.raises(
@@ -187,6 +231,7 @@ def test_transition_table_only_names_real_messages() -> None:
 
 messages = st.sampled_from(
     [register(), register("other"), ack(), hb(), ShardStatus(shard_id="s", state="ready")]
+    + [Heartbeat(seq=2, sent_at=1.0, kills=[ProcessKill(pid=9, reason="stray", kind="stray")])]
     + [StartShard(spec=spec()), StopShard(shard_id="s"), DrainShard(shard_id="s")]
 )
 
