@@ -4,6 +4,7 @@ plane, which logs and counts it."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,11 +13,15 @@ import httpx
 import pytest
 import trio
 
-from llmgw.agent.procs import identity
+from llmgw.agent.procs import alive, identity
+from llmgw.protocol.messages import StartShard, StopShard
 from tests.cluster.procs import Daemon, Server, http_server, write_agent_config
+from tests.cluster.test_engine_processes import PORT_BASE, fleet, llama_spec, tiny  # noqa: F401 (fixture)
 from tests.cluster.test_processes import start_server
 from tests.conftest import Pki
 from tests.ports import own_port
+from tests.realparts import LLAMA_SERVER, needs_server
+from tests.stream.harness import wait_for
 
 
 @pytest.fixture
@@ -119,3 +124,56 @@ async def test_a_stray_the_agent_kills_is_logged_by_the_control_plane_with_why(
         ), line.group(0)
     assert server.log().count(f"killed pid {stray.pid} ") == 1  # reported once
     assert 'llmgw_agent_kills_total{node="n1",reason_kind="stray"} 1.0' in await metrics(server)
+
+
+@needs_server
+async def test_a_shard_that_outlives_its_stop_grace_is_killed_and_the_control_plane_says_so(
+    tmp_path: Path,
+    pki: Pki,
+    tiny: Path,  # noqa: F811 (the fixture)
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # a real llama-server, with a child in its process group that ignores SIGTERM
+    engine = tmp_path / "llama-server"
+    engine.write_text(
+        "#!/bin/sh\n"
+        'case " $* " in *" --port "*) (trap \'\' TERM; exec sleep 120) & ;; esac\n'
+        f'exec "{LLAMA_SERVER}" "$@"\n'
+    )
+    engine.chmod(0o755)
+    caplog.set_level(logging.WARNING, logger="llmgw.controlplane")
+    async with fleet(tmp_path, pki) as f:
+        config = write_agent_config(
+            tmp_path,
+            pki,
+            "n1",
+            f.plane.port,
+            extra=(
+                f'[engines]\nllama_server = "{engine}"\n'
+                f"port_range = [{PORT_BASE}, {PORT_BASE + 9}]\n"
+                '[discovery]\nnvidia_smi = "/nonexistent"\n'
+            ),
+        )
+        agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
+        f.agents.append(agent.start())
+        await f.send("n1", StartShard(spec=llama_spec(tiny)))
+        await f.status("s1", "ready")
+        await f.send("n1", StopShard(shard_id="s1", grace_s=1))
+        await f.status("s1", "stopped", timeout=20)
+        killed = await agent.wait_log(
+            r"shard s1: pid (\d+) \(sleep 120\) did not stop 1 s after SIGTERM; sending SIGKILL"
+        )
+        pid = int(killed.group(1))
+
+        def reported() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "killed pid" in r.getMessage()]
+
+        await wait_for(lambda: bool(reported()), timeout=10)
+        assert reported() == [
+            f"node n1 killed pid {pid} of shard s1 (sleep 120): did not stop 1 s after SIGTERM"
+        ]
+        kills = f.plane.control.metrics.registry.get_sample_value(
+            "llmgw_agent_kills_total", {"node": "n1", "reason_kind": "stop_timeout"}
+        )
+        assert kills == 1.0
+        assert not alive(pid)
