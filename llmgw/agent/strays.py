@@ -44,6 +44,7 @@ from llmgw.agent.procs import (
     terminate_group,
 )
 from llmgw.agent.shard import Shard
+from llmgw.http.logsafe import printable
 from llmgw.protocol.messages import ProcessKill
 
 log = logging.getLogger("llmgw.agent.supervisor")
@@ -88,6 +89,7 @@ def kill_report(
 
 
 def short_command(cmdline: Sequence[str]) -> str:
+    """A command line cut short; escape it (``printable``) where it is logged."""
     return " ".join(cmdline)[:COMMAND_MAX_CHARS]
 
 
@@ -140,7 +142,9 @@ async def kill_unidentified(
             if who is None or spared(who, f"port {port}", state_dir):
                 continue
             what = f"port {port}, which this agent assigns to engines, {NO_SPEC}"
-            log.warning("killing pid %d (%s): it holds %s", pid, short_command(who.cmdline), what)
+            log.warning(
+                "killing pid %d (%s): it holds %s", pid, printable(short_command(who.cmdline)), what
+            )
             on_event("killed")
             await kill_process(who)
             on_kill(kill_report(pid, who.cmdline, f"held {what}", "stray"))
@@ -166,7 +170,9 @@ async def kill_gpu_holders(
         if who is None or spared(who, f"memory on GPU {gpu}", state_dir):
             continue
         what = f"memory on GPU {gpu}, which this agent assigns to engines, {NO_SPEC}"
-        log.warning("killing pid %d (%s): it holds %s", pid, short_command(who.cmdline), what)
+        log.warning(
+            "killing pid %d (%s): it holds %s", pid, printable(short_command(who.cmdline)), what
+        )
         on_event("killed")
         await kill_process(who)
         on_kill(kill_report(pid, who.cmdline, f"held {what}", "stray"))

@@ -55,6 +55,7 @@ from llmgw.agent.procs import alive, describe_exit, identity, is_same_process, t
 from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.shard import Outbox, Shard
 from llmgw.engines import adapters
+from llmgw.http.logsafe import printable
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
 
 __all__ = ["Outbox", "Shard", "Supervisor", "SupervisorSettings"]
@@ -421,7 +422,7 @@ class Supervisor:
                 "shard %s: pid %d (%s)%s %s; sending SIGKILL",
                 shard.shard_id,
                 pid,
-                strays.short_command(cmdline),
+                printable(strays.short_command(cmdline)),
                 others,
                 reason,
             )

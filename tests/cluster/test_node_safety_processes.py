@@ -5,6 +5,7 @@ plane, which logs and counts it."""
 from __future__ import annotations
 
 import logging
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,9 +14,9 @@ import httpx
 import pytest
 import trio
 
-from llmgw.agent.procs import alive, identity
+from llmgw.agent.procs import alive, identity, terminate_group
 from llmgw.protocol.messages import StartShard, StopShard
-from tests.cluster.procs import Daemon, Server, http_server, write_agent_config
+from tests.cluster.procs import Daemon, Server, http_server, listening, write_agent_config
 from tests.cluster.test_engine_processes import PORT_BASE, fleet, llama_spec, tiny  # noqa: F401 (fixture)
 from tests.cluster.test_processes import start_server
 from tests.conftest import Pki
@@ -106,7 +107,17 @@ async def test_a_stray_the_agent_kills_is_logged_by_the_control_plane_with_why(
 ) -> None:
     server = await start_server(cluster, tmp_path, pki)
     port = own_port()
-    async with http_server(port) as stray:
+    # the node's text reaches the server's log: a command line that would forge a
+    # line, or colour the terminal, is written escaped
+    odd = "www\nWARNING forged \x1b[31m"
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "-d", odd]
+    stray = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        with trio.fail_after(10):
+            while not listening(port):
+                await trio.sleep(0.05)
         config = write_agent_config(tmp_path, pki, "n1", server.stream_port, extra=engines(port))
         agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
         cluster.append(agent.start())
@@ -118,10 +129,17 @@ async def test_a_stray_the_agent_kills_is_logged_by_the_control_plane_with_why(
             f"held port {port}, which this agent assigns to engines, and no shard spec describes it"
         )
         line = await server.wait_log(rf"WARNING .*node n1 killed pid {stray.pid} .*")
-        assert line.group(0).endswith(
-            f"node n1 killed pid {stray.pid} ({sys.executable} -m http.server {port} "
-            f"--bind 127.0.0.1): {why}"
-        ), line.group(0)
+        command = " ".join(argv[:-1]) + " www\\x0aWARNING forged \\x1b[31m"
+        assert f"killing pid {stray.pid} ({command}): it holds port {port}" in agent.log()
+        assert line.group(0).endswith(f"node n1 killed pid {stray.pid} ({command}): {why}"), (
+            line.group(0)
+        )
+    finally:
+        if stray.poll() is None:
+            await terminate_group(stray.pid, grace=1.0)
+        stray.wait(5)
+    for log in (server.log(), agent.log()):
+        assert "\nWARNING forged" not in log and "\x1b" not in log
     assert server.log().count(f"killed pid {stray.pid} ") == 1  # reported once
     assert 'llmgw_agent_kills_total{node="n1",reason_kind="stray"} 1.0' in await metrics(server)
 
