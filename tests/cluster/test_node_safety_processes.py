@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from llmgw.agent.procs import alive, identity, terminate_group
+from llmgw.agent.strays import kill_report
 from llmgw.protocol.messages import StartShard, StopShard
 from tests.cluster.procs import Daemon, Server, http_server, listening, write_agent_config
 from tests.cluster.test_engine_processes import PORT_BASE, fleet, llama_spec, tiny  # noqa: F401 (fixture)
@@ -22,7 +23,7 @@ from tests.cluster.test_processes import start_server
 from tests.conftest import Pki
 from tests.ports import own_port
 from tests.realparts import LLAMA_SERVER, needs_server
-from tests.stream.harness import wait_for
+from tests.stream.harness import control_plane, supervised, wait_for
 
 
 @pytest.fixture
@@ -195,3 +196,33 @@ async def test_a_shard_that_outlives_its_stop_grace_is_killed_and_the_control_pl
         )
         assert kills == 1.0
         assert not alive(pid)
+
+
+async def test_kills_made_while_no_stream_is_up_are_reported_once_on_the_next(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="llmgw.controlplane")
+    async with control_plane(pki) as plane:
+        agent = plane.agent("n1")
+        kills = agent.supervisor.kills
+        kills.put(kill_report(101, ["llama-server", "--port", "20001"], "held port 20001", "stray"))
+        kills.put(kill_report(102, ["sleep", "120"], "did not stop", "stop_timeout", "s1"))
+        kills.put(kill_report(103, [], "a kind of a newer agent", "oom"))
+
+        def count(kind: str) -> float:
+            value = plane.control.metrics.registry.get_sample_value(
+                "llmgw_agent_kills_total", {"node": "n1", "reason_kind": kind}
+            )
+            return value or 0.0
+
+        async with supervised(agent):
+            await wait_for(lambda: count("other") == 1)
+            # heartbeats go on, and carry none of them again
+            await wait_for(lambda: plane.control.nodes.nodes["n1"].last_heartbeat_seq >= 5)
+        assert (count("stray"), count("stop_timeout"), count("other")) == (1, 1, 1)
+        assert kills.items == []
+        assert [r.getMessage() for r in caplog.records if "killed" in r.getMessage()] == [
+            "node n1 killed pid 101 (llama-server --port 20001): held port 20001",
+            "node n1 killed pid 102 of shard s1 (sleep 120): did not stop",
+            "node n1 killed pid 103 (command unknown): a kind of a newer agent",
+        ]
