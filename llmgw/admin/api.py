@@ -47,6 +47,18 @@ def error(status: int, message: str) -> Response:
     return json_response(status, {"error": {"message": message, "code": status}})
 
 
+@attrs.frozen
+class Reloaded:
+    """What a reload changed, in one line, and what the operator should look at now."""
+
+    message: str
+    warnings: list[str] = attrs.Factory(list)
+
+
+class NotReloaded(Exception):
+    """A reload that changed nothing; the message says what was wrong, in one line."""
+
+
 class AdminApi:
     def __init__(
         self,
@@ -55,11 +67,15 @@ class AdminApi:
         fleet: FleetManager | None = None,
         routing: RoutingPublisher | None = None,
         traffic: Callable[[float], Mapping[str, TrafficView]] | None = None,
+        reload: Callable[[], Reloaded] | None = None,
     ) -> None:
+        """``reload`` reads again what the server can change without a restart (the
+        catalog, the API keys); without it a reload is the fleet's catalog alone."""
         if not token:
             raise ValueError("the admin API needs a token")
         self.control = control
         self.fleet = fleet
+        self._reload = reload
         if routing is None:
             routing = fleet.routing if fleet is not None else RoutingPublisher()
         self._routing = routing
@@ -232,18 +248,22 @@ class AdminApi:
         return Response(status=200, headers=list(_JSON), body=routing.body)
 
     async def reload(self, request: Request) -> Response:
-        fleet = self._need_fleet()
-        if isinstance(fleet, Response):
-            return fleet
+        reload = self._reload
+        if reload is None:
+            fleet = self._need_fleet()
+            if isinstance(fleet, Response):
+                return fleet
+            reload = _catalog_reload(fleet)
         try:
-            what = fleet.reload()
-        except ConfigError as exc:
-            return error(400, f"catalog not reloaded, nothing changed: {exc}")
+            what = reload()
+        except NotReloaded as exc:
+            log.error("%s", exc)
+            return error(400, str(exc))
         except Exception as exc:  # a reload never takes the server down
-            log.error("catalog not reloaded, nothing changed: %s", one_line(exc))
+            log.error("not reloaded, nothing changed: %s", one_line(exc))
             log.debug("the reload failed here", exc_info=True)
-            return error(500, f"catalog not reloaded, nothing changed: {one_line(exc)}")
-        return json_response(200, {"message": what})
+            return error(500, f"not reloaded, nothing changed: {one_line(exc)}")
+        return json_response(200, {"message": what.message, "warnings": what.warnings})
 
     async def status(self, request: Request) -> Response:
         return json_response(200, fleet_status(self.control.nodes.nodes.values()))
@@ -251,6 +271,16 @@ class AdminApi:
     async def metrics(self, request: Request) -> Response:
         body = generate_latest(self.control.metrics.registry)
         return Response(status=200, headers=[("content-type", CONTENT_TYPE_LATEST)], body=body)
+
+
+def _catalog_reload(fleet: FleetManager) -> Callable[[], Reloaded]:
+    def reload() -> Reloaded:
+        try:
+            return Reloaded(fleet.reload())
+        except ConfigError as exc:
+            raise NotReloaded(f"catalog not reloaded, nothing changed: {exc}") from None
+
+    return reload
 
 
 class _IntentBody(msgspec.Struct):

@@ -71,7 +71,16 @@ def server(
             overrides.append(f"{key}={_quote(value)}")
     from llmgw.serve import server as daemon
 
-    return _start("llmgw server", ServerConfig, config, overrides, daemon.serve)
+    def reread() -> ServerConfig:  # ctl reload and SIGHUP: the keys, from the same file
+        return load_config(ServerConfig, config, overrides)[0]
+
+    return _start(
+        "llmgw server",
+        ServerConfig,
+        config,
+        overrides,
+        lambda cfg, base: daemon.serve(cfg, base, reread),
+    )
 
 
 @app.command
@@ -150,8 +159,14 @@ def router(
         + (["--config", str(config)] if config else [])
         + [a for o in (set_ or []) for a in ("--set", o)]
     )
+
+    def reread() -> StandaloneRouterConfig:  # SIGHUP: the keys, from the same file
+        return load_config(StandaloneRouterConfig, config, overrides)[0]
+
     return run_daemon(
-        "llmgw router", lambda: daemon.serve(cfg, base, argv, worker, run_dir), OPERATOR_ERRORS
+        "llmgw router",
+        lambda: daemon.serve(cfg, base, argv, worker, run_dir, reread),
+        OPERATOR_ERRORS,
     )
 
 

@@ -552,7 +552,8 @@ def explain_placement(model: str, *, target: Target | None = None, json: bool = 
 
 @ctl_app.command
 def reload(*, target: Target | None = None, json: bool = False) -> int:
-    """Read the catalog file again (as SIGHUP does); a bad file changes nothing."""
+    """Read the catalog and the API keys again (as SIGHUP does); a bad config or
+    catalog file changes nothing."""
     return _run(
         "llmgw ctl reload",
         lambda: _print(

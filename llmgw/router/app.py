@@ -7,8 +7,9 @@ models). Everything that needs no body is answered there: a request without
 a good key gets its 401 with none of its body read, however much it sends,
 so a client without a key cannot make the server hold memory. Only then is
 the body read, and its JSON only for ``model`` and ``stream`` (the body is
-forwarded as is). A model the key may use and the table knows is routed:
-``Proxy`` sends it to a replica and says what the client gets.
+forwarded as is). A model the table does not know is 404; one it knows that
+the key may not use is 403. A model the key may use and the table knows is
+routed: ``Proxy`` sends it to a replica and says what the client gets.
 
 Each request has one ``Record``, opened as its head is admitted and ended
 exactly once: at once for an answer from the head, here for a whole reply,
@@ -121,7 +122,10 @@ class RouterApp:
                 return self._unauthorized()
             # ids may hold a slash ("org/name"), sent as is or percent-encoded (the
             # server has decoded the path)
-            return self._model(path[len("/v1/models/") :], key.models)
+            name = path[len("/v1/models/") :]
+            if not key.allows(name) and self.table.known(name):
+                return self._not_allowed(key, name)
+            return self._model(name, key.models)
         return openai_error(404, f"no such endpoint: {request.method} {path}")
 
     async def _route(self, request: Request, record: Record, key: ApiKey) -> Response:
@@ -133,10 +137,12 @@ class RouterApp:
         if not body.model:
             return openai_error(400, "the body names no model", code="missing_model")
         record.model = body.model  # as asked, known or not
-        if not key.allows(body.model) or not self.table.known(body.model):
+        if not self.table.known(body.model):
             return openai_error(
                 404, f"the model {body.model!r} does not exist", code="model_not_found"
             )
+        if not key.allows(body.model):
+            return self._not_allowed(key, body.model)
         record.route(trio.current_time())
         return await self.proxy(request, body.stream, record)
 
@@ -146,6 +152,15 @@ class RouterApp:
         if key is not None:
             record.key = key.name
         return key
+
+    def _not_allowed(self, key: ApiKey, model: str) -> Response:
+        """A model that exists, but not for this key: 403 (an unknown one is 404)."""
+        return openai_error(
+            403,
+            f"the API key {key.name!r} may not use the model {model!r}"
+            f" (it may use: {', '.join(sorted(key.models))})",
+            code="model_not_allowed",
+        )
 
     def _unauthorized(self) -> Response:
         return openai_error(

@@ -2,6 +2,9 @@
 
 Keys are random and long, so a fast hash (SHA-256) is enough to keep them
 out of config files; the key itself never appears in logs, only its name.
+
+A ring is replaced in place (``replace``) when the config is read again:
+whoever holds the ring checks the next request against the new keys.
 """
 
 from __future__ import annotations
@@ -36,6 +39,24 @@ def new_key() -> str:
 class KeyRing:
     def __init__(self, keys: list[ApiKey]) -> None:
         self._by_hash = {k.sha256: k for k in keys}
+
+    def replace(self, keys: list[ApiKey]) -> str:
+        """Check every request from now on against ``keys``; say what changed, by
+        name: "3 keys (added a, removed b, changed c)"."""
+        old = {k.name: k for k in self._by_hash.values()}
+        self._by_hash = {k.sha256: k for k in keys}
+        new = {k.name: k for k in keys}
+        changes = [
+            f"{verb} {', '.join(names)}"
+            for verb, names in (
+                ("added", sorted(new.keys() - old.keys())),
+                ("removed", sorted(old.keys() - new.keys())),
+                ("changed", sorted(n for n in new.keys() & old.keys() if new[n] != old[n])),
+            )
+            if names
+        ]
+        count = f"{len(keys)} key{'' if len(keys) == 1 else 's'}"
+        return f"{count} ({'; '.join(changes) or 'unchanged'})"
 
     def __len__(self) -> int:
         return len(self._by_hash)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -20,6 +22,7 @@ from prometheus_client import generate_latest
 
 from llmgw.addr import url_host
 from llmgw.config import ConfigError, parse_hostport
+from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, resolve
 from llmgw.http import HttpServer, ServerLimits
@@ -34,9 +37,15 @@ from llmgw.serve import open_listeners
 log = logging.getLogger("llmgw.router")
 
 
-def router_app(config: RouterConfig, table: RoutingTable, metrics: RouterMetrics) -> HttpServer:
-    """The endpoint's HTTP server, as ``llmgw server`` and ``llmgw router`` both run it."""
-    keys = KeyRing([ApiKey(k.name, k.sha256, frozenset(k.models)) for k in config.keys])
+def api_keys(config: RouterConfig) -> list[ApiKey]:
+    return [ApiKey(k.name, k.sha256, frozenset(k.models)) for k in config.keys]
+
+
+def router_app(
+    config: RouterConfig, table: RoutingTable, metrics: RouterMetrics, keys: KeyRing
+) -> HttpServer:
+    """The endpoint's HTTP server, as ``llmgw server`` and ``llmgw router`` both run it;
+    ``keys`` may be replaced while it serves."""
     pool = UpstreamPool(
         ClientLimits(
             connect_timeout_s=config.connect_timeout_s,
@@ -98,15 +107,48 @@ def admin_token(config: StandaloneRouterConfig, base: Path) -> str:
     return token
 
 
-async def serve(
-    config: StandaloneRouterConfig, base: Path, argv: list[str], worker: int, run_dir: str
+async def _reload_keys_on_sighup(
+    keys: KeyRing,
+    reread: Callable[[], StandaloneRouterConfig],
+    children: list[trio.Process],
+    worker: int,
 ) -> None:
-    """Worker 0 starts the others (``--worker i``) and serves the metrics of all."""
+    """SIGHUP: read the config file again and use its keys from the next request on
+    (worker 0 passes the signal on to the other workers); a bad file changes nothing."""
+    who = f"worker {worker}: " if worker else ""
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            for child in children:
+                if child.returncode is None:
+                    child.send_signal(signal.SIGHUP)
+            try:
+                config = reread()
+            except ConfigError as exc:
+                log.error("%skeys not reloaded, nothing changed: %s", who, exc)
+                continue
+            except Exception as exc:  # a reload never takes the router down
+                log.error("%skeys not reloaded, nothing changed: %s", who, one_line(exc))
+                log.debug("the reload failed here", exc_info=True)
+                continue
+            log.info("%skeys reloaded: %s", who, keys.replace(api_keys(config.router)))
+
+
+async def serve(
+    config: StandaloneRouterConfig,
+    base: Path,
+    argv: list[str],
+    worker: int,
+    run_dir: str,
+    reread: Callable[[], StandaloneRouterConfig] | None = None,
+) -> None:
+    """Worker 0 starts the others (``--worker i``) and serves the metrics of all.
+    ``reread`` reads the config file again, for SIGHUP (the keys)."""
     token = admin_token(config, base)
     watch = HttpWatch(config.admin_url, token)
     table = RoutingTable(watch)
     metrics = RouterMetrics()
-    server = router_app(config.router, table, metrics)
+    keys = KeyRing(api_keys(config.router))
+    server = router_app(config.router, table, metrics, keys)
     host, port = parse_hostport(config.router.listen, key="router.listen")
     # bound before any worker starts: a port held elsewhere is one line, from worker 0
     listeners = await open_listeners(
@@ -127,6 +169,8 @@ async def serve(
             )
     try:
         async with watch, trio.open_nursery() as nursery:
+            if reread is not None:
+                nursery.start_soon(_reload_keys_on_sighup, keys, reread, children, worker)
             await nursery.start(table.run)
             await nursery.start(server.serve, listeners)
             where = ", ".join(

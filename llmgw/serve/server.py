@@ -7,12 +7,14 @@ import logging
 import os
 import secrets
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import trio
 
 from llmgw.addr import join_hostport
-from llmgw.admin.api import AdminApi
+from llmgw.admin.api import AdminApi, NotReloaded, Reloaded
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
@@ -25,10 +27,11 @@ from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
+from llmgw.router.keys import KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 from llmgw.serve import open_listeners
-from llmgw.serve.router import router_app
+from llmgw.serve.router import api_keys, router_app
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")
@@ -68,15 +71,49 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
     return token, path
 
 
-async def _reload_on_sighup(fleet: FleetManager) -> None:
+@attrs.define
+class Reloader:
+    """What ``ctl reload`` and SIGHUP do: read the catalog and the API keys again.
+
+    The config file is read first and the catalog next; either one bad changes
+    nothing (the old keys and catalog stay) and says why. The keys are
+    replaced last, in the ring the in-process router reads: the next request
+    is checked against them. Other changes to the config need a restart.
+    """
+
+    fleet: FleetManager | None
+    keys: KeyRing | None  # the in-process router's, if it runs
+    reread: Callable[[], ServerConfig] | None  # the config file, read again
+
+    def __call__(self) -> Reloaded:
+        config = None
+        if self.keys is not None and self.reread is not None:
+            try:
+                config = self.reread()
+            except ConfigError as exc:
+                raise NotReloaded(f"config not reloaded, nothing changed: {exc}") from None
+        parts = []
+        if self.fleet is not None:
+            try:
+                parts.append(self.fleet.reload())
+            except ConfigError as exc:
+                raise NotReloaded(f"catalog not reloaded, nothing changed: {exc}") from None
+        if self.keys is not None and config is not None:
+            parts.append("keys reloaded: " + self.keys.replace(api_keys(config.router)))
+        what = "; ".join(parts) or "nothing to reload"
+        log.info("%s", what)
+        return Reloaded(what)
+
+
+async def _reload_on_sighup(reload: Reloader) -> None:
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
             try:
-                fleet.reload()
-            except ConfigError as exc:
-                log.error("catalog not reloaded, nothing changed: %s", exc)
+                reload()
+            except NotReloaded as exc:
+                log.error("%s", exc)
             except Exception as exc:  # a reload never takes the server down
-                log.error("catalog not reloaded, nothing changed: %s", one_line(exc))
+                log.error("not reloaded, nothing changed: %s", one_line(exc))
                 log.debug("the reload failed here", exc_info=True)
 
 
@@ -85,8 +122,11 @@ def _show(listener: trio.SocketListener) -> str:
     return join_hostport(host, port)
 
 
-async def serve(config: ServerConfig, base: Path) -> None:
-    """Run the control plane until cancelled."""
+async def serve(
+    config: ServerConfig, base: Path, reread: Callable[[], ServerConfig] | None = None
+) -> None:
+    """Run the control plane until cancelled; ``reread`` reads the config file again
+    (``ctl reload`` and SIGHUP take the API keys from it)."""
     sc = config.agent_stream
     ssl_context = server_context(
         resolve(base, sc.ca), resolve(base, sc.cert), resolve(base, sc.key)
@@ -129,10 +169,16 @@ async def serve(config: ServerConfig, base: Path) -> None:
         )
     routing = fleet.routing if fleet is not None else RoutingPublisher()
     router = None
+    keys = None
     if config.router.listen:
         table = RoutingTable(routing.next, routing.snapshot)
-        router = (table, router_app(config.router, table, RouterMetrics(control.metrics.registry)))
-    admin_api = AdminApi(control, token, fleet, routing, router[0].traffic if router else None)
+        keys = KeyRing(api_keys(config.router))
+        metrics = RouterMetrics(control.metrics.registry)
+        router = (table, router_app(config.router, table, metrics, keys))
+    reload = Reloader(fleet, keys, reread) if fleet is not None or keys is not None else None
+    admin_api = AdminApi(
+        control, token, fleet, routing, router[0].traffic if router else None, reload
+    )
     admin = HttpServer(admin_api, name="admin", admit=admin_api.admit)
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
@@ -151,9 +197,10 @@ async def serve(config: ServerConfig, base: Path) -> None:
         )
         log.info("agent stream listening on %s", ", ".join(_show(x) for x in listeners))
         await nursery.start(control.run_liveness)
+        if reload is not None:
+            nursery.start_soon(_reload_on_sighup, reload)
         if fleet is not None:
             await nursery.start(fleet.run)
-            nursery.start_soon(_reload_on_sighup, fleet)
             log.info(
                 "reconciling %d models from %s",
                 len(fleet.catalog.models),

@@ -453,9 +453,13 @@ async def test_a_key_limited_to_some_models_sees_only_those(tmp_path: Path, pki:
     async with routed(tmp_path, pki, extra_keys=extra_keys) as (_, base, key):
         limited = openai.AsyncOpenAI(base_url=base, api_key=other, max_retries=0)
         assert [m.id for m in (await limited.models.list()).data] == []
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.PermissionDeniedError):  # it exists, but not for this key
             await limited.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        with pytest.raises(openai.NotFoundError):  # an unknown model stays unknown
+            await limited.chat.completions.create(
+                model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=4
             )
         full = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         assert [m.id for m in (await full.models.list()).data] == ["tiny"]

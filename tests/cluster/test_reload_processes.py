@@ -1,0 +1,142 @@
+"""Reloading without a restart, through real processes: `llmgw ctl reload` and SIGHUP
+read the API keys again along with the catalog, in the server's in-process router
+and in a standalone `llmgw router`; a bad config file changes nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+from openai.types.chat import ChatCompletionMessageParam
+
+from llmgw.router.keys import hash_key, new_key
+from tests.cluster.procs import Daemon
+from tests.cluster.test_router_processes import reserved_port, routed
+from tests.conftest import Pki
+from tests.realparts import needs_server
+
+pytestmark = needs_server
+
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+def key_entry(name: str, key: str, models: list[str] | None = None) -> str:
+    allowed = "" if models is None else f"models = {json.dumps(models)}\n"
+    return f'[[router.keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"\n{allowed}'
+
+
+async def chat(base: str, key: str, model: str = "tiny") -> httpx.Response:
+    async with httpx.AsyncClient(timeout=20) as client:
+        return await client.post(
+            base + "/chat/completions",
+            json={"model": model, "messages": HI, "max_tokens": 4},
+            headers={"authorization": f"Bearer {key}"},
+        )
+
+
+async def test_ctl_reload_and_sighup_reload_the_keys_of_the_in_process_router(
+    tmp_path: Path, pki: Pki
+) -> None:
+    old, new, later = new_key(), new_key(), new_key()
+    async with routed(tmp_path, pki, extra_keys=key_entry("old", old)) as (c, base, key):
+        config = tmp_path / "server.toml"
+        assert (await chat(base, old)).status_code == 200
+        assert (await chat(base, new)).status_code == 401  # not there yet
+
+        # "old" goes, "new" comes, limited to a model that has no replica
+        config.write_text(
+            config.read_text().replace(key_entry("old", old), key_entry("new", new, ["huge"]))
+        )
+        out = (await c.server.ctl("reload")).stdout.decode()
+        assert "catalog reloaded from" in out
+        assert "keys reloaded: 2 keys (added new; removed old)" in out, out
+        await c.server.wait_log(r"keys reloaded: 2 keys \(added new; removed old\)")
+
+        gone = openai.AsyncOpenAI(base_url=base, api_key=old, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await gone.chat.completions.create(model="tiny", messages=HI, max_tokens=4)
+        limited = openai.AsyncOpenAI(base_url=base, api_key=new, max_retries=0)
+        # a model the key may not use: 403, in OpenAI's format, naming the key
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            await limited.chat.completions.create(model="tiny", messages=HI, max_tokens=4)
+        body = denied.value.body
+        assert isinstance(body, dict) and body["code"] == "model_not_allowed", body
+        assert "'new' may not use the model 'tiny'" in body["message"]
+        with pytest.raises(openai.PermissionDeniedError):
+            await limited.models.retrieve("tiny")
+        # a model nobody knows stays 404, whatever the key may use
+        with pytest.raises(openai.NotFoundError):
+            await limited.chat.completions.create(model="nope", messages=HI, max_tokens=4)
+        assert [m.id for m in (await limited.models.list()).data] == []
+        assert (await chat(base, key)).status_code == 200  # the unchanged key still works
+
+        # a bad config file keeps the keys and the catalog, and says why in one line
+        good = config.read_text()
+        config.write_text(good + "[router.nope]\n")
+        bad = await c.server.ctl("reload", check=False)
+        assert bad.returncode == 2
+        why = bad.stderr.decode().strip()
+        assert len(why.splitlines()) == 1, why
+        assert "config not reloaded, nothing changed" in why and "server.toml" in why, why
+        assert "router" in why and "nope" in why, why
+        assert (await chat(base, new, "nope")).status_code == 404
+        assert (await chat(base, new)).status_code == 403  # the keys are still the last good
+
+        # SIGHUP reads them too
+        config.write_text(good + key_entry("later", later))
+        assert c.server.proc is not None
+        c.server.proc.send_signal(signal.SIGHUP)
+        await c.server.wait_log(r"keys reloaded: 3 keys \(added later\)")
+        assert (await chat(base, later)).status_code == 200
+        assert c.server.returncode() is None
+        log = c.server.log()
+        assert "Traceback" not in log
+        assert not any(k in log for k in (key, old, new, later))
+
+
+async def test_sighup_reloads_the_keys_of_every_standalone_router_worker(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with routed(tmp_path, pki) as (c, _, key):
+        held = reserved_port()
+        port = held.getsockname()[1]
+        config = tmp_path / "router.toml"
+        text = (
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            "workers = 2\n"
+            f'[router]\nlisten = "127.0.0.1:{port}"\n' + key_entry("edge", key)
+        )
+        config.write_text(text)
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
+        c.agents["router"] = router  # killed with the rest
+        base = f"http://127.0.0.1:{port}/v1"
+        await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
+        other = new_key()
+        assert (await chat(base, other)).status_code == 401
+
+        config.write_text(text + key_entry("other", other, ["tiny"]))
+        assert router.proc is not None
+        router.proc.send_signal(signal.SIGHUP)
+        await router.wait_log(r"keys reloaded: 2 keys \(added other\)", count=2)  # both workers
+        for _ in range(6):  # connections land on both workers
+            assert (await chat(base, other)).status_code == 200
+
+        config.write_text("workers = [\n")  # a bad file: nothing changes, one line says why
+        router.proc.send_signal(signal.SIGHUP)
+        m = await router.wait_log(r".*keys not reloaded, nothing changed: .*", count=2)
+        assert "router.toml" in m.group(0)
+        await trio.sleep(0.2)
+        for _ in range(4):
+            assert (await chat(base, other)).status_code == 200
+        assert router.returncode() is None
+        assert "Traceback" not in router.log()
+        assert len(re.findall("keys not reloaded", router.log())) == 2
+        await router.stop(signal.SIGTERM)
+        held.close()
