@@ -553,13 +553,22 @@ def explain_placement(model: str, *, target: Target | None = None, json: bool = 
 @ctl_app.command
 def reload(*, target: Target | None = None, json: bool = False) -> int:
     """Read the catalog and the API keys again (as SIGHUP does); a bad config or
-    catalog file changes nothing."""
+    catalog file changes nothing. Then warn, one line each, about a model that no
+    node can hold now and an engine setting its engine does not know.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead (``message``, and ``warnings``, a list).
+    """
     return _run(
         "llmgw ctl reload",
-        lambda: _print(
-            call(target or Target(), "POST", "/v1/catalog/reload"), json, lambda d: d["message"]
-        ),
+        lambda: _print(call(target or Target(), "POST", "/v1/catalog/reload"), json, render_reload),
     )
+
+
+def render_reload(d: dict[str, Any]) -> str:
+    return "\n".join([d["message"], *(f"warning: {w}" for w in d.get("warnings", []))])
 
 
 @ctl_app.command

@@ -50,6 +50,7 @@ class ProfileError(ValueError):
 
 class EngineAdapter(Protocol):
     name: str  # "llama.cpp", "vllm", "vllm-ray"
+    known_settings: frozenset[str]  # the profile settings it reads; it refuses any other
 
     def validate(self, spec: ShardSpec) -> list[str]:
         """Problems in words, empty when the engine would accept the spec."""

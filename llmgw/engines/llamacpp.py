@@ -55,10 +55,11 @@ ALL_LAYERS = 999
 class LlamaCppAdapter:
     name = "llama.cpp"
     binary = "llama-server"
+    known_settings = SETTINGS
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems: list[str] = []
-        unknown = sorted(set(spec.settings) - SETTINGS)
+        unknown = sorted(set(spec.settings) - self.known_settings)
         problems.extend(f"unknown setting {k!r} for llama.cpp" for k in unknown)
         check_port(spec, problems)
         if spec.world_size != 1:

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import signal
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,13 +20,15 @@ from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
 from llmgw.config.schema import is_loopback, resolve
-from llmgw.controlplane.catalog import load_catalog
+from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.reconciler import Timing
+from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
+from llmgw.engines import adapters
 from llmgw.http import HttpServer
 from llmgw.router.keys import KeyRing
 from llmgw.router.metrics import RouterMetrics
@@ -71,6 +74,47 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
     return token, path
 
 
+def unknown_settings(catalog: Catalog) -> list[str]:
+    """A line for each profile setting its engine's adapter does not read (the
+    adapter would refuse the shard on the node, at launch)."""
+    engines = adapters()
+    lines: list[str] = []
+    for name in sorted(catalog.models):
+        for p in catalog.models[name].profiles:
+            adapter = engines.get(p.engine)
+            if adapter is None:  # the catalog refuses an unknown engine; nothing to say
+                continue
+            known = adapter.known_settings
+            lines.extend(
+                f"model {name}, profile {p.name}: {p.engine} does not know the setting"
+                f" {key!r} (it knows {', '.join(sorted(known))})"
+                for key in sorted(set(p.settings) - known)
+            )
+    return lines
+
+
+_RUNNING = frozenset({ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY})
+
+
+def unplaceable(fleet: FleetManager) -> list[str]:
+    """A line for each catalog model below its count whose next replica fits on no
+    node now, with placement's reason."""
+    if not fleet.control.nodes.nodes:
+        return [
+            "no node has registered yet: whether the catalog's models can be placed is not known"
+        ]
+    running = Counter(r.model for r in fleet.replicas() if r.state in _RUNNING and not r.leaving)
+    lines = []
+    for name in sorted(fleet.catalog.models):
+        model = fleet.catalog.models[name]
+        if not model.profiles or running[name] >= model.replicas:
+            continue
+        decision = fleet.explain(name)
+        if decision is not None and decision.profile is None:
+            lines.append(f"cannot place {name} now: {decision.summary}")
+    return lines
+
+
 @attrs.define
 class Reloader:
     """What ``ctl reload`` and SIGHUP do: read the catalog and the API keys again.
@@ -101,8 +145,14 @@ class Reloader:
         if self.keys is not None and config is not None:
             parts.append("keys reloaded: " + self.keys.replace(api_keys(config.router)))
         what = "; ".join(parts) or "nothing to reload"
-        log.info("%s", what)
-        return Reloaded(what)
+        warnings = []
+        if self.fleet is not None:
+            warnings = unknown_settings(self.fleet.catalog) + unplaceable(self.fleet)
+        if warnings:
+            log.warning("%s; warnings: %s", what, "; ".join(warnings))
+        else:
+            log.info("%s", what)
+        return Reloaded(what, warnings)
 
 
 async def _reload_on_sighup(reload: Reloader) -> None:
@@ -206,6 +256,8 @@ async def serve(
                 len(fleet.catalog.models),
                 fleet.catalog_path,
             )
+            for line in unknown_settings(fleet.catalog):
+                log.warning("%s", line)
         admin_listeners = await open_listeners(
             "admin.listen",
             admin_host,

@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw.router.keys import hash_key, new_key
 from tests.cluster.procs import Daemon
+from tests.cluster.test_control_plane_processes import cluster
 from tests.cluster.test_router_processes import reserved_port, routed
 from tests.conftest import Pki
 from tests.realparts import needs_server
@@ -140,3 +141,70 @@ async def test_sighup_reloads_the_keys_of_every_standalone_router_worker(
         assert len(re.findall("keys not reloaded", router.log())) == 2
         await router.stop(signal.SIGTERM)
         held.close()
+
+
+TYPO = """
+[models.typo]
+replicas = 0
+[[models.typo.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "/nonexistent/typo.gguf"
+settings = { contxt = 512, parallel = 1, flash = true }
+"""
+
+TOO_BIG = """
+[models.toobig]
+[[models.toobig.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+min_memory_gb = 1000
+model_path = "/nonexistent/big.gguf"
+"""
+
+
+async def test_ctl_reload_warns_about_unknown_settings_and_models_no_node_can_hold(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with cluster(tmp_path, pki, extra_catalog=TYPO) as c:
+        known = "context, gpu_layers, parallel, served_model_name, threads, threads_batch"
+        bad_settings = [
+            f"model typo, profile cpu: llama.cpp does not know the setting {name!r}"
+            f" (it knows {known})"
+            for name in ("contxt", "flash")
+        ]
+        # at start: one warning line for each
+        for line in bad_settings:
+            await c.server.wait_log(r"WARNING.*" + re.escape(line) + "\n")
+        assert len(re.findall("does not know the setting", c.server.log())) == 2
+
+        # before any node: nothing can be said about placement, and ctl says that
+        result = await c.server.ctl("reload")
+        lines = result.stdout.decode().splitlines()
+        assert lines[0].startswith("catalog reloaded from "), lines
+        assert lines[1:] == [
+            *(f"warning: {w}" for w in bad_settings),
+            "warning: no node has registered yet: whether the catalog's models can be"
+            " placed is not known",
+        ], lines
+
+        c.agent("n1", memory_gb=16)
+        await c.wait_ready(1)
+        catalog = tmp_path / "catalog.toml"
+        catalog.write_text(catalog.read_text() + TOO_BIG)
+        result = await c.server.ctl("reload")
+        assert result.returncode == 0  # warnings are no failure
+        lines = result.stdout.decode().splitlines()
+        assert lines[0].endswith(": 4 models"), lines
+        assert lines[1:3] == [f"warning: {w}" for w in bad_settings], lines
+        # tiny has its replica, huge wants none: only toobig cannot be placed
+        assert len(lines) == 4, lines
+        assert lines[3].startswith("warning: cannot place toobig now: no node can hold toobig:")
+        assert "n1: has 16" in lines[3] and "needs 1000" in lines[3], lines
+        # one log line says it all
+        m = await c.server.wait_log(r"WARNING .*catalog reloaded .*: 4 models; warnings: (.*)")
+        assert "cannot place toobig now" in m.group(1) and "'contxt'" in m.group(1)
+
+        as_json = json.loads((await c.server.ctl("reload", "--json")).stdout)
+        assert as_json["message"].startswith("catalog reloaded from ")
+        assert as_json["warnings"] == [w.removeprefix("warning: ") for w in lines[1:]]
