@@ -22,7 +22,14 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw.admin.views import GpuViews, ModelView, failure_view, node_view, replica_view
+from llmgw.admin.views import (
+    GpuViews,
+    ModelView,
+    failure_view,
+    node_view,
+    replica_view,
+    running_view,
+)
 from llmgw.config import ConfigError
 from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import fleet_status
@@ -227,7 +234,10 @@ class AdminApi:
         decision = fleet.explain(model)
         if decision is None:
             return error(404, f"no model {model!r} in the catalog")
-        return json_response(200, decision_view(decision))
+        running = sorted((r for r in fleet.replicas() if r.model == model), key=_by_id)
+        view = decision_view(decision)
+        view["running"] = [running_view(r) for r in running]  # where it runs now
+        return json_response(200, view)
 
     async def routing(self, request: Request) -> Response:
         """The routing table, as a watch: with ``since=<version>`` and ``wait=<s>`` it
@@ -287,7 +297,13 @@ class _IntentBody(msgspec.Struct):
     intent: str
 
 
+def _by_id(r: Replica) -> str:
+    return r.replica_id
+
+
 def decision_view(d: Decision) -> dict[str, object]:
+    """Where a new replica would go (``running`` is added by the route: where the
+    existing ones run)."""
     return {
         "model": d.model,
         "profile": d.profile,

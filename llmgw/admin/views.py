@@ -152,6 +152,26 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
     )
 
 
+class RunningView(msgspec.Struct, kw_only=True):
+    """A replica that exists now, as ``explain-placement`` lists it."""
+
+    replica_id: str
+    profile: str
+    state: str
+    leaving: bool
+    nodes: list[str]  # its shards' nodes, in rank order
+
+
+def running_view(r: Replica) -> RunningView:
+    return RunningView(
+        replica_id=r.replica_id,
+        profile=r.profile,
+        state=r.state.value,
+        leaving=r.leaving,
+        nodes=[s.node_id for s in sorted(r.shards, key=lambda s: s.rank)],
+    )
+
+
 class FailureView(msgspec.Struct, kw_only=True):
     model: str
     replica_id: str

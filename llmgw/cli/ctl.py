@@ -134,7 +134,9 @@ def _ago(wall: float, now: float) -> str:
 
 
 def _mem(total: int | None) -> str:
-    return "-" if total is None else f"{total / 2**30:.0f}G"
+    if total is None:
+        return "-"
+    return f"{total / 2**30:.1f}".removesuffix(".0") + " GiB"
 
 
 def _gpus(node: NodeView) -> str:
@@ -396,7 +398,21 @@ def render_failures(data: dict[str, Any]) -> str:
 
 
 def render_placement(d: dict[str, Any]) -> str:
-    lines = [d["summary"], ""]
+    """Two things apart: where the model's replicas run now, and where a new one
+    would go (placement's decision, with every node it considered)."""
+    running = d.get("running", [])
+    lines = [f"Running now: {len(running)} replica{'' if len(running) == 1 else 's'}"]
+    if running:
+        rows = [["REPLICA", "PROFILE", "STATE", "NODES"]]
+        for r in running:
+            state = r["state"] + (" (leaving)" if r["leaving"] and r["state"] != "Draining" else "")
+            rows.append([r["replica_id"], r["profile"], state, ",".join(r["nodes"]) or "-"])
+        lines.append(table(rows))
+    lines.append("")
+    if d["profile"] is not None:
+        lines.append(f"A new replica would go: {d['summary'].removeprefix('placed ')}")
+    else:
+        lines.append(f"A new replica would go: nowhere; {d['summary']}")
     rows = [["NODE", "PROFILE", "FITS", "WHY"]]
     for c in d["candidates"]:
         rows.append([c["node_id"], c["profile"], "yes" if c["ok"] else "no", c["reason"]])
@@ -541,7 +557,14 @@ def _wait_drained(target: Target, node: str, timeout: float, out: Any) -> None:
 
 @ctl_app.command(name="explain-placement")
 def explain_placement(model: str, *, target: Target | None = None, json: bool = False) -> int:
-    """Show every node placement would consider for MODEL, and why each fits or not."""
+    """Where MODEL's replicas run now, and where a new one would go: every node
+    placement would consider, and why each fits or not (memory in GiB).
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead: the decision's fields, and ``running``, a list.
+    """
     return _run(
         "llmgw ctl explain-placement",
         lambda: _print(

@@ -7,8 +7,8 @@ before asking for the next one.
 
 Profiles are tried in order of preference; the first one that fits anywhere
 wins. For each profile every node is a candidate, and every candidate says
-why: a rejected one names the first filter it failed ("has 8 GB of memory,
-needs 24"), an accepted one how it scored.
+why: a rejected one names the first filter it failed ("has 8 GiB of memory,
+needs 24 GiB"), an accepted one how it scored.
 
 Filters, in the order they are checked (the first failure is the reason):
 
@@ -18,7 +18,7 @@ Filters, in the order they are checked (the first failure is the reason):
 3. the profile's label selector (before hardware: a node that is not meant
    for this model should say so, not that it lacks a GPU);
 4. the engine is installed (vllm-ray needs both vllm and ray);
-5. ``min_memory_gb``, only when the profile sets it *and* the node reports its
+5. ``min_memory_gb`` (GiB), only when the profile sets it *and* the node reports its
    memory: a profile with no requirement fits anywhere, and a node that
    reports no memory is still usable (an unknown is not a zero);
 6. enough healthy GPUs that no shard holds, each missing one named;
@@ -483,11 +483,13 @@ def _hardware(
         return Kind.ENGINE, f"{missing} not installed"
     total = st.memory
     if min_bytes is not None and total is not None and total < min_bytes:
-        return Kind.MEMORY, f"has {_gb(total / GIB)} GB of memory, needs {_gb(min_bytes / GIB)}"
+        return Kind.MEMORY, (
+            f"has {_gib(total / GIB)} GiB of memory, needs {_gib(min_bytes / GIB)} GiB"
+        )
     return None
 
 
-def _gb(value: float) -> str:
+def _gib(value: float) -> str:
     """8.0 -> "8", 7.74 -> "7.7": rounded down, so a shortfall never reads as enough."""
     shown = math.floor(value * 10) / 10
     return f"{shown:.1f}".removesuffix(".0")

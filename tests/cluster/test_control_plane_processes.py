@@ -295,8 +295,8 @@ async def test_explain_placement_names_every_node_and_the_shortfall(
         await c.server.wait_node("n1", "Ready")
         await c.server.wait_node("n2", "Ready")
         text = (await c.server.ctl("explain-placement", "huge")).stdout.decode()
-        assert "n1" in text and "has 16 GB of memory, needs 1000" in text, text
-        assert "n2" in text and "has 32 GB of memory, needs 1000" in text, text
+        assert "n1" in text and "has 16 GiB of memory, needs 1000 GiB" in text, text
+        assert "n2" in text and "has 32 GiB of memory, needs 1000 GiB" in text, text
         as_json = json.loads((await c.server.ctl("explain-placement", "huge", "--json")).stdout)
         assert as_json["profile"] is None
         assert {x["node_id"] for x in as_json["candidates"]} == {"n1", "n2"}

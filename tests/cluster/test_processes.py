@@ -58,7 +58,7 @@ async def test_agent_registers_and_shows_in_ctl_nodes(
     ]  # fmt: skip
     cells = row.split()
     assert cells[:4] == ["n1", "127.0.0.1", "Ready", "0"]  # no control plane's shards there
-    assert cells[6:8] == ["12G", "-"]  # memory as written, no fabric
+    assert cells[6:9] == ["12", "GiB", "-"]  # memory as written, no fabric
     assert cells[-1] == "0"  # no GPUs
 
 

@@ -202,7 +202,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             profile(min_memory_gb=24),
             None,
             (),
-            "has 8 GB of memory, needs 24",
+            "has 8 GiB of memory, needs 24 GiB",
             Kind.MEMORY,
         ),
         (
@@ -210,7 +210,7 @@ def busy(node: str, gpus: list[int], ports: Sequence[int] = (20000,)) -> Allocat
             profile(min_memory_gb=24),
             None,
             (),
-            "has 23.9 GB of memory, needs 24",  # rounded down: a shortfall never reads as enough
+            "has 23.9 GiB of memory, needs 24 GiB",  # rounded down: a shortfall never reads as enough
             Kind.MEMORY,
         ),
         (
@@ -291,7 +291,7 @@ def test_memory_is_a_filter_between_nodes() -> None:
     nodes = [facts("a8", inventory(memory_gb=8)), facts("b64", inventory(memory_gb=64))]
     d = decide(model(profile(min_memory_gb=24)), nodes)
     assert only(d)[0] == "b64"
-    assert reasons(d)["a8"] == "has 8 GB of memory, needs 24"
+    assert reasons(d)["a8"] == "has 8 GiB of memory, needs 24 GiB"
 
 
 def test_allocated_and_unhealthy_gpus_are_never_handed_out() -> None:
@@ -498,7 +498,7 @@ def test_a_filtered_node_does_not_count_towards_its_fabric() -> None:
     assert [s.node_id for s in d.shards] == ["b1", "b3"]
     r = reasons(d)
     assert r["a1"] == "fabric ib-a has 1 fitting node, needs 2"
-    assert r["a2"] == "has 8 GB of memory, needs 24"
+    assert r["a2"] == "has 8 GiB of memory, needs 24 GiB"
     assert r["b2"].startswith("needs 4 GPUs, has 3 free")
 
 
@@ -528,7 +528,8 @@ def test_the_summary_says_why_nothing_fits_node_by_node() -> None:
     nodes = [facts("n1", inventory(memory_gb=8)), facts("n2", cordoned=True)]
     d = decide(model(profile("h100", min_memory_gb=24)), nodes)
     assert (
-        d.summary == "no node can hold qwen-coder: n1: has 8 GB of memory, needs 24; n2: cordoned"
+        d.summary
+        == "no node can hold qwen-coder: n1: has 8 GiB of memory, needs 24 GiB; n2: cordoned"
     )
 
 
@@ -538,7 +539,7 @@ def test_the_summary_covers_every_profile_tried() -> None:
     d = decide(model(gpu, cpu), [facts("n1", inventory(gpus=0, memory_gb=8))])
     assert d.summary == (
         "no node can hold qwen-coder: with profile h100, n1: needs 1 GPU, has none"
-        " / with profile cpu, n1: has 8 GB of memory, needs 24"
+        " / with profile cpu, n1: has 8 GiB of memory, needs 24 GiB"
     )
 
 
@@ -548,7 +549,9 @@ def test_the_summary_stays_readable_for_a_thousand_nodes() -> None:
     d = decide(model(profile(min_memory_gb=24)), nodes)
     assert len(d.candidates) == 1020
     assert len(d.summary) < 600, d.summary
-    assert d.summary.startswith("no node can hold qwen-coder: m0: has 1 GB of memory, needs 24;")
+    assert d.summary.startswith(
+        "no node can hold qwen-coder: m0: has 1 GiB of memory, needs 24 GiB;"
+    )
     assert "more nodes for other reasons" in d.summary
     d = decide(model(profile()), nodes[:1000])
     assert (
@@ -596,7 +599,7 @@ def test_a_replaced_inventory_is_seen_at_once() -> None:
     # a heartbeat replaces only the memory reading (the rest is the same objects)
     big = profile(min_memory_gb=24)
     f.node.inventory = msgspec.structs.replace(f.node.inventory, memory=Memory(total_bytes=GIB))
-    assert reasons(decide(model(big), [f]))["n"] == "has 1 GB of memory, needs 24"
+    assert reasons(decide(model(big), [f]))["n"] == "has 1 GiB of memory, needs 24 GiB"
     f.node.inventory = msgspec.structs.replace(
         f.node.inventory, memory=Memory(total_bytes=32 * GIB)
     )
