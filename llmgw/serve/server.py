@@ -147,7 +147,11 @@ class Reloader:
         what = "; ".join(parts) or "nothing to reload"
         warnings = []
         if self.fleet is not None:
-            warnings = unknown_settings(self.fleet.catalog) + unplaceable(self.fleet)
+            try:
+                warnings = unknown_settings(self.fleet.catalog) + unplaceable(self.fleet)
+            except Exception as exc:  # what is reloaded stays reloaded: say so, not a 500
+                log.debug("the reload's checks failed here", exc_info=True)
+                warnings = [f"the reload's checks failed: {one_line(exc)}"]
         if warnings:
             log.warning("%s; warnings: %s", what, "; ".join(warnings))
         else:
