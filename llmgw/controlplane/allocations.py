@@ -20,10 +20,16 @@ class Allocations:
     ports: dict[str, set[int]] = attrs.Factory(dict)  # node -> engine ports in use
     replicas: dict[tuple[str, str], int] = attrs.Factory(dict)  # (model, node) -> shards
 
-    def take(self, node: str, model: str, gpus: Iterable[int], port: int) -> None:
+    def take(
+        self, node: str, model: str, gpus: Iterable[int], port: int, *, counts: bool = True
+    ) -> None:
+        """``counts``: False for a shard that is leaving; it holds its GPUs and port, but
+        placement's spreading does not count it (its replacement may stand beside it)."""
         self.gpus.setdefault(node, set()).update(gpus)
         if port:
             self.ports.setdefault(node, set()).add(port)
+        if not counts:
+            return
         key = (model, node)
         self.replicas[key] = self.replicas.get(key, 0) + 1
 

@@ -31,7 +31,7 @@ from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.placement import Decision
-from llmgw.controlplane.plan import Command, Drain, Plan, Start, Stop
+from llmgw.controlplane.plan import Command, Drain, Plan, ReplicaFailed, Start, Stop
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
@@ -82,32 +82,26 @@ class FleetManager:
         self._queue(self.reconciler.registered(node_id, msg.shards, self._clock()))
 
     def _status(self, node_id: str, status: ShardStatus) -> None:
-        if status.state == "failed":
-            self._record_failure(node_id, status)
         self._queue(self.reconciler.shard_status(node_id, status, self._clock()))
 
-    def _record_failure(self, node_id: str, status: ShardStatus) -> None:
-        """Keep what the agent said about a failed shard of one of our replicas."""
-        for replica in self.reconciler.replicas.values():
-            for shard in replica.shards:
-                if shard.shard_id == status.shard_id and shard.node_id == node_id:
-                    exit_code, sig = exit_of(status.detail)
-                    tail = list(status.output_tail or shard.output_tail)
-                    self.failures.record(
-                        Failure(
-                            model=replica.model,
-                            replica_id=replica.replica_id,
-                            shard_id=shard.shard_id,
-                            node_id=node_id,
-                            reason=status.detail or "failed",
-                            exit_code=exit_code,
-                            signal=sig,
-                            output_tail=tail[-TAIL_LINES:],
-                            at=time.time(),
-                        )
-                    )
-                    self.control.metrics.replica_failures.labels(replica.model, node_id).inc()
-                    return
+    def _record(self, failed: ReplicaFailed) -> None:
+        """Keep a replica's failure (the agent's words for a failed shard, else ours: a
+        startup timeout, a lost node), its exit and its engine's last lines."""
+        exit_code, sig = exit_of(failed.why)
+        self.failures.record(
+            Failure(
+                model=failed.model,
+                replica_id=failed.replica_id,
+                shard_id=failed.shard_id,
+                node_id=failed.node_id,
+                reason=failed.why,
+                exit_code=exit_code,
+                signal=sig,
+                output_tail=list(failed.output_tail[-TAIL_LINES:]),
+                at=time.time(),
+            )
+        )
+        self.control.metrics.replica_failures.labels(failed.model, failed.node_id).inc()
 
     def crash_loop_wait(self, model: str) -> float | None:
         """Seconds until the next try at a model whose replicas keep failing, if waiting."""
@@ -247,6 +241,8 @@ class FleetManager:
         for plan in plans:
             for note in plan.notes:
                 log.log(logging.WARNING if note.warning else logging.INFO, "%s", note.text)
+            for failed in plan.failed:
+                self._record(failed)
             # stops first: what is being replaced lets go of its resources soonest
             for command in plan.commands():
                 box = self._outboxes.get(command.node)

@@ -51,12 +51,25 @@ class PlacementFailure:
     kind: str  # a bounded reason, for metrics (``placement.failure_kind``)
 
 
+@attrs.frozen
+class ReplicaFailed:
+    """A replica failed in this pass, and why: kept for ``ctl models`` after it is gone."""
+
+    model: str
+    replica_id: str
+    shard_id: str  # the shard that failed, or the first one (a timeout fails them all)
+    node_id: str
+    why: str  # the agent's words for a shard that failed, else the reconciler's
+    output_tail: tuple[str, ...] = ()
+
+
 @attrs.define
 class Plan:
     start: list[Start] = attrs.Factory(list)
     stop: list[Stop] = attrs.Factory(list)
     drain: list[Drain] = attrs.Factory(list)
     placement_failures: dict[str, PlacementFailure] = attrs.Factory(dict)  # by model
+    failed: list[ReplicaFailed] = attrs.Factory(list)
     notes: list[Note] = attrs.Factory(list)
 
     def commands(self) -> list[Command]:

@@ -51,17 +51,27 @@ from llmgw.controlplane.catalog import Catalog, Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.controlplane.placement import (
     Decision,
+    Kind,
     NodeFacts,
     PlacementCache,
     ShardPlacement,
     failure_kind,
     place,
 )
-from llmgw.controlplane.plan import Drain, Note, PlacementFailure, Plan, Start, Stop
+from llmgw.controlplane.plan import (
+    Drain,
+    Note,
+    PlacementFailure,
+    Plan,
+    ReplicaFailed,
+    Start,
+    Stop,
+)
 from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
 
 R = ReplicaState
+SERVING_OR_COMING = frozenset({R.PENDING, R.STARTING, R.READY})
 
 
 @attrs.frozen
@@ -106,11 +116,23 @@ class _PassState:
         self.cache = rec.placement_cache
         self._facts: list[NodeFacts] | None = None
         self._allocations: Allocations | None = None
+        self._open: frozenset[str] | None = None
 
     def facts(self) -> list[NodeFacts]:
         if self._facts is None:
             self._facts = self._rec.facts(self.nodes)
         return self._facts
+
+    def open_nodes(self) -> frozenset[str]:
+        """Nodes placement may use: Ready, neither cordoned nor draining."""
+        if self._open is None:
+            rec = self._rec
+            self._open = frozenset(
+                n
+                for n, node in self.nodes.items()
+                if node.state is NodeState.READY and n not in rec.cordoned
+            )
+        return self._open
 
     def allocations(self) -> Allocations:
         if self._allocations is None:
@@ -137,6 +159,11 @@ class Reconciler:
         # what placement read from each inventory, kept from pass to pass (derived data,
         # never stale): a pass reads only the inventories that changed since the last
         self.placement_cache = PlacementCache()
+        # a model whose last placement failed for want of GPUs or ports: a rollout or
+        # spread of it gives way after the drain grace (``_may_force``)
+        self.room_short: dict[str, bool] = {}
+        # per model, the open nodes and its replicas when a spread was last looked at
+        self._spread_seen: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
 
     # --- inputs from the fleet ----------------------------------------------
 
@@ -172,6 +199,8 @@ class Reconciler:
                     now,
                     plan,
                     f"shard {shard.shard_id} on {node_id} {status.state}: {status.detail}",
+                    shard=shard,
+                    reason=status.detail or status.state,
                 )
             elif replica.state is R.DRAINING and not replica.shards:
                 self._stop(replica, now, plan, "drained")  # forgotten in the next pass
@@ -186,12 +215,13 @@ class Reconciler:
         if self.started_at is None:
             self.started_at = now
         for replica in list(self.replicas.values()):
+            model = self.catalog.models.get(replica.model)
             profile = self.catalog.profile(replica.model, replica.profile)
-            if profile is None and replica.state not in (R.STOPPING, R.FAILED):
-                self._stop(replica, now, plan, "its model or profile left the catalog")
-                continue
-            if replica.state in (R.PENDING, R.STARTING) and profile is not None:
-                limit = profile.startup_timeout_s + t.startup_margin_s
+            replica.outdated = model is not None and _outdated(replica, profile)
+            if (model is None or not model.profiles) and replica.state in SERVING_OR_COMING:
+                self._remove(replica, now, plan)
+            if replica.state in (R.PENDING, R.STARTING):
+                limit = _startup_timeout(replica, profile) + t.startup_margin_s
                 if now - replica.created_at > limit:
                     self._fail(replica, now, plan, f"not ready {limit:g} s after it was placed")
                     continue
@@ -216,6 +246,9 @@ class Reconciler:
 
     def set_catalog(self, catalog: Catalog) -> None:
         self.catalog = catalog
+        for kept in (self.room_short, self._spread_seen):
+            for model in [m for m in kept if m not in catalog.models]:
+                del kept[model]
 
     # --- the operator's intent -------------------------------------------------------
 
@@ -241,15 +274,24 @@ class Reconciler:
 
     # --- placement and scaling ------------------------------------------------------
 
-    def allocations(self) -> Allocations:
+    def allocations(self, *, without: str = "") -> Allocations:
         """What is handed out. A failed replica stops counting towards its model at once,
         but its shards hold their GPUs and ports until they report stopped (or their node
         is lost, or the stop timeout is over): a new engine started on a GPU the dying
-        one still holds would fail to load."""
+        one still holds would fail to load. ``without``: a replica id left out, to ask
+        where that replica would go if it were placed now."""
         a = Allocations()
         for replica in self.replicas.values():
+            if replica.replica_id == without:
+                continue
             for shard in replica.shards:
-                a.take(shard.node_id, replica.model, shard.spec.gpus, shard.spec.port)
+                a.take(
+                    shard.node_id,
+                    replica.model,
+                    shard.spec.gpus,
+                    shard.spec.port,
+                    counts=not replica.leaving,
+                )
         return a
 
     def facts(self, nodes: Mapping[str, Node]) -> list[NodeFacts]:
@@ -284,19 +326,33 @@ class Reconciler:
             on_draining_node = any(n in self.draining for n in replica.nodes)
             if (
                 on_draining_node
-                and not replica.leaving
-                and replica.state in (R.READY, R.STARTING, R.PENDING)
+                and replica.state in SERVING_OR_COMING
+                and (not replica.leaving or replica.leaving_why in ("outdated", "spread"))
             ):
-                replica.leaving, replica.leaving_since = True, now
-                plan.notes.append(Note(f"replica {replica.replica_id} moves off a draining node"))
+                self._leave(replica, now, "drain", plan, "moves off a draining node")
+        for replica in mine:
+            if self._cancel_move(replica, model):
+                replica.leaving, replica.leaving_why = False, ""
+                plan.notes.append(
+                    Note(
+                        f"replica {replica.replica_id} stays: "
+                        + (
+                            "its profile is as it runs again"
+                            if not replica.outdated
+                            else "its replacement failed; the move is off"
+                        )
+                    )
+                )
+        # one move at a time: a changed profile rolls out, then a crowded model spreads
+        if not any(r.leaving for r in mine):
+            self._start_move(model, mine, shared, now, plan)
         counting = [r for r in mine if r.counts]
         missing = model.replicas - len(counting)
         if missing > 0:
             self._place(model, missing, shared, now, plan)
         elif missing < 0:
             for replica in surplus(counting, -missing, list(self.replicas)):
-                replica.leaving, replica.leaving_since = True, now
-                plan.notes.append(Note(f"replica {replica.replica_id} is an extra; draining it"))
+                self._leave(replica, now, "surplus", plan, "is an extra; draining it")
                 self._drain(replica, now, plan)
         ready = sum(1 for r in mine if r.state is R.READY and not r.leaving)
         for replica in mine:
@@ -304,10 +360,116 @@ class Reconciler:
                 continue
             if replica.state in (R.PENDING, R.STARTING):
                 self._stop(replica, now, plan, "not needed any more")
-            elif (
-                ready >= model.replicas or now - replica.leaving_since >= self.timing.drain_grace_s
+            elif ready >= model.replicas or (
+                now - replica.leaving_since >= self.timing.drain_grace_s
+                and self._may_force(replica)
             ):
                 self._drain(replica, now, plan)
+
+    def _leave(self, replica: Replica, now: float, why: str, plan: Plan, words: str) -> None:
+        replica.leaving, replica.leaving_since, replica.leaving_why = True, now, why
+        plan.notes.append(Note(f"replica {replica.replica_id} {words}"))
+
+    def _may_force(self, replica: Replica) -> bool:
+        """Whether a leaving replica drains once the drain grace is over, its replacement
+        Ready or not. A draining node and a surplus must end; a rollout or a spread gives
+        way only when its replacement cannot be placed for want of the GPUs or ports the
+        old one holds (one GPU, one replica: replaced in place). A replacement that fails
+        to start never takes the serving replica down with it."""
+        if replica.leaving_why not in ("outdated", "spread"):
+            return True
+        return self.room_short.get(replica.model, False)
+
+    def _cancel_move(self, replica: Replica, model: Model) -> bool:
+        """A rollout whose profile was changed back, or a spread whose replacement
+        failed, is called off while the replica still serves."""
+        if not replica.leaving or replica.state is not R.READY:
+            return False
+        if replica.leaving_why == "outdated":
+            return not replica.outdated
+        if replica.leaving_why == "spread":
+            backoff = self.backoff.get(model.name)
+            return backoff is not None and backoff.failures > 0
+        return False
+
+    def _start_move(
+        self, model: Model, mine: list[Replica], shared: _PassState, now: float, plan: Plan
+    ) -> None:
+        counting = [r for r in mine if r.counts]
+        stale = [r for r in counting if r.outdated]
+        if stale:
+            # what does not serve yet goes first, then the oldest
+            replica = min(stale, key=lambda r: (r.state is R.READY, r.created_at))
+            self._leave(
+                replica,
+                now,
+                "outdated",
+                plan,
+                f"runs an earlier version of profile {replica.profile}; replacing it "
+                "(the new one is Ready before this one drains)",
+            )
+            return
+        move = self._spread(model, counting, shared, now)
+        if move is not None:
+            replica, target, count = move
+            self._leave(
+                replica,
+                now,
+                "spread",
+                plan,
+                f"moves to {target} to spread {model.name} over nodes "
+                f"({count} of its replicas run on {replica.nodes[0]})",
+            )
+
+    def _spread(
+        self, model: Model, counting: list[Replica], shared: _PassState, now: float
+    ) -> tuple[Replica, str, int] | None:
+        """A replica to move, where to and how crowded its node is, when a model's
+        replicas crowd one node and placement, asked afresh, would now put one
+        elsewhere with at least two fewer of them.
+
+        Looked at only when all of the model's replicas serve and the nodes that
+        could take one or the replicas changed since the last look (an uncordon,
+        a node back): placement costs O(nodes), and a model that cannot spread
+        would otherwise be asked again every pass.
+        """
+        if (
+            model.replicas < 2
+            or len(counting) < 2
+            or any(r.state is not R.READY or r.world_size != 1 for r in counting)
+            or shared.placed >= self.timing.max_placements_per_pass
+            or model.name in self.backoff
+        ):
+            return None
+        seen = (shared.open_nodes(), frozenset(r.replica_id for r in counting))
+        if self._spread_seen.get(model.name) == seen:
+            return None
+        self._spread_seen[model.name] = seen
+        per_node: dict[str, int] = {}
+        for r in counting:
+            per_node[r.nodes[0]] = per_node.get(r.nodes[0], 0) + 1
+        crowded, most = max(per_node.items(), key=lambda kv: (kv[1], kv[0]))
+        if most < 2:
+            return None
+        # the newest there goes: an adopted one has served longest
+        replica = max(
+            (r for r in counting if r.nodes[0] == crowded),
+            key=lambda r: (not r.adopted, r.created_at, r.replica_id),
+        )
+        decision = place(
+            model,
+            shared.facts(),
+            self.allocations(without=replica.replica_id),
+            now,
+            avoid=frozenset(self.draining),
+            cache=shared.cache,
+        )
+        if decision.profile is None or len(decision.shards) != 1:
+            return None
+        target = decision.shards[0].node_id
+        if per_node.get(target, 0) + 2 > most:
+            return None
+        return replica, target, most
 
     def _place(
         self, model: Model, missing: int, shared: _PassState, now: float, plan: Plan
@@ -321,11 +483,12 @@ class Reconciler:
                 model, facts, allocations, now, avoid=frozenset(self.draining), cache=shared.cache
             )
             if decision.profile is None:
-                plan.placement_failures[model.name] = PlacementFailure(
-                    decision.summary, failure_kind(decision)
-                )
+                kind = failure_kind(decision)
+                plan.placement_failures[model.name] = PlacementFailure(decision.summary, kind)
+                self.room_short[model.name] = kind in (Kind.GPUS, Kind.PORTS)
                 self._back_off(model.name, now)
                 return
+            self.room_short.pop(model.name, None)
             profile = self.catalog.profile(model.name, decision.profile)
             assert profile is not None
             replica = self._new_replica(model, profile, decision.shards, nodes, now)
@@ -399,12 +562,34 @@ class Reconciler:
         elif any(s == "starting" for s in states) and replica.state is not R.STARTING:
             replica.move(R.STARTING, now)
 
-    def _fail(self, replica: Replica, now: float, plan: Plan, why: str) -> None:
+    def _fail(
+        self,
+        replica: Replica,
+        now: float,
+        plan: Plan,
+        why: str,
+        *,
+        shard: Shard | None = None,
+        reason: str = "",
+    ) -> None:
+        """Failed: its shards are stopped, and the failure is kept for ``ctl models``
+        (``reason``: the agent's words for a failed ``shard``, else ``why``)."""
         if replica.state is R.FAILED:
             return
         was_serving = replica.state is R.READY
+        where = shard or (replica.shards[0] if replica.shards else None)
+        plan.failed.append(
+            ReplicaFailed(
+                model=replica.model,
+                replica_id=replica.replica_id,
+                shard_id=where.shard_id if where else "",
+                node_id=where.node_id if where else "",
+                why=reason or why,
+                output_tail=tuple(where.output_tail) if where else (),
+            )
+        )
         replica.move(R.FAILED, now, why)
-        replica.leaving = True
+        replica.leaving, replica.leaving_why = True, "failed"
         plan.notes.append(Note(f"replica {replica.replica_id} failed: {why}", warning=True))
         if not was_serving:
             self._back_off(replica.model, now)
@@ -415,8 +600,18 @@ class Reconciler:
             return
         replica.move(R.STOPPING, now, why)
         replica.leaving = True
+        replica.leaving_why = replica.leaving_why or "stopped"
         plan.notes.append(Note(f"replica {replica.replica_id} stopping: {why}"))
         self._stop_shards(replica, plan)
+
+    def _remove(self, replica: Replica, now: float, plan: Plan) -> None:
+        """Its model left the catalog: a serving replica drains (what it is answering
+        finishes), one still loading stops."""
+        if replica.state is not R.READY:
+            self._stop(replica, now, plan, "its model left the catalog")
+            return
+        self._leave(replica, now, "removed", plan, "drains: its model left the catalog")
+        self._drain(replica, now, plan)
 
     def _drain(self, replica: Replica, now: float, plan: Plan) -> None:
         if replica.state is not R.READY:
@@ -463,17 +658,9 @@ class Reconciler:
     # --- adoption ------------------------------------------------------------------------
 
     def _adopt(self, node_id: str, report: ShardReport, now: float, plan: Plan) -> None:
+        # adopted even when its model or profile left the catalog: the next pass drains
+        # it (the model left) or replaces it (the profile changed), as for any replica
         spec = report.spec
-        profile = self.catalog.profile(spec.model, spec.profile)
-        if profile is None:
-            plan.stop.append(Stop(node_id, spec.shard_id, self.timing.stop_grace_s))
-            plan.notes.append(
-                Note(
-                    f"stopping shard {spec.shard_id} on {node_id}: "
-                    "model or profile left the catalog"
-                )
-            )
-            return
         replica = self.replicas.get(spec.replica_id)
         if replica is None:
             replica = Replica(
@@ -548,7 +735,8 @@ def surplus(counting: list[Replica], n: int, known: list[str]) -> list[Replica]:
     """The ``n`` replicas of one model to let go when more count than are wanted.
 
     The ones not serving go first: a Ready replica is never drained while one
-    that is still loading is kept. Among those that serve, an adopted one ran
+    that is still loading is kept. Then those running an earlier version of
+    their profile. Among those that serve, an adopted one ran
     before this control plane started, so it is older than anything placed
     since (its ``created_at`` is only when it was adopted): the replacement a
     restarted control plane placed before a late agent came back goes, and the
@@ -560,6 +748,7 @@ def surplus(counting: list[Replica], n: int, known: list[str]) -> list[Replica]:
         counting,
         key=lambda r: (
             r.state is R.READY,
+            not r.outdated,
             r.adopted,
             -r.created_at,
             -order.get(r.replica_id, len(order)),
@@ -571,3 +760,30 @@ def _gone(node: Node | None) -> bool:
     """Nothing of ours can be running there (or nobody could tell us to stop it): the
     node left the table or is Lost."""
     return node is None or node.state is NodeState.LOST
+
+
+def _outdated(replica: Replica, profile: Profile | None) -> bool:
+    """Whether a replica's shards run something other than its profile now says
+    (its profile left the model, or the engine, the weights, the arguments, the
+    settings, the environment or the GPUs changed). A changed placement rule
+    (selector, memory) or startup timeout does not restart a serving engine."""
+    if profile is None:
+        return True
+    if replica.world_size != profile.nodes:
+        return True
+    return any(
+        s.spec.engine != profile.engine
+        or s.spec.model_path != profile.model_path
+        or s.spec.engine_args != profile.engine_args
+        or s.spec.settings != profile.settings
+        or s.spec.env != profile.env
+        or len(s.spec.gpus) != profile.gpus
+        for s in replica.shards
+    )
+
+
+def _startup_timeout(replica: Replica, profile: Profile | None) -> float:
+    """The profile's startup timeout, or (its profile gone) the one it was started with."""
+    if profile is not None:
+        return profile.startup_timeout_s
+    return max((s.spec.startup_timeout_s for s in replica.shards), default=0.0)

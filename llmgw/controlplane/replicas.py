@@ -88,6 +88,12 @@ class Replica:
     state_since: float
     leaving: bool = False  # being replaced (its node drains) or scaled down: does not count
     leaving_since: float = 0.0
+    # why it is leaving: "drain" (its node drains), "surplus" (above the count),
+    # "outdated" (its profile changed), "spread" (moved to another node), "removed"
+    # (its model left the catalog), "failed" or "stopped"
+    leaving_why: str = ""
+    # its shards run something other than its profile says now (the catalog changed)
+    outdated: bool = False
     adopted: bool = False  # rebuilt from an agent's report
     why: str = ""  # the last move's reason
 

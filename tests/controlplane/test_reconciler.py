@@ -205,24 +205,216 @@ def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
     assert len(replacement) == 1
 
 
-def test_a_model_that_left_the_catalog_is_stopped() -> None:
+TINY = "\n".join(CATALOG.splitlines()[:8])
+OTHER = (
+    '[models.other]\nreplicas = 0\n[[models.other.profiles]]\nname = "p"\n'
+    'engine = "llama.cpp"\nmodel_path = "/m.gguf"\n'
+)
+
+
+def test_a_model_that_left_the_catalog_drains_and_is_not_killed_mid_request() -> None:
     nodes = fleet("n1")
-    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = reconciler(catalog(TINY))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
-    rec.set_catalog(
-        catalog(
-            '[models.other]\nreplicas = 0\n[[models.other.profiles]]\nname = "p"\n'
-            'engine = "llama.cpp"\nmodel_path = "/m.gguf"\n'
-        )
-    )
-    stop = rec.reconcile(nodes.nodes, now=2).stop
-    assert [(s.node, s.shard_id) for s in stop] == [
-        (plan.start[0].node, plan.start[0].spec.shard_id)
+    [start] = plan.start
+    rec.set_catalog(catalog(OTHER))
+    step = rec.reconcile(nodes.nodes, now=2)
+    assert step.stop == []  # what it is answering finishes
+    assert step.drain == [Drain(start.node, start.spec.shard_id, NOW.drain_timeout_s)]
+    assert any("drains: its model left the catalog" in n.text for n in step.notes)
+    assert rec.reconcile(nodes.nodes, now=3).drain == []  # drained once
+    rec.shard_status("n1", ShardStatus(shard_id=start.spec.shard_id, state="stopped"), 4)
+    rec.reconcile(nodes.nodes, now=5)
+    assert rec.replicas == {}
+    # a replica of a model that left while still loading is stopped
+    rec = reconciler(catalog(TINY))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    rec.set_catalog(catalog(OTHER))
+    assert [s.shard_id for s in rec.reconcile(nodes.nodes, now=1).stop] == [
+        plan.start[0].spec.shard_id
     ]
-    # and an agent reporting such a shard is told to stop it
+    # an agent that reports such a shard after a control-plane restart: it drains too
     other = reconciler(rec.catalog, run="t2")
-    assert other.registered("n1", report(plan)["n1"], now=3).stop
+    assert other.registered("n1", report(plan)["n1"], now=3).stop == []
+    assert [d.shard_id for d in other.reconcile(nodes.nodes, now=4).drain] == [
+        plan.start[0].spec.shard_id
+    ]
+
+
+def changed(text: str, old: str, new: str) -> Catalog:
+    assert old in text
+    return catalog(text.replace(old, new))
+
+
+def shard_ids(steps: list[Plan], kind: str) -> list[str]:
+    return [
+        c.spec.shard_id if kind == "start" else c.shard_id for p in steps for c in getattr(p, kind)
+    ]  # type: ignore[attr-defined]
+
+
+def test_a_changed_profile_rolls_out_one_replica_at_a_time_new_one_ready_first() -> None:
+    nodes = fleet("n1", "n2")
+    two = TINY.replace("replicas = 1", "replicas = 2")
+    rec = reconciler(catalog(two))
+    first = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, first, now=1)
+    old = {s.spec.replica_id for s in first.start}
+    rec.set_catalog(changed(two, "startup_timeout_s = 60", 'engine_args = ["--ctx-size", "512"]'))
+    now = 2.0
+    rolled: list[str] = []
+    for _ in range(12):
+        step = rec.reconcile(nodes.nodes, now=now)
+        serving = [r for r in rec.replicas.values() if r.state is ReplicaState.READY]
+        # never fewer serving than wanted: the old one drains only after the new is Ready
+        assert len(serving) >= 2, [(r.replica_id, r.state) for r in rec.replicas.values()]
+        assert len(step.start) <= 1  # one at a time
+        for s in step.start:
+            assert s.spec.engine_args == ["--ctx-size", "512"]
+        ready_all(rec, step, now=now + 0.1)
+        for d in step.drain:
+            rolled.append(d.shard_id)
+            rec.shard_status(d.node, ShardStatus(shard_id=d.shard_id, state="stopped"), now + 0.2)
+        now += 1
+    assert sorted(r.rsplit("-", 1)[0] for r in rolled) == sorted(old)
+    assert len(rec.replicas) == 2
+    assert not any(r.outdated for r in rec.replicas.values())
+    assert {r.nodes[0] for r in rec.replicas.values()} == {"n1", "n2"}
+
+
+def test_an_outdated_replica_is_marked_and_a_change_undone_calls_the_rollout_off() -> None:
+    nodes = fleet("n1")
+    rec = reconciler(catalog(TINY))
+    first = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, first, now=1)
+    [replica] = rec.replicas.values()
+    rec.set_catalog(changed(TINY, "/models/tiny.gguf", "/models/tiny-q8.gguf"))
+    step = rec.reconcile(nodes.nodes, now=2)
+    assert replica.outdated and replica.leaving
+    assert [s.spec.model_path for s in step.start] == ["/models/tiny-q8.gguf"]
+    rec.set_catalog(catalog(TINY))  # changed back before the new one came up
+    step = rec.reconcile(nodes.nodes, now=3)
+    assert not replica.outdated and not replica.leaving
+    assert any("stays" in n.text for n in step.notes)
+    assert step.drain == []
+
+
+def test_a_rollout_whose_new_replica_fails_keeps_the_old_one_serving() -> None:
+    nodes = fleet("n1")
+    rec = reconciler(catalog(TINY), Timing(settle_s=0, drain_grace_s=30))
+    first = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, first, now=1)
+    [replica] = rec.replicas.values()
+    rec.set_catalog(changed(TINY, "/models/tiny.gguf", "/models/missing.gguf"))
+    now = 2.0
+    for _ in range(100):  # well past the drain grace
+        step = rec.reconcile(nodes.nodes, now=now)
+        for s in step.start:
+            rec.shard_status(
+                s.node, ShardStatus(shard_id=s.spec.shard_id, state="failed", detail="no file"), now
+            )
+        assert step.drain == [] and replica.shards[0].shard_id not in [
+            s.shard_id for s in step.stop
+        ]
+        now += 5
+    assert replica.state is ReplicaState.READY
+
+
+def test_a_rollout_with_no_room_beside_the_old_one_replaces_it_after_the_grace() -> None:
+    nodes = fleet("n1", gpus=1)
+    big = "\n".join(CATALOG.splitlines()[9:])
+    rec = reconciler(catalog(big), Timing(settle_s=0, drain_grace_s=30))
+    first = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, first, now=1)
+    rec.set_catalog(changed(big, "gpus = 1", 'gpus = 1\nengine_args = ["--x"]'))
+    step = rec.reconcile(nodes.nodes, now=2)
+    assert step.start == [] and step.drain == []
+    assert step.placement_failures["big"].kind == "gpus"
+    assert rec.reconcile(nodes.nodes, now=20).drain == []  # still serving
+    step = rec.reconcile(nodes.nodes, now=40)
+    assert [d.shard_id for d in step.drain] == [first.start[0].spec.shard_id]
+
+
+def test_replicas_spread_after_an_uncordon_one_move_at_a_time() -> None:
+    nodes = fleet("n1", "n2", "n3")
+    three = TINY.replace("replicas = 1", "replicas = 3")
+    rec = reconciler(catalog(three))
+    rec.cordon("n2")
+    rec.cordon("n3")
+    first = rec.reconcile(nodes.nodes, now=0)
+    assert [s.node for s in first.start] == ["n1", "n1", "n1"]  # a preference, not a filter
+    ready_all(rec, first, now=1)
+    assert rec.reconcile(nodes.nodes, now=2).start == []
+    rec.uncordon("n2")
+    rec.uncordon("n3")
+    now = 3.0
+    moves = []
+    for _ in range(20):
+        step = rec.reconcile(nodes.nodes, now=now)
+        assert len(step.start) <= 1
+        moves += [s.node for s in step.start]
+        serving = [r for r in rec.replicas.values() if r.state is ReplicaState.READY]
+        assert len(serving) >= 3
+        ready_all(rec, step, now=now + 0.1)
+        for d in step.drain:
+            rec.shard_status(d.node, ShardStatus(shard_id=d.shard_id, state="stopped"), now + 0.2)
+        now += 1
+    assert sorted(moves) == ["n2", "n3"]
+    assert sorted(r.nodes[0] for r in rec.replicas.values()) == ["n1", "n2", "n3"]
+
+
+def test_a_model_that_cannot_spread_is_not_asked_again_each_pass() -> None:
+    nodes = fleet("n1", "n2")
+    two = TINY.replace("replicas = 1", "replicas = 2")
+    rec = reconciler(catalog(two))
+    rec.cordon("n2")
+    ready_all(rec, rec.reconcile(nodes.nodes, now=0), now=1)
+    for t in range(2, 6):
+        assert rec.reconcile(nodes.nodes, now=t).start == []
+    assert not any(r.leaving for r in rec.replicas.values())
+
+
+def test_failures_the_reconciler_decides_are_in_the_plan() -> None:
+    nodes = fleet("n1")
+    rec = reconciler(catalog(TINY))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    [start] = plan.start
+    rec.shard_status(
+        "n1",
+        ShardStatus(
+            shard_id=start.spec.shard_id,
+            state="failed",
+            detail="engine exited with code 1",
+            output_tail=["error: no such file"],
+        ),
+        1,
+    )
+    [failed] = rec.shard_status("n1", ShardStatus(shard_id="x", state="failed"), 1).failed or [None]
+    assert failed is None  # an unknown shard is nobody's failure
+    rec = reconciler(catalog(TINY))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    step = rec.shard_status(
+        "n1",
+        ShardStatus(
+            shard_id=plan.start[0].spec.shard_id,
+            state="failed",
+            detail="engine exited with code 1",
+            output_tail=["error: no such file"],
+        ),
+        1,
+    )
+    [failed] = step.failed
+    assert (failed.model, failed.node_id, failed.why, failed.output_tail) == (
+        "tiny",
+        "n1",
+        "engine exited with code 1",
+        ("error: no such file",),
+    )
+    # a startup timeout is a failure too, though no agent said so
+    rec = reconciler(catalog(TINY))
+    rec.reconcile(nodes.nodes, now=0)
+    [failed] = rec.reconcile(nodes.nodes, now=200).failed
+    assert failed.why == "not ready 90 s after it was placed" and failed.node_id == "n1"
 
 
 def test_a_lost_node_has_its_replicas_replaced_elsewhere() -> None:
@@ -315,7 +507,7 @@ def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
     nodes = fleet("n1", "n2", gpus=1, memory_gb=memory_gb)
     rec = reconciler(catalog())
     plan = rec.reconcile(nodes.nodes, now=0)
-    assert "has 8 GB of memory, needs 24" in plan.placement_failures["big"].why
+    assert "has 8 GiB of memory, needs 24 GiB" in plan.placement_failures["big"].why
     assert plan.placement_failures["big"].kind == "memory"  # the metric's bounded label
 
 

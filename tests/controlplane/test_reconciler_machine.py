@@ -141,9 +141,19 @@ GPU_MODELS = ("big", "flex")  # one GPU per replica, worst case
 KNOWN_BUGS: frozenset[str] = frozenset()  # all three found so far are fixed
 
 
-def make_catalog(replicas: dict[str, int]) -> Catalog:
+def make_catalog(replicas: dict[str, int], versions: dict[str, int] | None = None) -> Catalog:
+    """``versions``: a model's profiles changed this many times (an env var each time)."""
+    versions = versions or {}
+
+    def profiles(name: str) -> str:
+        v = versions.get(name, 0)
+        if not v:
+            return PROFILES[name]
+        marker = f"startup_timeout_s = {STARTUP_S}"
+        return PROFILES[name].replace(marker, f'{marker}\nenv = {{ V = "{v}" }}')
+
     text = "".join(
-        f"[models.{name}]\nreplicas = {n}\n{PROFILES[name]}\n" for name, n in replicas.items()
+        f"[models.{name}]\nreplicas = {n}\n{profiles(name)}\n" for name, n in replicas.items()
     )
     return parse_catalog(text, "catalog.toml")
 
@@ -223,6 +233,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
         if wide is not None:
             self.replicas["wide"] = wide
         self.present = dict.fromkeys(self.replicas, True)  # removed from the catalog or not
+        self.versions = dict.fromkeys(self.replicas, 0)  # how often its profiles changed
         self.restarts = 0
         self.rec = self._new_reconciler()
         self.table = NodeTable(POLICY)
@@ -236,7 +247,9 @@ class ReconcilerMachine(RuleBasedStateMachine):
             self._register(agent)
 
     def _catalog(self) -> Catalog:
-        return make_catalog({m: n for m, n in self.replicas.items() if self.present[m]})
+        return make_catalog(
+            {m: n for m, n in self.replicas.items() if self.present[m]}, self.versions
+        )
 
     def _new_reconciler(self) -> Reconciler:
         # deterministic ids (still unique per restart)
@@ -578,6 +591,13 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.present[model] = not self.present[model]
         self.rec.set_catalog(self._catalog())
 
+    @rule(model=st.sampled_from(("tiny", "big", "flex", "wide")))
+    def profile_changes(self, model: str) -> None:
+        if model not in self.replicas:
+            return
+        self.versions[model] += 1
+        self.rec.set_catalog(self._catalog())
+
     # ---- convergence ----
 
     def capacity_allows(self) -> bool:
@@ -621,6 +641,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
         for r in self.rec.replicas.values():
             if r.state is not R.READY or r.leaving:
                 return f"{r.replica_id} is {r.state.value}{' (leaving)' if r.leaving else ''}"
+            if r.outdated:
+                return f"{r.replica_id} runs an earlier version of its profile"
             ready[r.model] = ready.get(r.model, 0) + 1
         for model, n in want.items():
             if ready.get(model, 0) != n:
