@@ -116,6 +116,9 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     state: str
     why: str
     leaving: bool
+    # why it is leaving: drain, surplus, outdated, spread, removed, failed, stopped; "" if not
+    leaving_why: str = ""
+    outdated: bool = False  # it runs an earlier version of its profile (a rollout replaces it)
     adopted: bool
     state_since: float  # seconds ago
     shards: list[ShardView]
@@ -131,6 +134,8 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
         state=r.state.value,
         why=r.why,
         leaving=r.leaving,
+        leaving_why=r.leaving_why if r.leaving else "",
+        outdated=r.outdated,
         adopted=r.adopted,
         state_since=max(0.0, now - r.state_since),
         healthy=r.healthy,
@@ -206,6 +211,8 @@ class ModelView(msgspec.Struct, kw_only=True):
     ready: int
     starting: int  # Pending or Starting
     failed: int  # Failed replicas not yet cleaned up
+    # replicas running an earlier version of their profile: a rollout replaces them
+    outdated: int = 0
     nodes: list[str]  # where its replicas' shards run
     cannot_place: str = ""  # placement's words, while it is below its count and cannot place
     cannot_place_at: float | None = None

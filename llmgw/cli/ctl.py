@@ -294,6 +294,16 @@ def render_traffic(t: dict[str, Any] | None) -> str:
     return ", ".join(words)
 
 
+# why a replica is leaving, as the STATE column says it
+_LEAVING = {
+    "drain": "its node drains",
+    "surplus": "an extra",
+    "outdated": "replaced by the new profile",
+    "spread": "moves to spread",
+    "removed": "model left the catalog",
+}
+
+
 def render_replicas(data: dict[str, Any]) -> str:
     routed = any(r.get("traffic") is not None for r in data["replicas"])
     rows = [["REPLICA", "MODEL", "PROFILE", "STATE", "FOR", "SHARDS", *(["TRAFFIC"] * routed)]]
@@ -305,7 +315,10 @@ def render_replicas(data: dict[str, Any]) -> str:
             for s in r["shards"]
         )
         state = r["state"] + (",unhealthy" if not r.get("healthy", True) else "")
-        state += " (leaving)" if r["leaving"] and r["state"] != "Draining" else ""
+        state += ",outdated" if r.get("outdated") else ""
+        if r["leaving"] and r["state"] not in ("Draining", "Failed", "Stopping"):
+            why = _LEAVING.get(r.get("leaving_why", ""), "")
+            state += f" (leaving{': ' + why if why else ''})"
         rows.append(
             [
                 r["replica_id"],
@@ -348,6 +361,8 @@ def _age(seconds: float) -> str:
 def _model_state(m: dict[str, Any]) -> str:
     """What an operator most needs to know about a model, in words."""
     words = []
+    if m.get("outdated"):
+        words.append(f"rolling out a profile change, {m['outdated']} to replace")
     retry = m.get("retry_in_s")
     if m.get("cannot_place"):
         words.append(f"cannot place: {m['cannot_place']}")

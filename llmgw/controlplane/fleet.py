@@ -177,9 +177,8 @@ class FleetManager:
         catalog = load_catalog(self.catalog_path)
         self.reconciler.set_catalog(catalog)
         self._wake.set()
-        what = f"catalog reloaded from {self.catalog_path}: {len(catalog.models)} models"
-        log.info("%s", what)
-        return what
+        # said once, with the keys and the warnings, by whoever asked (serve.server.Reloader)
+        return f"catalog reloaded from {self.catalog_path}: {len(catalog.models)} models"
 
     def explain(self, model: str) -> Decision | None:
         return self.reconciler.explain(model, self.control.nodes.nodes, self._clock())
