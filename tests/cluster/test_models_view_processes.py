@@ -106,3 +106,22 @@ async def test_a_failed_engine_stays_visible_and_an_unplaceable_model_says_why(
                 )
             ).text
         assert 'llmgw_replica_failures_total{model="broken",node="n1"}' in metrics, metrics
+
+
+async def test_a_replica_failed_by_a_lost_node_is_kept_as_a_failure(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """No agent reports this failure: the control plane decides it (as it does a
+    startup timeout), and it is kept all the same."""
+    async with cluster(tmp_path, pki) as c:
+        agent = c.agent("n1")
+        [replica] = await c.wait_ready(model="tiny")
+        agent.kill()  # the node goes Unreachable, then Lost (6 s)
+        with trio.fail_after(30):
+            while not (view := await models(c))["tiny"]["failures"]:
+                await trio.sleep(0.3)
+        [failure] = view["tiny"]["failures"]
+        assert failure["replica_id"] == replica["replica_id"]
+        assert (failure["node_id"], failure["reason"]) == ("n1", "node n1 is lost")
+        out = (await c.server.ctl("replicas", "--failures")).stdout.decode()
+        assert "node n1 is lost" in out, out
