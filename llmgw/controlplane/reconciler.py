@@ -24,7 +24,9 @@ send through the dispatcher:
     routed (``Replica.healthy``) until the engine answers again.
 
 ``reconcile(nodes, now)``
-    One pass: stop what left the catalog; fail what is stuck starting past
+    One pass: drain what left the catalog (stop it if it does not serve yet);
+    mark replicas whose shards run something other than their profile says
+    (``outdated``); fail what is stuck starting past
     its startup timeout (its GPUs released, it stops counting); fail what
     sits on a Lost node; clean up failed replicas; place replicas for models
     below their count (retrying failures with backoff, not in a tight loop);
@@ -32,7 +34,16 @@ send through the dispatcher:
     does not could go, and never an adopted one for a replacement); and move replicas off draining nodes as
     a rolling move: a replacement first, the original drained only once the
     replacement is Ready or the drain grace is over, so draining the only
-    node that can host a model still finishes.
+    node that can host a model still finishes. Two more moves work the same
+    way, one per model at a time and only while nothing of the model is
+    leaving: an outdated replica is replaced (a rollout), and a model crowded
+    on one node has a replica moved where placement, asked afresh, would put
+    it (a spread; looked at only when the open nodes or the replicas change).
+    Neither drains a serving replica whose replacement failed; only a
+    replacement with no room beside the old one lets the grace force it.
+
+Every replica failure (an agent's report, a startup timeout, a lost node) is
+in the plan's ``failed``, for the fleet manager to keep.
 
 Everything it needs from outside comes in as arguments: ``now`` with every
 call, the replica ids from a ``ReplicaIds`` it is given. It does no I/O and
