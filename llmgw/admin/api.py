@@ -32,7 +32,7 @@ from llmgw.admin.views import (
 )
 from llmgw.config import ConfigError
 from llmgw.config.errors import one_line
-from llmgw.controlplane.fabrics import fleet_status
+from llmgw.controlplane.fabrics import CannotPlace, fleet_status, missing_weights
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.replicas import Replica, ReplicaState
@@ -189,6 +189,7 @@ class AdminApi:
         for r in fleet.replicas():
             by_model.setdefault(r.model, []).append(r)
         views = []
+        unplaceable = fleet.unplaceable()
         for name in sorted(fleet.catalog.models):
             model = fleet.catalog.models[name]
             mine = by_model.get(name, [])
@@ -206,9 +207,8 @@ class AdminApi:
                 retry_in_s=fleet.crash_loop_wait(name),
                 failures=[failure_view(f, wall) for f in fleet.failures.recent(name)],
             )
-            why = fleet.cannot_place.get(name)
-            if why is not None and ready + starting < model.replicas:
-                view.cannot_place, view.cannot_place_at = why
+            if name in unplaceable:
+                view.cannot_place, view.cannot_place_at = unplaceable[name]
             views.append(view)
         return json_response(200, {"models": views})
 
@@ -277,7 +277,27 @@ class AdminApi:
         return json_response(200, {"message": what.message, "warnings": what.warnings})
 
     async def status(self, request: Request) -> Response:
-        return json_response(200, fleet_status(self.control.nodes.nodes.values()))
+        """Weights per fabric; with a control plane, also what it cannot place and the
+        catalog models whose weights no node holds."""
+        status = fleet_status(self.control.nodes.nodes.values())
+        fleet = self.fleet
+        if fleet is not None:
+            catalog = fleet.catalog.models
+            status.cannot_place = [
+                CannotPlace(model=name, why=why, since=at)
+                for name, (why, at) in fleet.unplaceable().items()
+            ]
+            status.warnings.extend(
+                missing_weights(
+                    status,
+                    (
+                        (name, {m.weights_name(p) for p in m.profiles})
+                        for name, m in sorted(catalog.items())
+                        if m.profiles and m.replicas > 0
+                    ),
+                )
+            )
+        return json_response(200, status)
 
     async def metrics(self, request: Request) -> Response:
         body = generate_latest(self.control.metrics.registry)

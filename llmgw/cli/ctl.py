@@ -206,6 +206,9 @@ def render_status(status: FleetStatus) -> str:
                 ]
             )
     lines = [table(rows)]
+    if status.cannot_place:
+        lines.append("")
+        lines.extend(f"cannot place {c.model}: {c.why}" for c in status.cannot_place)
     if status.warnings:
         lines.append("")
         lines.extend(f"warning: {w}" for w in status.warnings)

@@ -33,10 +33,35 @@ class FabricStatus(msgspec.Struct, kw_only=True):
     models: list[ModelCopies]
 
 
+class CannotPlace(msgspec.Struct, kw_only=True):
+    model: str
+    why: str  # placement's words
+    since: float  # wall clock of the pass that said so
+
+
 class FleetStatus(msgspec.Struct, kw_only=True):
     fabrics: list[FabricStatus]
     warnings: list[str]
     nodes_not_scanning: list[str]  # never asked to look for weights (not: looked, found none)
+    # catalog models below their count that placement cannot place now (the control plane's)
+    cannot_place: list[CannotPlace] = []
+
+
+def missing_weights(status: FleetStatus, wanted: Iterable[tuple[str, set[str]]]) -> list[str]:
+    """A warning for each model (name, the weights names its profiles look for) that no
+    node holds, when some node looks for weights at all (one that never looked is no
+    evidence)."""
+    nodes = {n for f in status.fabrics for n in f.nodes}
+    if not nodes - set(status.nodes_not_scanning):
+        return []
+    held = {m.model for f in status.fabrics for m in f.models}
+    return [
+        f"no node reports the weights of {model} ({', '.join(sorted(names))}) in its "
+        "weights dirs: its engines must find them at their model_path, fetch them, "
+        "or fail to start"
+        for model, names in wanted
+        if not names & held
+    ]
 
 
 def fleet_status(nodes: Iterable[Node]) -> FleetStatus:

@@ -103,6 +103,20 @@ class FleetManager:
         )
         self.control.metrics.replica_failures.labels(failed.model, failed.node_id).inc()
 
+    def unplaceable(self) -> dict[str, tuple[str, float]]:
+        """Catalog models below their count whose last placement failed: placement's
+        words and when (wall clock)."""
+        counting: dict[str, int] = {}
+        for r in self.replicas():
+            if r.counts:
+                counting[r.model] = counting.get(r.model, 0) + 1
+        models = self.catalog.models
+        return {
+            name: why
+            for name, why in sorted(self.cannot_place.items())
+            if name in models and counting.get(name, 0) < models[name].replicas
+        }
+
     def crash_loop_wait(self, model: str) -> float | None:
         """Seconds until the next try at a model whose replicas keep failing, if waiting."""
         backoff = self.reconciler.backoff.get(model)

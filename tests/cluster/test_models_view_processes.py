@@ -90,6 +90,11 @@ async def test_a_failed_engine_stays_visible_and_an_unplaceable_model_says_why(
         assert "last failure" in rows["broken"] and "on n1" in rows["broken"], table
         assert "exited with code" in rows["broken"], table
         assert "crash loop" not in rows["toobig"], table  # it waits to be placed, not to crash
+        status = (await c.server.ctl("status")).stdout.decode()
+        assert f"cannot place toobig: {toobig['cannot_place']}" in status, status
+        assert "cannot place tiny" not in status and "cannot place broken" not in status
+        as_json = json.loads((await c.server.ctl("status", "--json")).stdout)
+        assert [m["model"] for m in as_json["cannot_place"]] == ["toobig"], as_json
 
         failures = (await c.server.ctl("replicas", "--failures")).stdout.decode()
         assert failure["replica_id"] in failures and "broken" in failures, failures

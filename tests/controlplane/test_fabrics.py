@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmgw.controlplane.fabrics import describe_copies, fleet_status
+from llmgw.controlplane.fabrics import describe_copies, fleet_status, missing_weights
 from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
 from llmgw.protocol.messages import Inventory, WeightCopy
 
@@ -77,3 +77,13 @@ def test_lost_nodes_hold_nothing() -> None:
     t = table({"n1": Inventory(fabric="ib-a", weights=[local("m")], weights_scanned=True)})
     t.sweep(61)
     assert fleet_status(t.nodes.values()).fabrics == []
+
+
+def test_a_catalog_model_no_node_holds_is_warned_about_only_when_nodes_look() -> None:
+    looking = table({"n1": Inventory(weights=[local("qwen-14b")], weights_scanned=True)})
+    wanted = [("qwen", {"qwen-14b"}), ("llama", {"llama-8b", "llama-8b-q4"})]
+    [warning] = missing_weights(fleet_status(looking.nodes.values()), wanted)
+    assert warning.startswith("no node reports the weights of llama (llama-8b, llama-8b-q4)")
+    # a node never asked to look is no evidence that the weights are missing
+    blind = table({"n1": Inventory(weights_scanned=False)})
+    assert missing_weights(fleet_status(blind.nodes.values()), wanted) == []
