@@ -32,7 +32,7 @@ from llmgw.admin.views import (
 )
 from llmgw.config import ConfigError
 from llmgw.config.errors import one_line
-from llmgw.controlplane.fabrics import CannotPlace, fleet_status, missing_weights
+from llmgw.controlplane.fabrics import CannotPlace, fleet_status
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.replicas import Replica, ReplicaState
@@ -190,6 +190,7 @@ class AdminApi:
             by_model.setdefault(r.model, []).append(r)
         views = []
         unplaceable = fleet.unplaceable()
+        weights_missing = fleet.weights_missing()
         for name in sorted(fleet.catalog.models):
             model = fleet.catalog.models[name]
             mine = by_model.get(name, [])
@@ -209,6 +210,7 @@ class AdminApi:
             )
             if name in unplaceable:
                 view.cannot_place, view.cannot_place_at = unplaceable[name]
+            view.weights_missing = name in weights_missing
             views.append(view)
         return json_response(200, {"models": views})
 
@@ -282,21 +284,11 @@ class AdminApi:
         status = fleet_status(self.control.nodes.nodes.values())
         fleet = self.fleet
         if fleet is not None:
-            catalog = fleet.catalog.models
             status.cannot_place = [
                 CannotPlace(model=name, why=why, since=at)
                 for name, (why, at) in fleet.unplaceable().items()
             ]
-            status.warnings.extend(
-                missing_weights(
-                    status,
-                    (
-                        (name, {m.weights_name(p) for p in m.profiles})
-                        for name, m in sorted(catalog.items())
-                        if m.profiles and m.replicas > 0
-                    ),
-                )
-            )
+            status.warnings.extend(fleet.weights_missing(status).values())
         return json_response(200, status)
 
     async def metrics(self, request: Request) -> Response:

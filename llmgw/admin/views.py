@@ -217,4 +217,5 @@ class ModelView(msgspec.Struct, kw_only=True):
     cannot_place: str = ""  # placement's words, while it is below its count and cannot place
     cannot_place_at: float | None = None
     retry_in_s: float | None = None  # its replicas keep failing: the next try, in seconds
+    weights_missing: bool = False  # no node reports its weights (and some node looks)
     failures: list[FailureView] = []  # the last few, newest first

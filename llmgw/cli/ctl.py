@@ -373,6 +373,8 @@ def _model_state(m: dict[str, Any]) -> str:
             words.append(f"next try in {retry:.0f} s")
     elif retry is not None:
         words.append(f"crash loop, next try in {retry:.0f} s")
+    if m.get("weights_missing"):
+        words.append("no node reports its weights")
     if m["failures"]:
         f = m["failures"][0]
         words.append(f"last failure {_age(f['ago_s'])} on {f['node_id']}: {f['reason']}")

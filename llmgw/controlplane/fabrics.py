@@ -47,21 +47,21 @@ class FleetStatus(msgspec.Struct, kw_only=True):
     cannot_place: list[CannotPlace] = []
 
 
-def missing_weights(status: FleetStatus, wanted: Iterable[tuple[str, set[str]]]) -> list[str]:
-    """A warning for each model (name, the weights names its profiles look for) that no
-    node holds, when some node looks for weights at all (one that never looked is no
-    evidence)."""
+def missing_weights(status: FleetStatus, wanted: Iterable[tuple[str, set[str]]]) -> dict[str, str]:
+    """A warning, by model, for each model (name, the weights names its profiles look
+    for) that no node holds, when some node looks for weights at all (one that never
+    looked is no evidence)."""
     nodes = {n for f in status.fabrics for n in f.nodes}
     if not nodes - set(status.nodes_not_scanning):
-        return []
+        return {}
     held = {m.model for f in status.fabrics for m in f.models}
-    return [
-        f"no node reports the weights of {model} ({', '.join(sorted(names))}) in its "
-        "weights dirs: its engines must find them at their model_path, fetch them, "
+    return {
+        model: f"no node reports the weights of {model} ({', '.join(sorted(names))}) in "
+        "its weights dirs: its engines must find them at their model_path, fetch them, "
         "or fail to start"
         for model, names in wanted
         if not names & held
-    ]
+    }
 
 
 def fleet_status(nodes: Iterable[Node]) -> FleetStatus:

@@ -28,6 +28,7 @@ import trio
 from llmgw.config import ConfigError
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
+from llmgw.controlplane.fabrics import FleetStatus, fleet_status, missing_weights
 from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.placement import Decision
@@ -70,11 +71,13 @@ class FleetManager:
         self.failures = FailureLog()  # the last few engine failures of each model
         # the last pass's words for a model placement could not place, and when (wall clock)
         self.cannot_place: dict[str, tuple[str, float]] = {}
+        self._cannot_place_kind: dict[str, str] = {}  # placement's bounded reason, for metrics
         self.routing = RoutingPublisher()
         self.publish_routing()
         control.on_register.append(self._registered)
         control.on_shard_status.append(self._status)
         control.metrics.watch_replicas(self._replica_counts)
+        control.metrics.watch_model_problems(self.problems)
 
     # --- inputs ---------------------------------------------------------------
 
@@ -116,6 +119,26 @@ class FleetManager:
             for name, why in sorted(self.cannot_place.items())
             if name in models and counting.get(name, 0) < models[name].replicas
         }
+
+    def weights_missing(self, status: FleetStatus | None = None) -> dict[str, str]:
+        """Catalog models (that want replicas) whose weights no node reports, each with a
+        warning in words; empty when no node looks for weights. ``status``: the fleet's
+        weights view, if the caller already has it."""
+        status = status or fleet_status(self.control.nodes.nodes.values())
+        wanted = {
+            name: {m.weights_name(p) for p in m.profiles}
+            for name, m in sorted(self.catalog.models.items())
+            if m.profiles and m.replicas > 0
+        }
+        return missing_weights(status, wanted.items())
+
+    def problems(self) -> dict[tuple[str, str], int]:
+        """1 for each (model, reason) that keeps a catalog model from running as wanted:
+        placement's reason while it cannot be placed, ``weights`` while no node holds
+        its weights (the ``llmgw_model_problems`` gauge)."""
+        out = {(m, self._cannot_place_kind.get(m, "other")): 1 for m in self.unplaceable()}
+        out.update({(m, "weights"): 1 for m in self.weights_missing()})
+        return out
 
     def crash_loop_wait(self, model: str) -> float | None:
         """Seconds until the next try at a model whose replicas keep failing, if waiting."""
@@ -219,6 +242,7 @@ class FleetManager:
                 del self.cannot_place[model]
         for model, failure in plan.placement_failures.items():
             self.cannot_place[model] = (failure.why, wall)
+            self._cannot_place_kind[model] = failure.kind
             self.control.metrics.placement_failures.labels(model, failure.kind).inc()
             log.warning("cannot place %s: %s", model, failure.why)
         self._plans.append(plan)

@@ -42,6 +42,22 @@ class _ReplicasCollector(Collector):
         yield family
 
 
+class _ModelProblemsCollector(Collector):
+    def __init__(self, problems: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._problems = problems
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            "llmgw_model_problems",
+            "1 for each catalog model and what keeps it from running as wanted now: "
+            "placement's reason while it cannot be placed, weights while no node holds them",
+            labels=["model", "reason"],
+        )
+        for (model, reason), n in sorted(self._problems().items()):
+            family.add_metric([model, reason], n)
+        yield family
+
+
 class ControlPlaneMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -102,6 +118,9 @@ class ControlPlaneMetrics:
 
     def watch_replicas(self, counts: Callable[[], dict[tuple[str, str], int]]) -> None:
         self.registry.register(_ReplicasCollector(counts))
+
+    def watch_model_problems(self, problems: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self.registry.register(_ModelProblemsCollector(problems))
 
     def watch_nodes(self, counts: Callable[[], dict[NodeState, int]]) -> None:
         self.registry.register(_NodesCollector(counts))

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import httpx
 import trio
 
 from tests.agent.discovery.test_gpus import FAKE
@@ -132,7 +133,18 @@ async def test_gpus_from_nvidia_smi_and_an_engine_appearing_later(tmp_path: Path
 async def test_ctl_status_shows_what_each_fabric_holds(tmp_path: Path, pki: Pki) -> None:
     started: list[Daemon] = []
     try:
-        server = await start(tmp_path, pki, started)
+        # in the catalog: one model whose weights n1 holds, one that no node holds
+        (tmp_path / "catalog.toml").write_text(
+            "".join(
+                f'[models.{m}]\n[[models.{m}.profiles]]\nname = "gpu"\nengine = "vllm"\ngpus = 1\n'
+                for m in ("tiny-llama", "absent")
+            )
+        )
+        config = write_server_config(tmp_path, pki)
+        config.write_text('catalog = "catalog.toml"\n' + config.read_text())
+        server = Server("server", ["server", "--config", "server.toml"], tmp_path)
+        started.append(server.start())
+        await server.ready()
         models = tmp_path / "models"
         models.mkdir()
         write_gguf(models / "tiny-llama.gguf")
@@ -163,6 +175,21 @@ async def test_ctl_status_shows_what_each_fabric_holds(tmp_path: Path, pki: Pki)
         assert "warning: tiny-llama is held in fabric ib-a only: ib-b cannot serve it" in text, text
         as_json = (await server.ctl("status", "--json")).stdout.decode()
         assert '"fabric":"ib-b"' in as_json
+        # the catalog's model no node holds is warned about, the one n1 holds is not
+        assert "warning: no node reports the weights of absent (absent)" in text, text
+        assert "weights of tiny-llama" not in text, text
+        listed = (await server.ctl("models")).stdout.decode()
+        row = next(line for line in listed.splitlines() if line.startswith("absent "))
+        assert "no node reports its weights" in row, listed
+        token = (tmp_path / "state" / "admin-token").read_text().strip()
+        async with httpx.AsyncClient(timeout=5) as client:
+            metrics = (
+                await client.get(
+                    server.admin_url + "/metrics", headers={"authorization": f"Bearer {token}"}
+                )
+            ).text
+        assert 'llmgw_model_problems{model="absent",reason="weights"} 1.0' in metrics, metrics
+        assert 'llmgw_model_problems{model="tiny-llama",reason="weights"}' not in metrics
     finally:
         for d in started:
             d.kill()

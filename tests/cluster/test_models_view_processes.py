@@ -111,6 +111,8 @@ async def test_a_failed_engine_stays_visible_and_an_unplaceable_model_says_why(
                 )
             ).text
         assert 'llmgw_replica_failures_total{model="broken",node="n1"}' in metrics, metrics
+        assert 'llmgw_model_problems{model="toobig",reason="memory"} 1.0' in metrics, metrics
+        assert 'llmgw_model_problems{model="tiny"' not in metrics, metrics
 
 
 async def test_a_replica_failed_by_a_lost_node_is_kept_as_a_failure(

@@ -82,8 +82,11 @@ def test_lost_nodes_hold_nothing() -> None:
 def test_a_catalog_model_no_node_holds_is_warned_about_only_when_nodes_look() -> None:
     looking = table({"n1": Inventory(weights=[local("qwen-14b")], weights_scanned=True)})
     wanted = [("qwen", {"qwen-14b"}), ("llama", {"llama-8b", "llama-8b-q4"})]
-    [warning] = missing_weights(fleet_status(looking.nodes.values()), wanted)
-    assert warning.startswith("no node reports the weights of llama (llama-8b, llama-8b-q4)")
+    missing = missing_weights(fleet_status(looking.nodes.values()), wanted)
+    assert list(missing) == ["llama"]
+    assert missing["llama"].startswith(
+        "no node reports the weights of llama (llama-8b, llama-8b-q4)"
+    )
     # a node never asked to look is no evidence that the weights are missing
     blind = table({"n1": Inventory(weights_scanned=False)})
-    assert missing_weights(fleet_status(blind.nodes.values()), wanted) == []
+    assert missing_weights(fleet_status(blind.nodes.values()), wanted) == {}
