@@ -42,7 +42,8 @@ class AgentMetrics:
         r = self.registry = CollectorRegistry()
         self.events = Counter(
             "llmgw_agent_engine_events",
-            "Engine lifecycle events: launched, restarted, adopted, killed (unidentified)",
+            "Engine lifecycle events: launched, restarted, adopted, killed (unidentified), "
+            "killed_after_grace (SIGKILL once a stop grace was over)",
             ["event"],
             registry=r,
         )

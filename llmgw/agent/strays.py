@@ -120,7 +120,7 @@ def spared(who: ProcessIdentity, holds: str, state_dir: Path) -> bool:
         "if it is not wanted",
         who.pid,
         holds,
-        sid,
+        printable(sid),  # read from the process's environment: anyone could have set it
         who.pgid,
     )
     return True

@@ -426,6 +426,7 @@ class Supervisor:
                 others,
                 reason,
             )
+            self.on_event("killed_after_grace")
             self.kills.put(
                 strays.kill_report(pid, cmdline, reason + others, "stop_timeout", shard.shard_id)
             )

@@ -171,6 +171,7 @@ async def test_a_shard_that_outlives_its_stop_grace_is_killed_and_the_control_pl
                 f'[engines]\nllama_server = "{engine}"\n'
                 f"port_range = [{PORT_BASE}, {PORT_BASE + 9}]\n"
                 '[discovery]\nnvidia_smi = "/nonexistent"\n'
+                '[metrics]\nlisten = "127.0.0.1:0"\n'
             ),
         )
         agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
@@ -196,6 +197,10 @@ async def test_a_shard_that_outlives_its_stop_grace_is_killed_and_the_control_pl
         )
         assert kills == 1.0
         assert not alive(pid)
+        m = await agent.wait_log(r"agent metrics on (http://\S+/metrics)")
+        async with httpx.AsyncClient(timeout=5) as client:
+            metrics = (await client.get(m.group(1))).text
+        assert 'llmgw_agent_engine_events_total{event="killed_after_grace"} 1.0' in metrics
 
 
 async def test_kills_made_while_no_stream_is_up_are_reported_once_on_the_next(
