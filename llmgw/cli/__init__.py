@@ -9,12 +9,12 @@ from typing import Annotated, TypeVar
 import cyclopts
 import msgspec
 
-from llmgw import __version__
 from llmgw.cli.cert import cert_app
 from llmgw.cli.ctl import ctl_app
 from llmgw.cli.runtime import fail, run_daemon, setup_logging
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config
 from llmgw.tls import TLSConfigError
+from llmgw.version import describe
 
 OPERATOR_ERRORS = (ConfigError, TLSConfigError)
 C = TypeVar("C", bound=msgspec.Struct)
@@ -22,7 +22,7 @@ C = TypeVar("C", bound=msgspec.Struct)
 app = cyclopts.App(
     name="llmgw",
     help="Run open-weight LLMs on your own GPU fleet behind one OpenAI-compatible endpoint.",
-    version=__version__,
+    version=describe,
 )
 ctl_app.command(cert_app)
 app.command(ctl_app)
