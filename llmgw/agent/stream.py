@@ -50,7 +50,6 @@ from trio_websocket import (
     wrap_client_stream,
 )
 
-from llmgw import __version__
 from llmgw.addr import join_hostport
 from llmgw.agent.backoff import Backoff
 from llmgw.agent.inventory import InventorySource, same_inventory
@@ -68,6 +67,7 @@ from llmgw.protocol.messages import (
     StopShard,
 )
 from llmgw.tls.contexts import NAME_MISMATCH, NOT_FROM_OUR_CA, certificate_names
+from llmgw.version import describe
 from llmgw.wsio import close_quietly, close_ws, single_error, split_cancelled
 
 log = logging.getLogger("llmgw.agent")
@@ -266,7 +266,7 @@ class AgentStream:
             node_id=s.node_id,
             inventory=inventory,
             shards=self.running_shards(),
-            agent_version=__version__,
+            agent_version=describe(),
         )
         await ws.send_message(session.send(register))
         with trio.fail_after(s.handshake_timeout):

@@ -53,6 +53,7 @@ class Node:
     last_seen_wall: float
     registered_at_wall: float
     last_heartbeat_seq: int = -1
+    agent_version: str = ""  # as its agent said at registration ("0.1.0 (build …)")
 
     @property
     def address(self) -> str:

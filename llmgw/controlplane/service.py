@@ -16,12 +16,12 @@ from collections.abc import Callable
 
 import trio
 
-from llmgw import __version__
 from llmgw.controlplane.dispatcher import AgentConnection, Dispatcher
 from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import Change, LivenessPolicy, NodeTable
 from llmgw.http.logsafe import printable
 from llmgw.protocol.messages import Heartbeat, ProcessKill, Register, RegisterAck, ShardStatus
+from llmgw.version import describe
 
 log = logging.getLogger("llmgw.controlplane")
 
@@ -63,6 +63,7 @@ class ControlPlane:
             now=self._clock(),
             wall=self._wall(),
         )
+        self.nodes.nodes[msg.node_id].agent_version = msg.agent_version
         self.dispatcher.attach(conn)
         self.metrics.connects.inc()
         inv = msg.inventory
@@ -80,7 +81,7 @@ class ControlPlane:
         return RegisterAck(
             node_id=msg.node_id,
             heartbeat_interval_s=self.heartbeat_interval,
-            server_version=__version__,
+            server_version=describe(),
         )
 
     def heartbeat(self, conn: AgentConnection, hb: Heartbeat) -> None:
