@@ -55,6 +55,8 @@ class ControlPlane:
         return next(self._generations)
 
     def registered(self, conn: AgentConnection, msg: Register) -> RegisterAck:
+        if msg.check_only:
+            return self.checked(conn, msg)
         changes, news = self.nodes.register(
             msg.node_id,
             msg.inventory,
@@ -78,6 +80,21 @@ class ControlPlane:
         self._report(changes, news, msg.node_id)
         for listener in self.on_register:
             listener(msg.node_id, msg)
+        return RegisterAck(
+            node_id=msg.node_id,
+            heartbeat_interval_s=self.heartbeat_interval,
+            server_version=describe(),
+        )
+
+    def checked(self, conn: AgentConnection, msg: Register) -> RegisterAck:
+        """A preflight (``llmgw agent --check``): its identity was proved by the session;
+        ack it and touch nothing, so the node's running agent keeps its stream and state."""
+        log.info(
+            "node %s passed a check from %s (agent %s); its registration would be accepted",
+            msg.node_id,
+            conn.peer,
+            msg.agent_version or "?",
+        )
         return RegisterAck(
             node_id=msg.node_id,
             heartbeat_interval_s=self.heartbeat_interval,

@@ -224,6 +224,9 @@ class AgentStreamServer:
         try:
             with conn.cancel_scope:
                 await conn.send(self.control.registered(conn, first))
+                if first.check_only:  # a preflight: acked, closed, nothing changed
+                    await close_ws(ws, CloseCode.NORMAL, "check only")
+                    return
                 while True:
                     with trio.move_on_after(limits.idle_timeout):
                         message = session.receive(await ws.get_message())

@@ -123,6 +123,7 @@ class ShardReport(_Wire, frozen=True):
     pid: int | None = None
     detail: str = ""
     healthy: bool = True  # as in ShardStatus
+    engine_key: str = ""  # as in ShardStatus
 
 
 class ProcessKill(_Wire, frozen=True):
@@ -155,12 +156,18 @@ class Register(Message, frozen=True):
 
     ``shards`` lists *every* shard the agent runs; an empty list is news (the
     control plane lets go of whatever it believed this node runs).
+
+    ``check_only`` (``llmgw agent --check``): prove the identity and hear the
+    ack, nothing more. The control plane acks and closes (1000) without
+    touching its node table, so a preflight never disturbs the node's running
+    agent; an older control plane ignores the field and registers the node.
     """
 
     node_id: str
     inventory: Inventory
     shards: list[ShardReport] = []
     agent_version: str = ""
+    check_only: bool = False
 
 
 class RegisterAck(Message, frozen=True):
@@ -199,6 +206,10 @@ class ShardStatus(Message, frozen=True):
     # a ready engine that stopped answering its health check is still ready (its
     # process runs, and may come back): False takes it out of routing until it answers
     healthy: bool = True
+    # the secret the engine wants as ``Authorization: Bearer``, made by the agent when
+    # it launched the engine; routers send it. Empty: the engine takes no key (an
+    # older agent), or the report says nothing new about it
+    engine_key: str = ""
 
 
 class StartShard(Message, frozen=True):
