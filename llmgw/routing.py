@@ -23,6 +23,9 @@ class Route(msgspec.Struct, kw_only=True):
     weight: float = 1.0
     ready: bool = True
     draining: bool = False
+    # the engine's own key (``Authorization: Bearer``), "" for none; a secret: the
+    # snapshot goes only to routers, never to an operator's screen
+    engine_key: str = ""
 
 
 class ModelRouting(msgspec.Struct, kw_only=True):

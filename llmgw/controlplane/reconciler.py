@@ -197,6 +197,7 @@ class Reconciler:
             return plan
         replica, shard = found
         shard.state, shard.detail = status.state, status.detail
+        shard.engine_key = status.engine_key or shard.engine_key
         self._follow_health(replica, shard, status.healthy, plan)
         if status.output_tail:
             shard.output_tail = list(status.output_tail)
@@ -703,6 +704,7 @@ class Reconciler:
             replica.shards.append(same)
         same.node_id = node_id
         same.spec = spec
+        same.engine_key = report.engine_key or same.engine_key
         same.state = report.state
         same.detail = report.detail
         self._follow_health(replica, same, report.healthy, plan)

@@ -66,6 +66,8 @@ class Shard:
     came_up: bool = False  # reported ready at least once
     # False: ready, but its engine stopped answering its agent's health checks
     healthy: bool = True
+    # what its engine wants as a bearer token, as its agent reported it (never shown)
+    engine_key: str = attrs.field(default="", repr=False)
 
     @property
     def shard_id(self) -> str:

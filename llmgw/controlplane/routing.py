@@ -56,6 +56,7 @@ def build_snapshot(
                 # an engine that answers no health check takes no new request
                 ready=replica.state is ReplicaState.READY and replica.healthy,
                 draining=replica.state is ReplicaState.DRAINING,
+                engine_key=head.engine_key,
             )
         )
     return versioned(models, routes)
