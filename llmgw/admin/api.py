@@ -40,6 +40,7 @@ from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response
 from llmgw.routing import TrafficView
+from llmgw.version import describe
 
 log = logging.getLogger("llmgw.admin")
 
@@ -160,7 +161,7 @@ class AdminApi:
                 view.drained = fleet.is_drained(n.node_id)
                 view.shards = shards.get(n.node_id, 0)
             views.append(view)
-        return json_response(200, {"nodes": views})
+        return json_response(200, {"nodes": views, "server_version": describe()})
 
     def _need_fleet(self) -> FleetManager | Response:
         if self.fleet is None:

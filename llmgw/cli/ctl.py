@@ -170,8 +170,21 @@ def _engines(node: NodeView) -> str:
     return ",".join(f"{k} {v}".strip() for k, v in sorted(node.engines.items())) or "-"
 
 
-def render_nodes(nodes: list[NodeView], now: float) -> str:
-    rows = [["NODE", "ADDRESS", "STATE", "SHARDS", "LAST SEEN", "MEM", "FABRIC", "ENGINES", "GPUS"]]
+def render_nodes(nodes: list[NodeView], now: float, server_version: str = "") -> str:
+    rows = [
+        [
+            "NODE",
+            "ADDRESS",
+            "STATE",
+            "SHARDS",
+            "LAST SEEN",
+            "VERSION",
+            "MEM",
+            "FABRIC",
+            "ENGINES",
+            "GPUS",
+        ]
+    ]
     for n in nodes:
         rows.append(
             [
@@ -180,13 +193,33 @@ def render_nodes(nodes: list[NodeView], now: float) -> str:
                 _state(n),
                 str(n.shards),
                 _ago(n.last_seen, now),
+                _short_version(n.version),
                 _mem(n.memory_total_bytes),
                 n.fabric or "-",
                 _engines(n),
                 _gpus(n),
             ]
         )
-    return table(rows)
+    lines = [table(rows)]
+    versions: dict[str, list[str]] = {}
+    for n in nodes:
+        versions.setdefault(n.version or "unknown", []).append(n.node_id)
+    if len(versions) > 1 or (server_version and versions and server_version not in versions):
+        lines.append("")
+        lines.append(
+            "warning: mixed versions: "
+            + "; ".join(f"{v} on {', '.join(ids)}" for v, ids in versions.items())
+            + (f"; the server runs {server_version}" if server_version else "")
+        )
+    return "\n".join(lines)
+
+
+def _short_version(version: str) -> str:
+    """``0.1.0 (build 1a2b3c4d5e6f)`` as ``0.1.0+1a2b3c4d5e6f``, to fit a column."""
+    if not version:
+        return "-"
+    number, _, build = version.partition(" (build ")
+    return f"{number}+{build.rstrip(')')}" if build else number
 
 
 def render_status(status: FleetStatus) -> str:
@@ -245,7 +278,7 @@ def nodes(*, target: Target | None = None, json: bool = False) -> int:
         if json:
             sys.stdout.write(msgspec.json.encode(data).decode() + "\n")
         else:
-            print(render_nodes(views, time.time()))
+            print(render_nodes(views, time.time(), data.get("server_version", "")))
 
     return _run("llmgw ctl nodes", run)
 

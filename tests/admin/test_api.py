@@ -125,8 +125,8 @@ def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> 
     assert lines[0].split()[:4] == ["NODE", "ADDRESS", "STATE", "SHARDS"]
     assert lines[1].split()[:5] == ["a", "1.1.1.1", "Ready", "0", "30s"]
     assert lines[1].endswith("2 (1 unhealthy: GPU 1: remapped-row failure)")
-    assert lines[1].split()[6:8] == ["8", "GiB"]
-    assert lines[2].split()[6] == "-"  # no memory reported: unknown, not 0
+    assert lines[1].split()[7:9] == ["8", "GiB"]
+    assert lines[2].split()[7] == "-"  # no memory reported: unknown, not 0
 
 
 def test_the_routers_view_of_a_replica_in_words() -> None:
