@@ -11,6 +11,7 @@ import msgspec
 
 from llmgw.cli.cert import cert_app
 from llmgw.cli.ctl import ctl_app
+from llmgw.cli.init import init
 from llmgw.cli.runtime import fail, run_daemon, setup_logging
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config
 from llmgw.tls import TLSConfigError
@@ -26,6 +27,7 @@ app = cyclopts.App(
 )
 ctl_app.command(cert_app)
 app.command(ctl_app)
+app.command(init)
 
 Overrides = Annotated[
     list[str] | None,
