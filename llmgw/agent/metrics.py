@@ -38,8 +38,8 @@ class _ShardsCollector(Collector):
 
 
 class AgentMetrics:
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
         self.events = Counter(
             "llmgw_agent_engine_events",
             "Engine lifecycle events: launched, restarted, adopted, killed (unidentified), "

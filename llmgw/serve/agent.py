@@ -19,6 +19,7 @@ from llmgw.config import AgentConfig, parse_hostport
 from llmgw.config.schema import resolve
 from llmgw.http import HttpServer
 from llmgw.serve import open_listeners
+from llmgw.telemetry import daemon_registry
 from llmgw.tls.contexts import client_context
 
 log = logging.getLogger("llmgw.agent")
@@ -65,7 +66,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         ca_file=str(ca),
         name_probe_context=client_context(ca, cert, key, check_name=False),
     )
-    metrics = AgentMetrics()
+    metrics = AgentMetrics(daemon_registry("agent"))
     source = InventorySource(
         config.inventory,
         addresses[0],
@@ -87,6 +88,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
             stopped_logs_max_bytes=e.stopped_logs_max_mb << 20,
             health=HealthSettings.every(e.health_interval_s, e.unhealthy_after),
             nvidia_smi=config.discovery.nvidia_smi,
+            engine_bind=e.bind,
         ),
         lambda: binaries(config, source, base),
         on_event=metrics.event,

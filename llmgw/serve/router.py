@@ -33,6 +33,7 @@ from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import HttpWatch, RoutingTable
 from llmgw.serve import open_listeners
+from llmgw.telemetry import daemon_registry
 
 log = logging.getLogger("llmgw.router")
 
@@ -146,7 +147,7 @@ async def serve(
     token = admin_token(config, base)
     watch = HttpWatch(config.admin_url, token)
     table = RoutingTable(watch)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(daemon_registry("router"))
     keys = KeyRing(api_keys(config.router))
     server = router_app(config.router, table, metrics, keys)
     host, port = parse_hostport(config.router.listen, key="router.listen")

@@ -22,6 +22,7 @@ from llmgw.config.loader import read_text
 from llmgw.config.schema import is_loopback, resolve
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.fleet import FleetManager
+from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.reconciler import Timing
 from llmgw.controlplane.replicas import ReplicaState
@@ -35,6 +36,7 @@ from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 from llmgw.serve import open_listeners
 from llmgw.serve.router import api_keys, router_app
+from llmgw.telemetry import daemon_registry
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")
@@ -193,6 +195,7 @@ async def serve(
     control = ControlPlane(
         policy=LivenessPolicy(unreachable_after=lv.unreachable_after_s, lost_after=lv.lost_after_s),
         heartbeat_interval=lv.heartbeat_interval_s,
+        metrics=ControlPlaneMetrics(daemon_registry("server")),
     )
     stream = AgentStreamServer(
         control,

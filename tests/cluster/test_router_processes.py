@@ -507,6 +507,10 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
             if name == "llmgw_router_in_flight" and ("model", "tiny") in labels
         }
         assert routes_seen == {"0", "1"}  # both follow the table
+        # what every daemon's metrics carry: its build, its process, and no _created series
+        assert samples("llmgw_build_info", role="router", version="0.1.0") >= 1
+        assert samples("process_cpu_seconds_total") > 0
+        assert "_created" not in page
         await c.server.stop(signal.SIGKILL)  # the control plane goes away
         await trio.sleep(0.5)
         reply = await client.chat.completions.create(

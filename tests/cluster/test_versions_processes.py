@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
+
+import httpx
 
 import llmgw
 from llmgw.version import BUILD_FILE, VERSION
@@ -30,8 +33,34 @@ async def test_ctl_nodes_shows_each_agents_build_and_warns_about_a_mixed_fleet(
     started: list[Daemon] = []
     try:
         server = await start(tmp_path, pki, started)
-        agent(tmp_path, pki, started, "n1", server.stream_port, NO_GPUS)
+        n1 = agent(
+            tmp_path,
+            pki,
+            started,
+            "n1",
+            server.stream_port,
+            NO_GPUS + '[metrics]\nlisten = "127.0.0.1:0"\n',
+        )
         await server.wait_node("n1", "Ready")
+        # every daemon's metrics say which build it runs, carry its process, and no
+        # _created series
+        m = await n1.wait_log(r"agent metrics on (http://\S+/metrics)")
+        token = (tmp_path / "state" / "admin-token").read_text().strip()
+        async with httpx.AsyncClient(timeout=5) as client:
+            pages = {
+                "agent": (await client.get(m.group(1))).text,
+                "server": (
+                    await client.get(
+                        server.admin_url + "/metrics",
+                        headers={"authorization": f"Bearer {token}"},
+                    )
+                ).text,
+            }
+        for role, page in pages.items():
+            info = re.search(rf"^llmgw_build_info\{{(.*role=\"{role}\".*)\}} 1\.0$", page, re.M)
+            assert info and f'version="{VERSION}"' in info.group(1), page
+            assert re.search(r"^process_cpu_seconds_total \S+$", page, re.M), page
+            assert "_created" not in page, page
         out = (await server.ctl("nodes")).stdout.decode()
         assert "mixed versions" not in out, out  # one build everywhere
         agent(
