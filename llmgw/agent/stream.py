@@ -198,6 +198,8 @@ class AgentStream:
             ) from None
         except OSError as exc:
             raise _Explained(connect_problem(host, where, exc)) from None
+        # engines listening on "auto" listen where this node reaches the control plane
+        self.supervisor.stream_address = str(tcp.socket.getsockname()[0])
         tls = trio.SSLStream(tcp, s.ssl_context, server_hostname=host)
         try:
             state.stage = "TLS handshake"
@@ -240,20 +242,7 @@ class AgentStream:
         ctx = self.settings.name_probe_context
         if ctx is None:
             return None
-        with trio.move_on_after(self.settings.handshake_timeout):
-            try:
-                tcp = await trio.open_tcp_stream(host, port)
-            except OSError:
-                return None
-            tls = trio.SSLStream(tcp, ctx, server_hostname=host)
-            try:
-                await tls.do_handshake()
-                return certificate_names(tls.getpeercert())
-            except (trio.BrokenResourceError, ssl.SSLError, OSError):
-                return None
-            finally:
-                await close_quietly(tls)
-        return None
+        return await read_certificate_names(host, port, ctx, self.settings.handshake_timeout)
 
     async def _registered_session(
         self, ws: WebSocketConnection, where: str, state: _Attempt
@@ -365,6 +354,28 @@ class AgentStream:
             )
         else:
             log.warning("control plane %s closed the stream: %s %s: %s", where, code, label, text)
+
+
+async def read_certificate_names(
+    host: str, port: int, ctx: ssl.SSLContext, within: float
+) -> list[str] | None:
+    """The names and addresses in the certificate at ``host:port``, read over a
+    handshake with ``ctx`` (one that checks the CA but not the name) within
+    ``within`` seconds; None if it cannot be."""
+    with trio.move_on_after(within):
+        try:
+            tcp = await trio.open_tcp_stream(host, port)
+        except OSError:
+            return None
+        tls = trio.SSLStream(tcp, ctx, server_hostname=host)
+        try:
+            await tls.do_handshake()
+            return certificate_names(tls.getpeercert())
+        except (trio.BrokenResourceError, ssl.SSLError, OSError):
+            return None
+        finally:
+            await close_quietly(tls)
+    return None
 
 
 class _Explained(Exception):
