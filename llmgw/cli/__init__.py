@@ -12,6 +12,7 @@ import msgspec
 from llmgw.cli.cert import cert_app
 from llmgw.cli.ctl import ctl_app
 from llmgw.cli.init import init
+from llmgw.cli.onboard import onboard
 from llmgw.cli.runtime import fail, run_daemon, setup_logging
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config
 from llmgw.tls import TLSConfigError
@@ -26,6 +27,7 @@ app = cyclopts.App(
     version=describe,
 )
 ctl_app.command(cert_app)
+ctl_app.command(onboard)
 app.command(ctl_app)
 app.command(init)
 

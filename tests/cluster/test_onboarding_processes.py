@@ -9,7 +9,12 @@ import os
 import stat
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+
+import trio
+
+from tests.cluster.procs import Daemon, Server
 
 LLMGW = [sys.executable, "-m", "llmgw"]
 
@@ -76,3 +81,106 @@ def test_init_without_a_name_says_what_to_give() -> None:
         "llmgw init: give every name and address agents dial to reach this host, e.g."
         " --name cp.example.net --address 10.0.0.1: the server certificate must hold them"
     ]
+
+
+class InitServer(Server):
+    """``ctl`` with the token file that init wrote."""
+
+    async def ctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        token = self.workdir / "etc" / "admin-token"
+        cmd = [*LLMGW, "ctl", *args, "--admin-url", self.admin_url, "--token-file", str(token)]
+        result = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"ctl {args} failed: {result.stderr.decode()}")
+        return result
+
+
+def start_server(tmp: Path) -> Server:
+    """A server from init's server.toml; only the ports are moved (to free ones)."""
+    server = InitServer(
+        "server",
+        [
+            "server",
+            "--config",
+            str(tmp / "etc" / "server.toml"),
+            "--set",
+            'agent_stream.listen="127.0.0.1:0"',
+            "--set",
+            'admin.listen="127.0.0.1:0"',
+            "--set",
+            'router.listen="127.0.0.1:0"',
+            "--set",
+            "liveness.heartbeat_interval_s=0.2",
+        ],
+        tmp,
+    )
+    server.start()
+    return server
+
+
+def agent_args(bundle: Path, tmp: Path) -> list[str]:
+    """The bundle's agent.toml, with a state dir of its own and nothing to discover that
+    could start an engine here."""
+    return [
+        "--config",
+        str(bundle / "agent.toml"),
+        "--set",
+        f'state_dir="{tmp / "agent-state"}"',
+        "--set",
+        'discovery.nvidia_smi="/nonexistent"',
+        "--set",
+        "discovery.llama_server_search=[]",
+        "--set",
+        "backoff.max_s=0.5",
+    ]
+
+
+AGENT_ENV = {"PATH": "/nonexistent"}  # no llama-server on PATH: nothing is placed here
+
+
+async def test_init_onboard_and_an_agent_from_the_bundle_is_ready(tmp_path: Path) -> None:
+    assert init(tmp_path, "localhost", "127.0.0.1").returncode == 0
+    server = start_server(tmp_path)
+    agent = None
+    try:
+        await server.ready()
+        dial = f"127.0.0.1:{server.stream_port}"
+        config = str(tmp_path / "etc" / "server.toml")
+        made = llmgw(
+            "ctl", "onboard", "n1", "--config", config, "--server", dial,
+            "--fabric", "ib-a", "--label", "role=coding", "--out", str(tmp_path / "n1"),
+        )  # fmt: skip
+        assert made.returncode == 0, made.stderr
+        bundle = tmp_path / "n1"
+        assert (bundle / "agent.toml").read_text().split("\n\n", 1)[1] == (
+            f'control_plane = ["{dial}"]\nnode_id = "n1"\n\n'
+            '[inventory]\nfabric = "ib-a"\nlabels = { "role" = "coding" }\n'
+        )
+        assert mode(bundle / "pki" / "n1-key.pem") == 0o600
+        assert "systemctl enable --now llmgw-agent" in (bundle / "INSTALL.txt").read_text()
+
+        again = llmgw("ctl", "onboard", "n1", "--config", config, "--out", str(bundle))
+        assert again.returncode == 2
+        assert "already exists; refusing to overwrite a bundle" in again.stderr
+
+        tar = llmgw("ctl", "onboard", "n2", "--config", config, "--out", str(tmp_path / "n2.tar"))
+        assert tar.returncode == 0, tar.stderr
+        assert mode(tmp_path / "n2.tar") == 0o600
+        with tarfile.open(tmp_path / "n2.tar") as tf:
+            names = {m.name: m.mode for m in tf.getmembers()}
+            toml = tf.extractfile("agent.toml")
+            assert toml is not None
+            # no --server: the server certificate's first name and the listen port
+            assert 'control_plane = ["localhost:7443"]' in toml.read().decode()
+        assert names["pki/n2-key.pem"] == 0o600
+        assert {"agent.toml", "INSTALL.txt", "pki/ca.pem", "pki/n2.pem"} <= set(names)
+
+        agent = Daemon("agent", ["agent", *agent_args(bundle, tmp_path)], tmp_path, AGENT_ENV)
+        agent.start()
+        node = await server.wait_node("n1", "Ready")
+        assert node["fabric"] == "ib-a"
+        assert node["labels"] == {"role": "coding"}
+    finally:
+        if agent is not None:
+            agent.kill()
+        server.kill()
