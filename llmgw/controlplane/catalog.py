@@ -48,7 +48,9 @@ class _Entry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
 class Routing(_Entry, frozen=True):
     """How the router weighs this model's replicas (read by the router, not placement)."""
 
-    weight: float = 1.0  # > 0
+    # a replica's share of its model's traffic (> 0); set per model, every replica of
+    # the model carries the same one, so it changes nothing yet
+    weight: float = 1.0
     target_waiting: int | None = None  # queued requests per replica worth routing away from
     kv_ceiling: float | None = None  # KV-cache usage in (0, 1] past which a replica is avoided
 
@@ -56,26 +58,29 @@ class Routing(_Entry, frozen=True):
 class Profile(_Entry, frozen=True):
     """One way to run a model: an engine, its resources, and what the engine is given."""
 
-    name: str
-    engine: str  # one of ENGINES
+    name: str  # the profile's name, unique within the model (ctl and logs say it)
+    engine: str  # llama.cpp, vllm or vllm-ray
     gpus: int = 0  # per shard, i.e. per node
     nodes: int = 1  # shards per replica; more than one only for vllm-ray
-    min_memory_gb: float | None = None  # GiB of node memory; None: fits anywhere
+    min_memory_gb: float | None = None  # GiB of node memory; unset: fits anywhere
     selector: dict[str, str] = {}  # node labels that must all match
     model_path: str = ""  # on the node; empty: the engine resolves the model by name
     weights: str = ""  # name to look for in nodes' discovered weights; empty: the model's name
-    engine_args: list[str] = []
-    settings: dict[str, SettingValue] = {}  # for the engine adapter (ShardSpec.settings)
-    env: dict[str, str] = {}
-    startup_timeout_s: float = 600.0
+    engine_args: list[str] = []  # passed to the engine as they are, after llmgw's own
+    # what the engine adapter turns into arguments (llama.cpp: context, parallel, threads,
+    # ...); one it does not know is a warning at start and on reload
+    settings: dict[str, SettingValue] = {}
+    env: dict[str, str] = {}  # added to the engine's clean environment
+    startup_timeout_s: float = 600.0  # placed to Ready; past it (plus a margin) it is failed
 
 
 class _ModelEntry(_Entry, frozen=True):
     """A model's table as written (its name is the table's key)."""
 
-    replicas: int = 1
+    replicas: int = 1  # how many copies to keep running
     routing: Routing = msgspec.field(default_factory=Routing)
-    profiles: list[Profile] = []
+    profiles: list[Profile] = []  # ways to run it, in order of preference
+    # base URLs the router sends this model's traffic to; nothing is placed for it
     static_endpoints: list[str] = []
 
 
