@@ -95,6 +95,7 @@ def agent(
     control_plane: list[str] | None = None,
     node_id: str | None = None,
     log_level: str | None = None,
+    check: Annotated[bool, cyclopts.Parameter(negative="")] = False,
 ) -> int:
     """Run the node agent: dial the control plane over mutual TLS, register this node,
     heartbeat, and reconnect forever with jittered backoff.
@@ -110,6 +111,10 @@ def agent(
         Node id; defaults to the hostname and must equal the certificate's common name.
     log_level
         debug, info, warning or error.
+    check
+        Preflight, then exit: read the config and certificates, dial the control
+        plane (name lookup, TCP, TLS, identity), show what discovery finds. Starts
+        nothing and disturbs no running agent; exits 1 at the first blocker.
     """
     overrides = list(set_ or [])
     if control_plane:
@@ -118,6 +123,10 @@ def agent(
         overrides.append(f"node_id={_quote(node_id)}")
     if log_level is not None:
         overrides.append(f"log_level={_quote(log_level)}")
+    if check:
+        from llmgw.cli.check import check_agent
+
+        return check_agent(config, overrides)
     from llmgw.serve import agent as daemon
 
     return _start("llmgw agent", AgentConfig, config, overrides, daemon.serve)

@@ -119,8 +119,8 @@ def start_server(tmp: Path) -> Server:
 
 
 def agent_args(bundle: Path, tmp: Path) -> list[str]:
-    """The bundle's agent.toml, with a state dir of its own and nothing to discover that
-    could start an engine here."""
+    """The bundle's agent.toml, with a state dir of its own, no GPUs, and too little
+    memory for the example catalog's model."""
     return [
         "--config",
         str(bundle / "agent.toml"),
@@ -132,10 +132,12 @@ def agent_args(bundle: Path, tmp: Path) -> list[str]:
         "discovery.llama_server_search=[]",
         "--set",
         "backoff.max_s=0.5",
+        "--set",
+        "inventory.memory_gb=1",  # below the example catalog's model: nothing is placed
     ]
 
 
-AGENT_ENV = {"PATH": "/nonexistent"}  # no llama-server on PATH: nothing is placed here
+AGENT_ENV = {"PATH": "/nonexistent"}  # no engine on PATH
 
 
 async def test_init_onboard_and_an_agent_from_the_bundle_is_ready(tmp_path: Path) -> None:
@@ -180,7 +182,84 @@ async def test_init_onboard_and_an_agent_from_the_bundle_is_ready(tmp_path: Path
         node = await server.wait_node("n1", "Ready")
         assert node["fabric"] == "ib-a"
         assert node["labels"] == {"role": "coding"}
+
+        # the preflight passes beside the running agent, and leaves it be
+        check = await check_agent(bundle, tmp_path)
+        assert check.returncode == 0, check.stdout + check.stderr
+        for step in ("config", "certificates", "name lookup", "TCP", "TLS", "identity"):
+            assert f"\n{step}: ok: " in "\n" + check.stdout, step
+        assert "identity: ok: control plane " + dial + " accepts node n1" in check.stdout
+        assert "  GPUs: none\n" in check.stdout
+        assert "  fabric: ib-a\n" in check.stdout
+        assert check.stdout.rstrip().endswith("passed: node n1 can join the fleet")
+        await trio.sleep(0.5)  # a replaced stream would show by now
+        assert "connected again" not in server.log()
+        await server.wait_log("node n1 passed a check from 127.0.0.1:")
+        assert "closed the stream" not in agent.log()
+        assert "going away" not in agent.log()
+        after = (await server.nodes())["n1"]
+        assert after["state"] == "Ready" and after["peer"] == node["peer"]
+        assert agent.returncode() is None
+
+        # a server whose certificate is for another name: the TLS step says so and how
+        other = tmp_path / "other"
+        issued = llmgw(
+            "ctl", "cert", "server", "elsewhere.example", "--dir", str(tmp_path / "etc" / "pki"),
+            "--out", str(other),
+        )  # fmt: skip
+        assert issued.returncode == 0, issued.stderr
+        elsewhere = InitServer(
+            "elsewhere",
+            [
+                *server.args,
+                "--set",
+                f'agent_stream.cert="{other / "server.pem"}"',
+                "--set",
+                f'agent_stream.key="{other / "server-key.pem"}"',
+                "--set",
+                f'state_dir="{tmp_path / "elsewhere-state"}"',
+            ],
+            tmp_path,
+        )
+        elsewhere.start()
+        try:
+            await elsewhere.ready()
+            where = f"127.0.0.1:{elsewhere.stream_port}"
+            bad = await check_agent(bundle, tmp_path, where)
+        finally:
+            elsewhere.kill()
+        assert bad.returncode == 1, bad.stdout
+        assert bad.stdout.splitlines()[-1] == (
+            f"TLS: FAILED: control plane {where} presented a certificate that is not valid"
+            " for 127.0.0.1 (it holds elsewhere.example): issue one that holds every name"
+            " and address agents dial, with llmgw ctl cert server 127.0.0.1 elsewhere.example"
+            " --dir pki"
+        )
+        assert "discovered" not in bad.stdout  # it stops at the first blocker
+
+        # a stopped server: TCP refused, in the agent's words
+        await server.stop()
+        down = await check_agent(bundle, tmp_path)
+        assert down.returncode == 1
+        assert down.stdout.splitlines()[-1] == (
+            f"TCP: FAILED: connection refused by {dial}: is llmgw server running there"
+            " and listening on that port?"
+        )
     finally:
         if agent is not None:
             agent.kill()
         server.kill()
+
+
+async def check_agent(
+    bundle: Path, tmp: Path, control_plane: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    args = [*LLMGW, "agent", "--check", *agent_args(bundle, tmp)]
+    if control_plane:
+        args += ["--set", f'control_plane=["{control_plane}"]']
+    result = await trio.run_process(
+        args, capture_stdout=True, capture_stderr=True, check=False, env={**os.environ, **AGENT_ENV}
+    )
+    return subprocess.CompletedProcess(
+        args, result.returncode, result.stdout.decode(), result.stderr.decode()
+    )
