@@ -32,6 +32,7 @@ from llmgw.tls.ca import CA, CA_CERT_NAME, CAError, describe_certificate, issue_
 __all__ = ["onboard"]
 
 PROG = "llmgw ctl onboard"
+DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.toml")
 
 
 def _fail(message: str) -> NoReturn:
@@ -112,6 +113,8 @@ def _from_server(config: Path | None) -> tuple[Path | None, str | None]:
     """The CA's folder and the address agents dial, read from the server's config."""
     env = os.environ.get("LLMGW_SERVER_CONFIG")
     path = config or (Path(env) if env else None)
+    if path is None and DEFAULT_SERVER_CONFIG.exists():  # where llmgw init writes it
+        path = DEFAULT_SERVER_CONFIG
     if path is None:
         return None, None
     try:
@@ -160,7 +163,7 @@ def onboard(
         (default: NODE-bundle).
     config
         The server's config (from llmgw init): where the CA is and what agents dial.
-        [env: LLMGW_SERVER_CONFIG]
+        [env: LLMGW_SERVER_CONFIG; default /etc/llmgw/server.toml if it exists]
     pki_dir
         The CA's folder (ca.pem, ca-key.pem); default: the one --config names.
     days
