@@ -139,6 +139,7 @@ def adopt_records(
                     health_url=record.health_url,
                     metrics_url=record.metrics_url,
                     cleanup=record.cleanup,
+                    engine_key=record.engine_key,
                 ),
                 ident=recorded,
                 adopted=True,

@@ -15,6 +15,13 @@ carries its shard's tag (``env``), and its output appended to a log file; the fu
 written to the state directory (atomically) *before* the shard is reported
 ``starting``.
 
+An engine that serves HTTP listens on the node's address on the route to
+the control plane (``[engines] bind``), and takes requests only with its own
+key: a random secret made here for each launch, passed in its environment
+(never argv, which any user can read in ``/proc``), kept in its record (mode
+0600) for a restarted agent, and reported to the control plane, whose routers
+send it. Nothing logs it.
+
 A command can overtake the launch at each await: the launcher checks that the
 shard is still ``starting`` right before it spawns, and ends what it spawned
 if a stop or drain came in while it did.
@@ -24,11 +31,13 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import subprocess
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import trio
 
 from llmgw.agent.env import engine_env, tagged_shard
@@ -42,6 +51,7 @@ from llmgw.agent.procs import (
 )
 from llmgw.agent.shard import Shard
 from llmgw.engines import adapters
+from llmgw.engines.base import with_key
 
 if TYPE_CHECKING:
     from llmgw.agent.supervisor import Supervisor
@@ -70,6 +80,9 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
         known = ", ".join(adapters())
         sup.fire(shard, Event.REFUSED, f"unknown engine {spec.engine!r} (known: {known})")
         return False
+    # the engine listens where the agent says, not where the control plane asked
+    bind = sup.bind_address(spec)
+    spec = spec if bind == spec.host else msgspec.structs.replace(spec, host=bind)
     # the adapter reads the model's files: off the event loop, which must keep heartbeating
     problems = await trio.to_thread.run_sync(adapter.validate, spec, abandon_on_cancel=True)
     if problems:
@@ -81,6 +94,8 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
     except KeyError as exc:
         sup.fire(shard, Event.REFUSED, f"{exc.args[0]} is not installed on this node")
         return False
+    if how.health_url is not None:  # it serves HTTP: only to whoever holds its own key
+        how = with_key(how, adapter.key_env, secrets.token_urlsafe(32))
     ports = {spec.port} if how.health_url is not None and spec.port else set()
     if sup.settings.kill_unidentified:
         await sup.kill_unidentified(ports)

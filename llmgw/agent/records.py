@@ -2,7 +2,8 @@
 
 The *full* shard spec is written, not just a pid and a command line: a pid
 identifies a process, the spec is what lets it be described back to the
-control plane and matched to a replica. Written atomically (temp file,
+control plane and matched to a replica. A record holds the engine's secret
+key too, so it is written mode 0600 in a directory of mode 0700. Written atomically (temp file,
 fsync, rename) before the shard is reported started, so a record never
 describes half a shard.
 
@@ -37,6 +38,9 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     health_url: str | None = None
     metrics_url: str | None = None
     cleanup: list[str] | None = None
+    # the engine's secret key: why a record is 0600 in a 0700 directory. A restarted
+    # agent needs it to health-check and to report the engine it adopts
+    engine_key: str = ""
 
 
 _encoder = msgspec.json.Encoder()
@@ -57,7 +61,9 @@ class RecordStore:
         return self.dir / f"{shard_id}.json.prev"
 
     def write(self, record: ShardRecord) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.dir.stat().st_mode & 0o077:
+            self.dir.chmod(0o700)  # it holds the engines' keys: nobody else's to list
         path = self.path(record.spec.shard_id)
         data = _encoder.encode(record)
         old = _read(path)

@@ -60,6 +60,13 @@ from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
 
 __all__ = ["Outbox", "Shard", "Supervisor", "SupervisorSettings"]
 
+
+def engine_auth(shard: Shard) -> dict[str, str]:
+    """The header that lets the agent past its engine's key (none when it has none)."""
+    key = shard.launch.engine_key if shard.launch else ""
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 log = logging.getLogger("llmgw.agent.supervisor")
 
 HEALTH_INTERVAL_S = 0.25
@@ -79,6 +86,9 @@ class SupervisorSettings:
     stopped_logs_max_bytes: int = 1 << 30
     nvidia_smi: str = "nvidia-smi"
     health: HealthSettings = attrs.Factory(HealthSettings)  # checks of engines once ready
+    # where engines listen: "auto" (the address this node reaches the control plane
+    # from), or an address ("0.0.0.0": every interface)
+    engine_bind: str = "auto"
 
 
 class Supervisor:
@@ -104,6 +114,9 @@ class Supervisor:
         # accepted this agent as this node, it kills nothing (it may be an impostor,
         # or a second agent beside the one whose engines hold these ports)
         self.registered = trio.Event()
+        # the local address of the stream's connection to the control plane (set by
+        # the stream as it connects): where engines listen when their bind is "auto"
+        self.stream_address = ""
 
     # --- the daemon side --------------------------------------------------
 
@@ -129,6 +142,15 @@ class Supervisor:
                 await self.kill_gpu_holders()
             await trio.sleep_forever()
 
+    def bind_address(self, spec: ShardSpec) -> str:
+        """Where the shard's engine listens: the configured address, or with "auto"
+        this node's address on the route to the control plane (the spec's host until
+        the stream has connected)."""
+        bind = self.settings.engine_bind
+        if bind == "auto":
+            return self.stream_address or spec.host
+        return bind
+
     def reports(self) -> list[ShardReport]:
         return [
             ShardReport(
@@ -137,6 +159,7 @@ class Supervisor:
                 pid=s.pid,
                 detail=s.detail,
                 healthy=s.shard_id not in self._unhealthy,
+                engine_key=s.launch.engine_key if s.launch else "",
             )
             for s in self.shards.values()
             if s.phase not in TERMINAL
@@ -204,6 +227,7 @@ class Supervisor:
                     detail=shard.detail,
                     output_tail=tail,
                     pid=shard.pid,
+                    engine_key=shard.launch.engine_key if shard.launch else "",
                 )
             )
         if m.end_process:
@@ -314,7 +338,12 @@ class Supervisor:
             self.on_event("recovered" if healthy else "unhealthy")
             self.outbox.put(
                 ShardStatus(
-                    shard_id=sid, state=shard.state, detail=why, pid=shard.pid, healthy=healthy
+                    shard_id=sid,
+                    state=shard.state,
+                    detail=why,
+                    pid=shard.pid,
+                    healthy=healthy,
+                    engine_key=shard.launch.engine_key if shard.launch else "",
                 )
             )
 
@@ -395,7 +424,7 @@ class Supervisor:
     async def _idle(self, shard: Shard, url: str) -> bool:
         adapter = adapters().get(shard.spec.engine)
         try:
-            response = await self._http.get(url)
+            response = await self._http.get(url, headers=engine_auth(shard))
         except httpx.HTTPError:
             return True  # nothing answers: nothing in flight to protect
         if adapter is None or response.status_code != 200:
@@ -482,6 +511,7 @@ class Supervisor:
                 health_url=shard.launch.health_url,
                 metrics_url=shard.launch.metrics_url,
                 cleanup=shard.launch.cleanup,
+                engine_key=shard.launch.engine_key,
             )
         )
 

@@ -231,6 +231,9 @@ class EnginesConfig(_Section):
     stopped_logs_max_mb: int = 1024  # those logs in all, newest kept
     health_interval_s: float = 2.0  # a ready engine's health is checked this often
     unhealthy_after: int = 3  # checks in a row without an answer: reported unhealthy
+    # where engines listen: "auto" (this node's address on its route to the control
+    # plane), "0.0.0.0" (every interface), or an address of this node
+    bind: str = "auto"
 
 
 class MetricsConfig(_Section):
@@ -288,6 +291,16 @@ class AgentConfig(_Section):
         _positive("engines.log_max_mb", self.engines.log_max_mb)
         _positive("engines.stopped_log_keep_hours", self.engines.stopped_log_keep_hours)
         _positive("engines.stopped_logs_max_mb", self.engines.stopped_logs_max_mb)
+        if self.engines.bind != "auto":
+            try:
+                ipaddress.ip_address(self.engines.bind)
+            except ValueError:
+                raise ConfigError(
+                    "",
+                    "engines.bind",
+                    f'must be "auto", "0.0.0.0" or an IP address of this node, '
+                    f"got {self.engines.bind!r}",
+                ) from None
         if self.metrics.listen:
             parse_hostport(self.metrics.listen, key="metrics.listen")
         _positive("discovery.probe_timeout_s", self.discovery.probe_timeout_s, at_most=600)

@@ -29,6 +29,9 @@ class Launch:
     # run after the process group is gone, for what the engine daemonized out of it
     # (Ray's head and raylets): e.g. ["ray", "stop"]
     cleanup: list[str] | None = None
+    # the engine's secret key, in ``env`` under the adapter's ``key_env`` (never argv):
+    # whoever talks to the engine sends it as ``Authorization: Bearer``; "" for none
+    engine_key: str = attrs.field(default="", repr=False)
 
 
 @attrs.frozen
@@ -51,6 +54,7 @@ class ProfileError(ValueError):
 class EngineAdapter(Protocol):
     name: str  # "llama.cpp", "vllm", "vllm-ray"
     known_settings: frozenset[str]  # the profile settings it reads; it refuses any other
+    key_env: str  # the variable the engine reads its API key from
 
     def validate(self, spec: ShardSpec) -> list[str]:
         """Problems in words, empty when the engine would accept the spec."""
@@ -63,6 +67,12 @@ class EngineAdapter(Protocol):
     def parse_metrics(self, text: str) -> LoadSignals:
         """Load signals from the engine's Prometheus text."""
         ...
+
+
+def with_key(how: Launch, key_env: str, key: str) -> Launch:
+    """``how`` with the engine's key set: in its environment, where no other user and
+    no process listing can read it (argv is world-readable in /proc)."""
+    return attrs.evolve(how, env={**how.env, key_env: key}, engine_key=key)
 
 
 def setting(

@@ -55,6 +55,7 @@ ALL_LAYERS = 999
 class LlamaCppAdapter:
     name = "llama.cpp"
     binary = "llama-server"
+    key_env = "LLAMA_API_KEY"  # with it, every path but /health and /v1/health wants it
     known_settings = SETTINGS
 
     def validate(self, spec: ShardSpec) -> list[str]:

@@ -153,6 +153,7 @@ class _VllmBase:
     name: str = "vllm"
     known_settings: frozenset[str] = VLLM_SETTINGS
     multi_node: bool = False
+    key_env: str = "VLLM_API_KEY"  # with it, every /v1 path wants the key
 
     # ------------------------------------------------------------- validation
     def _plan(self, spec: ShardSpec, problems: list[str]) -> _Plan:

@@ -79,6 +79,9 @@ class Endpoint:
     # per-replica thresholds (replicas on different hardware hold different
     # queues); None: the ones passed to ``choose``
     admission: Admission | None = None
+    # the engine's own key, sent as ``Authorization: Bearer`` in place of the client's
+    # (which is the gateway's key, not the engine's); "" sends none. Never shown.
+    engine_key: str = attrs.field(default="", repr=False)
 
     def start(self, now: float) -> None:
         """A request was sent to it: count it, and tell the breaker."""

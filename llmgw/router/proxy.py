@@ -205,6 +205,8 @@ class Proxy:
         it open for the caller."""
         ep = lease.endpoint
         host, port = hostport(ep.url)
+        if ep.engine_key:  # the client's authorization was its own, and is not sent on
+            headers = [*headers, ("authorization", f"Bearer {ep.engine_key}")]
         try:
             upstream = await self.pool.request(
                 request.method, host, port, request.path, headers, request.body

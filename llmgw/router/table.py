@@ -71,6 +71,7 @@ class RoutingTable:
             ep.weight = route.weight
             ep.ready = route.ready
             ep.draining = route.draining
+            ep.engine_key = route.engine_key
             self._engines[route.key] = route.engine
             table.setdefault(route.model, []).append(ep)
             seen.add(route.key)
@@ -122,12 +123,17 @@ async def _scrape(
     the in-flight count, never to "saturated"."""
     with trio.move_on_at(deadline):
         try:
-            r = await client.get(ep.url + "/metrics", timeout=None)
+            r = await client.get(ep.url + "/metrics", headers=engine_auth(ep), timeout=None)
         except httpx.HTTPError:
             return
         if r.status_code == 200:
             ep.load = adapter.parse_metrics(r.text)
             ep.load_at = trio.current_time()
+
+
+def engine_auth(ep: Endpoint) -> dict[str, str]:
+    """The header that lets the router past an engine's key (none when it has none)."""
+    return {"authorization": f"Bearer {ep.engine_key}"} if ep.engine_key else {}
 
 
 def traffic_view(ep: Endpoint, now: float) -> TrafficView:

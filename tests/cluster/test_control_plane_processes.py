@@ -161,11 +161,23 @@ def engine_pid(tmp: Path, node: str, shard_id: str) -> int:
     return int(record["pid"])
 
 
-async def chat(port: int) -> None:
+def engine_key(tmp: Path, node: str, shard_id: str) -> str:
+    """The key the shard's engine wants, from its agent's record ("" without one)."""
+    path = tmp / f"agent-{node}" / "shards" / f"{shard_id}.json"
+    try:
+        return str(json.loads(path.read_text()).get("engine_key", ""))
+    except FileNotFoundError:
+        return ""
+
+
+async def chat(tmp: Path, shard: dict[str, Any]) -> None:
+    """A chat straight to a shard's engine (as in ``ctl replicas --json``), with its key."""
+    key = engine_key(tmp, shard["node_id"], shard["shard_id"])
     async with httpx.AsyncClient(timeout=10) as client:
         r = await client.post(
-            f"http://127.0.0.1:{port}/v1/chat/completions",
+            f"http://127.0.0.1:{shard['port']}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+            headers={"authorization": f"Bearer {key}"},
         )
     assert r.status_code == 200, r.text
 
@@ -183,7 +195,7 @@ async def test_placed_then_adopted_across_a_control_plane_restart(tmp_path: Path
         }
         starts = {pid: identity(pid) for pid in pids.values()}
         for r in before:
-            await chat(r["shards"][0]["port"])
+            await chat(tmp_path, r["shards"][0])
 
         await c.restart_server()
         after = await c.wait_ready(2)
@@ -211,7 +223,7 @@ async def test_an_agent_back_with_nothing_running_has_its_replica_let_go_and_rep
         await c.server.wait_log(r"let go of shard .* on n1: the agent does not report it")
         [new] = await c.wait_ready(1, timeout=90)
         assert new["replica_id"] != replica["replica_id"]
-        await chat(new["shards"][0]["port"])
+        await chat(tmp_path, new["shards"][0])
         assert not alive(pid)
 
 
@@ -234,20 +246,25 @@ async def test_draining_a_node_under_traffic_moves_the_replica_and_fails_no_requ
                 while not done.is_set():
                     ok, ports = False, []
                     for _attempt in range(3):  # a router's attempts, each on a fresh table
-                        ports = [
-                            s["port"]
+                        shards = [
+                            s
                             for r in await c.replicas()
                             if r["state"] == "Ready"
                             for s in r["shards"]
                         ]
-                        for port in ports:
+                        ports = [s["port"] for s in shards]
+                        for s in shards:
+                            key = engine_key(tmp_path, s["node_id"], s["shard_id"])
+                            if not key:
+                                continue  # gone with its shard: nothing sent yet
                             try:
                                 r = await client.post(
-                                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                                    f"http://127.0.0.1:{s['port']}/v1/chat/completions",
                                     json={
                                         "messages": [{"role": "user", "content": "hi"}],
                                         "max_tokens": 8,
                                     },
+                                    headers={"authorization": f"Bearer {key}"},
                                 )
                             except httpx.ConnectError:
                                 continue  # nothing sent yet: safe to try the next replica

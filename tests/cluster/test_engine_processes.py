@@ -136,11 +136,13 @@ def llama_spec(
     )
 
 
-async def chat(port: int) -> dict[str, object]:
+async def chat(port: int, key: str) -> dict[str, object]:
+    """A chat straight to an engine, with the key its agent reported."""
     async with httpx.AsyncClient(timeout=10) as client:
         r = await client.post(
             f"http://127.0.0.1:{port}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16},
+            headers={"authorization": f"Bearer {key}"},
         )
     assert r.status_code == 200, r.text
     body: dict[str, object] = r.json()
@@ -155,7 +157,7 @@ async def test_a_llama_server_shard_starts_and_serves(tmp_path: Path, pki: Pki, 
         starting = await f.status("s1", "starting")
         ready = await f.status("s1", "ready")
         assert ready.pid == starting.pid
-        reply = await chat(spec.port)
+        reply = await chat(spec.port, ready.engine_key)
         assert reply["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
         # the record holds the full spec, written before the shard was reported started
         record = (tmp_path / "agent-n1" / "shards" / "s1.json").read_text()
@@ -181,7 +183,7 @@ async def test_an_engine_gets_a_clean_environment_with_its_tag(
         assert env["PATH"] == os.environ["PATH"]
         assert env["LLMGW_SHARD_ID"] == "s1"
         assert env["LLMGW_STATE_DIR"] == os.path.realpath(tmp_path / "agent-n1")
-        await chat(spec.port)
+        await chat(spec.port, ready.engine_key)
 
 
 async def test_a_killed_engine_is_reported_failed_with_its_output_tail(
@@ -208,11 +210,13 @@ async def test_a_restarted_agent_adopts_every_engine_and_can_stop_them(
         one, two = llama_spec(tiny, "s1"), llama_spec(tiny, "s2", port=free_port(PORT_BASE + 5))
         await f.send("n1", StartShard(spec=one))
         await f.send("n1", StartShard(spec=two))
-        pids = {s: (await f.status(s, "ready")).pid for s in ("s1", "s2")}
+        readies = {s: await f.status(s, "ready") for s in ("s1", "s2")}
+        pids = {s: r.pid for s, r in readies.items()}
+        keys = {s: r.engine_key for s, r in readies.items()}
         before = {s: identity(pid) for s, pid in pids.items() if pid}
 
         await agent.stop(signal.SIGKILL)
-        await chat(one.port)  # the engines keep serving without their agent
+        await chat(one.port, keys["s1"])  # the engines keep serving without their agent
         f.registers.clear()
         agent.start()
         await wait_for(lambda: bool(f.registers), timeout=30)
@@ -220,10 +224,11 @@ async def test_a_restarted_agent_adopts_every_engine_and_can_stop_them(
         assert set(reports) == {"s1", "s2"}  # every running shard, not only the first
         assert {s: r.state for s, r in reports.items()} == {"s1": "ready", "s2": "ready"}
         assert {s: r.pid for s, r in reports.items()} == pids  # adopted, not restarted
+        assert {s: r.engine_key for s, r in reports.items()} == keys  # from their records
         assert {s: identity(p) for s, p in pids.items() if p} == before
         await agent.wait_log(r"adopted shard s1 \(pid \d+\) left running by a previous agent")
         assert "earlier output is gone" in agent.log()
-        await chat(two.port)
+        await chat(two.port, keys["s2"])
 
         m = await agent.wait_log(r"agent metrics on (http://\S+/metrics)", count=2)
         async with httpx.AsyncClient(timeout=5) as client:
@@ -237,7 +242,7 @@ async def test_a_restarted_agent_adopts_every_engine_and_can_stop_them(
         # child, and reaping it is its new parent's business)
         assert pids["s1"] is not None
         assert not alive(pids["s1"])
-        await chat(two.port)
+        await chat(two.port, keys["s2"])
 
 
 async def test_an_engine_whose_record_is_spoiled_keeps_serving(
@@ -249,7 +254,8 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
         agent = f.start_agent()
         spec = llama_spec(tiny)
         await f.send("n1", StartShard(spec=spec))
-        pid = (await f.status("s1", "ready")).pid
+        ready = await f.status("s1", "ready")
+        pid = ready.pid
         assert pid is not None
         before = identity(pid)
         shards = tmp_path / "agent-n1" / "shards"
@@ -265,7 +271,7 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
         await agent.wait_log(r"shard s1: using the previous copy of its record")
         assert identity(pid) == before
         assert msgspec.json.decode(record.read_bytes())["pid"] == pid  # whole again
-        await chat(spec.port)
+        await chat(spec.port, ready.engine_key)
 
         await agent.stop(signal.SIGKILL)
         record.write_bytes(b"{")
@@ -281,7 +287,7 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
         assert f.registers[-1].shards == []  # it cannot say what the engine serves
         assert identity(pid) == before
         assert "killing pid" not in agent.log()
-        await chat(spec.port)
+        await chat(spec.port, ready.engine_key)
         # placed again on its port, the shard is refused with what to do
         await f.send("n1", StartShard(spec=msgspec.structs.replace(spec, shard_id="s2")))
         refused = await f.status("s2", "failed", timeout=20)
@@ -356,9 +362,9 @@ async def test_a_vllm_shard_through_the_agent_with_the_stand_in(tmp_path: Path, 
             startup_timeout_s=30,
         )
         await f.send("n1", StartShard(spec=spec))
-        await f.status("v1", "ready")
+        own = {"authorization": f"Bearer {(await f.status('v1', 'ready')).engine_key}"}
         async with httpx.AsyncClient(timeout=5) as client:
-            models = (await client.get(f"http://127.0.0.1:{port}/v1/models")).json()
+            models = (await client.get(f"http://127.0.0.1:{port}/v1/models", headers=own)).json()
             metrics = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
         assert [m["id"] for m in models["data"]] == ["org/tiny-hf"]
         assert "vllm:num_requests_waiting" in metrics

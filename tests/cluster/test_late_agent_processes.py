@@ -50,5 +50,5 @@ async def test_a_late_agent_keeps_its_serving_engine_and_the_replacement_goes(
         kept = replicas[serving["replica_id"]]
         assert kept["state"] == "Ready" and not kept["leaving"], replicas
         assert alive(pid) and identity(pid) == start  # the engine that served was not touched
-        await chat(kept["shards"][0]["port"])
+        await chat(tmp_path, kept["shards"][0])
         assert list(replicas) == [serving["replica_id"]]

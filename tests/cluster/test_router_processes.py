@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from llmgw.router.keys import hash_key, new_key
-from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_pid
+from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_key, engine_pid
 from tests.conftest import Pki
 from tests.realparts import needs_server
 
@@ -226,10 +226,13 @@ async def test_a_client_that_disconnects_mid_stream_stops_the_engine(
     async with routed(tmp_path, pki, context=8192) as (c, base, key):
         [replica] = await c.replicas()
         engine = f"http://127.0.0.1:{replica['shards'][0]['port']}"
+        own = {
+            "authorization": f"Bearer {engine_key(tmp_path, 'n1', replica['shards'][0]['shard_id'])}"
+        }
 
         async def gauges() -> dict[str, float]:
             async with httpx.AsyncClient(timeout=5) as client:
-                text = (await client.get(engine + "/metrics")).text
+                text = (await client.get(engine + "/metrics", headers=own)).text
             return {
                 name: float(value)
                 for name, value in (line.split()[:2] for line in text.splitlines() if line)

@@ -20,6 +20,9 @@ Environment:
 - ``STANDIN_RAY_WAIT_S`` (default 10): with ``--distributed-executor-backend
   ray``, how long to wait for the Ray stand-in's cluster to have the GPUs.
 - ``CUDA_VISIBLE_DEVICES``: the GPUs it pretends to have (unset: none).
+- ``VLLM_API_KEY``: as vLLM's: when set, every path under ``/v1`` answers 401
+  ``{"error": "Unauthorized"}`` without ``Authorization: Bearer <key>``; the
+  others (``/health``, ``/metrics``) are open, and so is every ``OPTIONS``.
 """
 
 from __future__ import annotations
@@ -168,8 +171,21 @@ class Handler(BaseHTTPRequestHandler):
     def json(self, status: int, obj: object) -> None:
         self.reply(status, json.dumps(obj).encode())
 
+    def refused(self) -> bool:
+        """vLLM's AuthenticationMiddleware: only paths under /v1 want the key."""
+        key = os.environ.get("VLLM_API_KEY")
+        if not key or not self.path.startswith("/v1"):
+            return False
+        if self.headers.get("Authorization", "") == f"Bearer {key}":
+            return False
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))  # keep-alive stays whole
+        self.json(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self) -> None:
         state = self.server.state
+        if self.refused():
+            return
         if self.path == "/health":
             self.reply(200, b"", "text/plain")
         elif self.path == "/v1/models":
@@ -192,6 +208,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         state = self.server.state
+        if self.refused():
+            return
         chat = self.path == "/v1/chat/completions"
         if not chat and self.path != "/v1/completions":
             self.json(404, {"detail": "Not Found"})
