@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trio
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from trio_websocket import (
     ConnectionClosed,
     ConnectionRejected,
@@ -118,6 +120,12 @@ async def _check(
             f"{cert} is for {info['subject_cn']!r} but this agent's node id is {node!r}:"
             f" the control plane would refuse it; issue one with llmgw ctl onboard {node}"
             f" (or set node_id = {info['subject_cn']!r})",
+        )
+    if not _issued_by(cert, ca):
+        raise Blocked(
+            "certificates",
+            f"{cert} is not signed by the CA in {ca}: the control plane would refuse it;"
+            f" issue one from the fleet's CA with llmgw ctl onboard {node}",
         )
     until = dt.datetime.fromisoformat(info["not_after"]).date()
     if info["expired"]:
@@ -340,6 +348,19 @@ async def _discovered(
         say("  weights: not looked for")
     for problem in found.problems if found else []:
         say(f"  problem: {problem}")
+
+
+def _issued_by(cert: Path, ca: Path) -> bool:
+    """Whether ``cert`` is signed by one of the certificates in ``ca`` (both already
+    read and checked by ``client_context``)."""
+    leaf = x509.load_pem_x509_certificate(cert.read_bytes())
+    for issuer in x509.load_pem_x509_certificates(ca.read_bytes()):
+        try:
+            leaf.verify_directly_issued_by(issuer)
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+        return True
+    return False
 
 
 def _gib(n: int) -> str:

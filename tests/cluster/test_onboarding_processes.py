@@ -237,6 +237,29 @@ async def test_init_onboard_and_an_agent_from_the_bundle_is_ready(tmp_path: Path
         )
         assert "discovered" not in bad.stdout  # it stops at the first blocker
 
+        # a certificate from another CA, or for another node, is caught before dialing
+        foreign = tmp_path / "foreign"
+        assert llmgw("ctl", "cert", "init", "--dir", str(foreign)).returncode == 0
+        assert llmgw("ctl", "cert", "agent", "n1", "--dir", str(foreign)).returncode == 0
+        crt, key = foreign / "n1.pem", foreign / "n1-key.pem"
+        files = ["--set", f'cert="{crt}"', "--set", f'key="{key}"']
+        other_ca = await check_agent(bundle, tmp_path, extra=files)
+        assert other_ca.returncode == 1
+        assert other_ca.stdout.splitlines()[-1] == (
+            f"certificates: FAILED: {crt} is not signed by the CA in {bundle / 'pki' / 'ca.pem'}:"
+            " the control plane would refuse it; issue one from the fleet's CA with"
+            " llmgw ctl onboard n1"
+        )
+        mine = bundle / "pki" / "n1.pem"
+        files = ["--set", f'cert="{mine}"', "--set", f'key="{bundle / "pki" / "n1-key.pem"}"']
+        renamed = await check_agent(bundle, tmp_path, extra=[*files, "--set", 'node_id="n9"'])
+        assert renamed.returncode == 1
+        assert renamed.stdout.splitlines()[-1] == (
+            f"certificates: FAILED: {mine} is for 'n1' but this agent's node id is 'n9':"
+            " the control plane would refuse it; issue one with llmgw ctl onboard n9"
+            " (or set node_id = 'n1')"
+        )
+
         # a stopped server: TCP refused, in the agent's words
         await server.stop()
         down = await check_agent(bundle, tmp_path)
@@ -252,9 +275,9 @@ async def test_init_onboard_and_an_agent_from_the_bundle_is_ready(tmp_path: Path
 
 
 async def check_agent(
-    bundle: Path, tmp: Path, control_plane: str | None = None
+    bundle: Path, tmp: Path, control_plane: str | None = None, extra: list[str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    args = [*LLMGW, "agent", "--check", *agent_args(bundle, tmp)]
+    args = [*LLMGW, "agent", "--check", *agent_args(bundle, tmp), *(extra or [])]
     if control_plane:
         args += ["--set", f'control_plane=["{control_plane}"]']
     result = await trio.run_process(
