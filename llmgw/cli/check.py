@@ -34,6 +34,7 @@ from trio_websocket import (
 
 from llmgw.addr import join_hostport
 from llmgw.agent.inventory import InventorySource
+from llmgw.agent.lock import LOCK_FILE
 from llmgw.agent.stream import certificate_problem, connect_problem, read_certificate_names
 from llmgw.config import AgentConfig, ConfigError, load_config, parse_hostport
 from llmgw.config.schema import resolve
@@ -134,6 +135,10 @@ async def _check(
             f"{cert} expired on {until}: issue a new one with llmgw ctl onboard {node}",
         )
     say(f"certificates: ok: {cert} (node {node}, valid until {until}), CA {ca}")
+
+    running = _running_agent(resolve(base, config.state_dir))
+    if running is not None:
+        say(f"note: an agent runs on this state dir (pid {running}); the check leaves it alone")
 
     for host, port in addresses:
         await _dial(config, node, host, port, ctx, probe, str(ca), say)
@@ -345,9 +350,23 @@ async def _discovered(
     elif inv.weights_scanned:
         say("  weights: none in the weights dirs")
     else:
-        say("  weights: not looked for")
+        where = resolve(base, config.weights.default_dir)
+        say(f"  weights: not looked for (weights.dirs is empty and {where} does not exist)")
     for problem in found.problems if found else []:
         say(f"  problem: {problem}")
+
+
+def _running_agent(state_dir: Path) -> int | None:
+    """The pid an agent on ``state_dir`` wrote in its lock file, if that process is an
+    llmgw agent still. Read only: taking the lock, even for an instant, could make an
+    agent starting then refuse to run."""
+    try:
+        pid = int((state_dir / LOCK_FILE).read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except (OSError, ValueError):
+        return None
+    words = {Path(w.decode(errors="replace")).name for w in cmdline}
+    return pid if "agent" in words and any("llmgw" in w for w in words) else None
 
 
 def _issued_by(cert: Path, ca: Path) -> bool:

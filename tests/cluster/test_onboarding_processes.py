@@ -190,6 +190,8 @@ async def test_init_onboard_and_an_agent_from_the_bundle_is_ready(tmp_path: Path
             assert f"\n{step}: ok: " in "\n" + check.stdout, step
         assert "identity: ok: control plane " + dial + " accepts node n1" in check.stdout
         assert "  GPUs: none\n" in check.stdout
+        assert agent.proc is not None
+        assert f"note: an agent runs on this state dir (pid {agent.proc.pid})" in check.stdout
         assert "  fabric: ib-a\n" in check.stdout
         assert check.stdout.rstrip().endswith("passed: node n1 can join the fleet")
         await trio.sleep(0.5)  # a replaced stream would show by now
