@@ -231,8 +231,9 @@ class EnginesConfig(_Section):
     stopped_logs_max_mb: int = 1024  # those logs in all, newest kept
     health_interval_s: float = 2.0  # a ready engine's health is checked this often
     unhealthy_after: int = 3  # checks in a row without an answer: reported unhealthy
-    # where engines listen: "auto" (this node's address on its route to the control
-    # plane), "0.0.0.0" (every interface), or an address of this node
+    # where engines listen: "auto" (the node's address as reported: [inventory] address,
+    # by default the local address of the agent's connection to the control plane),
+    # "0.0.0.0" (every interface), or an address of this node
     bind: str = "auto"
 
 

@@ -88,7 +88,8 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
             stopped_logs_max_bytes=e.stopped_logs_max_mb << 20,
             health=HealthSettings.every(e.health_interval_s, e.unhealthy_after),
             nvidia_smi=config.discovery.nvidia_smi,
-            engine_bind=e.bind,
+            # "auto": where the control plane will route to, the node's own address
+            engine_bind=(config.inventory.address or e.bind) if e.bind == "auto" else e.bind,
         ),
         lambda: binaries(config, source, base),
         on_event=metrics.event,
