@@ -17,6 +17,11 @@ another replica the request is poison and gets its error, counted against
 neither; otherwise, or when there is no next attempt, the held fault counts.
 A client that leaves mid-way settles nothing: the held fault is dropped.
 
+The client's ``Authorization`` (its key to the gateway) is never sent on; a
+replica whose engine has a key of its own gets that one. An engine that
+refuses it (401) has failed, as one that answers 502 has, and the request
+may go to another replica: the client's key was good.
+
 When every replica's breaker refuses, the balancer picks the least bad one
 (panic); the model's entering and leaving panic is logged once each, and
 counted in ``llmgw_router_panic`` and ``llmgw_router_panic_routed``.
@@ -216,6 +221,15 @@ class Proxy:
         now = trio.current_time()
         record.first_byte(now)
         status = upstream.status
+        if status == 401 and ep.engine_key:
+            # the engine refused the key the router holds for it (an engine started
+            # again under a new key the router has not heard of yet): the replica's
+            # fault, tried elsewhere; never the client's 401, whose key was good
+            upstream.body_iter.close()
+            judged = verdict(502)
+            _end(lease, judged)
+            record.upstream_error(ep.key, "status_401")
+            return _Failed(judged, f"replica {ep.key} refused the router's key for its engine")
         judged = verdict(status)
         if not judged.relayed:
             upstream.body_iter.close()

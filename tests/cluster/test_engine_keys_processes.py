@@ -20,13 +20,19 @@ from llmgw.config.errors import ConfigError
 from llmgw.config.schema import AgentConfig, EnginesConfig
 from llmgw.engines.base import with_key
 from llmgw.engines.vllm import VLLM
+from llmgw.http import Request, Response
 from llmgw.protocol.messages import ShardSpec
+from llmgw.router.app import RouterApp
+from llmgw.router.keys import ApiKey, KeyRing, hash_key
+from llmgw.router.table import RoutingTable
+from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.cluster.test_control_plane_processes import Cluster, engine_pid
 from tests.cluster.test_router_processes import routed
 from tests.conftest import Pki
 from tests.engines.test_vllm import running, spec, wait_healthy, wrapper
 from tests.ports import own_port
 from tests.realparts import needs_server
+from tests.router.test_app import serve
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
@@ -186,3 +192,62 @@ def test_engines_bind_where_the_agent_reaches_the_control_plane_unless_told() ->
 def test_a_bind_that_is_no_address_is_refused_in_words() -> None:
     with pytest.raises(ConfigError, match=r"engines\.bind"):
         AgentConfig(control_plane=["cp:7000"], engines=EnginesConfig(bind="eth0")).validate()
+
+
+class KeyedEngine:
+    """An engine that answers only its own key, and remembers what it was sent."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.seen: list[str] = []
+
+    async def __call__(self, request: Request) -> Response:
+        auth = dict(request.headers).get("authorization", "")
+        self.seen.append(auth)
+        if auth != f"Bearer {self.key}":
+            return Response(401, [("content-type", "application/json")], b'{"error":"no"}')
+        return Response(200, [("content-type", "application/json")], b'{"choices":[]}')
+
+
+async def test_the_router_sends_each_engine_its_key_and_never_the_clients(
+    nursery: trio.Nursery,
+) -> None:
+    good, stale = KeyedEngine("k-good"), KeyedEngine("k-new")
+    ports = {name: await serve(nursery, e) for name, e in (("good", good), ("stale", stale))}
+    table = RoutingTable()
+    client_key = "llmgw-client-key"
+    app = RouterApp(table, KeyRing([ApiKey("t", hash_key(client_key))]))
+    base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
+
+    def route(name: str, key: str) -> Route:
+        return Route(key=name, model="m", url=f"http://127.0.0.1:{ports[name]}", engine_key=key)
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    auth = {"authorization": f"Bearer {client_key}"}
+    async with httpx.AsyncClient(timeout=10) as client:
+        table.apply(
+            Snapshot(version="1", models={"m": ModelRouting()}, routes=[route("good", "k-good")])
+        )
+        r = await client.post(base + "/chat/completions", json=body, headers=auth)
+        assert r.status_code == 200, r.text
+        assert good.seen == ["Bearer k-good"]
+        # an engine started again under a key the router has not heard of: the
+        # replica has failed, not the client's key
+        table.apply(
+            Snapshot(version="2", models={"m": ModelRouting()}, routes=[route("stale", "k-old")])
+        )
+        r = await client.post(base + "/chat/completions", json=body, headers=auth)
+        assert r.status_code == 502, r.text
+        assert "refused the router's key" in r.json()["error"]["message"]
+        # and another replica takes the request
+        table.apply(
+            Snapshot(
+                version="3",
+                models={"m": ModelRouting()},
+                routes=[route("stale", "k-old"), route("good", "k-good")],
+            )
+        )
+        for _ in range(4):
+            r = await client.post(base + "/chat/completions", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+    assert client_key not in " ".join(good.seen + stale.seen)
