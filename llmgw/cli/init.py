@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
 import stat
 import sys
@@ -40,6 +41,7 @@ __all__ = ["init"]
 
 PROG = "llmgw init"
 STREAM_PORT = 7443
+SERVICE_USER = "llmgw"  # the user the systemd units run as
 
 CATALOG = """\
 # llmgw model catalog, written by llmgw init: which models to serve, how many
@@ -86,6 +88,20 @@ def _q(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _owner(name: str | None) -> pwd.struct_passwd | None:
+    if name is None:
+        if os.geteuid() != 0:
+            return None
+        try:
+            return pwd.getpwnam(SERVICE_USER)
+        except KeyError:
+            return None
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        _fail(f"--owner {name}: no such user; create it (packaging/llmgw.sysusers.conf) first")
+
+
 def server_toml(*, state_dir: str, key_hash: str, stream_listen: str, endpoint_listen: str) -> str:
     return f"""\
 # llmgw server: the control plane, written by llmgw init. Relative paths are
@@ -122,6 +138,7 @@ class _Plan:
     def __init__(self) -> None:
         self.wrote: list[Path] = []
         self.kept: list[str] = []
+        self.owned: dict[Path, str] = {}
 
     def exists(self, path: Path, what: str, detail: str = "") -> bool:
         if not path.exists():
@@ -136,12 +153,25 @@ class _Plan:
             _fail(f"cannot write {path}: {exc.strerror or exc}; check the --dir")
         self.wrote.append(path)
 
+    def give(self, paths: list[Path], owner: pwd.struct_passwd | None) -> None:
+        """The files the server reads, given to the user it runs as (they are 0600)."""
+        if owner is None:
+            return
+        for path in paths:
+            if path in self.wrote:
+                try:
+                    os.chown(path, owner.pw_uid, owner.pw_gid)
+                except OSError as exc:
+                    _fail(f"cannot give {path} to {owner.pw_name}: {exc.strerror or exc}")
+                self.owned[path] = owner.pw_name
+
     def show(self) -> None:
         for line in self.kept:
             print(line)
         for path in self.wrote:
             mode = stat.S_IMODE(os.stat(path).st_mode)
-            print(f"wrote {path} ({mode:04o})")
+            who = f", owner {self.owned[path]}" if path in self.owned else ""
+            print(f"wrote {path} ({mode:04o}{who})")
 
 
 def init(
@@ -152,6 +182,7 @@ def init(
     state_dir: str = "/var/lib/llmgw",
     stream_listen: str = f"0.0.0.0:{STREAM_PORT}",
     endpoint_listen: str = "0.0.0.0:8000",
+    owner: str | None = None,
 ) -> None:
     """Set up a control-plane host: the CA, the server's certificate, server.toml (with
     the catalog and the OpenAI-compatible endpoint on), an example catalog, the admin
@@ -171,6 +202,10 @@ def init(
         Where agents dial in, HOST:PORT ([agent_stream] listen).
     endpoint_listen
         The OpenAI-compatible endpoint, HOST:PORT ([router] listen).
+    owner
+        The user the server runs as, given the files it reads that are 0600 (its key,
+        the admin token, server.toml). Default: llmgw, when init runs as root and
+        that user exists (packaging/llmgw.sysusers.conf); the CA's key stays root's.
     """
     hosts = [*(name or []), *(address or [])]
     if not hosts:
@@ -178,6 +213,7 @@ def init(
             "give every name and address agents dial to reach this host, e.g."
             " --name cp.example.net --address 10.0.0.1: the server certificate must hold them"
         )
+    user = _owner(owner)
     plan = _Plan()
     pki = dir_ / "pki"
     try:
@@ -234,6 +270,7 @@ def init(
         )
         plan.write(config, text, 0o600)  # it names the admin token file and a key's hash
 
+    plan.give([pki / "server-key.pem", token, config], user)
     plan.show()
     if not plan.wrote:
         print(f"nothing written: {dir_} is already set up")

@@ -80,8 +80,11 @@ Installing the llmgw agent on node {node}
 
 1. Put this bundle in /etc/llmgw on the node (it holds agent.toml, pki/ and this file):
 {copy}
-   pki/{node}-key.pem is the node's secret: keep it 0600, owned by the user the
-   agent runs as, and delete the copy in /tmp.
+   pki/{node}-key.pem is the node's secret: keep it 0600, give it to the user the
+   agent runs as (llmgw, from the project's packaging/llmgw.sysusers.conf:
+   sudo cp llmgw.sysusers.conf /usr/lib/sysusers.d/llmgw.conf && sudo systemd-sysusers),
+   and delete the copy in /tmp:
+     ssh {node} sudo chown llmgw:llmgw /etc/llmgw/pki/{node}-key.pem
 
 2. Install the program, one file that needs only python3 >= 3.11:
      sudo install -D -m 0755 llmgw.pyz /opt/llmgw/llmgw.pyz

@@ -6,12 +6,14 @@ one whose certificate names another host."""
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import pytest
 import trio
 
 from tests.cluster.procs import Daemon, Server
@@ -72,6 +74,20 @@ def test_init_writes_everything_once_and_never_overwrites(tmp_path: Path) -> Non
     assert third.returncode == 0, third.stderr
     assert f"nothing written: {etc} is already set up" in third.stdout
     assert "wrote" not in third.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_init_gives_the_files_the_server_reads_to_its_user(tmp_path: Path) -> None:
+    nobody = pwd.getpwnam("nobody")
+    made = llmgw("init", "--dir", str(tmp_path), "--name", "localhost", "--owner", "nobody")
+    assert made.returncode == 0, made.stderr
+    for name in ("pki/server-key.pem", "admin-token", "server.toml"):
+        assert f"wrote {tmp_path / name} (0600, owner nobody)" in made.stdout
+        assert os.stat(tmp_path / name).st_uid == nobody.pw_uid, name
+    assert os.stat(tmp_path / "pki" / "ca-key.pem").st_uid == 0  # never leaves root
+    unknown = llmgw("init", "--dir", str(tmp_path / "x"), "--name", "h", "--owner", "nosuch")
+    assert unknown.returncode == 2
+    assert unknown.stderr.startswith("llmgw init: --owner nosuch: no such user;")
 
 
 def test_init_without_a_name_says_what_to_give() -> None:
