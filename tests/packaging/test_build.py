@@ -1,0 +1,216 @@
+"""tools/build's single file, run as a node runs it: a bare python3, no pip, no deps.
+
+The default run builds the file for this host's python only (about 10-20 s, once a
+session); LLMGW_SLOW=1 also builds the file for every node (x86_64 and aarch64,
+CPython 3.11 to 3.13) twice and checks its wheels and that the bytes are the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from llmgw.version import describe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def build(out: Path, *, host: bool) -> Path:
+    args = [str(ROOT / "tools" / "build"), "-o", str(out)] + (["--host"] if host else [])
+    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"tools/build failed:\n{result.stdout}\n{result.stderr}"
+    return out
+
+
+@pytest.fixture(scope="session")
+def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("build") / "llmgw.pyz", host=True)
+
+
+@pytest.fixture(scope="session")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A venv without pip made from the test interpreter's base: nothing installed."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python3"
+    probe = subprocess.run(
+        [str(python), "-I", "-c", "import msgspec"], capture_output=True, text=True, check=False
+    )
+    assert probe.returncode != 0, "the bare venv can import msgspec: the test would prove nothing"
+    return [str(python), "-I"]
+
+
+class Node:
+    """Runs the file from a clean directory, as a node would."""
+
+    def __init__(self, python: list[str], pyz: Path, workdir: Path) -> None:
+        self.argv = [*python, str(pyz)]
+        self.workdir = workdir
+        self.env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(workdir),
+            # beside the file: unpacked once a session, as on a node
+            "PEX_ROOT": str(pyz.parent / "pex-root"),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [*self.argv, *args],
+            cwd=self.workdir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"llmgw.pyz {args} failed ({result.returncode}):\n{result.stderr}")
+        return result
+
+    def start(self, name: str, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+        log = self.workdir / f"{name}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [*self.argv, *args],
+                cwd=self.workdir,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        return proc, log
+
+
+async def wait_log(proc: subprocess.Popen[bytes], log: Path, pattern: str) -> re.Match[str]:
+    with trio.move_on_after(30):
+        while proc.poll() is None:
+            found = re.search(pattern, log.read_text(errors="replace"))
+            if found:
+                return found
+            await trio.sleep(0.05)
+    raise AssertionError(f"no {pattern!r} in {log.name} (exit {proc.poll()}):\n{log.read_text()}")
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_the_file_says_its_version_and_the_commit_it_was_built_from(
+    pyz: Path, bare_python: list[str], tmp_path: Path
+) -> None:
+    node = Node(bare_python, pyz, tmp_path)
+    out = node.run("--version").stdout.strip()
+    # the build is the checkout's commit, from _build.txt inside the file, not from git
+    assert out == describe(), out
+    assert not (ROOT / "llmgw" / "_build.txt").exists(), "a _build.txt was left in the checkout"
+    with zipfile.ZipFile(pyz) as z:
+        assert z.read("llmgw/_build.txt").decode().strip() in out
+    # the node's own python3, when it is new enough, runs it too
+    system = Path("/usr/bin/python3")
+    if system.exists():
+        version = subprocess.run(
+            [str(system), "-c", "import sys; print(sys.version_info >= (3, 11))"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if version.stdout.strip() == "True":
+            system_node = Node([str(system), "-I"], pyz, tmp_path)
+            assert system_node.run("--version").stdout.strip() == out
+
+
+async def test_a_server_and_an_agent_from_the_file_register_over_mutual_tls(
+    pyz: Path, bare_python: list[str], tmp_path: Path
+) -> None:
+    node = Node(bare_python, pyz, tmp_path)
+    node.run("ctl", "cert", "init", "--dir", "pki")
+    node.run("ctl", "cert", "server", "127.0.0.1", "--dir", "pki")
+    node.run("ctl", "cert", "agent", "n1", "--dir", "pki")
+    assert {p.name for p in (tmp_path / "pki").iterdir()} >= {
+        "ca.pem",
+        "ca-key.pem",
+        "server.pem",
+        "server-key.pem",
+        "n1.pem",
+        "n1-key.pem",
+    }
+    (tmp_path / "server.toml").write_text(
+        'state_dir = "state"\n'
+        "[agent_stream]\n"
+        'listen = "127.0.0.1:0"\n'
+        'ca = "pki/ca.pem"\ncert = "pki/server.pem"\nkey = "pki/server-key.pem"\n'
+        "[liveness]\nheartbeat_interval_s = 0.2\n"
+        '[admin]\nlisten = "127.0.0.1:0"\n'
+    )
+    server, server_log = node.start("server", "server", "--config", "server.toml")
+    agent = None
+    try:
+        m = await wait_log(server, server_log, r"agent stream listening on 127\.0\.0\.1:(\d+)")
+        port = int(m.group(1))
+        admin = (await wait_log(server, server_log, r"admin API listening on (http://\S+)"))[1]
+        (tmp_path / "agent.toml").write_text(
+            f'control_plane = ["127.0.0.1:{port}"]\nnode_id = "n1"\n'
+            'ca = "pki/ca.pem"\ncert = "pki/n1.pem"\nkey = "pki/n1-key.pem"\n'
+            'state_dir = "agent-state"\n'
+            "[backoff]\ninitial_s = 0.1\nmax_s = 0.5\n"
+            "[inventory]\nmemory_gb = 16\n"
+        )
+        agent, agent_log = node.start("agent", "agent", "--config", "agent.toml")
+        ctl = ("ctl", "nodes", "--json", "--admin-url", admin, "--token-file", "state/admin-token")
+        nodes: dict[str, object] = {}
+        with trio.move_on_after(30):
+            while nodes.get("n1") != "Ready":
+                assert agent.poll() is None, agent_log.read_text()
+                listed = json.loads(node.run(*ctl).stdout)["nodes"]
+                nodes = {n["node_id"]: n["state"] for n in listed}
+                await trio.sleep(0.1)
+        assert nodes.get("n1") == "Ready", f"{nodes}\n{server_log.read_text()}"
+        # the agent reports the build the file carries
+        shown = json.loads(node.run(*ctl).stdout)["nodes"][0]
+        assert describe().split(" (build ")[1].rstrip(")") in json.dumps(shown)
+    finally:
+        stop(*(p for p in (agent, server) if p is not None))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("LLMGW_SLOW"), reason="opt-in: LLMGW_SLOW=1 (two builds, ~80 s)"
+)
+def test_the_file_for_every_node_holds_each_platforms_wheels_and_builds_the_same_twice(
+    tmp_path: Path,
+) -> None:
+    first = build(tmp_path / "a" / "llmgw.pyz", host=False)
+    second = build(tmp_path / "b" / "llmgw.pyz", host=False)
+    assert sha256(first) == sha256(second)
+    with zipfile.ZipFile(first) as z:
+        wheels = {n.split("/")[1] for n in z.namelist() if n.startswith(".deps/") and "/" in n[6:]}
+    for arch in ("x86_64", "aarch64"):
+        for mod in ("msgspec", "httptools", "cffi"):
+            for minor in (11, 12, 13):
+                assert any(
+                    w.startswith(f"{mod}-") and f"-cp3{minor}-" in w and arch in w for w in wheels
+                ), f"no {mod} wheel for cp3{minor} {arch}: {sorted(wheels)}"
+        assert any(w.startswith("cryptography-") and arch in w for w in wheels)
