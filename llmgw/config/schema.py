@@ -34,30 +34,36 @@ def resolve(base: Path, path: str) -> Path:
 
 
 class TlsFiles(_Section):
-    ca: str = "pki/ca.pem"
-    cert: str = ""
-    key: str = ""
+    ca: str = "pki/ca.pem"  # the fleet's CA certificate
+    cert: str = ""  # this daemon's certificate
+    key: str = ""  # its private key (mode 0600)
 
 
 class AgentStreamConfig(_Section):
-    listen: str = "0.0.0.0:7443"
-    ca: str = "pki/ca.pem"
-    cert: str = "pki/server.pem"
-    key: str = "pki/server-key.pem"
-    max_message_bytes: int = 1024 * 1024
-    handshake_timeout_s: float = 10.0
-    send_timeout_s: float = 10.0
+    """The mutual-TLS listener agents dial."""
+
+    listen: str = "0.0.0.0:7443"  # where agents dial in (mutual TLS)
+    ca: str = "pki/ca.pem"  # the CA that signed every agent's certificate
+    cert: str = "pki/server.pem"  # must hold every name and address agents dial
+    key: str = "pki/server-key.pem"  # the server certificate's private key
+    max_message_bytes: int = 1024 * 1024  # a larger message from an agent closes its stream
+    handshake_timeout_s: float = 10.0  # TLS and WebSocket handshake, then registration
+    send_timeout_s: float = 10.0  # an agent that does not read for this long is dropped
 
 
 class LivenessConfig(_Section):
-    heartbeat_interval_s: float = 5.0
-    unreachable_after_s: float = 15.0
-    lost_after_s: float = 60.0
+    """How long a silent node stays Ready, then Unreachable, then Lost."""
+
+    heartbeat_interval_s: float = 5.0  # agents send one this often (told at registration)
+    unreachable_after_s: float = 15.0  # silent this long: Unreachable, not routed to
+    lost_after_s: float = 60.0  # silent this long: Lost, its replicas placed elsewhere
 
 
 class AdminConfig(_Section):
-    listen: str = "127.0.0.1:7444"
-    token: str = ""
+    """The management API (ctl talks to it) and its token."""
+
+    listen: str = "127.0.0.1:7444"  # the management API and /metrics (plain HTTP)
+    token: str = ""  # the admin bearer token itself; prefer token_file
     token_file: str = ""  # default: <state_dir>/admin-token, created on first start
     # the admin API is plain HTTP: an address that is not loopback is refused
     # unless this says, on purpose, that the token may cross the network in clear
@@ -76,6 +82,8 @@ def is_loopback(host: str) -> bool:
 
 
 class ReconcileConfig(_Section):
+    """The reconciler's clocks: startup, drains, retries."""
+
     startup_margin_s: float = 30.0  # beyond a profile's startup timeout before a replica is failed
     drain_grace_s: float = (
         300.0  # a replica moving off a draining node waits at most this for its replacement
@@ -84,25 +92,27 @@ class ReconcileConfig(_Section):
         120.0  # in-flight work gets this long before a draining replica is stopped
     )
     retry_base_s: float = 5.0  # failed placements and replicas are retried with backoff from here
-    retry_cap_s: float = 300.0
+    retry_cap_s: float = 300.0  # the longest wait between two tries (crash loops)
     settle_s: float = 15.0  # after a start, agents re-register before anything is placed
 
 
 class KeyConfig(_Section):
-    name: str
+    name: str  # who holds the key: logs and metrics say this, never the key
     sha256: str  # of the key; `llmgw ctl key NAME` makes one
     models: list[str] = []  # empty: every model
 
 
 class RouterConfig(_Section):
+    """The OpenAI-compatible endpoint: keys, limits and timeouts."""
+
     listen: str = ""  # the OpenAI-compatible endpoint, e.g. "0.0.0.0:8000"; empty: none
-    keys: list[KeyConfig] = []
-    max_body_mb: float = 16.0
+    keys: list[KeyConfig] = []  # API keys; none: the endpoint asks for no key
+    max_body_mb: float = 16.0  # one request's body; larger: 413
     max_bodies_mb: float = 256.0  # bodies held at once, all clients together; past it: 503
     max_connections: int = 10_000  # open at once, all clients; past it: 503
     max_connections_per_address: int = 1000  # open from one client IP; past it: 503
     max_attempts: int = 3  # per request, retries included (only before the first byte)
-    connect_timeout_s: float = 2.0
+    connect_timeout_s: float = 2.0  # to an engine; past it the next replica is tried
     first_byte_timeout_s: float = 120.0  # request sent -> head and first body byte (prefill)
     idle_timeout_s: float = 60.0  # between chunks of a streamed answer
     queue_timeout_s: float = 0.0  # every replica saturated: wait this long for room, then 429
@@ -127,9 +137,9 @@ class RouterConfig(_Section):
 
 
 class ServerConfig(_Section):
-    state_dir: str = "state"
+    state_dir: str = "state"  # the admin token and the operator's cordons and drains
     catalog: str = ""  # the models to run; empty: no placement (a plain control plane)
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning or error
     agent_stream: AgentStreamConfig = msgspec.field(default_factory=AgentStreamConfig)
     liveness: LivenessConfig = msgspec.field(default_factory=LivenessConfig)
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
@@ -183,23 +193,23 @@ class ServerConfig(_Section):
 
 
 class GpuOverride(_Section):
-    index: int
-    name: str = "GPU"
-    uuid: str = ""
-    memory_total_mib: int | None = None
-    healthy: bool = True
-    problems: list[str] = []
+    index: int  # as CUDA_VISIBLE_DEVICES names it
+    name: str = "GPU"  # the model, e.g. "NVIDIA H200"
+    uuid: str = ""  # nvidia-smi's GPU UUID
+    memory_total_mib: int | None = None  # its memory, MiB
+    healthy: bool = True  # false: never placed on
+    problems: list[str] = []  # why it is not healthy, in words
 
 
 class InventoryOverrides(_Section):
     """What is written wins over what is discovered."""
 
-    address: str = ""
-    cpus: int | None = None
-    memory_gb: float | None = None
+    address: str = ""  # where routers reach this node's engines; default: as the server sees it
+    cpus: int | None = None  # replaces the CPUs counted
+    memory_gb: float | None = None  # GiB; replaces /proc/meminfo's total
     fabric: str = ""  # the node's fabric; cannot be discovered
     ib_fabrics: dict[str, str] = {}  # adapter name -> fabric label
-    labels: dict[str, str] = {}
+    labels: dict[str, str] = {}  # matched by profiles' selectors
     gpus: list[GpuOverride] | None = None  # replaces what nvidia-smi says
     engines: dict[str, str] | None = None  # name -> version; replaces probed ones by name
 
@@ -209,19 +219,23 @@ class DiscoveryConfig(_Section):
 
     interval_s: float = 60.0  # engines, GPUs, weights are probed again this often
     probe_timeout_s: float = 10.0  # each external command (nvidia-smi, engine --version)
-    nvidia_smi: str = "nvidia-smi"
+    nvidia_smi: str = "nvidia-smi"  # the command that lists GPUs; a missing one: no GPUs
     llama_server_search: list[str] = []  # extra glob patterns after PATH and the usual places
-    meminfo: str = "/proc/meminfo"
-    mounts: str = "/proc/mounts"
-    infiniband: str = "/sys/class/infiniband"
+    meminfo: str = "/proc/meminfo"  # where memory is read from
+    mounts: str = "/proc/mounts"  # where storage is classified from (shared or local)
+    infiniband: str = "/sys/class/infiniband"  # where InfiniBand adapters are listed
 
 
 class WeightsConfig(_Section):
+    """Where the agent looks for model weights."""
+
     dirs: list[str] = []  # where to look for model weights
     default_dir: str = "/var/lib/llmgw-weights"  # where fetched weights land; always looked in
 
 
 class EnginesConfig(_Section):
+    """How the agent runs engines: binaries, ports, stops, logs, health."""
+
     llama_server: str = ""  # default: what discovery finds (PATH, then unpacked archives)
     port_range: list[int] = msgspec.field(default_factory=lambda: [20000, 20999])  # engine ports
     kill_unidentified: bool = True  # kill a process on those ports that no shard describes
@@ -238,24 +252,28 @@ class EnginesConfig(_Section):
 
 
 class MetricsConfig(_Section):
+    """Prometheus /metrics of this daemon."""
+
     listen: str = ""  # e.g. "127.0.0.1:9464"; empty: no metrics listener
 
 
 class BackoffConfig(_Section):
-    initial_s: float = 0.5
-    max_s: float = 30.0
+    """How the agent waits between attempts to reach the control plane."""
+
+    initial_s: float = 0.5  # the first wait before dialling again
+    max_s: float = 30.0  # the longest wait (exponential, full jitter)
 
 
 class AgentConfig(_Section):
-    control_plane: list[str] = []
-    ca: str = "pki/ca.pem"
+    control_plane: list[str] = []  # host:port of the server's agent stream, tried in turn
+    ca: str = "pki/ca.pem"  # the fleet's CA certificate
     cert: str = ""  # default: pki/<node_id>.pem
     key: str = ""  # default: pki/<node_id>-key.pem
     node_id: str = ""  # default: the hostname
-    state_dir: str = "agent-state"
-    log_level: str = "info"
-    connect_timeout_s: float = 10.0
-    handshake_timeout_s: float = 10.0
+    state_dir: str = "agent-state"  # shard records, engine logs, the one-agent lock
+    log_level: str = "info"  # debug, info, warning or error
+    connect_timeout_s: float = 10.0  # name lookup and TCP connect to the control plane
+    handshake_timeout_s: float = 10.0  # TLS, WebSocket and registration
     backoff: BackoffConfig = msgspec.field(default_factory=BackoffConfig)
     inventory: InventoryOverrides = msgspec.field(default_factory=InventoryOverrides)
     discovery: DiscoveryConfig = msgspec.field(default_factory=DiscoveryConfig)
@@ -318,11 +336,11 @@ class StandaloneRouterConfig(_Section):
     following the control plane's routing table over its admin API."""
 
     admin_url: str = "http://127.0.0.1:7444"  # the control plane's management API
-    admin_token: str = ""
-    admin_token_file: str = ""
+    admin_token: str = ""  # the control plane's admin token; prefer admin_token_file
+    admin_token_file: str = ""  # a file holding it (mode 0600)
     workers: int = 1  # processes sharing the listen port (SO_REUSEPORT)
     metrics_listen: str = ""  # Prometheus /metrics of every worker, e.g. "127.0.0.1:9464"
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning or error
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
     def validate(self) -> None:
