@@ -1,0 +1,689 @@
+"""The lab: a fleet of N nodes on one Linux machine, built with ``ip`` and ``unshare``.
+
+Each node is a network namespace with its own address on a bridge and its own
+hostname (a UTS namespace), so each agent has its own node id and address. The
+control plane runs in a namespace of its own; a standalone router (``llmgw
+router``, as production runs it) runs on the host and listens on the bridge's
+host address. Everything created is recorded in ``DIR/lab.json`` as it is made,
+so ``down`` removes exactly that, even after a half-finished ``up``.
+
+Used by ``tools/lab`` (people) and ``tests/lab`` (tests): the same code. Root only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from llmgw.router.keys import hash_key, new_key
+from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
+from tools.fleet import _ready_replica, _served
+from tools.tinymodel import write_model
+
+STREAM_PORT = 7443
+ADMIN_PORT = 7444
+ROUTER_PORT = 8000
+NAME_RE = re.compile(r"[a-z0-9]{1,5}")  # links are llmgw-NAME-n99: at most 15 characters
+
+
+class LabError(Exception):
+    """One line for the operator: what went wrong and what to do."""
+
+
+def default_dir(name: str) -> Path:
+    return Path(f"/tmp/llmgw-lab-{name}")
+
+
+def preflight() -> None:
+    """Why namespaces cannot be made here, or nothing."""
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (it makes namespaces, a bridge and veths): run as root")
+    for tool in ("ip", "unshare", "tc", "mount"):
+        if shutil.which(tool) is None:
+            raise LabError(f"the lab needs {tool!r} on PATH: install iproute2 / util-linux")
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise LabError(f"{' '.join(argv)} failed: {(r.stderr or r.stdout).strip()}")
+    return r
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _signal_number(sig: str | int) -> int:
+    if isinstance(sig, int) or sig.isdigit():
+        return int(sig)
+    name = sig.upper()
+    return int(getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+
+
+class Lab:
+    """A lab's state: what it made (``lab.json``) and the verbs that act on it."""
+
+    def __init__(
+        self,
+        dir: Path | None = None,
+        *,
+        name: str = "lab0",
+        nodes: int = 2,
+        small_disk: tuple[str, ...] = (),
+        heartbeat_s: float = 0.5,
+        unreachable_after_s: float = 2.0,
+        lost_after_s: float = 30.0,
+    ) -> None:
+        if not NAME_RE.fullmatch(name):
+            raise LabError(f"lab name {name!r}: use 1-5 characters a-z, 0-9 (it names links)")
+        if not 1 <= nodes <= 99:
+            raise LabError(f"{nodes} nodes: the lab makes 1 to 99")
+        self.name = name
+        self.dir = (dir or default_dir(name)).resolve()
+        self.node_names = [f"n{i}" for i in range(1, nodes + 1)]
+        for node in small_disk:
+            if node not in self.node_names:
+                raise LabError(f"--small-disk {node}: no such node (nodes are n1..n{nodes})")
+        self.small_disk = tuple(small_disk)
+        self.liveness = (heartbeat_s, unreachable_after_s, lost_after_s)
+        self.state: dict[str, Any] = {}
+        self._popens: dict[int, subprocess.Popen[bytes]] = {}
+
+    # -- the record -------------------------------------------------------------
+
+    @classmethod
+    def load(cls, dir: Path) -> Lab:
+        record = dir.resolve() / "lab.json"
+        try:
+            state = json.loads(record.read_text())
+        except FileNotFoundError:
+            raise LabError(f"no lab at {dir} (no lab.json): give the --dir of `up`") from None
+        lab = cls(dir, name=state["name"], nodes=len(state["nodes"]))
+        lab.state = state
+        return lab
+
+    def _save(self) -> None:
+        tmp = self.dir / "lab.json.tmp"
+        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+        tmp.replace(self.dir / "lab.json")
+
+    def _note(self, kind: str, value: str) -> None:
+        """Record a thing before it is made, so a failure halfway still removes it."""
+        self.state.setdefault(kind, [])
+        if value not in self.state[kind]:
+            self.state[kind].append(value)
+        self._save()
+
+    @property
+    def base_url(self) -> str:
+        return str(self.state["base_url"])
+
+    @property
+    def key(self) -> str:
+        return str(self.state["key"])
+
+    @property
+    def admin_url(self) -> str:
+        return str(self.state["admin_url"])
+
+    def address(self, node: str) -> str:
+        return str(self._node(node)["ip"])
+
+    def _node(self, node: str) -> dict[str, Any]:
+        nodes: dict[str, dict[str, Any]] = self.state["nodes"]
+        if node not in nodes:
+            raise LabError(f"no node {node!r} in this lab: nodes are {', '.join(nodes)}")
+        return nodes[node]
+
+    def admin_token(self) -> str:
+        return (self.dir / "state" / "admin-token").read_text().strip()
+
+    # -- up ---------------------------------------------------------------------
+
+    def up(self, timeout: float = 120) -> None:
+        """Build the network, start every daemon, and wait until the router serves."""
+        preflight()
+        if (self.dir / "lab.json").exists():
+            old = json.loads((self.dir / "lab.json").read_text())
+            if old.get("namespaces") or old.get("links") or old.get("procs"):
+                raise LabError(
+                    f"a lab is already up in {self.dir}: `tools/lab down --dir {self.dir}`"
+                )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        prefix = f"llmgw-{self.name}-"
+        subnet = self._free_subnet()
+        self.state = {
+            "name": self.name,
+            "subnet": subnet,
+            "bridge": prefix + "br",
+            "namespaces": [],
+            "links": [],
+            "mounts": [],
+            "procs": {},
+            "nodes": {},
+        }
+        self._save()
+        try:
+            self._network(prefix, subnet)
+            self._files()
+            self._start_all(timeout)
+        except BaseException:
+            self.down()
+            raise
+
+    def _free_subnet(self) -> str:
+        """A /24 in 10.0.0.0/8 that no address or route of the host uses."""
+        used = _run("ip", "-4", "-o", "addr").stdout + _run("ip", "-4", "route").stdout
+        h = int.from_bytes(hashlib.sha256(self.name.encode()).digest()[:2], "big")
+        for i in range(256):
+            a, b = 100 + (h >> 8) % 100, (h + i) % 256
+            net = f"10.{a}.{b}"
+            if f" {net}." not in f" {used}".replace("\n", " ").replace("/", " "):
+                return net
+        raise LabError("no free 10.x.y.0/24 for the lab's bridge: remove an old lab (`down`)")
+
+    def _network(self, prefix: str, subnet: str) -> None:
+        bridge = self.state["bridge"]
+        self._note("links", bridge)
+        _run("ip", "link", "add", bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{subnet}.1/24", "dev", bridge)
+        _run("ip", "link", "set", bridge, "up")
+        self.state["host_ip"] = f"{subnet}.1"
+        members = [("cp", f"{subnet}.2")] + [
+            (node, f"{subnet}.{10 + i}") for i, node in enumerate(self.node_names)
+        ]
+        for member, ip in members:
+            ns, veth = prefix + member, prefix + member
+            self._note("namespaces", ns)
+            _run("ip", "netns", "add", ns)
+            self._note("links", veth)
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "link", "set", veth, "master", bridge, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            entry = {"ns": ns, "veth": veth, "ip": ip}
+            if member == "cp":
+                self.state["cp"] = entry
+            else:
+                self.state["nodes"][member] = entry
+        self._save()
+
+    def _files(self) -> None:
+        d = self.dir
+        cp_ip = self.state["cp"]["ip"]
+        pki = d / "pki"
+        if not (pki / "ca.pem").exists():
+            init_ca(pki)
+        ca = load_ca(pki)
+        issue_server(ca, [cp_ip, "127.0.0.1"], pki)
+        for node in self.node_names:
+            issue_agent(ca, node, pki)
+        model = d / "tiny.gguf"
+        if not model.exists():
+            write_model(model, ends_after=4)
+        (d / "catalog.toml").write_text(
+            f"""# the tiny model tools/tinymodel.py generates, served by llama.cpp's llama-server
+[models.tiny]
+replicas = 1
+[[models.tiny.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "{model}"
+settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
+startup_timeout_s = 120
+"""
+        )
+        key = new_key()
+        (d / "api-key").write_text(key + "\n")
+        (d / "api-key").chmod(0o600)
+        heartbeat, unreachable, lost = self.liveness
+        (d / "server.toml").write_text(
+            f"""# the lab's control plane, in its own namespace
+state_dir = "state"
+catalog = "catalog.toml"
+[reconcile]
+settle_s = 1
+[liveness]  # short, so a partition shows within seconds
+heartbeat_interval_s = {heartbeat}
+unreachable_after_s = {unreachable}
+lost_after_s = {lost}
+[agent_stream]
+listen = "{cp_ip}:{STREAM_PORT}"
+[admin]
+# on the lab's private bridge, for the standalone router and ctl on the host
+listen = "{cp_ip}:{ADMIN_PORT}"
+insecure_listen = true
+"""
+        )
+        host_ip = self.state["host_ip"]
+        (d / "router.toml").write_text(
+            f"""# the lab's standalone router, on the host: routes on without the control plane
+admin_url = "http://{cp_ip}:{ADMIN_PORT}"
+admin_token_file = "state/admin-token"
+workers = 1
+[router]
+listen = "{host_ip}:{ROUTER_PORT}"
+[[router.keys]]
+name = "lab"
+sha256 = "{hash_key(key)}"
+"""
+        )
+        for node in self.node_names:
+            (d / f"agent-{node}.toml").write_text(
+                f'control_plane = ["{cp_ip}:{STREAM_PORT}"]\nstate_dir = "agent-{node}"\n'
+            )
+            state_dir = d / f"agent-{node}"
+            state_dir.mkdir(exist_ok=True)
+            if node in self.small_disk:
+                self._note("mounts", str(state_dir))
+                _run(
+                    "mount",
+                    "-t",
+                    "tmpfs",
+                    "-o",
+                    "size=16m",
+                    f"llmgw-{self.name}-{node}",
+                    str(state_dir),
+                )
+        self.state["key"] = key
+        self.state["base_url"] = f"http://{host_ip}:{ROUTER_PORT}/v1"
+        self.state["admin_url"] = f"http://{cp_ip}:{ADMIN_PORT}"
+        self._save()
+
+    def _argv(self, who: str) -> tuple[list[str], str | None]:
+        """The command that runs ``who`` (cp, router or a node) and its namespace."""
+        llmgw = [sys.executable, "-m", "llmgw"]
+        if who == "router":
+            return [*llmgw, "router", "--config", "router.toml"], None
+        if who == "cp":
+            return [*llmgw, "server", "--config", "server.toml"], self.state["cp"]["ns"]
+        ns = self._node(who)["ns"]
+        return [*llmgw, "agent", "--config", f"agent-{who}.toml"], ns
+
+    def _start(self, who: str) -> int:
+        argv, ns = self._argv(who)
+        if ns is not None:  # its own network, and its own hostname: the node id
+            argv = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                    f'hostname {who} && exec "$@"', "sh", *argv]  # fmt: skip
+        log = open(self.dir / f"{who}.log", "ab")  # noqa: SIM115 - the child keeps it
+        with log:
+            p = subprocess.Popen(
+                argv,
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the lab, which tears down in order
+            )
+        self._popens[p.pid] = p
+        self.state["procs"][who] = p.pid
+        self._save()
+        return p.pid
+
+    def _start_all(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self._start("cp")
+        token_file = self.dir / "state" / "admin-token"
+        self._wait(lambda: token_file.exists() and self._healthy(), "the control plane", deadline)
+        for node in self.node_names:
+            self._start(node)
+        self._wait(lambda: self._ready_nodes() >= len(self.node_names), "every agent", deadline)
+        token = self.admin_token()
+        self._wait(lambda: _ready_replica(self.admin_url, token) is not None, "the model", deadline)
+        self._start("router")
+        self._wait(lambda: _served(self.base_url, self.key), "the router to route", deadline)
+
+    def _wait(self, done: Callable[[], bool], what: str, deadline: float) -> None:
+        while not done():
+            for who, pid in self.state["procs"].items():
+                if not _alive(pid):
+                    raise LabError(
+                        f"{who} exited while waiting for {what}: see {self.dir / (who + '.log')}"
+                    )
+            if time.monotonic() > deadline:
+                raise LabError(f"gave up waiting for {what}: see the logs in {self.dir}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.admin_url + "/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The control plane's view of the nodes (``/v1/nodes``)."""
+        r = httpx.get(
+            self.admin_url + "/v1/nodes",
+            headers={"authorization": f"Bearer {self.admin_token()}"},
+            timeout=2,
+        )
+        r.raise_for_status()
+        nodes: list[dict[str, Any]] = r.json()["nodes"]
+        return nodes
+
+    def node_state(self, node: str) -> str | None:
+        try:
+            return next((n["state"] for n in self.nodes() if n["node_id"] == node), None)
+        except (httpx.HTTPError, OSError):
+            return None
+
+    def _ready_nodes(self) -> int:
+        try:
+            return sum(n["state"] == "Ready" for n in self.nodes())
+        except (httpx.HTTPError, OSError):
+            return 0
+
+    def wait_node(self, node: str, state: str, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while (now := self.node_state(node)) != state:
+            if time.monotonic() > deadline:
+                raise LabError(f"{node} is {now}, not {state}, after {timeout:g} s")
+            time.sleep(0.2)
+
+    # -- faults -----------------------------------------------------------------
+
+    def partition(self, node: str, *, drop: bool = False) -> None:
+        """Cut NODE off: its link down (it sees no carrier), or with ``drop`` its link
+        stays up and every packet is dropped both ways (unplugged from the bridge)."""
+        n = self._node(node)
+        if drop:
+            _run("ip", "link", "set", n["veth"], "nomaster")
+        else:
+            _run("ip", "link", "set", n["veth"], "down")
+
+    def heal(self, node: str) -> None:
+        """Undo partition and netem on NODE."""
+        n = self._node(node)
+        _run("tc", "qdisc", "del", "dev", n["veth"], "root", check=False)
+        _run("ip", "netns", "exec", n["ns"], "tc", "qdisc", "del", "dev", "eth0", "root",
+             check=False)  # fmt: skip
+        _run("ip", "link", "set", n["veth"], "master", self.state["bridge"])
+        _run("ip", "link", "set", n["veth"], "up")
+
+    def netem(self, node: str, *, delay: str = "", loss: str = "") -> None:
+        """Latency towards NODE (the round trip grows by ``delay``) and loss each way."""
+        n = self._node(node)
+        if not delay and not loss:
+            raise LabError("netem: give --delay and/or --loss (e.g. --delay 200ms --loss 5%)")
+        to_node = ["delay", delay] if delay else []
+        lossy = ["loss", loss] if loss else []
+        try:
+            _run("tc", "qdisc", "replace", "dev", n["veth"], "root", "netem", *to_node, *lossy)
+            if loss:
+                _run("ip", "netns", "exec", n["ns"], "tc", "qdisc", "replace", "dev", "eth0",
+                     "root", "netem", *lossy)  # fmt: skip
+        except LabError as e:
+            if "unknown" in str(e):
+                raise LabError(
+                    "this kernel has no netem (sch_netem): load it (modprobe sch_netem)"
+                    " or use a kernel built with CONFIG_NET_SCH_NETEM"
+                ) from None
+            raise
+
+    def engine_pids(self, node: str) -> list[int]:
+        """The engines NODE's agent started (its records of them)."""
+        self._node(node)
+        pids = []
+        for record in (self.dir / f"agent-{node}").glob("shards/*.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                pids.append(int(json.loads(record.read_text())["pid"]))
+        return [p for p in pids if _alive(p)]
+
+    def kill(self, who: str, sig: str | int = "KILL", *, engine: bool = False) -> list[int]:
+        """Signal ``who`` (cp, router, a node's agent, or with ``engine`` its engines)."""
+        num = _signal_number(sig)
+        if engine:
+            pids = self.engine_pids(who)
+            if not pids:
+                raise LabError(f"{who} runs no engine now: see `ctl replicas`")
+        else:
+            if who not in self.state["procs"]:
+                raise LabError(
+                    f"no {who!r} in this lab: cp, router, or a node ({', '.join(self.state['nodes'])})"
+                )
+            pids = [self.state["procs"][who]]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, num)
+        if num in (signal.SIGKILL, signal.SIGTERM):
+            for pid in pids:
+                self._reap(pid, 10)
+        return pids
+
+    def restart(self, who: str) -> int:
+        """Stop ``who`` (TERM, then KILL after 10 s) and start it again, same config."""
+        pid = self.state["procs"].get(who)
+        if pid is None:
+            raise LabError(
+                f"no {who!r} in this lab: cp, router, or a node ({', '.join(self.state['nodes'])})"
+            )
+        self._stop(pid)
+        return self._start(who)
+
+    def fill_disk(self, node: str, *, free: bool = False) -> None:
+        """Fill NODE's small-disk state dir (from ``up --small-disk NODE``), or free it."""
+        state_dir = self.dir / f"agent-{node}"
+        if str(state_dir) not in self.state.get("mounts", []):
+            raise LabError(f"{node} has no small disk: `tools/lab up ... --small-disk {node}`")
+        filler = state_dir / "lab-fill"
+        if free:
+            filler.unlink(missing_ok=True)
+            return
+        with contextlib.suppress(OSError), open(filler, "ab") as f:  # ENOSPC: full
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+
+    # -- down -------------------------------------------------------------------
+
+    def _reap(self, pid: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        p = self._popens.get(pid)
+        while time.monotonic() < deadline:
+            if p is not None and p.poll() is not None:
+                return True
+            if p is None and not _alive(pid):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def _stop(self, pid: int) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
+            if self._reap(pid, 10 if sig == signal.SIGTERM else 5):
+                return
+
+    def down(self) -> None:
+        """Remove what the record says was made: processes, mounts, namespaces, links."""
+        if not self.state and (self.dir / "lab.json").exists():
+            self.state = json.loads((self.dir / "lab.json").read_text())
+        procs: dict[str, int] = self.state.get("procs", {})
+        # the router and the agents first, the control plane last; in parallel, TERM then KILL
+        order = [w for w in ("router", *self.state.get("nodes", {}), "cp") if w in procs]
+        threads = [threading.Thread(target=self._stop, args=(procs[w],)) for w in order]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        # whatever else runs in the lab's namespaces: engines, strays
+        namespaces: list[str] = self.state.get("namespaces", [])
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = [pid for ns in namespaces for pid in self._ns_pids(ns)]
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 5
+            while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for mount in self.state.get("mounts", []):
+            _run("umount", "--lazy", mount, check=False)
+        for ns in namespaces:
+            _run("ip", "netns", "del", ns, check=False)
+        for link in self.state.get("links", []):
+            if _run("ip", "link", "show", link, check=False).returncode == 0:
+                _run("ip", "link", "del", link, check=False)
+        left = [ns for ns in namespaces if Path(f"/run/netns/{ns}").exists()]
+        left += [lk for lk in self.state.get("links", []) if Path(f"/sys/class/net/{lk}").exists()]
+        if left:
+            raise LabError(
+                f"could not remove {', '.join(left)}: remove by hand (ip netns del / ip link del)"
+            )
+        for key in ("procs", "namespaces", "links", "mounts"):
+            self.state[key] = {} if key == "procs" else []
+        if self.dir.exists():
+            self._save()
+
+    @staticmethod
+    def _ns_pids(ns: str) -> list[int]:
+        r = _run("ip", "netns", "pids", ns, check=False)
+        return [int(p) for p in r.stdout.split() if p.isdigit()]
+
+
+# -- the command ------------------------------------------------------------------
+
+
+def _banner(lab: Lab) -> str:
+    base, key, d = lab.base_url, lab.key, lab.dir
+    nodes = ", ".join(f"{n} {e['ip']}" for n, e in lab.state["nodes"].items())
+    return (
+        f"lab {lab.name} is up: control plane {lab.state['cp']['ip']}, nodes {nodes}"
+        f"\n  base URL: {base}\n  API key:  {key}"
+        f"\n  curl {base}/chat/completions -H 'authorization: Bearer {key}' "
+        """-H 'content-type: application/json' """
+        """-d '{"model":"tiny","messages":[{"role":"user","content":"hi"}]}'"""
+        f"\n  .venv/bin/llmgw ctl nodes --config {d / 'server.toml'}"
+        f"\n  tools/lab partition n1 --dir {d}   (heal, netem, kill, restart, fill-disk)"
+        f"\n  logs in {d}/*.log; tools/lab down --dir {d} removes everything"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/lab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    def verb(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--name", default="lab0", help="the lab's name, 1-5 of a-z0-9 (lab0)")
+        p.add_argument("--dir", type=Path, help="its state (default /tmp/llmgw-lab-NAME)")
+        return p
+
+    up = verb("up", "build N nodes, start the fleet, print the base URL and a key")
+    up.add_argument("n", type=int, metavar="N")
+    up.add_argument("--detach", action="store_true", help="return once it is up")
+    up.add_argument("--small-disk", action="append", default=[], metavar="NODE")
+    up.add_argument("--lost-after", type=float, default=30.0, metavar="S")
+    verb("down", "stop everything and remove every namespace, link and mount")
+    p = verb("partition", "cut a node off: link down, or --drop every packet")
+    p.add_argument("node")
+    p.add_argument("--drop", action="store_true")
+    verb("heal", "undo partition and netem").add_argument("node")
+    p = verb("netem", "latency towards a node, loss each way")
+    p.add_argument("node")
+    p.add_argument("--delay", default="")
+    p.add_argument("--loss", default="")
+    p = verb("kill", "signal cp, router, NODE's agent, or `engine NODE`")
+    p.add_argument("who", nargs="+", metavar="cp|router|NODE|engine NODE")
+    p.add_argument("--signal", default="KILL", help="9, KILL, TERM, STOP, CONT (KILL)")
+    verb("restart", "stop and start cp, router or NODE's agent").add_argument("who")
+    p = verb("fill-disk", "fill a --small-disk node's state dir (--free: empty it)")
+    p.add_argument("node")
+    p.add_argument("--free", action="store_true")
+    verb("status", "the nodes as the control plane sees them")
+    args = parser.parse_args(argv)
+    d = args.dir or default_dir(args.name)
+    try:
+        if args.verb == "up":
+            return _up(args, d)
+        lab = Lab.load(d)
+        if args.verb == "down":
+            lab.down()
+            print(f"lab {lab.name} is down: nothing left of it")
+        elif args.verb == "partition":
+            lab.partition(args.node, drop=args.drop)
+        elif args.verb == "heal":
+            lab.heal(args.node)
+        elif args.verb == "netem":
+            lab.netem(args.node, delay=args.delay, loss=args.loss)
+        elif args.verb == "kill":
+            who = args.who
+            engine = who[0] == "engine"
+            if len(who) != (2 if engine else 1):
+                raise LabError("kill: name one of cp, router, NODE, or `engine NODE`")
+            pids = lab.kill(who[-1], args.signal, engine=engine)
+            print(f"sent {args.signal} to {' '.join(map(str, pids))}")
+        elif args.verb == "restart":
+            print(f"{args.who} restarted: pid {lab.restart(args.who)}")
+        elif args.verb == "fill-disk":
+            lab.fill_disk(args.node, free=args.free)
+        elif args.verb == "status":
+            for n in lab.nodes():
+                print(f"{n['node_id']:8} {n['state']:12} {n['address']}")
+    except LabError as e:
+        print(f"lab: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _up(args: argparse.Namespace, d: Path) -> int:
+    lab = Lab(d, name=args.name, nodes=args.n, small_disk=tuple(args.small_disk),
+              lost_after_s=args.lost_after)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        # Ctrl-C while it builds: up() tears down what it made
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        lab.up()
+    except KeyboardInterrupt:
+        print("lab: interrupted; torn down", file=sys.stderr)
+        return 130
+    except LabError as e:
+        print(f"lab: {e}", file=sys.stderr)
+        return 1
+    print(_banner(lab), flush=True)
+    if args.detach:
+        return 0
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print("  Ctrl-C tears it down", flush=True)
+    while not stop.wait(0.5):
+        with contextlib.suppress(ChildProcessError):  # reap what a fault verb killed
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        if not (d / "lab.json").exists() or not Lab.load(d).state.get("procs"):
+            return 0  # `tools/lab down` from another shell
+    try:
+        lab.state = Lab.load(d).state  # restarts from other shells changed the pids
+        lab.down()
+    except LabError as e:
+        print(f"lab: {e}", file=sys.stderr)
+        return 1
+    print(f"lab {lab.name} is down: nothing left of it", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
