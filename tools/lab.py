@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -74,11 +75,24 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _started(pid: int) -> str:
+    """When pid started (clock ticks since boot), to tell it from a later process
+    that reuses its number; empty when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
 def _signal_number(sig: str | int) -> int:
     if isinstance(sig, int) or sig.isdigit():
         return int(sig)
     name = sig.upper()
-    return int(getattr(signal, name if name.startswith("SIG") else "SIG" + name))
+    number = getattr(signal, name if name.startswith("SIG") else "SIG" + name, None)
+    if not isinstance(number, signal.Signals):
+        raise LabError(f"--signal {sig}: not a signal (try 9, KILL, TERM, STOP, CONT)")
+    return int(number)
 
 
 class Lab:
@@ -119,7 +133,7 @@ class Lab:
             state = json.loads(record.read_text())
         except FileNotFoundError:
             raise LabError(f"no lab at {dir} (no lab.json): give the --dir of `up`") from None
-        lab = cls(dir, name=state["name"], nodes=len(state["nodes"]))
+        lab = cls(dir, name=state["name"], nodes=max(1, len(state.get("nodes", {}))))
         lab.state = state
         return lab
 
@@ -193,13 +207,17 @@ class Lab:
             raise
 
     def _free_subnet(self) -> str:
-        """A /24 in 10.0.0.0/8 that no address or route of the host uses."""
-        used = _run("ip", "-4", "-o", "addr").stdout + _run("ip", "-4", "route").stdout
+        """A /24 in 10.0.0.0/8 that no address or route of the host overlaps."""
+        text = _run("ip", "-4", "-o", "addr").stdout + _run("ip", "-4", "route").stdout
+        used = []
+        for word in text.split():
+            with contextlib.suppress(ValueError):
+                used.append(ipaddress.ip_network(word, strict=False))
         h = int.from_bytes(hashlib.sha256(self.name.encode()).digest()[:2], "big")
         for i in range(256):
-            a, b = 100 + (h >> 8) % 100, (h + i) % 256
-            net = f"10.{a}.{b}"
-            if f" {net}." not in f" {used}".replace("\n", " ").replace("/", " "):
+            net = f"10.{100 + (h >> 8) % 100}.{(h + i) % 256}"
+            mine = ipaddress.ip_network(f"{net}.0/24")
+            if not any(mine.overlaps(u) for u in used if u.prefixlen > 0):
                 return net
         raise LabError("no free 10.x.y.0/24 for the lab's bridge: remove an old lab (`down`)")
 
@@ -339,6 +357,7 @@ sha256 = "{hash_key(key)}"
             )
         self._popens[p.pid] = p
         self.state["procs"][who] = p.pid
+        self.state.setdefault("started", {})[str(p.pid)] = _started(p.pid)
         self._save()
         return p.pid
 
@@ -464,9 +483,12 @@ sha256 = "{hash_key(key)}"
                     f"no {who!r} in this lab: cp, router, or a node ({', '.join(self.state['nodes'])})"
                 )
             pids = [self.state["procs"][who]]
+            if not self._ours(pids[0]):
+                raise LabError(f"{who} is not running: `tools/lab restart {who}` starts it")
         for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, num)
+            if engine or self._ours(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, num)
         if num in (signal.SIGKILL, signal.SIGTERM):
             for pid in pids:
                 self._reap(pid, 10)
@@ -509,7 +531,14 @@ sha256 = "{hash_key(key)}"
             time.sleep(0.05)
         return False
 
+    def _ours(self, pid: int) -> bool:
+        """Whether pid is still the process the lab started under that number."""
+        started = self.state.get("started", {}).get(str(pid))
+        return started is not None and started == _started(pid)
+
     def _stop(self, pid: int) -> None:
+        if not self._ours(pid):
+            return  # gone, and its number may be another process's now
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, sig)
@@ -551,8 +580,8 @@ sha256 = "{hash_key(key)}"
             raise LabError(
                 f"could not remove {', '.join(left)}: remove by hand (ip netns del / ip link del)"
             )
-        for key in ("procs", "namespaces", "links", "mounts"):
-            self.state[key] = {} if key == "procs" else []
+        for key in ("procs", "started", "namespaces", "links", "mounts"):
+            self.state[key] = {} if key in ("procs", "started") else []
         if self.dir.exists():
             self._save()
 

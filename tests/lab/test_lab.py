@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,7 +38,9 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     except LabError as e:
         pytest.fail(f"the lab cannot run here: {e}")
     # a name of this run's own: links and namespaces never collide with another run's
-    lab = Lab(tmp_path_factory.mktemp("lab"), name=_base36(os.getpid())[-5:], nodes=2)
+    lab = Lab(
+        tmp_path_factory.mktemp("lab"), name=_base36(os.getpid())[-5:], nodes=2, small_disk=("n2",)
+    )
     try:
         lab.up(timeout=90)
         yield lab
@@ -107,6 +110,29 @@ def test_a_partitioned_node_goes_unreachable_and_comes_back_when_healed(lab: Lab
 
 
 @needs_server
+def test_an_agent_killed_and_restarted_registers_again(lab: Lab) -> None:
+    old = lab.state["procs"]["n2"]
+    assert lab.kill("n2", "9") == [old]
+    assert not _alive(old)
+    lab.wait_node("n2", "Unreachable", timeout=15)
+    assert lab.restart("n2") != old
+    lab.wait_node("n2", "Ready", timeout=30)
+    with pytest.raises(LabError, match="not a signal"):
+        lab.kill("n2", "NOPE")
+
+
+@needs_server
+def test_fill_disk_fills_the_small_state_dir_and_free_empties_it(lab: Lab) -> None:
+    state_dir = lab.dir / "agent-n2"
+    lab.fill_disk("n2")
+    assert shutil.disk_usage(state_dir).free < 1 << 20
+    lab.fill_disk("n2", free=True)
+    assert shutil.disk_usage(state_dir).free > 8 << 20
+    with pytest.raises(LabError, match="no small disk"):
+        lab.fill_disk("n1")
+
+
+@needs_server
 def test_down_leaves_no_namespace_link_or_process(lab: Lab) -> None:
     pids = list(lab.state["procs"].values())
     pids += [p for node in lab.state["nodes"] for p in lab.engine_pids(node)]
@@ -122,4 +148,5 @@ def test_down_leaves_no_namespace_link_or_process(lab: Lab) -> None:
     routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
     assert f"{lab.state['subnet']}." not in routes
     assert [p for p in pids if _alive(p)] == []
+    assert str(lab.dir) not in Path("/proc/mounts").read_text()  # the small disk too
     assert json.loads((lab.dir / "lab.json").read_text())["procs"] == {}
