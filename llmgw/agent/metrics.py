@@ -9,16 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Histogram,
-    generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from llmgw.http import Request, Response
 
 SHARD_STATES = ("starting", "ready", "draining", "stopping")
 
@@ -64,9 +60,3 @@ class AgentMetrics:
 
     def event(self, name: str) -> None:
         self.events.labels(name).inc()
-
-    async def handle(self, request: Request) -> Response:
-        if request.path != "/metrics":
-            return Response(404, [("content-type", "text/plain")], b"try /metrics\n")
-        body = generate_latest(self.registry)
-        return Response(200, [("content-type", CONTENT_TYPE_LATEST)], body)

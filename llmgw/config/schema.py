@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from llmgw.config.errors import ConfigError
-from llmgw.config.loader import parse_hostport
+from llmgw.config.loader import parse_hostport, read_text
 
 DAY_S = 86_400.0
 
@@ -31,6 +31,19 @@ def _positive(key: str, value: float, *, at_most: float | None = None) -> None:
 def resolve(base: Path, path: str) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() else base / p
+
+
+def token_from_file(base: Path, path: str, key: str) -> str:
+    """The token in the file ``key`` names (relative to ``base``).
+
+    Raises:
+        ConfigError: the file cannot be read, or holds nothing.
+    """
+    where = resolve(base, path)
+    token = read_text(where, key).strip()
+    if not token:
+        raise ConfigError(str(where), key, "is empty: write the token in it")
+    return token
 
 
 class TlsFiles(_Section):
@@ -145,9 +158,14 @@ class ServerConfig(_Section):
     admin: AdminConfig = msgspec.field(default_factory=AdminConfig)
     reconcile: ReconcileConfig = msgspec.field(default_factory=ReconcileConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    # Prometheus's own listener and token (the admin listener's /metrics needs the admin
+    # token, which can drain nodes); defined further down
+    metrics: MetricsConfig = msgspec.field(default_factory=lambda: MetricsConfig())
 
     def validate(self) -> None:
         parse_hostport(self.agent_stream.listen, key="agent_stream.listen")
+        if self.metrics.listen:
+            parse_hostport(self.metrics.listen, key="metrics.listen")
         admin_host, _ = parse_hostport(self.admin.listen, key="admin.listen")
         if not is_loopback(admin_host) and not self.admin.insecure_listen:
             raise ConfigError(
@@ -255,6 +273,9 @@ class MetricsConfig(_Section):
     """Prometheus /metrics of this daemon."""
 
     listen: str = ""  # e.g. "127.0.0.1:9464"; empty: no metrics listener
+    # a file holding the token Prometheus must send (Authorization: Bearer): it reads
+    # metrics and nothing else; empty: none asked (keep the listener on a trusted network)
+    token_file: str = ""
 
 
 class BackoffConfig(_Section):
@@ -340,6 +361,7 @@ class StandaloneRouterConfig(_Section):
     admin_token_file: str = ""  # a file holding it (mode 0600)
     workers: int = 1  # processes sharing the listen port (SO_REUSEPORT)
     metrics_listen: str = ""  # Prometheus /metrics of every worker, e.g. "127.0.0.1:9464"
+    metrics_token_file: str = ""  # the token metrics_listen asks for; empty: none
     log_level: str = "info"  # debug, info, warning or error
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 

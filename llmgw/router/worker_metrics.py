@@ -16,18 +16,17 @@ A worker that does not answer within a second is left out of that page, and
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 import trio
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from llmgw.files import write_atomic
-from llmgw.http import Handler, Request, Response
 
 log = logging.getLogger("llmgw.router")
 
@@ -97,17 +96,6 @@ async def page(own: CollectorRegistry, run_dir: Path) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed(list(merged.values())))
     return generate_latest(registry)
-
-
-def metrics_app(render: Callable[[], Awaitable[bytes]]) -> Handler:
-    """An HTTP handler for ``GET /metrics`` that answers with ``await render()``."""
-
-    async def handler(request: Request) -> Response:
-        if request.path != "/metrics" or request.method not in ("GET", "HEAD"):
-            return Response(404, [("content-type", "text/plain")], b"only /metrics here\n")
-        return Response(200, [("content-type", CONTENT_TYPE_LATEST)], await render())
-
-    return handler
 
 
 def published(run_dir: Path) -> dict[str, int | None]:

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import trio
+from prometheus_client import generate_latest
 
 from llmgw.agent.health import HealthSettings
 from llmgw.agent.inventory import InventorySource
@@ -16,8 +17,9 @@ from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.stream import AgentStream, StreamSettings
 from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.config import AgentConfig, parse_hostport
-from llmgw.config.schema import resolve
+from llmgw.config.schema import resolve, token_from_file
 from llmgw.http import HttpServer
+from llmgw.http.metrics import metrics_app
 from llmgw.serve import open_listeners
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.contexts import client_context
@@ -105,6 +107,11 @@ async def serve(config: AgentConfig, base: Path) -> None:
 
 
 async def _serve(config: AgentConfig, base: Path) -> None:
+    mc = config.metrics
+    # read before anything starts: a bad token file is one line, exit 2
+    metrics_token = (
+        token_from_file(base, mc.token_file, "metrics.token_file") if mc.token_file else ""
+    )
     stream = build(config, base)
     log.info(
         "agent %s starting; control plane %s",
@@ -125,7 +132,12 @@ async def _serve(config: AgentConfig, base: Path) -> None:
         await nursery.start(stream.supervisor.run)
         if config.metrics.listen:
             host, port = parse_hostport(config.metrics.listen, key="metrics.listen")
-            server = HttpServer(stream.metrics.handle, name="agent-metrics")
+            registry = stream.metrics.registry
+
+            async def render() -> bytes:
+                return generate_latest(registry)
+
+            server = HttpServer(metrics_app(render, metrics_token), name="agent-metrics")
             listeners = await open_listeners(
                 "metrics.listen", host, port, lambda: nursery.start(server.serve_tcp, host, port)
             )

@@ -23,10 +23,10 @@ from prometheus_client import generate_latest
 from llmgw.addr import url_host
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.errors import one_line
-from llmgw.config.loader import read_text
-from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, resolve
+from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, token_from_file
 from llmgw.http import HttpServer, ServerLimits
 from llmgw.http.client import ClientLimits, UpstreamPool
+from llmgw.http.metrics import metrics_app
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.keys import ApiKey, KeyRing
@@ -102,10 +102,7 @@ async def reuseport_listeners(host: str, port: int) -> list[trio.SocketListener]
 def admin_token(config: StandaloneRouterConfig, base: Path) -> str:
     if config.admin_token:
         return config.admin_token
-    token = read_text(resolve(base, config.admin_token_file), "admin_token_file").strip()
-    if not token:
-        raise ConfigError("", "admin_token_file", f"{config.admin_token_file} is empty")
-    return token
+    return token_from_file(base, config.admin_token_file, "admin_token_file")
 
 
 async def _reload_keys_on_sighup(
@@ -145,6 +142,11 @@ async def serve(
     """Worker 0 starts the others (``--worker i``) and serves the metrics of all.
     ``reread`` reads the config file again, for SIGHUP (the keys)."""
     token = admin_token(config, base)
+    metrics_token = (
+        token_from_file(base, config.metrics_token_file, "metrics_token_file")
+        if config.metrics_token_file and worker == 0
+        else ""
+    )
     watch = HttpWatch(config.admin_url, token)
     table = RoutingTable(watch)
     metrics = RouterMetrics(daemon_registry("router"))
@@ -184,7 +186,7 @@ async def serve(
                 where,
                 config.admin_url,
             )
-            await _serve_metrics(nursery, config, metrics, worker, run_dir)
+            await _serve_metrics(nursery, config, metrics, worker, run_dir, metrics_token)
     finally:
         with trio.CancelScope(shield=True):
             for child in children:
@@ -205,8 +207,9 @@ async def _serve_metrics(
     metrics: RouterMetrics,
     worker: int,
     run_dir: str,
+    token: str,
 ) -> None:
-    """Worker 0: ``metrics_listen``, with every worker's metrics. The others: their
+    """Worker 0: ``metrics_listen`` (asking for ``token``, if any), with every worker's metrics. The others: their
     own, on a loopback port of their choosing, published in the run directory."""
     registry = metrics.registry
     if worker == 0:
@@ -220,7 +223,7 @@ async def _serve_metrics(
                 return generate_latest(registry)
             return await worker_metrics.page(registry, pages)
 
-        app = HttpServer(worker_metrics.metrics_app(render), name="router-metrics")
+        app = HttpServer(metrics_app(render, token), name="router-metrics")
         listeners = await open_listeners(
             "metrics_listen", host, port, lambda: nursery.start(app.serve_tcp, host, port)
         )
@@ -237,7 +240,7 @@ async def _serve_metrics(
             return generate_latest(registry)
 
         listeners = await nursery.start(
-            HttpServer(worker_metrics.metrics_app(own), name="router-metrics").serve_tcp,
+            HttpServer(metrics_app(own), name="router-metrics").serve_tcp,
             "127.0.0.1",
             0,
         )

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import attrs
 import trio
+from prometheus_client import generate_latest
 
 from llmgw.addr import join_hostport
 from llmgw.admin.api import AdminApi, NotReloaded, Reloaded
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
-from llmgw.config.schema import is_loopback, resolve
+from llmgw.config.schema import is_loopback, resolve, token_from_file
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.metrics import ControlPlaneMetrics
@@ -31,6 +32,7 @@ from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.engines import adapters
 from llmgw.http import HttpServer
+from llmgw.http.metrics import metrics_app
 from llmgw.router.keys import KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
@@ -52,10 +54,7 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
         return config.admin.token, None
     if config.admin.token_file:
         path = resolve(base, config.admin.token_file)
-        token = read_text(path, "admin.token_file").strip()
-        if not token:
-            raise ConfigError(str(path), "admin.token_file", "is empty: write the token in it")
-        return token, path
+        return token_from_file(base, config.admin.token_file, "admin.token_file"), path
     path = resolve(base, config.state_dir) / "admin-token"
     if path.exists():
         token = read_text(path).strip()
@@ -191,6 +190,10 @@ async def serve(
     catalog_path = resolve(base, config.catalog) if config.catalog else None
     catalog = load_catalog(catalog_path) if catalog_path is not None else None
     token, _ = admin_token(config, base)
+    mc = config.metrics
+    metrics_token = (
+        token_from_file(base, mc.token_file, "metrics.token_file") if mc.token_file else ""
+    )
     lv = config.liveness
     control = ControlPlane(
         policy=LivenessPolicy(unreachable_after=lv.unreachable_after_s, lost_after=lv.lost_after_s),
@@ -271,6 +274,25 @@ async def serve(
             admin_port,
             lambda: nursery.start(admin.serve_tcp, admin_host, admin_port),
         )
+        if mc.listen:
+            registry = control.metrics.registry
+
+            async def render() -> bytes:
+                return generate_latest(registry)
+
+            m_host, m_port = parse_hostport(mc.listen, key="metrics.listen")
+            m_server = HttpServer(metrics_app(render, metrics_token), name="metrics")
+            m_listeners = await open_listeners(
+                "metrics.listen",
+                m_host,
+                m_port,
+                lambda: nursery.start(m_server.serve_tcp, m_host, m_port),
+            )
+            log.info(
+                "metrics on %s%s",
+                ", ".join(f"http://{_show(x)}/metrics" for x in m_listeners),
+                " (token asked)" if metrics_token else "",
+            )
         if router is not None:
             await nursery.start(router[0].run)
             r_host, r_port = parse_hostport(config.router.listen, key="router.listen")

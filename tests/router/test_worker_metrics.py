@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmgw.http import HttpServer
+from llmgw.http.metrics import metrics_app
 from llmgw.router import worker_metrics
 
 
@@ -39,9 +40,7 @@ async def test_workers_pages_merge_with_a_worker_label(
     async def render() -> bytes:
         return generate_latest(other)
 
-    listeners = await nursery.start(
-        HttpServer(worker_metrics.metrics_app(render)).serve_tcp, "127.0.0.1", 0
-    )
+    listeners = await nursery.start(HttpServer(metrics_app(render)).serve_tcp, "127.0.0.1", 0)
     worker_metrics.publish_port(tmp_path, 1, listeners[0].socket.getsockname()[1])
     worker_metrics.publish_port(tmp_path, 2, closed_port)  # a worker that is gone
     (tmp_path / "worker-3.port").write_text("not a port")
