@@ -1,7 +1,8 @@
 """Rules of this suite (keep them true; they are why it can run anywhere):
 
-- Network traffic goes to loopback only (127.0.0.1 / ::1), on port 0 or on a
-  port a server of ours bound first; a process that must be told its port
+- Network traffic goes to loopback only (127.0.0.1 / ::1), or to network
+  namespaces a test made itself and removes (the lab, ``tools/lab``, as root),
+  on port 0 or on a port a server of ours bound first; a process that must be told its port
   before it starts (an engine, a stand-in, ``tools/fleet``) takes one from
   ``tests/ports.py``, never a port bound to 0 and closed again. Request loops
   are bounded.
