@@ -24,9 +24,9 @@ from llmgw.version import describe
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build(out: Path, *, host: bool) -> Path:
-    args = [str(ROOT / "tools" / "build"), "-o", str(out)] + (["--host"] if host else [])
-    result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def build(out: Path, *, host: bool, root: Path = ROOT) -> Path:
+    args = [str(root / "tools" / "build"), "-o", str(out)] + (["--host"] if host else [])
+    result = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"tools/build failed:\n{result.stdout}\n{result.stderr}"
     return out
 
@@ -195,6 +195,13 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def differing(a: Path, b: Path) -> list[str]:
+    with zipfile.ZipFile(a) as za, zipfile.ZipFile(b) as zb:
+        ea = {i.filename: (i.CRC, i.date_time, i.external_attr) for i in za.infolist()}
+        eb = {i.filename: (i.CRC, i.date_time, i.external_attr) for i in zb.infolist()}
+    return sorted(n for n in ea.keys() | eb.keys() if ea.get(n) != eb.get(n))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("LLMGW_SLOW"), reason="opt-in: LLMGW_SLOW=1 (two builds, ~80 s)"
@@ -202,9 +209,27 @@ def sha256(path: Path) -> str:
 def test_the_file_for_every_node_holds_each_platforms_wheels_and_builds_the_same_twice(
     tmp_path: Path,
 ) -> None:
-    first = build(tmp_path / "a" / "llmgw.pyz", host=False)
-    second = build(tmp_path / "b" / "llmgw.pyz", host=False)
-    assert sha256(first) == sha256(second)
+    # a snapshot of the commit, so that nothing changes the inputs between the two builds
+    src = tmp_path / "src"
+    src.mkdir()
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True)
+    (src / ".venv").symlink_to(ROOT / ".venv")
+    when = "2026-01-01T00:00:00Z"
+    git_env = dict(
+        os.environ,
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@t",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@t",
+        GIT_AUTHOR_DATE=when,
+        GIT_COMMITTER_DATE=when,
+    )
+    for git in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
+        subprocess.run(["git", *git], cwd=src, env=git_env, check=True, capture_output=True)
+    first = build(tmp_path / "a" / "llmgw.pyz", host=False, root=src)
+    second = build(tmp_path / "b" / "llmgw.pyz", host=False, root=src)
+    assert sha256(first) == sha256(second), f"two builds differ in: {differing(first, second)}"
     with zipfile.ZipFile(first) as z:
         wheels = {n.split("/")[1] for n in z.namelist() if n.startswith(".deps/") and "/" in n[6:]}
     for arch in ("x86_64", "aarch64"):
