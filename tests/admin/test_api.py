@@ -225,3 +225,40 @@ def test_a_model_row_says_crash_loop_cannot_place_and_the_last_failure() -> None
     assert lines[2].endswith("cannot place: no node fits")  # waiting to place is no crash loop
     text = render_failures(data)
     assert "exit 1" in text and "    error: invalid argument: --nope" in text
+
+
+def test_a_rollout_reads_in_ctl_replicas_and_ctl_models() -> None:
+    from llmgw.cli.ctl import render_models, render_replicas
+
+    shard = {
+        "node_id": "n1",
+        "port": 1,
+        "gpus": [],
+        "state": "ready",
+        "shard_id": "a-0",
+        "detail": "",
+    }
+    replica = {
+        "replica_id": "tiny-x-1",
+        "model": "tiny",
+        "profile": "cpu",
+        "state": "Ready",
+        "why": "",
+        "state_since": 3.0,
+        "adopted": False,
+        "shards": [shard],
+    }
+    data = {
+        "replicas": [
+            {**replica, "leaving": True, "leaving_why": "outdated", "outdated": True},
+            {**replica, "replica_id": "tiny-x-2", "leaving": False, "outdated": True},
+            {**replica, "replica_id": "tiny-x-3", "leaving": True, "leaving_why": "spread"},
+        ]
+    }
+    rows = render_replicas(data).splitlines()
+    assert "Ready,outdated (leaving: replaced by the new profile)" in rows[1]
+    assert "Ready,outdated " in rows[2] and "leaving" not in rows[2]
+    assert "Ready (leaving: moves to spread)" in rows[3]
+    row = {"model": "tiny", "wanted": 2, "ready": 2, "starting": 1, "failed": 0, "nodes": []}
+    models = render_models({"models": [{**row, "outdated": 2, "failures": []}]})
+    assert "rolling out a profile change, 2 to replace" in models.splitlines()[1]

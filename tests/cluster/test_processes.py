@@ -54,11 +54,13 @@ async def test_agent_registers_and_shows_in_ctl_nodes(
     table = (await server.ctl("nodes")).stdout.decode()
     header, row = table.splitlines()[:2]
     assert header.split() == [
-        "NODE", "ADDRESS", "STATE", "SHARDS", "LAST", "SEEN", "MEM", "FABRIC", "ENGINES", "GPUS",
+        "NODE", "ADDRESS", "STATE", "SHARDS", "LAST", "SEEN", "VERSION", "MEM", "FABRIC",
+        "ENGINES", "GPUS",
     ]  # fmt: skip
     cells = row.split()
     assert cells[:4] == ["n1", "127.0.0.1", "Ready", "0"]  # no control plane's shards there
-    assert cells[6:9] == ["12", "GiB", "-"]  # memory as written, no fabric
+    assert cells[6].startswith("0.1.0+")  # the agent's version and build
+    assert cells[7:10] == ["12", "GiB", "-"]  # memory as written, no fabric
     assert cells[-1] == "0"  # no GPUs
 
 

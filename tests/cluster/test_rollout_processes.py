@@ -65,6 +65,7 @@ async def test_a_changed_profile_rolls_out_one_at_a_time_and_no_request_fails(
         token = (tmp_path / "state" / "admin-token").read_text().strip()
         starting_seen: list[int] = []
         serving_seen: list[int] = []
+        outdated_seen: list[str] = []
 
         async def watch() -> None:  # faster than ctl: every state the rollout goes through
             async with httpx.AsyncClient(
@@ -76,6 +77,9 @@ async def test_a_changed_profile_rolls_out_one_at_a_time_and_no_request_fails(
                         sum(1 for r in now if r["state"] in ("Pending", "Starting"))
                     )
                     serving_seen.append(sum(1 for r in now if r["state"] == "Ready"))
+                    outdated_seen.extend(
+                        r["replica_id"] for r in now if r["outdated"] and r["leaving_why"]
+                    )
                     await trio.sleep(0.05)
 
         async with trio.open_nursery() as nursery:
@@ -85,10 +89,8 @@ async def test_a_changed_profile_rolls_out_one_at_a_time_and_no_request_fails(
             nursery.start_soon(watch)
             await trio.sleep(0.5)
             await c.server.ctl("reload")
-            table = (await c.server.ctl("replicas")).stdout.decode()
-            assert ",outdated" in table, table
-            models = (await c.server.ctl("models")).stdout.decode()
-            assert "rolling out a profile change" in models, models
+            # (how ctl shows an outdated replica is in tests/admin/test_api.py: on a busy
+            # machine the whole rollout can be over before a ctl process answers)
             with trio.fail_after(90):
                 while True:
                     now = await c.replicas()
@@ -107,6 +109,7 @@ async def test_a_changed_profile_rolls_out_one_at_a_time_and_no_request_fails(
         after = {r["replica_id"] for r in await c.replicas()}
         assert not after & before, (before, after)  # both were replaced
         assert max(starting_seen) == 1, starting_seen  # one at a time
+        assert set(outdated_seen) == before  # each old one was marked, then replaced
         assert failed == [], failed[:3]
         assert sent > 20
         assert ended == ["length"]  # the stream on an old replica ran to its end
