@@ -129,5 +129,12 @@ class RouterMetrics:
             registry=r,
         )
 
+    def forget(self, replicas: Iterable[str]) -> None:
+        """Replicas that left the routing table: their series go too (a fleet that
+        replaces replicas for months would otherwise keep every one it ever had)."""
+        for replica in replicas:
+            for counter in (self.requests, self.upstream_errors):
+                counter.remove_by_labels({"replica": replica})
+
     def watch(self, endpoints: Callable[[], Iterable[Endpoint]]) -> None:
         self.registry.register(_EndpointsCollector(endpoints))

@@ -41,9 +41,15 @@ class RoutingTable:
     """
 
     def __init__(
-        self, watch: Watch | None = None, initial: Snapshot | None = None, *, scrape_s: float = 1.0
+        self,
+        watch: Watch | None = None,
+        initial: Snapshot | None = None,
+        *,
+        scrape_s: float = 1.0,
+        on_gone: Callable[[list[str]], None] = lambda _: None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
+        self.on_gone = on_gone  # told the replicas that left the table, once each
         self.scrape_s = scrape_s
         self.version = ""
         self.endpoints: dict[str, list[Endpoint]] = {}
@@ -75,10 +81,12 @@ class RoutingTable:
             self._engines[route.key] = route.engine
             table.setdefault(route.model, []).append(ep)
             seen.add(route.key)
-        for key in list(self._by_key):
-            if key not in seen and self._by_key[key].in_flight == 0:
-                del self._by_key[key]
-                self._engines.pop(key, None)
+        gone = [k for k in self._by_key if k not in seen and self._by_key[k].in_flight == 0]
+        for key in gone:
+            del self._by_key[key]
+            self._engines.pop(key, None)
+        if gone:
+            self.on_gone(gone)
         self.admission = {
             m: Admission(target_waiting=r.target_waiting, kv_ceiling=r.kv_ceiling)
             for m, r in snap.models.items()

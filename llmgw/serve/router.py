@@ -148,8 +148,8 @@ async def serve(
         else ""
     )
     watch = HttpWatch(config.admin_url, token)
-    table = RoutingTable(watch)
     metrics = RouterMetrics(daemon_registry("router"))
+    table = RoutingTable(watch, on_gone=metrics.forget)
     keys = KeyRing(api_keys(config.router))
     server = router_app(config.router, table, metrics, keys)
     host, port = parse_hostport(config.router.listen, key="router.listen")

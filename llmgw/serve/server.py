@@ -231,9 +231,9 @@ async def serve(
     router = None
     keys = None
     if config.router.listen:
-        table = RoutingTable(routing.next, routing.snapshot)
-        keys = KeyRing(api_keys(config.router))
         metrics = RouterMetrics(control.metrics.registry)
+        table = RoutingTable(routing.next, routing.snapshot, on_gone=metrics.forget)
+        keys = KeyRing(api_keys(config.router))
         router = (table, router_app(config.router, table, metrics, keys))
     reload = Reloader(fleet, keys, reread) if fleet is not None or keys is not None else None
     admin_api = AdminApi(

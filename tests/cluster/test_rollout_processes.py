@@ -14,7 +14,7 @@ import openai
 import trio
 
 from tests.cluster.test_control_plane_processes import cluster
-from tests.cluster.test_router_processes import routed
+from tests.cluster.test_router_processes import admin_metrics, routed
 from tests.conftest import Pki
 from tests.realparts import needs_server
 
@@ -110,6 +110,11 @@ async def test_a_changed_profile_rolls_out_one_at_a_time_and_no_request_fails(
         assert not after & before, (before, after)  # both were replaced
         assert max(starting_seen) == 1, starting_seen  # one at a time
         assert set(outdated_seen) == before  # each old one was marked, then replaced
+        # the replaced replicas' series left the metrics with them; the new ones' are there
+        page = await admin_metrics(c)
+        served = {dict(labels).get("replica") for (name, labels) in page if "requests" in name}
+        assert not served & before, served
+        assert after <= served, (after, served)
         assert failed == [], failed[:3]
         assert sent > 20
         assert ended == ["length"]  # the stream on an old replica ran to its end
