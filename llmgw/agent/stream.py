@@ -104,6 +104,7 @@ class AgentStream:
         self.source = source
         self.supervisor = supervisor
         self.metrics = metrics
+        self.metrics_address = ""  # "host:port" once its listener is open (serve.agent)
         self.backoff = Backoff(settings.backoff_initial, settings.backoff_max)
         self.sessions_started = 0
         self.registrations = 0
@@ -256,6 +257,7 @@ class AgentStream:
             inventory=inventory,
             shards=self.running_shards(),
             agent_version=describe(),
+            metrics_address=self.metrics_address,
         )
         await ws.send_message(session.send(register))
         with trio.fail_after(s.handshake_timeout):

@@ -13,11 +13,13 @@ for display ("last seen 3 s ago" must survive a reader on another machine).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 
 import attrs
 import msgspec
 
+from llmgw.addr import join_hostport
 from llmgw.protocol.messages import Heartbeat, Inventory
 
 
@@ -54,6 +56,19 @@ class Node:
     registered_at_wall: float
     last_heartbeat_seq: int = -1
     agent_version: str = ""  # as its agent said at registration ("0.1.0 (build …)")
+    metrics_address: str = ""  # its agent's metrics listener, as said at registration
+
+    @property
+    def metrics_target(self) -> str:
+        """Where Prometheus reaches its agent's metrics: a wildcard host is the node's
+        address; empty when the agent serves none."""
+        if not self.metrics_address:
+            return ""
+        host, _, port = self.metrics_address.rpartition(":")
+        host = host.strip("[]")
+        if host in ("0.0.0.0", "::", ""):
+            host = self.address
+        return join_hostport(host, int(port))
 
     @property
     def address(self) -> str:
@@ -183,3 +198,20 @@ class NodeTable:
             return []
         old, node.state = node.state, state
         return [Change(node.node_id, old, state, why)]
+
+
+def scrape_targets(nodes: Iterable[Node], server: str) -> list[dict[str, object]]:
+    """Prometheus HTTP service discovery (``http_sd_configs``): this control plane's
+    own metrics listener (``server``: host:port; left out when it is a wildcard, which
+    names no address to reach) and every agent that serves metrics on a node that is
+    not Lost, labelled by role and node."""
+    groups: list[dict[str, object]] = []
+    if server and not server.startswith(("0.0.0.0:", "[::]:")):
+        groups.append({"targets": [server], "labels": {"llmgw_role": "server"}})
+    for node in sorted(nodes, key=lambda n: n.node_id):
+        target = node.metrics_target
+        if target and node.state is not NodeState.LOST:
+            groups.append(
+                {"targets": [target], "labels": {"llmgw_role": "agent", "node": node.node_id}}
+            )
+    return groups

@@ -66,6 +66,7 @@ class ControlPlane:
             wall=self._wall(),
         )
         self.nodes.nodes[msg.node_id].agent_version = msg.agent_version
+        self.nodes.nodes[msg.node_id].metrics_address = msg.metrics_address
         self.dispatcher.attach(conn)
         self.metrics.connects.inc()
         inv = msg.inventory

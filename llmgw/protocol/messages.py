@@ -168,6 +168,9 @@ class Register(Message, frozen=True):
     shards: list[ShardReport] = []
     agent_version: str = ""
     check_only: bool = False
+    # where this agent serves its Prometheus metrics ("host:port"; empty: nowhere), for
+    # the control plane's service discovery; a wildcard host means the node's address
+    metrics_address: str = ""
 
 
 class RegisterAck(Message, frozen=True):

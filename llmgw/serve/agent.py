@@ -10,6 +10,7 @@ from pathlib import Path
 import trio
 from prometheus_client import generate_latest
 
+from llmgw.addr import join_hostport
 from llmgw.agent.health import HealthSettings
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.lock import hold
@@ -143,4 +144,5 @@ async def _serve(config: AgentConfig, base: Path) -> None:
             )
             where = listeners[0].socket.getsockname()
             log.info("agent metrics on http://%s:%d/metrics", where[0], where[1])
+            stream.metrics_address = join_hostport(where[0], where[1])
         await stream.run()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
+import msgspec
 import trio
 from prometheus_client import generate_latest
 
@@ -24,7 +25,7 @@ from llmgw.config.schema import is_loopback, resolve, token_from_file
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.metrics import ControlPlaneMetrics
-from llmgw.controlplane.nodes import LivenessPolicy
+from llmgw.controlplane.nodes import LivenessPolicy, scrape_targets
 from llmgw.controlplane.reconciler import Timing
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
@@ -281,13 +282,21 @@ async def serve(
                 return generate_latest(registry)
 
             m_host, m_port = parse_hostport(mc.listen, key="metrics.listen")
-            m_server = HttpServer(metrics_app(render, metrics_token), name="metrics")
+            own: list[str] = []  # this listener's address, once open
+
+            def sd() -> bytes:
+                return msgspec.json.encode(
+                    scrape_targets(control.nodes.nodes.values(), own[0] if own else "")
+                )
+
+            m_server = HttpServer(metrics_app(render, metrics_token, sd), name="metrics")
             m_listeners = await open_listeners(
                 "metrics.listen",
                 m_host,
                 m_port,
                 lambda: nursery.start(m_server.serve_tcp, m_host, m_port),
             )
+            own.append(_show(m_listeners[0]))
             log.info(
                 "metrics on %s%s",
                 ", ".join(f"http://{_show(x)}/metrics" for x in m_listeners),

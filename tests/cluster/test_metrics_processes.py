@@ -39,6 +39,7 @@ async def test_metrics_listeners_ask_for_their_own_token_and_not_the_admin_one(
             + f'[metrics]\nlisten = "127.0.0.1:0"\ntoken_file = "{tmp_path}/prometheus-token"\n',
         )
         agent_url = (await n1.wait_log(r"agent metrics on (http://\S+/metrics)"))[1]
+        await server.wait_node("n1", "Ready")
         admin = (tmp_path / "state" / "admin-token").read_text().strip()
         async with httpx.AsyncClient(timeout=5) as client:
             for role, url in (("server", server_url), ("agent", agent_url)):
@@ -48,6 +49,18 @@ async def test_metrics_listeners_ask_for_their_own_token_and_not_the_admin_one(
                 ok = await client.get(url, headers={"authorization": "Bearer prom-secret"})
                 assert ok.status_code == 200, (role, ok.text)
                 assert f'role="{role}"' in ok.text and "llmgw_build_info" in ok.text
+            # service discovery lists the server and every agent that serves metrics,
+            # behind the same token, and each target it names answers
+            assert (await client.get(server_url.replace("/metrics", "/sd"))).status_code == 401
+            sd = await client.get(
+                server_url.replace("/metrics", "/sd"),
+                headers={"authorization": "Bearer prom-secret"},
+            )
+            groups = {g["labels"]["llmgw_role"]: g for g in sd.json()}
+            assert groups["agent"]["labels"]["node"] == "n1"
+            assert f"http://{groups['server']['targets'][0]}/metrics" == server_url
+            [agent_target] = groups["agent"]["targets"]
+            assert f"http://{agent_target}/metrics" == agent_url
             # the admin listener's /metrics stays, behind the admin token
             page = await client.get(
                 server.admin_url + "/metrics", headers={"authorization": f"Bearer {admin}"}
