@@ -72,13 +72,15 @@ class Cluster:
         self.server.start()
         await self.server.ready(count=2)
 
-    def agent(self, node: str, *, memory_gb: int = 16) -> Daemon:
+    def agent(self, node: str, *, memory_gb: int = 16, more: str = "") -> Daemon:
+        """``more``: further sections of the agent's config (``[metrics]``, say)."""
         i = int(node[1:]) - 1
         low = BASE + 10 * i
         extra = (
             f'[engines]\nllama_server = "{LLAMA_SERVER}"\nport_range = [{low}, {low + 9}]\n'
             "stop_grace_s = 5\n"
             '[discovery]\nnvidia_smi = "/nonexistent"\n'
+            + more
         )
         config = write_agent_config(self.tmp, self.pki, node, self.server.stream_port, extra=extra)
         text = config.read_text().replace(
