@@ -287,6 +287,21 @@ class Supervisor:
                 return
             await trio.sleep(HEALTH_INTERVAL_S)
 
+    async def engine_metrics(self, shard_id: str) -> bytes | None:
+        """A Ready engine's own /metrics, fetched with its key (Prometheus cannot send a
+        key per target); None when there is no such engine here or it did not answer."""
+        shard = self.shards.get(shard_id)
+        launch = shard.launch if shard is not None else None
+        if shard is None or launch is None or not launch.metrics_url:
+            return None
+        if shard.phase is not Phase.READY:
+            return None
+        try:
+            response = await self._http.get(launch.metrics_url, headers=engine_auth(shard))
+        except httpx.HTTPError:
+            return None
+        return response.content if response.status_code == 200 else None
+
     async def _healthy(self, url: str) -> bool:
         try:
             response = await self._http.get(url)

@@ -200,18 +200,41 @@ class NodeTable:
         return [Change(node.node_id, old, state, why)]
 
 
-def scrape_targets(nodes: Iterable[Node], server: str) -> list[dict[str, object]]:
+def scrape_targets(
+    nodes: Iterable[Node],
+    server: str,
+    engines: Iterable[tuple[str, str, str, str]] = (),
+) -> list[dict[str, object]]:
     """Prometheus HTTP service discovery (``http_sd_configs``): this control plane's
     own metrics listener (``server``: host:port; left out when it is a wildcard, which
-    names no address to reach) and every agent that serves metrics on a node that is
-    not Lost, labelled by role and node."""
+    names no address to reach), every agent that serves metrics on a node that is
+    not Lost, labelled by role and node, and each engine in ``engines`` (node, model,
+    replica, shard), read through its agent, which holds the engine's key."""
+    reachable = {n.node_id: n for n in nodes if n.metrics_target and n.state is not NodeState.LOST}
     groups: list[dict[str, object]] = []
     if server and not server.startswith(("0.0.0.0:", "[::]:")):
         groups.append({"targets": [server], "labels": {"llmgw_role": "server"}})
-    for node in sorted(nodes, key=lambda n: n.node_id):
-        target = node.metrics_target
-        if target and node.state is not NodeState.LOST:
-            groups.append(
-                {"targets": [target], "labels": {"llmgw_role": "agent", "node": node.node_id}}
-            )
+    for node_id in sorted(reachable):
+        groups.append(
+            {
+                "targets": [reachable[node_id].metrics_target],
+                "labels": {"llmgw_role": "agent", "node": node_id},
+            }
+        )
+    for node_id, model, replica, shard in engines:
+        node = reachable.get(node_id)
+        if node is None:
+            continue
+        groups.append(
+            {
+                "targets": [node.metrics_target],
+                "labels": {
+                    "llmgw_role": "engine",
+                    "node": node_id,
+                    "model": model,
+                    "replica": replica,
+                    "__metrics_path__": f"/engines/{shard}/metrics",
+                },
+            }
+        )
     return groups

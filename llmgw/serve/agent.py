@@ -138,7 +138,10 @@ async def _serve(config: AgentConfig, base: Path) -> None:
             async def render() -> bytes:
                 return generate_latest(registry)
 
-            server = HttpServer(metrics_app(render, metrics_token), name="agent-metrics")
+            server = HttpServer(
+                metrics_app(render, metrics_token, engine=stream.supervisor.engine_metrics),
+                name="agent-metrics",
+            )
             listeners = await open_listeners(
                 "metrics.listen", host, port, lambda: nursery.start(server.serve_tcp, host, port)
             )

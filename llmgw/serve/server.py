@@ -285,8 +285,15 @@ async def serve(
             own: list[str] = []  # this listener's address, once open
 
             def sd() -> bytes:
+                engines = [
+                    (s.node_id, r.model, r.replica_id, s.shard_id)
+                    for r in (fleet.replicas() if fleet is not None else ())
+                    if r.state is ReplicaState.READY
+                    for s in r.shards
+                    if s.rank == 0  # the rank that serves HTTP
+                ]
                 return msgspec.json.encode(
-                    scrape_targets(control.nodes.nodes.values(), own[0] if own else "")
+                    scrape_targets(control.nodes.nodes.values(), own[0] if own else "", engines)
                 )
 
             m_server = HttpServer(metrics_app(render, metrics_token, sd), name="metrics")

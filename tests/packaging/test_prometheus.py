@@ -1,7 +1,7 @@
 """A real Prometheus (Debian's package; tools/setup installs it as root) scrapes a real
-fleet through packaging/prometheus.yml: every target is found by the control plane's
-service discovery and is up, and every query of packaging/grafana-dashboard.json
-returns data."""
+fleet through packaging/prometheus.yml: every target (the server, the agent, the
+engine through its agent) is found by the control plane's service discovery and is
+up, and every query of packaging/grafana-dashboard.json returns data."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
                         except (httpx.HTTPError, KeyError, ValueError):
                             active = []
                         roles = {t["labels"].get("role"): t["health"] for t in active}
-                        if roles == {"server": "up", "agent": "up"}:
+                        if roles == {"server": "up", "agent": "up", "engine": "up"}:
                             break
                         await trio.sleep(0.5)
                 # traffic, streamed and not, so the request panels have something to show
@@ -129,8 +129,14 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
                         await trio.sleep(1)
                 assert empty == {}, f"dashboard queries without data: {empty}"
                 up = await query(http, url, 'up{job="llmgw"}')
-                assert {s["metric"]["role"] for s in up} == {"server", "agent"}
+                assert {s["metric"]["role"] for s in up} == {"server", "agent", "engine"}
                 assert all(s["value"][1] == "1" for s in up), up
+                # the engine's own page, read through its agent with the engine's key,
+                # labelled with its model and replica
+                [engine] = [s["metric"] for s in up if s["metric"]["role"] == "engine"]
+                assert engine["model"] == "tiny" and engine["replica"].startswith("tiny-")
+                llama = await query(http, url, 'llamacpp:requests_processing{role="engine"}')
+                assert llama and llama[0]["metric"]["replica"] == engine["replica"], llama
         finally:
             prom.terminate()
             try:
