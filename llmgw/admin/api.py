@@ -22,6 +22,7 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmgw.addr import join_hostport
 from llmgw.admin.views import (
     GpuViews,
     ModelView,
@@ -30,7 +31,7 @@ from llmgw.admin.views import (
     replica_view,
     running_view,
 )
-from llmgw.config import ConfigError
+from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import CannotPlace, fleet_status
 from llmgw.controlplane.fleet import FleetManager
@@ -256,6 +257,15 @@ class AdminApi:
             return error(400, "wait must be a number of seconds")
         wait = min(max(wait, 0.0), 30.0)
         routing = self._routing
+        metrics = params.get("metrics", [""])[0]
+        if metrics:  # a standalone router says where its metrics are, for discovery
+            try:
+                host, port = parse_hostport(metrics, key="metrics")
+            except ConfigError:
+                return error(400, "metrics must be host:port")
+            if host in ("0.0.0.0", "::", ""):
+                host = request.client[0]  # a wildcard: where it is seen from
+            routing.followed_by(join_hostport(host, port), trio.current_time())
         if routing.snapshot.version == since:
             with trio.move_on_after(wait):
                 await routing.next(since)

@@ -204,12 +204,14 @@ def scrape_targets(
     nodes: Iterable[Node],
     server: str,
     engines: Iterable[tuple[str, str, str, str]] = (),
+    routers: Iterable[str] = (),
 ) -> list[dict[str, object]]:
     """Prometheus HTTP service discovery (``http_sd_configs``): this control plane's
     own metrics listener (``server``: host:port; left out when it is a wildcard, which
     names no address to reach), every agent that serves metrics on a node that is
     not Lost, labelled by role and node, and each engine in ``engines`` (node, model,
-    replica, shard), read through its agent, which holds the engine's key."""
+    replica, shard), read through its agent, which holds the engine's key, and each
+    standalone router's metrics listener in ``routers`` (host:port)."""
     reachable = {n.node_id: n for n in nodes if n.metrics_target and n.state is not NodeState.LOST}
     groups: list[dict[str, object]] = []
     if server and not server.startswith(("0.0.0.0:", "[::]:")):
@@ -237,4 +239,6 @@ def scrape_targets(
                 },
             }
         )
+    for router in routers:
+        groups.append({"targets": [router], "labels": {"llmgw_role": "router"}})
     return groups

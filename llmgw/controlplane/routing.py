@@ -65,10 +65,35 @@ def build_snapshot(
 class RoutingPublisher:
     """The current routing snapshot, and a way to wait for the next one."""
 
+    # a router that follows the watch asks again at least this often (its wait is at
+    # most 30 s); one not heard from for this long is no longer listed
+    FOLLOWER_TTL_S = 75.0
+    MAX_FOLLOWERS = 1000
+
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         self.snapshot = snapshot or versioned({}, [])
         self.body = msgspec.json.encode(self.snapshot)  # what every watcher is sent
         self._changed = trio.Event()
+        # standalone routers' metrics listeners ("host:port") -> when last heard from
+        self._followers: dict[str, float] = {}
+
+    def followed_by(self, metrics_address: str, now: float) -> None:
+        """A standalone router that serves metrics there asked for the routing."""
+        if metrics_address not in self._followers and len(self._followers) >= self.MAX_FOLLOWERS:
+            self._forget_old(now)
+            if len(self._followers) >= self.MAX_FOLLOWERS:
+                return  # bounded: an address never seen before waits for room
+        self._followers[metrics_address] = now
+
+    def followers(self, now: float) -> list[str]:
+        """The metrics listeners of the routers heard from lately, sorted."""
+        self._forget_old(now)
+        return sorted(self._followers)
+
+    def _forget_old(self, now: float) -> None:
+        for address, seen in list(self._followers.items()):
+            if now - seen > self.FOLLOWER_TTL_S:
+                del self._followers[address]
 
     def publish(self, snapshot: Snapshot) -> bool:
         """Make ``snapshot`` current if it says something new; True when it did."""

@@ -168,6 +168,9 @@ class HttpWatch:
     def __init__(self, admin_url: str, token: str, *, poll_s: float = 25.0) -> None:
         self.url = admin_url.rstrip("/") + "/v1/routing"
         self.poll_s = poll_s
+        # where this router serves its metrics, told to the control plane with every
+        # poll so that its service discovery lists it ("": none)
+        self.metrics_address = ""
         self._headers = {"authorization": f"Bearer {token}"}
         self._client = httpx.AsyncClient(timeout=poll_s + 10)
 
@@ -177,7 +180,8 @@ class HttpWatch:
             try:
                 r = await self._client.get(
                     self.url,
-                    params={"since": since, "wait": str(self.poll_s)},
+                    params={"since": since, "wait": str(self.poll_s)}
+                    | ({"metrics": self.metrics_address} if self.metrics_address else {}),
                     headers=self._headers,
                 )
                 r.raise_for_status()

@@ -20,7 +20,7 @@ from pathlib import Path
 import trio
 from prometheus_client import generate_latest
 
-from llmgw.addr import url_host
+from llmgw.addr import join_hostport, url_host
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, token_from_file
@@ -186,7 +186,10 @@ async def serve(
                 where,
                 config.admin_url,
             )
-            await _serve_metrics(nursery, config, metrics, worker, run_dir, metrics_token)
+            # worker 0 tells the control plane where its metrics are, for discovery
+            watch.metrics_address = await _serve_metrics(
+                nursery, config, metrics, worker, run_dir, metrics_token
+            )
     finally:
         with trio.CancelScope(shield=True):
             for child in children:
@@ -208,13 +211,14 @@ async def _serve_metrics(
     worker: int,
     run_dir: str,
     token: str,
-) -> None:
-    """Worker 0: ``metrics_listen`` (asking for ``token``, if any), with every worker's metrics. The others: their
-    own, on a loopback port of their choosing, published in the run directory."""
+) -> str:
+    """Worker 0: ``metrics_listen`` (asking for ``token``, if any), with every worker's
+    metrics; returns where it listens ("" when nowhere). The others: their own, on a
+    loopback port of their choosing, published in the run directory."""
     registry = metrics.registry
     if worker == 0:
         if not config.metrics_listen:
-            return
+            return ""
         host, port = parse_hostport(config.metrics_listen, key="metrics_listen")
         pages = Path(run_dir) if run_dir else None
 
@@ -234,6 +238,8 @@ async def _serve_metrics(
                 for x in listeners
             ),
         )
+        bound = listeners[0].socket.getsockname()
+        return join_hostport(bound[0], bound[1])
     elif run_dir:
 
         async def own() -> bytes:
@@ -245,3 +251,4 @@ async def _serve_metrics(
             0,
         )
         worker_metrics.publish_port(Path(run_dir), worker, listeners[0].socket.getsockname()[1])
+    return ""

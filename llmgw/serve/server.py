@@ -293,7 +293,12 @@ async def serve(
                     if s.rank == 0  # the rank that serves HTTP
                 ]
                 return msgspec.json.encode(
-                    scrape_targets(control.nodes.nodes.values(), own[0] if own else "", engines)
+                    scrape_targets(
+                        control.nodes.nodes.values(),
+                        own[0] if own else "",
+                        engines,
+                        routing.followers(trio.current_time()),
+                    )
                 )
 
             m_server = HttpServer(metrics_app(render, metrics_token, sd), name="metrics")

@@ -71,6 +71,9 @@ async def test_routing_wait_that_is_not_a_number_is_refused_at_once(
         with trio.fail_after(2):  # a number still waits, and answers when the wait is over
             r = await client.get(f"/v1/routing?since={version}&wait=0.1", headers=auth)
         assert r.status_code == 200
+        # a router saying where its metrics are: host:port, or it is told so
+        r = await client.get("/v1/routing?metrics=no-port", headers=auth)
+        assert (r.status_code, r.json()["error"]["message"]) == (400, "metrics must be host:port")
 
 
 async def test_nodes_shows_memory_unknown_as_null_and_unhealthy_gpus(

@@ -481,7 +481,9 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
     table over the admin API, and keeps serving while the control plane is away."""
     from tests.cluster.procs import Daemon
 
-    async with routed(tmp_path, pki) as (c, _, key):
+    # (a [metrics] table among the [router] keys: the server's own metrics listener)
+    metrics = '[metrics]\nlisten = "127.0.0.1:0"\n'
+    async with routed(tmp_path, pki, router_extra=metrics) as (c, _, key):
         held = reserved_port()
         port = held.getsockname()[1]
         (tmp_path / "router.toml").write_text(
@@ -498,6 +500,17 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
         m = await router.wait_log(r"router metrics on (http://127\.0\.0\.1:\d+/metrics)")
         metrics_url = m.group(1)
+        # the control plane's service discovery lists the router, as it said at its poll
+        sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
+        with trio.fail_after(10):
+            while True:
+                async with httpx.AsyncClient(timeout=5) as raw:
+                    groups = (await raw.get(sd)).json()
+                routers = [g for g in groups if g["labels"]["llmgw_role"] == "router"]
+                if routers:
+                    break
+                await trio.sleep(0.2)
+        assert [f"http://{t}/metrics" for g in routers for t in g["targets"]] == [metrics_url]
         client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         for _ in range(6):  # connections land on both workers
             reply = await client.chat.completions.create(

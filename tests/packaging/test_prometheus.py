@@ -1,6 +1,6 @@
 """A real Prometheus (Debian's package; tools/setup installs it as root) scrapes a real
 fleet through packaging/prometheus.yml: every target (the server, the agent, the
-engine through its agent) is found by the control plane's service discovery and is
+engine through its agent, a standalone router) is found by the control plane's service discovery and is
 up, and every query of packaging/grafana-dashboard.json returns data."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from llmgw.router.keys import hash_key, new_key
+from tests.cluster.procs import Daemon
 from tests.cluster.test_control_plane_processes import cluster
 from tests.conftest import Pki
 from tests.ports import own_port
@@ -36,10 +37,9 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 def prometheus_config(sd_url: str, token_file: Path) -> str:
     """packaging/prometheus.yml as shipped, pointed at this fleet: its control plane's
-    discovery and token, a one-second scrape, and no standalone router (none runs)."""
+    discovery and token, and a one-second scrape."""
     text = (PACKAGING / "prometheus.yml").read_text()
     assert SD_URL in text and TOKEN_FILE in text
-    text = text.split("  # Standalone routers")[0]
     text = text.replace(SD_URL, sd_url).replace(TOKEN_FILE, str(token_file))
     return text.replace("scrape_interval: 15s", "scrape_interval: 1s").replace(
         "refresh_interval: 30s", "refresh_interval: 1s"
@@ -77,6 +77,18 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
         await c.wait_ready(1)
         sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
         base = (await c.server.wait_log(r"OpenAI-compatible endpoint on (http://\S+/v1)"))[1]
+        # a standalone router too, with its metrics behind the same token
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            'metrics_listen = "127.0.0.1:0"\n'
+            f'metrics_token_file = "{token}"\n'
+            f'[router]\nlisten = "127.0.0.1:{own_port()}"\n'
+            f'[[router.keys]]\nname = "t"\nsha256 = "{hash_key(key)}"\n'
+        )
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
+        c.agents["router"] = router  # stopped with the rest
+        await router.wait_log(r"router metrics on")
         (tmp_path / "prometheus.yml").write_text(prometheus_config(sd, token))
         port = own_port()
         with (tmp_path / "prometheus.log").open("wb") as log:
@@ -105,7 +117,7 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
                         except (httpx.HTTPError, KeyError, ValueError):
                             active = []
                         roles = {t["labels"].get("role"): t["health"] for t in active}
-                        if roles == {"server": "up", "agent": "up", "engine": "up"}:
+                        if roles == {"server": "up", "agent": "up", "engine": "up", "router": "up"}:
                             break
                         await trio.sleep(0.5)
                 # traffic, streamed and not, so the request panels have something to show
@@ -129,7 +141,7 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
                         await trio.sleep(1)
                 assert empty == {}, f"dashboard queries without data: {empty}"
                 up = await query(http, url, 'up{job="llmgw"}')
-                assert {s["metric"]["role"] for s in up} == {"server", "agent", "engine"}
+                assert {s["metric"]["role"] for s in up} == {"server", "agent", "engine", "router"}
                 assert all(s["value"][1] == "1" for s in up), up
                 # the engine's own page, read through its agent with the engine's key,
                 # labelled with its model and replica
