@@ -1,8 +1,9 @@
 """tools/build's single file, run as a node runs it: a bare python3, no pip, no deps.
 
-The default run builds the file for this host's python only (about 10-20 s, once a
-session); LLMGW_SLOW=1 also builds the file for every node (x86_64 and aarch64,
-CPython 3.11 to 3.13) twice and checks its wheels and that the bytes are the same.
+The default run builds the file for this host's python (about 10-20 s, once a session
+for the tests that run it, twice more to compare the bytes) and once for every node
+(x86_64 and aarch64, CPython 3.11 to 3.13, about 40 s) to check its wheels;
+LLMGW_SLOW=1 also builds the file for every node twice and compares the bytes.
 """
 
 from __future__ import annotations
@@ -202,14 +203,9 @@ def differing(a: Path, b: Path) -> list[str]:
     return sorted(n for n in ea.keys() | eb.keys() if ea.get(n) != eb.get(n))
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("LLMGW_SLOW"), reason="opt-in: LLMGW_SLOW=1 (two builds, ~80 s)"
-)
-def test_the_file_for_every_node_holds_each_platforms_wheels_and_builds_the_same_twice(
-    tmp_path: Path,
-) -> None:
-    # a snapshot of the commit, so that nothing changes the inputs between the two builds
+def snapshot(tmp_path: Path) -> Path:
+    """A copy of the commit with a fixed author and date, so that nothing changes the
+    inputs between two builds (not other work in the checkout, not the clock)."""
     src = tmp_path / "src"
     src.mkdir()
     archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True)
@@ -227,10 +223,24 @@ def test_the_file_for_every_node_holds_each_platforms_wheels_and_builds_the_same
     )
     for git in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "snapshot"]):
         subprocess.run(["git", *git], cwd=src, env=git_env, check=True, capture_output=True)
-    first = build(tmp_path / "a" / "llmgw.pyz", host=False, root=src)
-    second = build(tmp_path / "b" / "llmgw.pyz", host=False, root=src)
+    return src
+
+
+def test_the_same_inputs_build_the_same_bytes(tmp_path: Path) -> None:
+    """Two builds of one commit for this host are the same file, byte for byte."""
+    src = snapshot(tmp_path)
+    first = build(tmp_path / "a" / "llmgw.pyz", host=True, root=src)
+    second = build(tmp_path / "b" / "llmgw.pyz", host=True, root=src)
     assert sha256(first) == sha256(second), f"two builds differ in: {differing(first, second)}"
-    with zipfile.ZipFile(first) as z:
+
+
+def test_the_file_for_every_node_holds_each_platforms_wheels(tmp_path: Path) -> None:
+    """The file every node runs: x86_64 and aarch64, CPython 3.11 to 3.13."""
+    check_wheels(build(tmp_path / "llmgw.pyz", host=False, root=snapshot(tmp_path)))
+
+
+def check_wheels(pyz: Path) -> None:
+    with zipfile.ZipFile(pyz) as z:
         wheels = {n.split("/")[1] for n in z.namelist() if n.startswith(".deps/") and "/" in n[6:]}
     for arch in ("x86_64", "aarch64"):
         for mod in ("msgspec", "httptools", "cffi"):
@@ -239,3 +249,15 @@ def test_the_file_for_every_node_holds_each_platforms_wheels_and_builds_the_same
                     w.startswith(f"{mod}-") and f"-cp3{minor}-" in w and arch in w for w in wheels
                 ), f"no {mod} wheel for cp3{minor} {arch}: {sorted(wheels)}"
         assert any(w.startswith("cryptography-") and arch in w for w in wheels)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("LLMGW_SLOW"), reason="opt-in: LLMGW_SLOW=1 (two full builds, ~80 s)"
+)
+def test_the_file_for_every_node_builds_the_same_twice(tmp_path: Path) -> None:
+    src = snapshot(tmp_path)
+    first = build(tmp_path / "a" / "llmgw.pyz", host=False, root=src)
+    second = build(tmp_path / "b" / "llmgw.pyz", host=False, root=src)
+    assert sha256(first) == sha256(second), f"two builds differ in: {differing(first, second)}"
+    check_wheels(first)
