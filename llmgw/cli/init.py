@@ -25,6 +25,7 @@ from typing import Annotated, NoReturn
 import cyclopts
 from cyclopts import Parameter
 
+from llmgw.config import ConfigError, ServerConfig, load_config
 from llmgw.files import write_atomic
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls.ca import (
@@ -105,7 +106,7 @@ def _owner(name: str | None) -> pwd.struct_passwd | None:
 def server_toml(*, state_dir: str, key_hash: str, stream_listen: str, endpoint_listen: str) -> str:
     return f"""\
 # llmgw server: the control plane, written by llmgw init. Relative paths are
-# resolved against this file's folder. Every key: packaging/server.example.toml.
+# resolved against this file's folder. Every key: docs/configuration.md.
 
 state_dir = {_q(state_dir)}         # operator intent (cordons, drains)
 catalog = "catalog.toml"          # the models to run; llmgw ctl reload after a change
@@ -120,6 +121,12 @@ key = "pki/server-key.pem"
 [admin]
 listen = "127.0.0.1:7444"         # management API and /metrics; loopback (ssh -L)
 token_file = "admin-token"        # llmgw ctl --config this file reads it
+
+# Prometheus's own listener, with a read-only token of its own; its /sd lists every
+# agent, engine and router to scrape (packaging/prometheus.yml):
+# [metrics]
+# listen = "0.0.0.0:9465"
+# token_file = "metrics-token"
 
 [router]                          # the OpenAI-compatible endpoint
 listen = {_q(endpoint_listen)}
@@ -276,6 +283,11 @@ def init(
         print(f"nothing written: {dir_} is already set up")
     if api_key:
         print(f"\nAPI key for the endpoint (shown this once; give it to clients): {api_key}")
+    if config not in plan.wrote:  # kept: where agents dial is what that file says
+        try:
+            stream_listen = load_config(ServerConfig, config)[0].agent_stream.listen
+        except ConfigError:
+            pass  # a file that does not load: the server says why when it starts
     port = stream_listen.rsplit(":", 1)[-1]
     first = hosts[0].strip("[]")
     dial = f"[{first}]:{port}" if ":" in first else f"{first}:{port}"
