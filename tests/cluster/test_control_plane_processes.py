@@ -79,8 +79,7 @@ class Cluster:
         extra = (
             f'[engines]\nllama_server = "{LLAMA_SERVER}"\nport_range = [{low}, {low + 9}]\n'
             "stop_grace_s = 5\n"
-            '[discovery]\nnvidia_smi = "/nonexistent"\n'
-            + more
+            '[discovery]\nnvidia_smi = "/nonexistent"\n' + more
         )
         config = write_agent_config(self.tmp, self.pki, node, self.server.stream_port, extra=extra)
         text = config.read_text().replace(
