@@ -29,6 +29,28 @@ from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
 from tools.tinymodel import write_model
 
 
+def write_tiny_catalog(d: Path) -> Path:
+    """``d/catalog.toml`` serving the tiny model (``d/tiny.gguf``, made once) with
+    llama-server, one replica; returns the catalog's path."""
+    model = d / "tiny.gguf"
+    if not model.exists():
+        write_model(model, ends_after=4)
+    catalog = d / "catalog.toml"
+    catalog.write_text(
+        f"""# the tiny model tools/tinymodel.py generates, served by llama.cpp's llama-server
+[models.tiny]
+replicas = 1
+[[models.tiny.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "{model}"
+settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
+startup_timeout_s = 120
+"""
+    )
+    return catalog
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dir", type=Path, default=Path(".llmgw/fleet"))
@@ -62,21 +84,7 @@ def main() -> int:
         if not (pki / f"{node}.pem").exists():
             issue_agent(ca, node, pki)
 
-    model = d / "tiny.gguf"
-    if not model.exists():
-        write_model(model, ends_after=4)
-    (d / "catalog.toml").write_text(
-        f"""# the tiny model tools/tinymodel.py generates, served by llama.cpp's llama-server
-[models.tiny]
-replicas = 1
-[[models.tiny.profiles]]
-name = "cpu"
-engine = "llama.cpp"
-model_path = "{model}"
-settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
-startup_timeout_s = 120
-"""
-    )
+    write_tiny_catalog(d)
     key_file = d / "api-key"
     if not key_file.exists():
         key_file.write_text(new_key() + "\n")

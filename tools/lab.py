@@ -33,8 +33,7 @@ import httpx
 
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
-from tools.fleet import _ready_replica, _served
-from tools.tinymodel import write_model
+from tools.fleet import _ready_replica, _served, write_tiny_catalog
 
 STREAM_PORT = 7443
 ADMIN_PORT = 7444
@@ -258,21 +257,7 @@ class Lab:
         issue_server(ca, [cp_ip, "127.0.0.1"], pki)
         for node in self.node_names:
             issue_agent(ca, node, pki)
-        model = d / "tiny.gguf"
-        if not model.exists():
-            write_model(model, ends_after=4)
-        (d / "catalog.toml").write_text(
-            f"""# the tiny model tools/tinymodel.py generates, served by llama.cpp's llama-server
-[models.tiny]
-replicas = 1
-[[models.tiny.profiles]]
-name = "cpu"
-engine = "llama.cpp"
-model_path = "{model}"
-settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
-startup_timeout_s = 120
-"""
-        )
+        write_tiny_catalog(d)
         key = new_key()
         (d / "api-key").write_text(key + "\n")
         (d / "api-key").chmod(0o600)

@@ -23,6 +23,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.addr import join_hostport
+from llmgw.admin.reload import NotReloaded, Reloaded, Reloader
 from llmgw.admin.views import (
     GpuViews,
     ModelView,
@@ -56,18 +57,6 @@ def error(status: int, message: str) -> Response:
     return json_response(status, {"error": {"message": message, "code": status}})
 
 
-@attrs.frozen
-class Reloaded:
-    """What a reload changed, in one line, and what the operator should look at now."""
-
-    message: str
-    warnings: list[str] = attrs.Factory(list)
-
-
-class NotReloaded(Exception):
-    """A reload that changed nothing; the message says what was wrong, in one line."""
-
-
 class AdminApi:
     def __init__(
         self,
@@ -80,6 +69,8 @@ class AdminApi:
     ) -> None:
         """``reload`` reads again what the server can change without a restart (the
         catalog, the API keys); without it a reload is the fleet's catalog alone."""
+        if reload is None and fleet is not None:
+            reload = Reloader(fleet, None, None)
         if not token:
             raise ValueError("the admin API needs a token")
         self.control = control
@@ -273,11 +264,10 @@ class AdminApi:
 
     async def reload(self, request: Request) -> Response:
         reload = self._reload
-        if reload is None:
-            fleet = self._need_fleet()
-            if isinstance(fleet, Response):
-                return fleet
-            reload = _catalog_reload(fleet)
+        if reload is None:  # no fleet and no router: nothing to reload
+            refused = self._need_fleet()
+            assert isinstance(refused, Response)
+            return refused
         try:
             what = reload()
         except NotReloaded as exc:
@@ -305,16 +295,6 @@ class AdminApi:
     async def metrics(self, request: Request) -> Response:
         body = generate_latest(self.control.metrics.registry)
         return Response(status=200, headers=[("content-type", CONTENT_TYPE_LATEST)], body=body)
-
-
-def _catalog_reload(fleet: FleetManager) -> Callable[[], Reloaded]:
-    def reload() -> Reloaded:
-        try:
-            return Reloaded(fleet.reload())
-        except ConfigError as exc:
-            raise NotReloaded(f"catalog not reloaded, nothing changed: {exc}") from None
-
-    return reload
 
 
 class _IntentBody(msgspec.Struct):

@@ -106,19 +106,22 @@ class FleetManager:
         )
         self.control.metrics.replica_failures.labels(failed.model, failed.node_id).inc()
 
-    def unplaceable(self) -> dict[str, tuple[str, float]]:
-        """Catalog models below their count whose last placement failed: placement's
-        words and when (wall clock)."""
+    def below_count(self) -> list[str]:
+        """Catalog models with profiles that fewer replicas count towards than wanted."""
         counting: dict[str, int] = {}
         for r in self.replicas():
             if r.counts:
                 counting[r.model] = counting.get(r.model, 0) + 1
-        models = self.catalog.models
-        return {
-            name: why
-            for name, why in sorted(self.cannot_place.items())
-            if name in models and counting.get(name, 0) < models[name].replicas
-        }
+        return [
+            name
+            for name, m in sorted(self.catalog.models.items())
+            if m.profiles and counting.get(name, 0) < m.replicas
+        ]
+
+    def unplaceable(self) -> dict[str, tuple[str, float]]:
+        """Catalog models below their count whose last placement failed: placement's
+        words and when (wall clock)."""
+        return {m: self.cannot_place[m] for m in self.below_count() if m in self.cannot_place}
 
     def weights_missing(self, status: FleetStatus | None = None) -> dict[str, str]:
         """Catalog models (that want replicas) whose weights no node reports, each with a

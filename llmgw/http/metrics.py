@@ -11,11 +11,20 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from llmgw.http.types import Handler, Request, Response
 
 _TEXT = [("content-type", "text/plain")]
+
+
+def registry_page(registry: CollectorRegistry) -> Callable[[], Awaitable[bytes]]:
+    """``metrics_app``'s ``render`` for one registry, as it is at each request."""
+
+    async def render() -> bytes:
+        return generate_latest(registry)
+
+    return render
 
 
 def metrics_app(

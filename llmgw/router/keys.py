@@ -15,6 +15,8 @@ import secrets
 
 import attrs
 
+from llmgw.config.schema import RouterConfig
+
 KEY_PREFIX = "llmgw-"
 
 
@@ -26,6 +28,11 @@ class ApiKey:
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
+
+
+def api_keys(config: RouterConfig) -> list[ApiKey]:
+    """The keys a ``[router]`` table lists."""
+    return [ApiKey(k.name, k.sha256, frozenset(k.models)) for k in config.keys]
 
 
 def hash_key(key: str) -> str:

@@ -8,7 +8,6 @@ import socket
 from pathlib import Path
 
 import trio
-from prometheus_client import generate_latest
 
 from llmgw.addr import join_hostport
 from llmgw.agent.health import HealthSettings
@@ -20,7 +19,7 @@ from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.config import AgentConfig, parse_hostport
 from llmgw.config.schema import resolve, token_from_file
 from llmgw.http import HttpServer
-from llmgw.http.metrics import metrics_app
+from llmgw.http.metrics import metrics_app, registry_page
 from llmgw.serve import open_listeners
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.contexts import client_context
@@ -133,13 +132,12 @@ async def _serve(config: AgentConfig, base: Path) -> None:
         await nursery.start(stream.supervisor.run)
         if config.metrics.listen:
             host, port = parse_hostport(config.metrics.listen, key="metrics.listen")
-            registry = stream.metrics.registry
-
-            async def render() -> bytes:
-                return generate_latest(registry)
-
             server = HttpServer(
-                metrics_app(render, metrics_token, engine=stream.supervisor.engine_metrics),
+                metrics_app(
+                    registry_page(stream.metrics.registry),
+                    metrics_token,
+                    engine=stream.supervisor.engine_metrics,
+                ),
                 name="agent-metrics",
             )
             listeners = await open_listeners(

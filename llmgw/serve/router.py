@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import trio
-from prometheus_client import generate_latest
 
 from llmgw.addr import join_hostport, url_host
 from llmgw.config import ConfigError, parse_hostport
@@ -26,20 +25,16 @@ from llmgw.config.errors import one_line
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, token_from_file
 from llmgw.http import HttpServer, ServerLimits
 from llmgw.http.client import ClientLimits, UpstreamPool
-from llmgw.http.metrics import metrics_app
+from llmgw.http.metrics import metrics_app, registry_page
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
-from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.keys import KeyRing, api_keys
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import HttpWatch, RoutingTable
 from llmgw.serve import open_listeners
 from llmgw.telemetry import daemon_registry
 
 log = logging.getLogger("llmgw.router")
-
-
-def api_keys(config: RouterConfig) -> list[ApiKey]:
-    return [ApiKey(k.name, k.sha256, frozenset(k.models)) for k in config.keys]
 
 
 def router_app(
@@ -222,11 +217,11 @@ async def _serve_metrics(
         host, port = parse_hostport(config.metrics_listen, key="metrics_listen")
         pages = Path(run_dir) if run_dir else None
 
-        async def render() -> bytes:
-            if pages is None:
-                return generate_latest(registry)
+        async def every_worker() -> bytes:
+            assert pages is not None
             return await worker_metrics.page(registry, pages)
 
+        render = registry_page(registry) if pages is None else every_worker
         app = HttpServer(metrics_app(render, token), name="router-metrics")
         listeners = await open_listeners(
             "metrics_listen", host, port, lambda: nursery.start(app.serve_tcp, host, port)
@@ -241,12 +236,8 @@ async def _serve_metrics(
         bound = listeners[0].socket.getsockname()
         return join_hostport(bound[0], bound[1])
     elif run_dir:
-
-        async def own() -> bytes:
-            return generate_latest(registry)
-
         listeners = await nursery.start(
-            HttpServer(metrics_app(own), name="router-metrics").serve_tcp,
+            HttpServer(metrics_app(registry_page(registry)), name="router-metrics").serve_tcp,
             "127.0.0.1",
             0,
         )

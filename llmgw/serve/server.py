@@ -7,22 +7,20 @@ import logging
 import os
 import secrets
 import signal
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-import attrs
 import msgspec
 import trio
-from prometheus_client import generate_latest
 
 from llmgw.addr import join_hostport
-from llmgw.admin.api import AdminApi, NotReloaded, Reloaded
+from llmgw.admin.api import AdminApi
+from llmgw.admin.reload import NotReloaded, Reloader, unknown_settings
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
 from llmgw.config.schema import is_loopback, resolve, token_from_file
-from llmgw.controlplane.catalog import Catalog, load_catalog
+from llmgw.controlplane.catalog import load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import LivenessPolicy, scrape_targets
@@ -31,14 +29,13 @@ from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
-from llmgw.engines import adapters
 from llmgw.http import HttpServer
-from llmgw.http.metrics import metrics_app
-from llmgw.router.keys import KeyRing
+from llmgw.http.metrics import metrics_app, registry_page
+from llmgw.router.keys import KeyRing, api_keys
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 from llmgw.serve import open_listeners
-from llmgw.serve.router import api_keys, router_app
+from llmgw.serve.router import router_app
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.contexts import server_context
 
@@ -74,91 +71,6 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
         ) from None
     log.info("created admin token in %s", path)
     return token, path
-
-
-def unknown_settings(catalog: Catalog) -> list[str]:
-    """A line for each profile setting its engine's adapter does not read (the
-    adapter would refuse the shard on the node, at launch)."""
-    engines = adapters()
-    lines: list[str] = []
-    for name in sorted(catalog.models):
-        for p in catalog.models[name].profiles:
-            adapter = engines.get(p.engine)
-            if adapter is None:  # the catalog refuses an unknown engine; nothing to say
-                continue
-            known = adapter.known_settings
-            lines.extend(
-                f"model {name}, profile {p.name}: {p.engine} does not know the setting"
-                f" {key!r} (it knows {', '.join(sorted(known))})"
-                for key in sorted(set(p.settings) - known)
-            )
-    return lines
-
-
-_RUNNING = frozenset({ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY})
-
-
-def unplaceable(fleet: FleetManager) -> list[str]:
-    """A line for each catalog model below its count whose next replica fits on no
-    node now, with placement's reason."""
-    if not fleet.control.nodes.nodes:
-        return [
-            "no node has registered yet: whether the catalog's models can be placed is not known"
-        ]
-    running = Counter(r.model for r in fleet.replicas() if r.state in _RUNNING and not r.leaving)
-    lines = []
-    for name in sorted(fleet.catalog.models):
-        model = fleet.catalog.models[name]
-        if not model.profiles or running[name] >= model.replicas:
-            continue
-        decision = fleet.explain(name)
-        if decision is not None and decision.profile is None:
-            lines.append(f"cannot place {name} now: {decision.summary}")
-    return lines
-
-
-@attrs.define
-class Reloader:
-    """What ``ctl reload`` and SIGHUP do: read the catalog and the API keys again.
-
-    The config file is read first and the catalog next; either one bad changes
-    nothing (the old keys and catalog stay) and says why. The keys are
-    replaced last, in the ring the in-process router reads: the next request
-    is checked against them. Other changes to the config need a restart.
-    """
-
-    fleet: FleetManager | None
-    keys: KeyRing | None  # the in-process router's, if it runs
-    reread: Callable[[], ServerConfig] | None  # the config file, read again
-
-    def __call__(self) -> Reloaded:
-        config = None
-        if self.keys is not None and self.reread is not None:
-            try:
-                config = self.reread()
-            except ConfigError as exc:
-                raise NotReloaded(f"config not reloaded, nothing changed: {exc}") from None
-        parts = []
-        if self.fleet is not None:
-            try:
-                parts.append(self.fleet.reload())
-            except ConfigError as exc:
-                raise NotReloaded(f"catalog not reloaded, nothing changed: {exc}") from None
-        if self.keys is not None and config is not None:
-            parts.append("keys reloaded: " + self.keys.replace(api_keys(config.router)))
-        what = "; ".join(parts) or "nothing to reload"
-        warnings = []
-        if self.fleet is not None:
-            try:
-                warnings = unknown_settings(self.fleet.catalog) + unplaceable(self.fleet)
-            except Exception as exc:  # what is reloaded stays reloaded: say so, not a 500
-                log.debug("the reload's checks failed here", exc_info=True)
-                warnings = [f"the reload's checks failed: {one_line(exc)}"]
-        if warnings:
-            log.warning("%s; warnings: %s", what, "; ".join(warnings))
-        else:
-            log.info("%s", what)
-        return Reloaded(what, warnings)
 
 
 async def _reload_on_sighup(reload: Reloader) -> None:
@@ -276,11 +188,6 @@ async def serve(
             lambda: nursery.start(admin.serve_tcp, admin_host, admin_port),
         )
         if mc.listen:
-            registry = control.metrics.registry
-
-            async def render() -> bytes:
-                return generate_latest(registry)
-
             m_host, m_port = parse_hostport(mc.listen, key="metrics.listen")
             own: list[str] = []  # this listener's address, once open
 
@@ -301,7 +208,10 @@ async def serve(
                     )
                 )
 
-            m_server = HttpServer(metrics_app(render, metrics_token, sd), name="metrics")
+            m_server = HttpServer(
+                metrics_app(registry_page(control.metrics.registry), metrics_token, sd),
+                name="metrics",
+            )
             m_listeners = await open_listeners(
                 "metrics.listen",
                 m_host,

@@ -10,22 +10,26 @@ import httpx
 from tests.cluster.procs import Daemon, Server, write_server_config
 from tests.cluster.test_discovery_processes import agent
 from tests.cluster.test_errors_processes import exit_code, refused_at_start
+from tests.cluster.test_versions_processes import NO_GPUS
 from tests.conftest import Pki
 
-NO_GPUS = '[discovery]\nnvidia_smi = "/nonexistent"\n'
+
+def metrics_server(tmp_path: Path, pki: Pki, token: str) -> Server:
+    """A server whose [metrics] listener asks for ``token`` (the file holds it)."""
+    (tmp_path / "prometheus-token").write_text(token + "\n")
+    config = write_server_config(tmp_path, pki)
+    config.write_text(
+        config.read_text() + '[metrics]\nlisten = "127.0.0.1:0"\ntoken_file = "prometheus-token"\n'
+    )
+    return Server("server", ["server", "--config", "server.toml"], tmp_path)
 
 
 async def test_metrics_listeners_ask_for_their_own_token_and_not_the_admin_one(
     tmp_path: Path, pki: Pki
 ) -> None:
-    (tmp_path / "prometheus-token").write_text("prom-secret\n")
-    config = write_server_config(tmp_path, pki)
-    config.write_text(
-        config.read_text() + '[metrics]\nlisten = "127.0.0.1:0"\ntoken_file = "prometheus-token"\n'
-    )
     started: list[Daemon] = []
     try:
-        server = Server("server", ["server", "--config", "server.toml"], tmp_path)
+        server = metrics_server(tmp_path, pki, "prom-secret")
         started.append(server.start())
         await server.ready()
         server_url = (await server.wait_log(r"metrics on (http://\S+/metrics) \(token asked\)"))[1]
@@ -74,12 +78,7 @@ async def test_metrics_listeners_ask_for_their_own_token_and_not_the_admin_one(
 async def test_an_empty_metrics_token_file_stops_the_server_with_one_line(
     tmp_path: Path, pki: Pki
 ) -> None:
-    (tmp_path / "prometheus-token").write_text("\n")
-    config = write_server_config(tmp_path, pki)
-    config.write_text(
-        config.read_text() + '[metrics]\nlisten = "127.0.0.1:0"\ntoken_file = "prometheus-token"\n'
-    )
-    server = Server("server", ["server", "--config", "server.toml"], tmp_path).start()
+    server = metrics_server(tmp_path, pki, "").start()
     assert await exit_code(server) == 2
     line = refused_at_start(server, "llmgw server")
     assert line.endswith("prometheus-token: metrics.token_file: is empty: write the token in it"), (

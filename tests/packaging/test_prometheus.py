@@ -20,6 +20,7 @@ from llmgw.router.keys import hash_key, new_key
 from tests.cluster.procs import Daemon
 from tests.cluster.test_control_plane_processes import cluster
 from tests.conftest import Pki
+from tests.packaging.test_build import stop
 from tests.ports import own_port
 from tests.realparts import needs_server
 
@@ -150,9 +151,4 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
                 llama = await query(http, url, 'llamacpp:requests_processing{role="engine"}')
                 assert llama and llama[0]["metric"]["replica"] == engine["replica"], llama
         finally:
-            prom.terminate()
-            try:
-                prom.wait(10)
-            except subprocess.TimeoutExpired:
-                prom.kill()
-                prom.wait(5)
+            stop(prom)
