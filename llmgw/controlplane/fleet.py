@@ -217,7 +217,7 @@ class FleetManager:
         catalog = load_catalog(self.catalog_path)
         self.reconciler.set_catalog(catalog)
         self._wake.set()
-        # said once, with the keys and the warnings, by whoever asked (serve.server.Reloader)
+        # said once, with the keys and the warnings, by whoever asked (admin.reload.Reloader)
         return f"catalog reloaded from {self.catalog_path}: {len(catalog.models)} models"
 
     def explain(self, model: str) -> Decision | None:
