@@ -42,6 +42,14 @@ send through the dispatcher:
     Neither drains a serving replica whose replacement failed; only a
     replacement with no room beside the old one lets the grace force it.
 
+A multi-node replica (vLLM over Ray) starts its head first: rank 0's Start goes
+out when it is placed, the other ranks' once rank 0 runs (reported starting),
+since they join the Ray head it starts. It is Ready when every rank is, which
+for rank 0 means it serves (its agent's health check). Any rank failing fails
+the replica and stops every rank. It drains through rank 0, the only one that
+serves; the others are stopped once rank 0 is gone, and their ending then (Ray
+workers exit with their head) is no failure.
+
 Every replica failure (an agent's report, a startup timeout, a lost node) is
 in the plan's ``failed``, for the fleet manager to keep.
 
@@ -184,7 +192,7 @@ class Reconciler:
         # what we believed ran there and the node did not report is not running
         for replica in list(self.replicas.values()):
             for shard in replica.shard_on(node_id):
-                if shard.shard_id not in reported:
+                if shard.shard_id not in reported and shard.sent:
                     self._let_go(replica, shard, now, plan, "the agent does not report it")
         for report in reports:
             self._adopt(node_id, report, now, plan)
@@ -205,7 +213,13 @@ class Reconciler:
             shard.came_up = True
         if status.state in ("failed", "stopped"):
             replica.shards.remove(shard)
-            if status.state == "failed" or replica.state not in (R.STOPPING, R.DRAINING, R.FAILED):
+            if _follows_its_head(replica, shard):
+                pass  # a Ray worker ends with the head it joined: that is how a replica stops
+            elif status.state == "failed" or replica.state not in (
+                R.STOPPING,
+                R.DRAINING,
+                R.FAILED,
+            ):
                 self._fail(
                     replica,
                     now,
@@ -214,9 +228,10 @@ class Reconciler:
                     shard=shard,
                     reason=status.detail or status.state,
                 )
-            elif replica.state is R.DRAINING and not replica.shards:
+            if replica.state is R.DRAINING and not _has_head(replica):
                 self._stop(replica, now, plan, "drained")  # forgotten in the next pass
         self._settle(replica, now)
+        self._send_starts(replica, plan)
         return plan
 
     # --- one pass ------------------------------------------------------------------
@@ -240,12 +255,13 @@ class Reconciler:
             lost = [s.node_id for s in replica.shards if _gone(nodes.get(s.node_id))]
             if lost and replica.state is not R.FAILED:
                 self._fail(replica, now, plan, f"node {lost[0]} is lost")
-            if replica.state is R.DRAINING and not replica.shards:
-                self._stop(replica, now, plan, "drained")  # nothing of it runs
+            if replica.state is R.DRAINING and not _has_head(replica):
+                self._stop(replica, now, plan, "drained")  # nothing of it serves
             elif replica.state is R.DRAINING and now - replica.state_since > t.drain_timeout_s:
                 self._stop(replica, now, plan, "drain grace over")
             if replica.state in (R.FAILED, R.STOPPING):
                 self._clean_up(replica, nodes, now, plan)
+            self._send_starts(replica, plan)
         if now - self.started_at < t.settle_s:
             return plan  # agents are still coming back: they say what runs first
         by_model: dict[str, list[Replica]] = {}
@@ -507,7 +523,7 @@ class Reconciler:
             shared.placed += 1
             for shard in replica.shards:
                 allocations.take(shard.node_id, model.name, shard.spec.gpus, shard.spec.port)
-                plan.start.append(Start(shard.node_id, shard.spec))
+            self._send_starts(replica, plan)
             plan.notes.append(Note(f"placed {replica.replica_id}: {decision.summary}"))
 
     def _new_replica(
@@ -541,7 +557,8 @@ class Reconciler:
                 startup_timeout_s=profile.startup_timeout_s,
                 head_address=head_address if len(placements) > 1 else "",
             )
-            shards.append(Shard(spec=spec, node_id=p.node_id))
+            # sent by _send_starts: rank 0 (the Ray head) first, the ranks that join it after
+            shards.append(Shard(spec=spec, node_id=p.node_id, sent=False))
         replica = Replica(
             replica_id=rid,
             model=model.name,
@@ -554,6 +571,29 @@ class Reconciler:
         )
         self.replicas[rid] = replica
         return replica
+
+    def _send_starts(self, replica: Replica, plan: Plan) -> None:
+        """Start what has not been started: rank 0 at once; a multi-node replica's other
+        ranks once rank 0 runs (its Ray head is what they join), so the head is first."""
+        if replica.state not in (R.PENDING, R.STARTING):
+            return
+        head = next((s for s in replica.shards if s.rank == 0), None)
+        head_runs = head is not None and head.sent and head.state in ("starting", "ready")
+        joining = []
+        for shard in replica.shards:
+            if shard.sent or not (shard.rank == 0 or head_runs):
+                continue
+            shard.sent = True
+            plan.start.append(Start(shard.node_id, shard.spec))
+            if shard.rank > 0:
+                joining.append(f"{shard.rank} on {shard.node_id}")
+        if joining:
+            plan.notes.append(
+                Note(
+                    f"replica {replica.replica_id}: rank 0 runs on {head.node_id if head else '?'}; "
+                    f"starting rank {', '.join(joining)} to join it"
+                )
+            )
 
     def _back_off(self, model: str, now: float) -> None:
         b = self.backoff.setdefault(model, _Backoff())
@@ -630,12 +670,15 @@ class Reconciler:
             self._stop(replica, now, plan, "not needed any more")
             return
         replica.move(R.DRAINING, now)
+        # only rank 0 serves: the other ranks are stopped once it has drained and gone
         for shard in replica.shards:
-            plan.drain.append(Drain(shard.node_id, shard.shard_id, self.timing.drain_timeout_s))
+            if shard.rank == 0:
+                plan.drain.append(Drain(shard.node_id, shard.shard_id, self.timing.drain_timeout_s))
 
     def _stop_shards(self, replica: Replica, plan: Plan) -> None:
         for shard in replica.shards:
-            plan.stop.append(Stop(shard.node_id, shard.shard_id, self.timing.stop_grace_s))
+            if shard.sent:  # a rank never started is nowhere to stop
+                plan.stop.append(Stop(shard.node_id, shard.shard_id, self.timing.stop_grace_s))
 
     def _clean_up(
         self, replica: Replica, nodes: Mapping[str, Node], now: float, plan: Plan
@@ -767,6 +810,21 @@ def surplus(counting: list[Replica], n: int, known: list[str]) -> list[Replica]:
             -order.get(r.replica_id, len(order)),
         ),
     )[:n]
+
+
+def _has_head(replica: Replica) -> bool:
+    """Whether rank 0 (the shard that serves; a single-node replica's only one) is left."""
+    return any(s.rank == 0 for s in replica.shards)
+
+
+def _follows_its_head(replica: Replica, shard: Shard) -> bool:
+    """A multi-node replica's worker rank that ended after rank 0 left, while the replica
+    was going anyway: Ray workers exit when their head does, which is no failure."""
+    return (
+        shard.rank > 0
+        and replica.state in (R.DRAINING, R.STOPPING, R.FAILED)
+        and not _has_head(replica)
+    )
 
 
 def _gone(node: Node | None) -> bool:

@@ -68,6 +68,8 @@ class Shard:
     healthy: bool = True
     # what its engine wants as a bearer token, as its agent reported it (never shown)
     engine_key: str = attrs.field(default="", repr=False)
+    # its Start was sent (a multi-node replica's other ranks wait for rank 0's head)
+    sent: bool = True
 
     @property
     def shard_id(self) -> str:

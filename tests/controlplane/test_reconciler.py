@@ -546,3 +546,104 @@ def test_an_unhealthy_ready_replica_stays_ready_but_is_not_routed_until_it_answe
     [note] = rec.shard_status("n1", well, now=6).notes
     assert "answers its health check again" in note.text and not note.warning
     assert replica.healthy and routed_ready() == [True]
+
+
+RAY_CATALOG = """
+[models.wide]
+replicas = 1
+[[models.wide.profiles]]
+name = "ray"
+engine = "vllm-ray"
+gpus = 1
+nodes = 2
+startup_timeout_s = 60
+"""
+
+
+def ray_fleet() -> NodeTable:
+    t = NodeTable(LivenessPolicy(15, 60))
+    for i, name in enumerate(("n1", "n2")):
+        inv = Inventory(
+            memory=Memory(total_bytes=64 << 30),
+            gpus=[Gpu(index=0, name="H200")],
+            engines=[Engine(name="vllm", version="0.11"), Engine(name="ray", version="2.49")],
+            address=f"10.9.0.{i + 1}",
+            fabric="ib-a",
+        )
+        t.register(name, inv, peer=f"10.0.0.{i}:1", connection=i, now=0, wall=0)
+    return t
+
+
+def status(rec: Reconciler, node: str, shard_id: str, state: str, now: float) -> Plan:
+    return rec.shard_status(node, ShardStatus(shard_id=shard_id, state=state), now)  # type: ignore[arg-type]
+
+
+def test_a_multi_node_replica_starts_its_head_first_and_is_ready_when_all_ranks_are() -> None:
+    nodes = ray_fleet()
+    rec = reconciler(catalog(RAY_CATALOG))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    [head] = plan.start  # rank 0 alone: the Ray head the others join
+    assert head.spec.rank == 0 and head.spec.world_size == 2
+    [replica] = rec.replicas.values()
+    [worker] = [s for s in replica.shards if s.rank == 1]
+    # the head's address is the node's reported address, for every rank
+    assert worker.spec.head_address == head.spec.head_address == nodes.nodes[head.node].address
+    assert rec.reconcile(nodes.nodes, now=1).start == []  # no worker before the head runs
+    later = status(rec, head.node, head.spec.shard_id, "starting", 2)
+    assert [(s.node, s.spec.rank) for s in later.start] == [(worker.node_id, 1)]
+    assert any("starting rank 1 on" in n.text for n in later.notes)
+    assert rec.reconcile(nodes.nodes, now=3).start == []  # sent once
+    status(rec, worker.node_id, worker.shard_id, "starting", 3)
+    status(rec, worker.node_id, worker.shard_id, "ready", 4)
+    assert replica.state is ReplicaState.STARTING  # a worker alone serves nothing
+    status(rec, head.node, head.spec.shard_id, "ready", 5)
+    assert replica.state is ReplicaState.READY
+
+
+def ready_ray_replica(rec: Reconciler, nodes: NodeTable) -> tuple[str, list[tuple[str, str]]]:
+    plan = rec.reconcile(nodes.nodes, now=0)
+    [head] = plan.start
+    ranks = [(head.node, head.spec.shard_id)]
+    plan = status(rec, head.node, head.spec.shard_id, "starting", 1)
+    ranks += [(s.node, s.spec.shard_id) for s in plan.start]
+    for node, sid in ranks:
+        status(rec, node, sid, "ready", 2)
+    [replica] = rec.replicas.values()
+    assert replica.state is ReplicaState.READY
+    return replica.replica_id, ranks
+
+
+def test_any_rank_failing_fails_the_replica_stops_every_rank_and_frees_every_gpu() -> None:
+    for failing in (0, 1):
+        nodes = ray_fleet()
+        rec = reconciler(catalog(RAY_CATALOG), Timing(settle_s=0, retry_base_s=100))
+        rid, ranks = ready_ray_replica(rec, nodes)
+        node, sid = ranks[failing]
+        plan = status(rec, node, sid, "failed", 10)
+        assert rec.replicas[rid].state is ReplicaState.FAILED
+        assert [f.shard_id for f in plan.failed] == [sid]
+        others = [(n, s) for n, s in ranks if s != sid]
+        assert [(s.node, s.shard_id) for s in plan.stop] == others
+        for n, s in others:
+            status(rec, n, s, "stopped", 11)
+        assert rid not in rec.replicas or not rec.replicas[rid].shards
+        assert rec.allocations().gpus == {} or all(not g for g in rec.allocations().gpus.values())
+
+
+def test_a_multi_node_replica_drains_through_rank_0_then_stops_the_workers() -> None:
+    nodes = ray_fleet()
+    rec = reconciler(catalog(RAY_CATALOG))
+    rid, [(n0, s0), (n1, s1)] = ready_ray_replica(rec, nodes)
+    rec.drain(n1)  # the worker's node: the replica moves, and nowhere else fits
+    assert rec.reconcile(nodes.nodes, now=10).drain == []  # leaving: a replacement first
+    plan = rec.reconcile(nodes.nodes, now=311)  # none fits; the drain grace is over
+    # only rank 0 serves, so only rank 0 drains: its in-flight requests finish on the
+    # workers, which must stay up until it has gone
+    assert [(d.node, d.shard_id) for d in plan.drain] == [(n0, s0)]
+    assert plan.stop == []
+    plan = status(rec, n0, s0, "stopped", 312)
+    assert [(s.node, s.shard_id) for s in plan.stop] == [(n1, s1)]
+    # the worker ends with its head (it may say failed): no failure is recorded
+    plan = status(rec, n1, s1, "failed", 313)
+    assert plan.failed == [] and not [n for n in plan.notes if n.warning]
+    assert rid not in rec.replicas or not rec.replicas[rid].shards
