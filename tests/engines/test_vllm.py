@@ -703,9 +703,52 @@ async def test_a_worker_with_no_head_fails_clearly(tmp_path: Path) -> None:
     s = ray_spec(
         rank=1, port=0, host="127.0.0.1", head_address="127.0.0.1", settings={"ray_port": port}
     )
-    async with running(VLLM_RAY.launch(s, binaries), tmp_path / "worker.log") as proc:
+    launch = VLLM_RAY.launch(s, binaries)
+    async with running(launch, tmp_path / "worker.log", RAY_STANDIN_JOIN_WAIT_S="1") as proc:
         assert await proc.wait() == 1
+    # as Ray's worker, it tries for a while, saying why, before it gives up
+    assert f"Unable to connect to GCS at 127.0.0.1:{port}" in proc.log()
     assert f"ray stand-in: error: cannot reach the Ray head at 127.0.0.1:{port}" in proc.log()
+
+
+async def test_rank_0_serves_only_once_every_rank_joined_and_dies_with_a_rank(
+    tmp_path: Path,
+) -> None:
+    """As with real Ray and vLLM: a worker started before the head waits for it; vLLM
+    waits for every rank's GPUs before it serves; a rank that leaves ends vLLM."""
+    bin_dir = tmp_path / "bin"
+    binaries = {"vllm": wrapper(bin_dir, "vllm"), "ray": wrapper(bin_dir, "ray")}
+    env = {"RAY_STANDIN_DIR": str(tmp_path / "ray"), "STANDIN_LOAD_S": "0.1"}
+    settings: dict[str, str | int | float | bool] = {"ray_port": own_port()}
+    common: dict[str, Any] = dict(host="127.0.0.1", head_address="127.0.0.1", gpus=[0])
+    ranks = [ray_spec(rank=r, world_size=3, port=own_port(), settings=settings, **common)
+             for r in range(3)]  # fmt: skip
+    head = VLLM_RAY.launch(ranks[0], binaries)
+    assert head.health_url is not None
+    try:
+        async with (
+            # rank 1 first: it waits for the head instead of failing
+            running(VLLM_RAY.launch(ranks[1], binaries), tmp_path / "r1.log", **env) as r1,
+            running(head, tmp_path / "r0.log", **env) as r0,
+            httpx.AsyncClient(trust_env=False, timeout=5) as client,
+        ):
+            with trio.fail_after(10):
+                while "joined the head" not in r1.log():
+                    await trio.sleep(0.05)
+            await trio.sleep(1)  # rank 0 has 2 of 3 GPUs: it must not serve
+            assert r0.process.returncode is None
+            with pytest.raises(httpx.HTTPError):
+                await client.get(head.health_url)
+            async with running(
+                VLLM_RAY.launch(ranks[2], binaries), tmp_path / "r2.log", **env
+            ) as r2:
+                await wait_healthy(client, head.health_url, r0)
+                assert "the Ray cluster has 3 GPUs" in r0.log()
+                assert await r2.terminate() == 0  # a rank leaves
+                assert await r0.wait(10) == 1
+            assert "a Ray worker died: the cluster has 2 of 3 GPUs" in r0.log()
+    finally:
+        await trio.run_process([binaries["ray"], "stop"], env={**os.environ, **env}, check=False)
 
 
 async def test_vllm_over_ray_with_no_cluster_fails(tmp_path: Path) -> None:

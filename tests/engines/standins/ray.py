@@ -14,9 +14,11 @@ Ray's behaviour, and no more. Standard library only.
   listener counts the cluster's GPUs: its own plus every connected worker's.
   It exits by itself after ``RAY_STANDIN_HEAD_TTL_S`` (default 600) so a
   test that forgets ``ray stop`` leaks nothing for long.
-- ``ray start --address=H:P [--num-gpus=N] --block`` connects to H:P, joins
-  (failing with a clear message and exit 1 if nothing listens), then blocks
-  until SIGTERM (exit 0) or until the head goes away (exit 1).
+- ``ray start --address=H:P [--num-gpus=N] --block`` connects to H:P and
+  joins, then blocks until SIGTERM (exit 0) or until the head goes away
+  (exit 1). While nothing listens at H:P it tries again, saying so as Ray
+  does ("Unable to connect to GCS at H:P..."), for ``RAY_STANDIN_JOIN_WAIT_S``
+  (default 60, about what Ray's own retries take), then fails with exit 1.
 - ``ray stop`` ends the head recorded in the state directory.
 
 Wire (one line each way): a worker sends ``join N IP``, the head answers
@@ -183,10 +185,24 @@ def start_head(args: argparse.Namespace) -> None:
 def start_worker(args: argparse.Namespace) -> None:
     host, port = split_address(args.address)
     exit_on_sigterm()
-    try:
-        conn = socket.create_connection((host, port), timeout=5)
-    except OSError as exc:
-        fail(f"cannot reach the Ray head at {args.address}: {exc.strerror or exc}")
+    deadline = time.monotonic() + float(os.environ.get("RAY_STANDIN_JOIN_WAIT_S", "60"))
+    said = 0.0
+    while True:
+        try:
+            conn = socket.create_connection((host, port), timeout=5)
+            break
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                fail(f"cannot reach the Ray head at {args.address}: {exc.strerror or exc}")
+            if time.monotonic() - said > 5:
+                said = time.monotonic()
+                say(
+                    f"Unable to connect to GCS at {args.address}. Check that (1) Ray GCS "
+                    "started successfully at the specified address, and (2) there is no "
+                    "firewall setting preventing access.",
+                    err=True,
+                )
+            time.sleep(0.2)
     ip = args.node_ip_address or "?"
     conn.sendall(f"join {args.num_gpus} {ip}\n".encode())
     if conn.makefile("r").readline().strip() != "ok":

@@ -17,8 +17,12 @@ Environment:
 - ``STANDIN_FAIL_S`` (default 0.3): how long before an impossible layout fails.
 - ``STANDIN_TOKEN_DELAY_S`` (default 0.05): delay per generated token, so a
   request stays in flight long enough to be seen in the metrics.
-- ``STANDIN_RAY_WAIT_S`` (default 10): with ``--distributed-executor-backend
-  ray``, how long to wait for the Ray stand-in's cluster to have the GPUs.
+- ``STANDIN_RAY_WAIT_S`` (default 1800, vLLM's own wait for a Ray placement
+  group): with ``--distributed-executor-backend ray``, how long to wait for
+  every rank to join the Ray stand-in's cluster (its GPUs to add up to TP x
+  PP). It says what it waits for every 10 s, as vLLM does, and it serves only
+  once they have joined. Once serving, a rank that leaves the cluster ends it
+  with exit 1, as a dead Ray worker ends vLLM's engine.
 - ``CUDA_VISIBLE_DEVICES``: the GPUs it pretends to have (unset: none).
 - ``VLLM_API_KEY``: as vLLM's: when set, every path under ``/v1`` answers 401
   ``{"error": "Unauthorized"}`` without ``Authorization: Bearer <key>``; the
@@ -105,7 +109,9 @@ def check_gpus(args: argparse.Namespace) -> None:
         f"pipeline_parallel_size {args.pipeline_parallel_size} needs {needed} GPUs"
     )
     if args.distributed_executor_backend == "ray":
-        deadline = time.monotonic() + env_float("STANDIN_RAY_WAIT_S", 10)
+        started = time.monotonic()
+        deadline = started + env_float("STANDIN_RAY_WAIT_S", 1800)
+        said = started
         while True:
             have = ray_gpus()
             if have is None:
@@ -116,6 +122,12 @@ def check_gpus(args: argparse.Namespace) -> None:
                 return
             if time.monotonic() > deadline:
                 fail(f"{layout}, the Ray cluster has {have}")
+            if time.monotonic() - said >= 10:
+                said = time.monotonic()
+                say(
+                    f"Waiting for creating a placement group of {needed} GPUs for "
+                    f"{said - started:.0f} seconds; the Ray cluster has {have}"
+                )
             time.sleep(0.05)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     have = len([g for g in visible.split(",") if g.strip()])
@@ -338,8 +350,13 @@ def main(argv: list[str]) -> None:
     server.state = State(args.served_model_name or [args.model], args.max_model_len)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     say(f"serving {server.state.names} on {args.host}:{args.port}")
+    needed = args.tensor_parallel_size * args.pipeline_parallel_size
     while True:
-        time.sleep(3600)
+        time.sleep(0.5)
+        if args.distributed_executor_backend == "ray":
+            have = ray_gpus()
+            if have is None or have < needed:
+                fail(f"a Ray worker died: the cluster has {have or 0} of {needed} GPUs")
 
 
 if __name__ == "__main__":
