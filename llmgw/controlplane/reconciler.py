@@ -384,7 +384,7 @@ class Reconciler:
                 self._drain(replica, now, plan)
         ready = sum(1 for r in mine if r.state is R.READY and not r.leaving)
         for replica in mine:
-            if not replica.leaving or replica.state is R.DRAINING:
+            if not replica.leaving or replica.state in (R.DRAINING, R.FAILED, R.STOPPING):
                 continue
             if replica.state in (R.PENDING, R.STARTING):
                 self._stop(replica, now, plan, "not needed any more")

@@ -619,13 +619,16 @@ def test_any_rank_failing_fails_the_replica_stops_every_rank_and_frees_every_gpu
         rec = reconciler(catalog(RAY_CATALOG), Timing(settle_s=0, retry_base_s=100))
         rid, ranks = ready_ray_replica(rec, nodes)
         node, sid = ranks[failing]
-        plan = status(rec, node, sid, "failed", 10)
+        plan = status(rec, node, sid, "failed", 1000)
         assert rec.replicas[rid].state is ReplicaState.FAILED
         assert [f.shard_id for f in plan.failed] == [sid]
         others = [(n, s) for n, s in ranks if s != sid]
         assert [(s.node, s.shard_id) for s in plan.stop] == others
+        # the next pass neither stops it again nor calls it "not needed"
+        again = rec.reconcile(nodes.nodes, now=1000.5)
+        assert again.stop == [] and not [n for n in again.notes if "stopping" in n.text]
         for n, s in others:
-            status(rec, n, s, "stopped", 11)
+            status(rec, n, s, "stopped", 1001)
         assert rid not in rec.replicas or not rec.replicas[rid].shards
         assert rec.allocations().gpus == {} or all(not g for g in rec.allocations().gpus.values())
 
