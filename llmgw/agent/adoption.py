@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
@@ -87,8 +88,16 @@ def tagged_leaders(state_dir: Path) -> dict[int, str]:
 
 def report_unrecorded(adopted: Iterable[Shard], state_dir: Path) -> dict[int, str]:
     """Log every engine of ours that no record describes; they are left running."""
+    adopted = list(adopted)
     known = {s.ident.pid for s in adopted if s.ident is not None}
-    left = {pid: sid for pid, sid in tagged_leaders(state_dir).items() if pid not in known}
+    # a daemon an adopted engine started in a session of its own (Ray's head, from
+    # `ray start --head`) carries its tag; the shard's cleanup (`ray stop`) ends it
+    shards = {s.shard_id for s in adopted}
+    left = {
+        pid: sid
+        for pid, sid in tagged_leaders(state_dir).items()
+        if pid not in known and sid not in shards
+    }
     for pid, sid in sorted(left.items()):
         log.error(
             "pid %d is an engine this agent started for shard %s, but no readable record "
@@ -195,11 +204,20 @@ async def check_adopted(
     shards: Iterable[Shard],
     healthy: Callable[[str], Awaitable[bool]],
     ready: Callable[[Shard], object],
+    *,
+    settle_s: float,
 ) -> None:
-    """One health check of every adopted shard still starting; ``ready`` those that serve."""
+    """One health check of every adopted shard still starting; ``ready`` those that serve
+    (one without HTTP: that has run for ``settle_s``)."""
     with trio.move_on_after(CHECK_BOUND_S):
         for shard in list(shards):
             url = shard.launch.health_url if shard.launch else None
             starting = shard.adopted and shard.phase is Phase.STARTING
-            if starting and url is not None and await healthy(url):
+            if not starting:
+                continue
+            if url is None:
+                # no HTTP (a Ray worker): ready once it has stayed up, as when launched
+                if time.time() - shard.launched_at >= settle_s:
+                    ready(shard)
+            elif await healthy(url):
                 ready(shard)

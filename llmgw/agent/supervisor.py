@@ -131,6 +131,7 @@ class Supervisor:
                 adopted,
                 self._healthy,
                 lambda shard: self.fire(shard, Event.HEALTHY, f"adopted pid {shard.pid}"),
+                settle_s=WORKER_SETTLE_S,
             )
             for shard in adopted:
                 self._spawn(self._run_adopted, shard)

@@ -249,8 +249,10 @@ class Reconciler:
                 self._remove(replica, now, plan)
             if replica.state in (R.PENDING, R.STARTING):
                 limit = _startup_timeout(replica, profile) + t.startup_margin_s
-                if now - replica.created_at > limit:
-                    self._fail(replica, now, plan, f"not ready {limit:g} s after it was placed")
+                since = replica.restarted_at
+                if now - (replica.created_at if since is None else since) > limit:
+                    when = "it was placed" if since is None else "a shard restarted"
+                    self._fail(replica, now, plan, f"not ready {limit:g} s after {when}")
                     continue
             lost = [s.node_id for s in replica.shards if _gone(nodes.get(s.node_id))]
             if lost and replica.state is not R.FAILED:
@@ -612,6 +614,8 @@ class Reconciler:
             replica.move(R.READY, now)
             self.backoff.pop(replica.model, None)
         elif any(s == "starting" for s in states) and replica.state is not R.STARTING:
+            if replica.state is R.READY:
+                replica.restarted_at = now
             replica.move(R.STARTING, now)
 
     def _fail(

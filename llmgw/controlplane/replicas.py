@@ -99,6 +99,9 @@ class Replica:
     # its shards run something other than its profile says now (the catalog changed)
     outdated: bool = False
     adopted: bool = False  # rebuilt from an agent's report
+    # when it went back to Starting from Ready (a shard restarted): its startup timeout
+    # counts from then, not from when it was placed
+    restarted_at: float | None = None
     why: str = ""  # the last move's reason
 
     def move(self, to: ReplicaState, now: float, why: str = "") -> None:

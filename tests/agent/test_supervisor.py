@@ -7,7 +7,9 @@ test, not the suite.
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,43 @@ async def test_an_adopted_engine_that_serves_is_reported_ready(tmp_path: Path) -
                     )
                 ]
                 nursery.cancel_scope.cancel()
+
+
+async def test_an_adopted_worker_without_http_that_has_run_is_ready_at_once(
+    tmp_path: Path,
+) -> None:
+    """A Ray worker rank has no endpoint to check: adopted after it has run past the
+    settle time, it is ready from the start, as it was; reported starting, it would take
+    its Ready replica out of routing until the settle time passed again."""
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        who = identity(proc.pid)
+        assert who is not None
+        spec = ShardSpec(
+            shard_id="w1", replica_id="r1", model="m", profile="p", engine="vllm-ray", rank=1,
+            world_size=2,
+        )  # fmt: skip
+        RecordStore(tmp_path).write(
+            ShardRecord(
+                spec=spec,
+                pid=who.pid,
+                pgid=who.pgid,
+                start_time=who.start_time,
+                cmdline=list(who.cmdline),
+                log_path=str(tmp_path / "shards" / "w1.log"),
+                launched_at=time.time() - 60,
+                health_url=None,
+            )
+        )
+        sup = Supervisor(SupervisorSettings(state_dir=tmp_path, kill_unidentified=False), dict)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sup.run)
+                assert [(r.spec.shard_id, r.state) for r in sup.reports()] == [("w1", "ready")]
+                nursery.cancel_scope.cancel()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 async def test_a_hung_model_file_does_not_stall_heartbeats(

@@ -650,3 +650,18 @@ def test_a_multi_node_replica_drains_through_rank_0_then_stops_the_workers() -> 
     plan = status(rec, n1, s1, "failed", 313)
     assert plan.failed == [] and not [n for n in plan.notes if n.warning]
     assert rid not in rec.replicas or not rec.replicas[rid].shards
+
+
+def test_a_restarted_shards_startup_timeout_counts_from_its_restart() -> None:
+    """A shard of a long-Ready replica reported starting again (a Ray worker adopted by a
+    restarted agent, an engine restarted) gets its startup timeout from then."""
+    nodes = ray_fleet()
+    rec = reconciler(catalog(RAY_CATALOG), Timing(settle_s=0, startup_margin_s=30))
+    rid, [_, (n1, s1)] = ready_ray_replica(rec, nodes)
+    status(rec, n1, s1, "starting", 1000)  # long after it was placed
+    assert rec.replicas[rid].state is ReplicaState.STARTING
+    rec.reconcile(nodes.nodes, now=1001)
+    assert rec.replicas[rid].state is ReplicaState.STARTING  # not failed at once
+    rec.reconcile(nodes.nodes, now=1091)
+    assert rec.replicas[rid].state is ReplicaState.FAILED
+    assert rec.replicas[rid].why == "not ready 90 s after a shard restarted"
