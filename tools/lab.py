@@ -33,8 +33,14 @@ import httpx
 
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
-from tools.fleet import _ready_replica, _served, write_tiny_catalog
+from tools.fleet import _served, write_tiny_catalog
 
+ROOT = Path(__file__).resolve().parents[1]
+# what cannot exist on a machine without GPUs, in the lab's GPU mode (``up --gpus``):
+# nvidia-smi's output from a real H200 node, and vLLM and Ray as the suite's stand-ins
+FAKE_NVIDIA_SMI = ROOT / "tests" / "agent" / "discovery" / "fake_nvidia_smi.py"
+STANDINS = ROOT / "tests" / "engines" / "standins"
+WIDE_MODEL = "wide"  # the lab's vLLM-over-Ray model: one GPU on each of two nodes
 STREAM_PORT = 7443
 ADMIN_PORT = 7444
 ROUTER_PORT = 8000
@@ -107,6 +113,7 @@ class Lab:
         heartbeat_s: float = 0.5,
         unreachable_after_s: float = 2.0,
         lost_after_s: float = 30.0,
+        gpus: bool = False,
     ) -> None:
         if not NAME_RE.fullmatch(name):
             raise LabError(f"lab name {name!r}: use 1-5 characters a-z, 0-9 (it names links)")
@@ -120,6 +127,9 @@ class Lab:
                 raise LabError(f"--small-disk {node}: no such node (nodes are n1..n{nodes})")
         self.small_disk = tuple(small_disk)
         self.liveness = (heartbeat_s, unreachable_after_s, lost_after_s)
+        if gpus and nodes < 2:
+            raise LabError("--gpus serves a model over two nodes: make at least 2")
+        self.gpus = gpus
         self.state: dict[str, Any] = {}
         self._popens: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -132,7 +142,8 @@ class Lab:
             state = json.loads(record.read_text())
         except FileNotFoundError:
             raise LabError(f"no lab at {dir} (no lab.json): give the --dir of `up`") from None
-        lab = cls(dir, name=state["name"], nodes=max(1, len(state.get("nodes", {}))))
+        lab = cls(dir, name=state["name"], nodes=max(2, len(state.get("nodes", {}))))
+        lab.gpus = bool(state.get("gpus"))
         lab.state = state
         return lab
 
@@ -195,6 +206,7 @@ class Lab:
             "mounts": [],
             "procs": {},
             "nodes": {},
+            "gpus": self.gpus,
         }
         self._save()
         try:
@@ -257,7 +269,23 @@ class Lab:
         issue_server(ca, [cp_ip, "127.0.0.1"], pki)
         for node in self.node_names:
             issue_agent(ca, node, pki)
-        write_tiny_catalog(d)
+        catalog = write_tiny_catalog(d)
+        if self.gpus:
+            with catalog.open("a") as f:
+                f.write(
+                    f"""
+# vLLM over Ray (the suite's stand-ins), one GPU on each of two nodes of one fabric
+[models.{WIDE_MODEL}]
+replicas = 1
+[[models.{WIDE_MODEL}.profiles]]
+name = "ray"
+engine = "vllm-ray"
+gpus = 1
+nodes = 2
+startup_timeout_s = 60
+settings = {{ ray_port = 6390 }}
+"""
+                )
         key = new_key()
         (d / "api-key").write_text(key + "\n")
         (d / "api-key").chmod(0o600)
@@ -268,6 +296,7 @@ state_dir = "state"
 catalog = "catalog.toml"
 [reconcile]
 settle_s = 1
+drain_grace_s = 10  # a drain with no room for a replacement ends within seconds
 [liveness]  # short, so a partition shows within seconds
 heartbeat_interval_s = {heartbeat}
 unreachable_after_s = {unreachable}
@@ -296,6 +325,7 @@ sha256 = "{hash_key(key)}"
         for node in self.node_names:
             (d / f"agent-{node}.toml").write_text(
                 f'control_plane = ["{cp_ip}:{STREAM_PORT}"]\nstate_dir = "agent-{node}"\n'
+                + (self._gpu_node(node) if self.gpus else "")
             )
             state_dir = d / f"agent-{node}"
             state_dir.mkdir(exist_ok=True)
@@ -315,6 +345,25 @@ sha256 = "{hash_key(key)}"
         self.state["admin_url"] = f"http://{cp_ip}:{ADMIN_PORT}"
         self._save()
 
+    def _gpu_node(self, node: str) -> str:
+        """NODE's fake H200 and its vLLM and Ray stand-ins (commands on its agent's PATH,
+        each node's Ray state apart); returns the agent's config for them."""
+        bindir = self.dir / f"bin-{node}"
+        bindir.mkdir(exist_ok=True)
+        ray_dir = self.dir / f"ray-{node}"
+        for name, script, env in (
+            ("nvidia-smi", FAKE_NVIDIA_SMI, ""),
+            ("ray", STANDINS / "ray.py", f"RAY_STANDIN_DIR={ray_dir} "),
+            ("vllm", STANDINS / "vllm.py", f"RAY_STANDIN_DIR={ray_dir} STANDIN_RAY_WAIT_S=50 "),
+        ):
+            path = bindir / name
+            path.write_text(f'#!/bin/sh\n{env}exec "{sys.executable}" "{script}" "$@"\n')
+            path.chmod(0o755)
+        return (
+            f'[discovery]\nnvidia_smi = "{bindir / "nvidia-smi"}"\n'
+            '[inventory]\nfabric = "lab"\nengines = { vllm = "stand-in", ray = "stand-in" }\n'
+        )
+
     def _argv(self, who: str) -> tuple[list[str], str | None]:
         """The command that runs ``who`` (cp, router or a node) and its namespace."""
         llmgw = [sys.executable, "-m", "llmgw"]
@@ -330,11 +379,15 @@ sha256 = "{hash_key(key)}"
         if ns is not None:  # its own network, and its own hostname: the node id
             argv = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
                     f'hostname {who} && exec "$@"', "sh", *argv]  # fmt: skip
+        env = None
+        if self.gpus and who in self.node_names:  # its vLLM and Ray stand-ins
+            env = {**os.environ, "PATH": f"{self.dir / f'bin-{who}'}:{os.environ['PATH']}"}
         log = open(self.dir / f"{who}.log", "ab")  # noqa: SIM115 - the child keeps it
         with log:
             p = subprocess.Popen(
                 argv,
                 cwd=self.dir,
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -354,8 +407,7 @@ sha256 = "{hash_key(key)}"
         for node in self.node_names:
             self._start(node)
         self._wait(lambda: self._ready_nodes() >= len(self.node_names), "every agent", deadline)
-        token = self.admin_token()
-        self._wait(lambda: _ready_replica(self.admin_url, token) is not None, "the model", deadline)
+        self._wait(lambda: self._serving() >= (2 if self.gpus else 1), "the models", deadline)
         self._start("router")
         self._wait(lambda: _served(self.base_url, self.key), "the router to route", deadline)
 
@@ -369,6 +421,24 @@ sha256 = "{hash_key(key)}"
             if time.monotonic() > deadline:
                 raise LabError(f"gave up waiting for {what}: see the logs in {self.dir}")
             time.sleep(0.2)
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """The control plane's view of the replicas (``/v1/replicas``)."""
+        r = httpx.get(
+            self.admin_url + "/v1/replicas",
+            headers={"authorization": f"Bearer {self.admin_token()}"},
+            timeout=2,
+        )
+        r.raise_for_status()
+        replicas: list[dict[str, Any]] = r.json()["replicas"]
+        return replicas
+
+    def _serving(self) -> int:
+        """How many models have a Ready replica."""
+        try:
+            return len({r["model"] for r in self.replicas() if r["state"] == "Ready"})
+        except (httpx.HTTPError, OSError):
+            return 0
 
     def _healthy(self) -> bool:
         try:
@@ -446,20 +516,24 @@ sha256 = "{hash_key(key)}"
                 ) from None
             raise
 
-    def engine_pids(self, node: str) -> list[int]:
-        """The engines NODE's agent started (its records of them)."""
+    def engine_pids(self, node: str, shard: str = "") -> list[int]:
+        """The engines NODE's agent started (its records of them); ``shard``: only those
+        of shards whose id starts so (a replica id, or a model's name)."""
         self._node(node)
         pids = []
-        for record in (self.dir / f"agent-{node}").glob("shards/*.json"):
+        for record in (self.dir / f"agent-{node}").glob(f"shards/{shard}*.json"):
             with contextlib.suppress(OSError, ValueError, KeyError):
                 pids.append(int(json.loads(record.read_text())["pid"]))
         return [p for p in pids if _alive(p)]
 
-    def kill(self, who: str, sig: str | int = "KILL", *, engine: bool = False) -> list[int]:
-        """Signal ``who`` (cp, router, a node's agent, or with ``engine`` its engines)."""
+    def kill(
+        self, who: str, sig: str | int = "KILL", *, engine: bool = False, shard: str = ""
+    ) -> list[int]:
+        """Signal ``who`` (cp, router, a node's agent, or with ``engine`` its engines, or
+        only those of shards whose id starts with ``shard``)."""
         num = _signal_number(sig)
         if engine:
-            pids = self.engine_pids(who)
+            pids = self.engine_pids(who, shard)
             if not pids:
                 raise LabError(f"{who} runs no engine now: see `ctl replicas`")
         else:
@@ -588,7 +662,8 @@ def _banner(lab: Lab) -> str:
         f"\n  curl {base}/chat/completions -H 'authorization: Bearer {key}' "
         """-H 'content-type: application/json' """
         """-d '{"model":"tiny","messages":[{"role":"user","content":"hi"}]}'"""
-        f"\n  .venv/bin/llmgw ctl nodes --config {d / 'server.toml'}"
+        + (f"\n  model {WIDE_MODEL!r}: vLLM over Ray (stand-ins) on two nodes" if lab.gpus else "")
+        + f"\n  .venv/bin/llmgw ctl nodes --config {d / 'server.toml'}"
         f"\n  tools/lab partition n1 --dir {d}   (heal, netem, kill, restart, fill-disk)"
         f"\n  logs in {d}/*.log; tools/lab down --dir {d} removes everything"
     )
@@ -610,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--detach", action="store_true", help="return once it is up")
     up.add_argument("--small-disk", action="append", default=[], metavar="NODE")
     up.add_argument("--lost-after", type=float, default=30.0, metavar="S")
+    up.add_argument("--gpus", action="store_true",
+                    help="a fake H200 per node, vLLM and Ray stand-ins, and a model over 2 nodes")  # fmt: skip
     verb("down", "stop everything and remove every namespace, link and mount")
     p = verb("partition", "cut a node off: link down, or --drop every packet")
     p.add_argument("node")
@@ -622,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     p = verb("kill", "signal cp, router, NODE's agent, or `engine NODE`")
     p.add_argument("who", nargs="+", metavar="cp|router|NODE|engine NODE")
     p.add_argument("--signal", default="KILL", help="9, KILL, TERM, STOP, CONT (KILL)")
+    p.add_argument("--shard", default="", help="with engine: only shards whose id starts so")
     verb("restart", "stop and start cp, router or NODE's agent").add_argument("who")
     p = verb("fill-disk", "fill a --small-disk node's state dir (--free: empty it)")
     p.add_argument("node")
@@ -647,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             engine = who[0] == "engine"
             if len(who) != (2 if engine else 1):
                 raise LabError("kill: name one of cp, router, NODE, or `engine NODE`")
-            pids = lab.kill(who[-1], args.signal, engine=engine)
+            pids = lab.kill(who[-1], args.signal, engine=engine, shard=args.shard)
             print(f"sent {args.signal} to {' '.join(map(str, pids))}")
         elif args.verb == "restart":
             print(f"{args.who} restarted: pid {lab.restart(args.who)}")
@@ -664,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _up(args: argparse.Namespace, d: Path) -> int:
     lab = Lab(d, name=args.name, nodes=args.n, small_disk=tuple(args.small_disk),
-              lost_after_s=args.lost_after)  # fmt: skip
+              lost_after_s=args.lost_after, gpus=args.gpus)  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
