@@ -665,3 +665,22 @@ def test_a_restarted_shards_startup_timeout_counts_from_its_restart() -> None:
     rec.reconcile(nodes.nodes, now=1091)
     assert rec.replicas[rid].state is ReplicaState.FAILED
     assert rec.replicas[rid].why == "not ready 90 s after a shard restarted"
+
+
+def test_the_startup_timeout_covers_the_whole_group() -> None:
+    """Rank 0 runs but a worker never comes up: the replica fails once the startup
+    timeout, counted from its placement, is over, and every rank is stopped."""
+    nodes = ray_fleet()
+    rec = reconciler(catalog(RAY_CATALOG), Timing(settle_s=0, startup_margin_s=30))
+    [head] = rec.reconcile(nodes.nodes, now=0).start
+    [worker] = status(rec, head.node, head.spec.shard_id, "starting", 1).start
+    status(rec, head.node, head.spec.shard_id, "ready", 20)  # rank 0 alone: not Ready
+    [replica] = rec.replicas.values()
+    assert replica.state is ReplicaState.STARTING
+    assert rec.reconcile(nodes.nodes, now=89).stop == []
+    plan = rec.reconcile(nodes.nodes, now=91)
+    assert replica.state is ReplicaState.FAILED
+    assert replica.why == "not ready 90 s after it was placed"
+    assert sorted(s.shard_id for s in plan.stop) == sorted(
+        [head.spec.shard_id, worker.spec.shard_id]
+    )
