@@ -9,6 +9,7 @@ from typing import Annotated, TypeVar
 import cyclopts
 import msgspec
 
+from llmgw.cli.bench import bench_app
 from llmgw.cli.cert import cert_app
 from llmgw.cli.ctl import ctl_app
 from llmgw.cli.init import init
@@ -28,6 +29,7 @@ app = cyclopts.App(
 )
 ctl_app.command(cert_app)
 ctl_app.command(onboard)
+ctl_app.command(bench_app)
 app.command(ctl_app)
 app.command(init)
 

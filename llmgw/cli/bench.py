@@ -1,0 +1,477 @@
+"""``llmgw ctl bench``: measure what a replica can serve, keep the result, compare runs,
+and recommend (or write) the routing settings admission should use."""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import cyclopts
+import msgspec
+import trio
+
+from llmgw.addr import url_host
+from llmgw.bench import results
+from llmgw.bench.ladder import Ladder, Level, Scrape, Slo, SloError, default_levels
+from llmgw.bench.prompts import Dist, DistError, PromptMaker
+from llmgw.cli.ctl import CtlError, Target, _run, get
+from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
+from llmgw.config.loader import read_text
+from llmgw.config.schema import resolve
+
+bench_app = cyclopts.App(
+    name="bench",
+    help="Measure what a model's replicas can serve within an SLO (see `bench compare`).",
+)
+
+PROGRAM = "llmgw ctl bench"
+DEFAULT_SLO = "ttft_p95=2s,itl_p95=100ms"
+
+
+@bench_app.default
+def bench(
+    model: str,
+    *,
+    replica: str = "",
+    slo: str = DEFAULT_SLO,
+    levels: str = "",
+    max_concurrency: int = 64,
+    duration: float = 30.0,
+    input_words: str = "256",
+    output_tokens: str = "128",
+    shared_prefix: int = 0,
+    seed: int | None = None,
+    url: str = "",
+    api_key_file: Path | None = None,
+    request_timeout: float = 120.0,
+    out: Path | None = None,
+    png: Path | None = None,
+    write: bool = False,
+    json: bool = False,
+    target: Target | None = None,
+) -> int:
+    """Raise the concurrency step by step until the SLO breaks; the last level that
+    met it is the capacity. Reports each level, plots it, keeps the result as JSON,
+    and recommends weight, target_waiting and kv_ceiling for the profile.
+
+    Parameters
+    ----------
+    model
+        The catalog's model to measure.
+    replica
+        Aim straight at this replica (as capacity is defined) instead of through the
+        router (as a client sees the fleet).
+    slo
+        Limits a level must meet: ttft_p50/p95, itl_p50/p95, e2e_p50/p95 (2s, 100ms),
+        error_rate (1%; default: no error allowed).
+    levels
+        Concurrency levels, e.g. 1,2,4,8 (default 1, 2, 4, ... up to --max-concurrency).
+    max_concurrency
+        The highest level of the default ladder.
+    duration
+        Seconds each level runs (requests started by then finish).
+    input_words
+        Prompt length in words: N, uniform:LO,HI or normal:MEAN,SD.
+    output_tokens
+        max_tokens of each request, the same forms; replies run to it (ignore_eos).
+    shared_prefix
+        Start every prompt with these N words, byte for byte (to measure the prompt
+        cache on purpose); by default every prompt is unique from its first word.
+    seed
+        Seed lengths and words (the per-request header stays random unless set).
+    url
+        The router's base URL (default: the server config's [router] listen), e.g.
+        http://10.0.0.1:8000/v1.
+    api_key_file
+        A file holding an API key for the router. [env: LLMGW_API_KEY, OPENAI_API_KEY]
+    request_timeout
+        Seconds one request may take, end to end, before it counts as an error.
+    out
+        Where to keep the result (default ./llmgw-bench-MODEL-PROFILE-TIME.json).
+    png
+        Also draw the plot into this PNG file (needs matplotlib).
+    write
+        Put the recommended settings into the catalog (the server config's), show the
+        diff to review; `llmgw ctl reload` applies them.
+    json
+        Print the result as JSON instead of a table and a plot.
+    """
+    return _run(
+        PROGRAM,
+        lambda: _bench(
+            model,
+            target or Target(),
+            replica=replica,
+            slo_text=slo,
+            levels_text=levels,
+            max_concurrency=max_concurrency,
+            duration=duration,
+            input_words=input_words,
+            output_tokens=output_tokens,
+            shared_prefix=shared_prefix,
+            seed=seed,
+            url=url,
+            api_key_file=api_key_file,
+            request_timeout=request_timeout,
+            out=out,
+            png_path=png,
+            write=write,
+            as_json=json,
+        ),
+    )
+
+
+@bench_app.command
+def compare(a: Path, b: Path, *, json: bool = False) -> int:
+    """Set two kept results side by side, level by level (B's figures over A's).
+
+    Parameters
+    ----------
+    a
+        A result file of `llmgw ctl bench`.
+    b
+        Another.
+    json
+        Print both results as one JSON object ({"a": ..., "b": ...}).
+    """
+
+    def run() -> None:
+        runs = [_load(p) for p in (a, b)]
+        if json:
+            sys.stdout.write(msgspec.json.encode({"a": runs[0], "b": runs[1]}).decode() + "\n")
+        else:
+            print(results.compare(*runs))
+
+    return _run(f"{PROGRAM} compare", run)
+
+
+def _load(path: Path) -> results.Run:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CtlError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        return results.load(data, str(path))
+    except ValueError as exc:
+        raise CtlError(str(exc)) from None
+
+
+def _bench(
+    model: str,
+    target: Target,
+    *,
+    replica: str,
+    slo_text: str,
+    levels_text: str,
+    max_concurrency: int,
+    duration: float,
+    input_words: str,
+    output_tokens: str,
+    shared_prefix: int,
+    seed: int | None,
+    url: str,
+    api_key_file: Path | None,
+    request_timeout: float,
+    out: Path | None,
+    png_path: Path | None,
+    write: bool,
+    as_json: bool,
+) -> None:
+    try:
+        slo = Slo.parse(slo_text)
+        prompts = PromptMaker(
+            input_words=Dist.parse(input_words, "--input-words"),
+            output_tokens=Dist.parse(output_tokens, "--output-tokens"),
+            shared_prefix=shared_prefix,
+            seed=seed,
+        )
+    except (SloError, DistError) as exc:
+        raise CtlError(str(exc)) from None
+    if shared_prefix < 0 or max_concurrency < 1 or duration <= 0:
+        raise CtlError("--shared-prefix must be >= 0, --max-concurrency >= 1, --duration > 0")
+    ladder_levels = _levels(levels_text) if levels_text else default_levels(max_concurrency)
+    fleet = _Fleet.read(target, model)
+    if replica:
+        route = fleet.route(replica)
+        base_url, key = route["url"] + "/v1", route.get("engine_key", "")
+        scrapes = [_scrape(route)]
+        aimed = results.Target(kind="replica", url=base_url, replica_id=replica)
+        profiles = {fleet.replica(replica)["profile"]}
+        on = [replica]
+    else:
+        base_url = url.rstrip("/") or _router_url(target)
+        key = _api_key(api_key_file)
+        on = [r["replica_id"] for r in fleet.ready]
+        if not on:
+            raise CtlError(f"model {model} has no Ready replica: see `llmgw ctl models`")
+        scrapes = [_scrape(fleet.route(r)) for r in on]
+        aimed = results.Target(kind="router", url=base_url, replicas=on)
+        profiles = {fleet.replica(r)["profile"] for r in on}
+    profile = profiles.pop() if len(profiles) == 1 else "mixed"
+    engine, version, hardware = fleet.describe(on)
+    show = not as_json and sys.stderr.isatty()
+
+    def progress(concurrency: int, elapsed: float, done: int, errors: int) -> None:
+        if show:
+            sys.stderr.write(
+                f"\rconcurrency {concurrency:>4}: {elapsed:5.1f}/{duration:g} s, "
+                f"{done} done, {errors} errors   "
+            )
+            sys.stderr.flush()
+
+    ladder = Ladder(
+        base_url=base_url,
+        model=model,
+        api_key=key,
+        prompts=prompts,
+        slo=slo,
+        levels=ladder_levels,
+        duration_s=duration,
+        request_timeout_s=request_timeout,
+        scrapes=scrapes,
+        progress=progress,
+    )
+
+    def done(result: Level) -> None:
+        if as_json:
+            return
+        if show:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+        verdict = "met the SLO" if result.met_slo else "broke: " + "; ".join(result.broke)
+        print(
+            f"concurrency {result.concurrency}: {result.rps:.2f} req/s, "
+            f"{result.output_tps:.1f} tok/s, TTFT p95 {_s(result.ttft_p95)}, "
+            f"ITL p95 {_s(result.itl_p95)}, {result.errors} errors: {verdict}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    ladder.on_level = done
+    measured = trio.run(ladder.run)
+    run = results.finish(
+        results.Run(
+            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            model=model,
+            profile=profile,
+            engine=engine,
+            engine_version=version,
+            target=aimed,
+            hardware=hardware,
+            slo=str(slo),
+            settings={
+                "input_words": str(prompts.input_words),
+                "output_tokens": str(prompts.output_tokens),
+                "shared_prefix": shared_prefix,
+                "duration_s": duration,
+                "ignore_eos": True,
+            },
+            levels=measured,
+        )
+    )
+    stamp = run.date.replace(":", "").replace("-", "").replace("+0000", "Z")
+    path = out or Path(f"llmgw-bench-{model}-{profile}-{stamp}.json")
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(run)) + b"\n")
+    if png_path is not None:
+        try:
+            results.png(run, str(png_path))
+        except RuntimeError as exc:
+            raise CtlError(str(exc)) from None
+    if as_json:
+        sys.stdout.write(msgspec.json.encode(run).decode() + "\n")
+    else:
+        print(results.render(run))
+        print()
+        print(results.plot(run))
+        print(f"\nkept in {path}" + (f"; plot in {png_path}" if png_path else ""))
+    if write:
+        _write(target, model, profile, run, quiet=as_json)
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}ms"
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise CtlError(f"--levels {text!r}: give concurrency levels like 1,2,4,8") from None
+    if not levels or any(c < 1 for c in levels) or levels != sorted(set(levels)):
+        raise CtlError(f"--levels {text!r}: give rising concurrency levels of at least 1")
+    return levels
+
+
+class _Fleet:
+    """What the management API says of the model: replicas, routes, nodes."""
+
+    def __init__(self, model: str, replicas: list[dict[str, Any]], routing: dict[str, Any],
+                 nodes: list[dict[str, Any]]) -> None:  # fmt: skip
+        self.model = model
+        self.replicas = [r for r in replicas if r["model"] == model]
+        self.routes = {r["key"]: r for r in routing.get("routes", [])}
+        self.nodes = {n["node_id"]: n for n in nodes}
+        self.ready = [r for r in self.replicas if r["state"] == "Ready"]
+
+    @classmethod
+    def read(cls, target: Target, model: str) -> _Fleet:
+        models = get(target, "/v1/models").get("models", [])
+        if not any(m["model"] == model for m in models):
+            known = ", ".join(sorted(m["model"] for m in models)) or "none"
+            raise CtlError(f"no model {model!r} in the catalog (models: {known})")
+        return cls(
+            model,
+            get(target, "/v1/replicas")["replicas"],
+            get(target, "/v1/routing"),
+            get(target, "/v1/nodes")["nodes"],
+        )
+
+    def replica(self, rid: str) -> dict[str, Any]:
+        for r in self.replicas:
+            if r["replica_id"] == rid:
+                return r
+        known = ", ".join(r["replica_id"] for r in self.replicas) or "none"
+        raise CtlError(f"model {self.model} has no replica {rid!r} (its replicas: {known})")
+
+    def route(self, rid: str) -> dict[str, Any]:
+        replica = self.replica(rid)
+        route = self.routes.get(rid)
+        if route is None or replica["state"] != "Ready":
+            raise CtlError(f"replica {rid} is {replica['state']}, not serving: pick a Ready one")
+        found: dict[str, Any] = route
+        return found
+
+    def describe(self, rids: list[str]) -> tuple[str, str, results.Hardware]:
+        engines, versions = set(), set()
+        hw = results.Hardware()
+        for rid in rids:
+            r = self.replica(rid)
+            for shard in r["shards"]:
+                node = self.nodes.get(shard["node_id"], {})
+                engine = self.routes.get(rid, {}).get("engine", "")
+                engines.add(engine)
+                versions.add(_engine_version(node, engine))
+                if shard["node_id"] in hw.nodes:
+                    continue
+                hw.nodes.append(shard["node_id"])
+                gpus = {g["index"]: g for g in node.get("gpus", [])}
+                hw.gpus += [gpus[i]["name"] if i in gpus else "?" for i in shard["gpus"]]
+                hw.cpus = node.get("cpus") or hw.cpus
+                memory = node.get("memory_total_bytes")
+                if memory:
+                    hw.memory_gb = memory / (1 << 30)
+        return (
+            engines.pop() if len(engines) == 1 else "mixed",
+            versions.pop() if len(versions) == 1 else "mixed",
+            hw,
+        )
+
+
+def _engine_version(node: dict[str, Any], engine: str) -> str:
+    found = node.get("engines", {})
+    name = {"vllm-ray": "vllm"}.get(engine, engine)
+    if isinstance(found, dict):
+        return str(found.get(name, ""))
+    for e in found:
+        if e.get("name") == name:
+            return str(e.get("version", ""))
+    return ""
+
+
+def _scrape(route: dict[str, Any]) -> Scrape:
+    return Scrape(
+        url=route["url"] + "/metrics",
+        engine=route.get("engine", ""),
+        key=route.get("engine_key", ""),
+    )
+
+
+def _router_url(target: Target) -> str:
+    config = target.config or (Path(p) if (p := os.environ.get("LLMGW_SERVER_CONFIG")) else None)
+    if config is not None:
+        cfg, _ = load_config(ServerConfig, config)
+        if cfg.router.listen:
+            host, port = parse_hostport(cfg.router.listen, key="router.listen")
+            if host in ("0.0.0.0", "::", ""):
+                host = "127.0.0.1"
+            return f"http://{url_host(host)}:{port}/v1"
+    raise CtlError(
+        "where is the router? give --url http://HOST:PORT/v1 (or --replica R to aim at one replica)"
+    )
+
+
+def _api_key(path: Path | None) -> str:
+    if path is not None:
+        try:
+            return read_text(path).strip()
+        except ConfigError as exc:
+            raise CtlError(f"API key file {exc}") from None
+    key = os.environ.get("LLMGW_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if not key:
+        raise CtlError(
+            "no API key for the router: --api-key-file FILE, or set LLMGW_API_KEY "
+            "(`llmgw ctl key NAME` makes one)"
+        )
+    return key
+
+
+# --- --write ------------------------------------------------------------------------
+
+
+def _write(target: Target, model: str, profile: str, run: results.Run, *, quiet: bool) -> None:
+    rec = run.recommendation
+    if rec is None:
+        raise CtlError("nothing to write: no level met the SLO, so there is no capacity")
+    if profile == "mixed":
+        raise CtlError("--write needs one profile: aim at one replica with --replica R")
+    config = target.config or (Path(p) if (p := os.environ.get("LLMGW_SERVER_CONFIG")) else None)
+    if config is None:
+        raise CtlError("--write needs the server's config (--config SERVER.toml): its catalog")
+    cfg, base = load_config(ServerConfig, config)
+    if not cfg.catalog:
+        raise CtlError(f"{config} names no catalog")
+    catalog = resolve(base, cfg.catalog)
+    before = catalog.read_text()
+    after = with_routing(before, model, profile, rec, str(catalog))
+    if after == before:
+        print(f"{catalog} already says so; nothing to write", file=sys.stderr)
+        return
+    diff = "".join(
+        difflib.unified_diff(
+            before.splitlines(keepends=True),
+            after.splitlines(keepends=True),
+            f"{catalog} (before)",
+            f"{catalog} (with the recommendation)",
+        )
+    )
+    tmp = catalog.with_name(catalog.name + ".tmp")
+    tmp.write_text(after)
+    tmp.replace(catalog)
+    out = sys.stderr if quiet else sys.stdout
+    print(diff, file=out, end="")
+    print(f"wrote {catalog}: review the diff above, then `llmgw ctl reload` applies it", file=out)
+
+
+def with_routing(text: str, model: str, profile: str, rec: results.Recommendation,
+                 where: str) -> str:  # fmt: skip
+    """The catalog's text with the profile's ``routing`` set to the recommendation; its
+    comments and the rest of its layout kept."""
+    import tomlkit
+
+    doc = tomlkit.parse(text)
+    try:
+        profiles = doc["models"][model]["profiles"]
+        entry = next(p for p in profiles if p.get("name") == profile)
+    except (KeyError, StopIteration, TypeError):
+        raise CtlError(f"{where} has no profile {profile!r} of model {model!r}") from None
+    routing = tomlkit.table()
+    routing.add("weight", rec.weight)
+    routing.add("target_waiting", rec.target_waiting)
+    if rec.kv_ceiling is not None:
+        routing.add("kv_ceiling", rec.kv_ceiling)
+    routing.comment(f"from llmgw ctl bench, {datetime.date.today().isoformat()}")
+    entry["routing"] = routing
+    return tomlkit.dumps(doc)

@@ -1,0 +1,115 @@
+"""``llmgw ctl bench`` as an operator runs it: a process, against a control plane, an
+agent and a real llama-server, straight at the replica and through the router."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tests.cluster.test_router_processes import routed
+from tests.conftest import Pki
+from tests.realparts import needs_server
+
+pytestmark = needs_server
+
+QUICK = ["--duration", "1", "--input-words", "48", "--output-tokens", "6"]
+
+
+async def _bench(cluster: Any, *args: str, check: bool = True) -> Any:
+    return await cluster.server.ctl("bench", *args, check=check)
+
+
+@needs_server
+async def test_bench_climbs_straight_at_a_replica_and_through_the_router(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with routed(tmp_path, pki) as (c, base, key):
+        [replica] = await c.wait_ready(1)
+        rid = replica["replica_id"]
+        out = tmp_path / "direct.json"
+        await _bench(c, "tiny", "--replica", rid, "--levels", "1,2", "--slo", "ttft_p95=10s",
+                     *QUICK, "--out", str(out), "--png", str(tmp_path / "direct.png"))  # fmt: skip
+        run = json.loads(out.read_text())
+        assert [lv["concurrency"] for lv in run["levels"]] == [1, 2]
+        assert all(lv["met_slo"] and lv["errors"] == 0 for lv in run["levels"])
+        assert run["capacity"] == 2
+        assert run["target"] == {"kind": "replica", "url": run["target"]["url"],
+                                 "replica_id": rid, "replicas": []}  # fmt: skip
+        assert run["engine"] == "llama.cpp" and run["engine_version"].startswith("b")
+        assert run["profile"] == "cpu" and run["hardware"]["nodes"] == ["n1"]
+        first = run["levels"][0]
+        assert first["requests"] > 0 and first["output_tokens"] == 6  # ignore_eos: all 6
+        assert first["ttft_p95"] > 0 and first["itl_p95"] is not None
+        # what the engine said while it ran (busy slots, deferred requests), read from
+        # its own /metrics with its own key (a refused scrape would leave them None)
+        assert all(lv["running_max"] is not None for lv in run["levels"])
+        assert all(lv["waiting_max"] is not None for lv in run["levels"])
+        assert run["recommendation"]["weight"] == 2
+        assert (tmp_path / "direct.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+        # through the router, as a client sees the fleet; the table for people
+        (tmp_path / "key").write_text(key + "\n")
+        table = await _bench(c, "tiny", "--url", base, "--api-key-file", str(tmp_path / "key"),
+                             "--levels", "1", "--slo", "ttft_p95=10s", *QUICK,
+                             "--out", str(tmp_path / "routed.json"))  # fmt: skip
+        text = table.stdout.decode()
+        assert f"tiny (cpu profile, llama.cpp {run['engine_version']}) via router" in text
+        assert "capacity: concurrency 1" in text and "kept in" in text
+        routed_run = json.loads((tmp_path / "routed.json").read_text())
+        assert routed_run["target"]["replicas"] == [rid]
+
+        compared = await trio.run_process(
+            [sys.executable, "-m", "llmgw", "ctl", "bench", "compare", str(out),
+             str(tmp_path / "routed.json")],
+            capture_stdout=True,
+        )  # fmt: skip
+        assert "REQ/S A" in compared.stdout.decode()
+
+
+@needs_server
+async def test_prompts_measure_the_hardware_unless_a_shared_prefix_is_asked_for(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """llama-server says how much of each prompt its cache answered (timings.cache_n):
+    unique prompts share nothing but the chat template's first tokens; with
+    --shared-prefix the prefix comes from the cache."""
+    async with routed(tmp_path, pki, context=1024) as (c, _base, _key):
+        [replica] = await c.wait_ready(1)
+        cached = {}
+        for prefix in ("0", "40"):
+            out = tmp_path / f"p{prefix}.json"
+            await _bench(c, "tiny", "--replica", replica["replica_id"], "--levels", "1",
+                         "--slo", "ttft_p95=10s", *QUICK, "--shared-prefix", prefix,
+                         "--out", str(out))  # fmt: skip
+            cached[prefix] = json.loads(out.read_text())["levels"][0]["cached_tokens"]
+        assert cached["0"] is not None and cached["0"] < 10, cached
+        assert cached["40"] >= 40, cached  # each of the 40 words is a token or more
+
+
+@needs_server
+async def test_a_broken_slo_stops_the_ladder_and_bad_input_says_what_to_do(
+    tmp_path: Path, pki: Pki
+) -> None:
+    async with routed(tmp_path, pki) as (c, _base, _key):
+        [replica] = await c.wait_ready(1)
+        out = tmp_path / "tight.json"
+        result = await _bench(c, "tiny", "--replica", replica["replica_id"], "--levels", "1,2,4",
+                              "--slo", "ttft_p95=0.01ms", *QUICK, "--out", str(out))  # fmt: skip
+        run = json.loads(out.read_text())
+        assert [lv["concurrency"] for lv in run["levels"]] == [1]  # it stopped there
+        assert run["capacity"] is None and run["recommendation"] is None
+        assert "capacity: none" in result.stdout.decode()
+        for args, words in (
+            (["nosuch"], "no model 'nosuch' in the catalog (models: "),
+            (["tiny", "--replica", "tiny-x-9"], "model tiny has no replica 'tiny-x-9'"),
+            (["tiny", "--slo", "fast"], "--slo 'fast': give KEY=VALUE"),
+            (["tiny", "--input-words", "lots"], "--input-words 'lots': give N, uniform"),
+        ):
+            bad = await _bench(c, *args, check=False)
+            err = bad.stderr.decode().strip()
+            assert bad.returncode != 0 and len(err.splitlines()) == 1, err
+            assert words in err, err

@@ -1,0 +1,198 @@
+"""``ctl bench``'s parts that need no engine: prompts, the SLO, results and what they
+recommend, the table, the plot, a comparison and the catalog edit."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+
+import pytest
+
+from llmgw.bench import results
+from llmgw.bench.ladder import Level, Slo, SloError, default_levels, percentile
+from llmgw.bench.prompts import Dist, DistError, PromptMaker
+from llmgw.cli.bench import with_routing
+
+
+def maker(**kw: object) -> PromptMaker:
+    base: dict[str, object] = dict(
+        input_words=Dist.parse("40", "x"), output_tokens=Dist.parse("8", "y")
+    )
+    base.update(kw)
+    return PromptMaker(**base)  # type: ignore[arg-type]
+
+
+def common_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))  # noqa: RUF071 - strings, not paths
+
+
+def test_prompts_are_unique_from_their_first_byte_by_default() -> None:
+    m = maker()
+    prompts = [m.next()[0] for _ in range(200)]
+    assert len(set(prompts)) == 200
+    # a random header first: any two share a prefix of a few bytes at most (by chance)
+    assert max(common_prefix(a, b) for a, b in itertools.pairwise(prompts)) < 8
+
+
+def test_a_shared_prefix_is_byte_identical_and_the_prompts_still_differ() -> None:
+    m = maker(shared_prefix=30)
+    prompts = [m.next()[0] for _ in range(100)]
+    prefix = m.prefix
+    assert len(prefix.split()) == 30
+    assert all(p.startswith(prefix + " ") for p in prompts)  # byte for byte
+    assert len(set(prompts)) == 100  # the header after it keeps them apart
+    # the same prefix in another run: a second bench measures the same cache
+    assert maker(shared_prefix=30).prefix == prefix
+    # and what follows the prefix is unique from its first byte
+    tails = [p[len(prefix) + 1 :] for p in prompts]
+    assert max(common_prefix(a, b) for a, b in itertools.pairwise(tails)) < 8
+
+
+def test_lengths_follow_their_distributions() -> None:
+    m = maker(
+        input_words=Dist.parse("uniform:20,60", "x"),
+        output_tokens=Dist.parse("normal:50,5", "y"),
+        seed=1,
+    )
+    drawn = [m.next() for _ in range(400)]
+    words = [len(p.split()) for p, _ in drawn]  # the header is one word
+    assert min(words) >= 21 and max(words) <= 61
+    outs = [n for _, n in drawn]
+    assert 45 < sum(outs) / len(outs) < 55
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("uniform:5", "uniform takes two numbers"),
+        ("uniform:9,3", "needs LO <= HI"),
+        ("lots", "give N, uniform:LO,HI or normal:MEAN,SD"),
+        ("5,6", "a fixed length is one number"),
+    ],
+)
+def test_a_bad_length_says_how_to_write_one(text: str, error: str) -> None:
+    with pytest.raises(DistError, match=error):
+        Dist.parse(text, "--input-words")
+
+
+def test_the_slo_parses_and_says_what_broke() -> None:
+    slo = Slo.parse("ttft_p95=2s,itl_p95=100ms,error_rate=1%")
+    assert slo.limits == {"ttft_p95": 2.0, "itl_p95": 0.1, "error_rate": 0.01}
+    ok = Level(concurrency=4, requests=200, errors=1, ttft_p95=1.5, itl_p95=0.05)
+    assert slo.broken(ok) == []
+    bad = Level(concurrency=8, requests=100, errors=5, ttft_p95=2.5, itl_p95=0.05)
+    assert slo.broken(bad) == ["errors 5/100 > 1.0%", "ttft_p95 2.50s > 2.00s"]
+    # by default no error is allowed, and a latency never measured breaks it
+    assert Slo.parse("ttft_p95=2s").broken(Level(concurrency=1, requests=3, errors=3)) == [
+        "errors 3/3 > 0.0%",
+        "ttft_p95 none > 2.00s",
+    ]
+    for text in ("ttft=2s", "ttft_p95=fast", "", "error_rate=150%"):
+        with pytest.raises(SloError, match="--slo"):
+            Slo.parse(text)
+
+
+def test_percentiles_and_the_default_ladder() -> None:
+    assert percentile([], 95) is None
+    assert percentile([float(i) for i in range(1, 101)], 95) == 95.0
+    assert percentile([1.0], 50) == 1.0
+    assert default_levels(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert default_levels(12) == [1, 2, 4, 8, 12]
+
+
+def level(c: int, met: bool, **kw: float) -> Level:
+    return Level(concurrency=c, requests=100, met_slo=met, rps=c * 1.0, output_tps=c * 10.0,
+                 ttft_p95=0.1 * c, broke=[] if met else ["ttft_p95 1s > 500ms"], **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def a_run(levels: list[Level], version: str = "0.11.2") -> results.Run:
+    run = results.Run(
+        date="2026-12-01T12:00:00+00:00",
+        model="m",
+        profile="h200",
+        engine="vllm",
+        engine_version=version,
+        target=results.Target(kind="replica", url="http://10.0.0.1:20000/v1", replica_id="m-x-1"),
+        hardware=results.Hardware(nodes=["n1"], gpus=["NVIDIA H200"], cpus=64, memory_gb=512),
+        slo="ttft_p95=500ms",
+        levels=levels,
+    )
+    return results.finish(run)
+
+
+def test_capacity_is_the_last_level_that_met_the_slo_and_sets_the_recommendation() -> None:
+    run = a_run(
+        [
+            level(1, True, waiting_max=0, kv_max=0.1),
+            level(2, True, waiting_max=2.4, kv_max=0.62),
+            level(4, False, waiting_max=9, kv_max=0.97),
+        ]
+    )
+    assert run.capacity == 2
+    assert run.recommendation == results.Recommendation(
+        weight=2.0, target_waiting=3, kv_ceiling=0.65
+    )
+    # a level after a broken one never counts, and none met: no capacity
+    assert results.capacity_level([level(1, False), level(2, True)]) is None
+    nothing = a_run([level(1, False)])
+    assert nothing.capacity is None and nothing.recommendation is None
+    assert "capacity: none" in results.render(nothing)
+
+
+def test_the_table_plot_and_json_say_what_was_measured() -> None:
+    run = a_run([level(1, True, waiting_max=0), level(2, False, waiting_max=5)])
+    table = results.render(run)
+    assert "m (h200 profile, vllm 0.11.2) via replica m-x-1" in table
+    assert "hardware: n1, 1 GPU (NVIDIA H200), 64 CPUs, 512 GiB" in table
+    assert "broke: ttft_p95 1s > 500ms" in table
+    assert "capacity: concurrency 1 (1.00 req/s, 10.0 output tok/s)" in table
+    assert "recommended for profile h200: weight = 1, target_waiting = 1, kv_ceiling = -" in table
+    drawing = results.plot(run)
+    assert "TTFT p95" in drawing and "-" * 5 in drawing  # the SLO's line
+    again = results.load(__import__("msgspec").json.encode(run), "x")
+    assert again == run
+
+
+def test_two_runs_compare_level_by_level() -> None:
+    a = a_run([level(1, True), level(2, True), level(4, False)])
+    b = a_run([level(1, True), level(2, False)], version="0.12.0")
+    text = results.compare(a, b)
+    assert "A: m h200 vllm 0.11.2" in text and "B: m h200 vllm 0.12.0" in text
+    row = next(line for line in text.splitlines() if line.startswith("2 "))
+    assert row.split()[:4] == ["2", "2.00", "2.00", "1.00"]
+    assert any(line.startswith("4 ") and " - " in line for line in text.splitlines())
+
+
+CATALOG = """# the fleet's models
+[models.m]
+replicas = 2
+
+[[models.m.profiles]]
+name = "cpu"   # the fallback
+engine = "llama.cpp"
+
+[[models.m.profiles]]
+name = "h200"
+engine = "vllm"
+gpus = 1
+"""
+
+
+def test_write_sets_the_profile_routing_and_keeps_the_rest_as_it_was() -> None:
+    rec = results.Recommendation(weight=8.0, target_waiting=3, kv_ceiling=0.85)
+    after = with_routing(CATALOG, "m", "h200", rec, "catalog.toml")
+    import tomllib
+
+    parsed = tomllib.loads(after)
+    [cpu, h200] = parsed["models"]["m"]["profiles"]
+    assert h200["routing"] == {"weight": 8.0, "target_waiting": 3, "kv_ceiling": 0.85}
+    assert "routing" not in cpu
+    assert after.startswith(CATALOG.rstrip("\n"))  # comments and layout kept, only added to
+    assert with_routing(after, "m", "h200", rec, "catalog.toml") == after  # idempotent
+    from llmgw.cli.ctl import CtlError
+
+    with pytest.raises(
+        CtlError, match=re.escape("catalog.toml has no profile 'a100' of model 'm'")
+    ):
+        with_routing(CATALOG, "m", "a100", rec, "catalog.toml")
