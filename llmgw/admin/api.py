@@ -257,6 +257,17 @@ class AdminApi:
             if host in ("0.0.0.0", "::", ""):
                 host = request.client[0]  # a wildcard: where it is seen from
             routing.followed_by(join_hostport(host, port), trio.current_time())
+        fleet = self.fleet
+        if since and fleet is not None and routing.snapshot.version != since:
+            # A router that holds a table keeps it while agents come back to a control
+            # plane that just started: until they have, its table lacks their replicas,
+            # and a router that took it would refuse every request for them.
+            left = fleet.settling_s()
+            if left > wait:
+                return error(503, f"starting: agents come back for another {left:.1f} s")
+            if left > 0:
+                await trio.sleep(left)
+                wait -= left
         if routing.snapshot.version == since:
             with trio.move_on_after(wait):
                 await routing.next(since)

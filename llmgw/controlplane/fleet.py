@@ -118,6 +118,15 @@ class FleetManager:
             if m.profiles and counting.get(name, 0) < m.replicas
         ]
 
+    def settling_s(self) -> float:
+        """How much longer agents have to come back after this control plane started
+        (the reconciler's ``settle_s``, from its first pass); 0 once they have had it.
+        Until then its fleet is what the agents back so far have said, not what runs."""
+        r = self.reconciler
+        if r.started_at is None:
+            return r.timing.settle_s
+        return max(0.0, r.started_at + r.timing.settle_s - self._clock())
+
     def unplaceable(self) -> dict[str, tuple[str, float]]:
         """Catalog models below their count whose last placement failed: placement's
         words and when (wall clock)."""
