@@ -19,7 +19,16 @@ from typing import Any
 
 import pytest
 
-from tools.labwire import WireError, impair, ns_socket, restore, restore_all, tap_name
+from tools.labwire import (
+    WireError,
+    get_offloads,
+    impair,
+    ns_socket,
+    restore,
+    restore_all,
+    set_offloads,
+    tap_name,
+)
 
 DELAY_MS = 100  # each way: the round trip grows by 200 ms
 SO_RCVBUFFORCE = 33
@@ -258,6 +267,15 @@ def test_a_bulk_transfer_arrives_intact_across_the_delay(wired: Bench) -> None:
     assert mb_s > 1, f"{mb_s:.1f} MB/s"
 
 
+def test_offloaded_frames_cross_intact(wired: Bench) -> None:
+    """With the node's offloads back on (a wire that could not turn them off), frames
+    with checksums left to offload and GSO super-frames still cross, whole."""
+    impair(wired.state, "a", 0, 0.0, wired.record)
+    set_offloads(wired.ns("a"), "eth0", {"tx-checksum": 1, "tso": 1, "gso": 1})
+    intact, _, _ = transfer(wired, 8 << 20)
+    assert intact
+
+
 def test_loss_is_real_loss_each_way(wired: Bench) -> None:
     impair(wired.state, "a", DELAY_MS, 0.05, wired.record, seed=7)
     from_a, to_a = one_way_loss(wired, "a", "b"), one_way_loss(wired, "b", "a")
@@ -274,7 +292,9 @@ def test_tcp_retransmits_through_loss_and_the_data_arrives_intact(wired: Bench) 
 
 def test_restore_gives_the_link_back(wired: Bench) -> None:
     veth, bridge = wired.state["nodes"]["a"]["veth"], wired.state["bridge"]
+    before = get_offloads(wired.ns("a"), "eth0")
     pid = impair(wired.state, "a", DELAY_MS, 0.0, wired.record)
+    assert get_offloads(wired.ns("a"), "eth0") == {"tx-checksum": 0, "tso": 0, "gso": 0}
     tap = tap_name(veth)
     assert Path(f"/sys/class/net/{tap}/master").resolve().name == bridge
     assert not Path(f"/sys/class/net/{veth}/master").exists()
@@ -284,6 +304,7 @@ def test_restore_gives_the_link_back(wired: Bench) -> None:
     assert not Path(f"/sys/class/net/{tap}").exists()
     assert Path(f"/sys/class/net/{veth}/master").resolve().name == bridge
     assert "a" not in wired.state["wires"]
+    assert get_offloads(wired.ns("a"), "eth0") == before
     assert rtt(wired) < 0.05
 
 
