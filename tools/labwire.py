@@ -412,7 +412,9 @@ def impair(
             "started": _started(p.pid),
             "tap": tap,
             "delay_ms": delay_ms,
+            "delay_back_ms": delay_ms if delay_back_ms is None else delay_back_ms,
             "loss": loss,
+            "loss_back": loss if loss_back is None else loss_back,
         }
         said = _read_line(r, timeout)
     finally:
