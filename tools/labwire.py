@@ -221,10 +221,18 @@ class Wire:
         )
         self.offloads: dict[str, int] = {}
         self.wakeup_fd: int | None = None  # readable when a signal came (``main``)
+        self.troubles = 0
         self._stop = False
 
     def stop(self) -> None:
         self._stop = True
+
+    def _trouble(self, e: OSError) -> None:
+        """A read that failed (not for want of frames): said once, and not in a hot loop."""
+        if not self.troubles:
+            print(f"wire {self.veth}: {e} (the wire carries on)", file=sys.stderr, flush=True)
+        self.troubles += 1
+        time.sleep(0.01)
 
     def run(self, ready: Callable[[dict[str, Any]], None] = lambda _: None) -> None:
         """Take over the link, carry frames until ``stop`` (or SIGTERM in ``main``), and
@@ -265,7 +273,6 @@ class Wire:
                 pkt.close()
             if detached:  # the veth first: the bridge keeps its address (same MAC)
                 _ip("link", "set", self.veth, "master", self.bridge, check=False)
-                _ip("link", "set", self.veth, "up", check=False)
             if tap_fd >= 0:
                 os.close(tap_fd)  # the TAP goes with it
             if self.offloads:
@@ -294,6 +301,9 @@ class Wire:
                                 n, addr = pkt.recvfrom_into(buf)
                             except (BlockingIOError, InterruptedError):
                                 break
+                            except OSError as e:  # ENETDOWN: the link went down (a partition)
+                                self._trouble(e)
+                                break
                             if addr[2] != socket.PACKET_OUTGOING:
                                 self.out.take(bytes(view[:n]), now)
                     elif key.data == "tap":
@@ -301,6 +311,9 @@ class Wire:
                             try:
                                 n = os.readv(tap_fd, [buf])
                             except (BlockingIOError, InterruptedError):
+                                break
+                            except OSError as e:
+                                self._trouble(e)
                                 break
                             self.back.take(bytes(view[:n]), now)
                     else:
@@ -462,7 +475,6 @@ def restore(lab_state: dict[str, Any], node: str) -> None:
     n = lab_state["nodes"][node]
     if _exists(n["veth"]):  # what a killed wire could not put back
         _ip("link", "set", n["veth"], "master", lab_state["bridge"], check=False)
-        _ip("link", "set", n["veth"], "up", check=False)
     if _exists(wire["tap"]):
         _ip("link", "del", wire["tap"], check=False)
     if wire.get("offloads"):

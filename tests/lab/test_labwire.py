@@ -322,6 +322,26 @@ def test_the_wire_ends_on_sigterm_within_a_second_and_gives_the_link_back(
     assert not Path(f"/sys/class/net/{tap_name(veth)}").exists()
 
 
+def test_the_wire_outlasts_its_link_going_down_and_up(wired: Bench) -> None:
+    """A partition (the veth down) under the wire: the wire stays and carries again
+    once the link is up; it does not bring the link up itself."""
+    veth = wired.state["nodes"]["a"]["veth"]
+    pid = impair(wired.state, "a", DELAY_MS, 0.0, wired.record)
+    _ip("link", "set", veth, "down")
+    try:
+        time.sleep(0.3)
+        assert _running(pid)
+        assert "UP" not in Path(f"/sys/class/net/{veth}/operstate").read_text().upper()
+    finally:
+        _ip("link", "set", veth, "up")
+    deadline = time.monotonic() + 5
+    while "UP" not in Path(f"/sys/class/net/{veth}/operstate").read_text().upper():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert 2 * DELAY_MS / 1000 <= rtt(wired) < 1.0
+    assert _running(pid)
+
+
 def test_a_wire_that_cannot_start_says_why_and_leaves_nothing(wired: Bench) -> None:
     state = {**wired.state, "bridge": "lw-nobridge"}
     with pytest.raises(WireError, match="did not start"):
