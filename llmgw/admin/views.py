@@ -42,6 +42,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     draining: bool = False
     drained: bool = False  # draining, and nothing of the control plane's runs there
     version: str = ""  # its agent's, as said at registration: "0.1.0 (build 1a2b3c4d5e6f)"
+    problems: list[str] = []  # what its agent finds wrong with it: "state dir ... is full"
 
 
 def _gpu(g: Gpu) -> GpuView:
@@ -96,6 +97,7 @@ def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
         weights_scanned=inv.weights_scanned,
         labels=dict(inv.labels),
         version=node.agent_version,
+        problems=list(inv.problems),
     )
 
 

@@ -9,6 +9,7 @@ overrides applied on top, every time: a value written in config always wins.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from llmgw.config.schema import DiscoveryConfig, InventoryOverrides, WeightsConf
 from llmgw.protocol.messages import Engine, Gpu, Inventory, Memory
 
 log = logging.getLogger("llmgw.agent.discovery")
+STATE_DIR_MIN_FREE = 1 << 20  # less free in the state dir: full (a shard's record is ~2 KiB)
 
 
 class InventorySource:
@@ -42,6 +44,12 @@ class InventorySource:
         self.base = base
         self.on_discovered = on_discovered
         self.port_range: list[int] = []  # set by the daemon from [engines] port_range
+        # set by the daemon: where the agent keeps its records of the engines it runs.
+        # Below ``min_free_bytes`` there, it says so (a record it cannot write is an
+        # engine a restarted agent cannot adopt)
+        self.state_dir: Path | None = None
+        self.min_free_bytes = STATE_DIR_MIN_FREE
+        self._full = False
         self.discovered: Discovered | None = None
         self.address = ""
         self.changed = trio.Event()  # set whenever a refresh changed the inventory
@@ -117,7 +125,27 @@ class InventorySource:
             weights_scanned=d.weights_scanned if d else False,
             labels=dict(o.labels),
             port_range=list(self.port_range),
+            problems=self.problems(),
         )
+
+    def problems(self) -> list[str]:
+        """What is wrong with this node, in words; logged when it starts and ends."""
+        if self.state_dir is None:
+            return []
+        try:
+            free = shutil.disk_usage(self.state_dir).free
+        except OSError as exc:
+            free, why = 0, f"state dir {self.state_dir} cannot be read: {exc.strerror or exc}"
+        else:
+            why = f"state dir {self.state_dir} is full: {free >> 10} KiB free"
+        full = free < self.min_free_bytes
+        if full != self._full:
+            self._full = full
+            if full:
+                log.warning("%s; engines keep serving, but no new one can be recorded", why)
+            else:
+                log.info("state dir %s has room again: %d KiB free", self.state_dir, free >> 10)
+        return [why] if full else []
 
 
 def same_inventory(a: Inventory, b: Inventory) -> bool:

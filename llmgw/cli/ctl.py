@@ -201,6 +201,10 @@ def render_nodes(nodes: list[NodeView], now: float, server_version: str = "") ->
             ]
         )
     lines = [table(rows)]
+    problems = [f"{n.node_id}: {p}" for n in nodes for p in n.problems]
+    if problems:
+        lines.append("")
+        lines.extend(f"warning: {p}" for p in problems)
     versions: dict[str, list[str]] = {}
     for n in nodes:
         versions.setdefault(n.version or "unknown", []).append(n.node_id)

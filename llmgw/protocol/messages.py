@@ -89,6 +89,8 @@ class Inventory(_Wire, frozen=True):
     weights_scanned: bool = False  # False: never asked to look (not "looked, found none")
     labels: dict[str, str] = {}
     port_range: list[int] = []  # [low, high]: the ports the agent lets engines use; [] = default
+    # what the agent finds wrong with its node, in words (its state dir full, ...)
+    problems: list[str] = []
 
 
 # --- shards -----------------------------------------------------------------

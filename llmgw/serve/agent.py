@@ -79,6 +79,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
     )
     e = config.engines
     source.port_range = list(e.port_range)
+    source.state_dir = resolve(base, config.state_dir)
     supervisor = Supervisor(
         SupervisorSettings(
             state_dir=resolve(base, config.state_dir),
