@@ -33,6 +33,7 @@ import httpx
 
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
+from tools import labwire
 from tools.fleet import _served, write_tiny_catalog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -482,14 +483,19 @@ sha256 = "{hash_key(key)}"
         """Cut NODE off: its link down (it sees no carrier), or with ``drop`` its link
         stays up and every packet is dropped both ways (unplugged from the bridge)."""
         n = self._node(node)
-        if drop:
-            _run("ip", "link", "set", n["veth"], "nomaster")
+        if drop:  # with a wire on the link (netem without sch_netem), its TAP
+            link = self.state.get("wires", {}).get(node, {}).get("tap", n["veth"])
+            _run("ip", "link", "set", link, "nomaster")
         else:
             _run("ip", "link", "set", n["veth"], "down")
 
     def heal(self, node: str) -> None:
         """Undo partition and netem on NODE."""
         n = self._node(node)
+        try:
+            labwire.restore(self.state, node)  # before the veth goes back on the bridge
+        finally:
+            self._save()
         _run("tc", "qdisc", "del", "dev", n["veth"], "root", check=False)
         _run("ip", "netns", "exec", n["ns"], "tc", "qdisc", "del", "dev", "eth0", "root",
              check=False)  # fmt: skip
@@ -497,7 +503,9 @@ sha256 = "{hash_key(key)}"
         _run("ip", "link", "set", n["veth"], "up")
 
     def netem(self, node: str, *, delay: str = "", loss: str = "") -> None:
-        """Latency towards NODE (the round trip grows by ``delay``) and loss each way."""
+        """Latency towards NODE (the round trip grows by ``delay``) and loss each way: by
+        ``tc netem``, or where the kernel has no sch_netem by a userspace wire on the link
+        (``tools/labwire``)."""
         n = self._node(node)
         if not delay and not loss:
             raise LabError("netem: give --delay and/or --loss (e.g. --delay 200ms --loss 5%)")
@@ -509,12 +517,27 @@ sha256 = "{hash_key(key)}"
                 _run("ip", "netns", "exec", n["ns"], "tc", "qdisc", "replace", "dev", "eth0",
                      "root", "netem", *lossy)  # fmt: skip
         except LabError as e:
-            if "unknown" in str(e):
-                raise LabError(
-                    "this kernel has no netem (sch_netem): load it (modprobe sch_netem)"
-                    " or use a kernel built with CONFIG_NET_SCH_NETEM"
-                ) from None
-            raise
+            if "unknown" not in str(e):
+                raise
+            # no sch_netem in this kernel: the same in userspace, a wire on the link
+            self._wire(node, delay=delay, loss=loss)
+
+    def _wire(self, node: str, *, delay: str, loss: str) -> None:
+        """netem's delay (towards NODE) and loss (each way) by ``tools/labwire``."""
+        m = re.fullmatch(r"\s*([0-9.]+)\s*(us|ms|s)?\s*", delay or "0")
+        p = re.fullmatch(r"\s*([0-9.]+)\s*%?\s*", loss or "0")
+        if m is None or p is None:
+            raise LabError(
+                f"netem: --delay {delay!r} --loss {loss!r}: e.g. --delay 200ms --loss 5%"
+            )
+        delay_ms = float(m[1]) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m[2] or "ms"]
+        try:
+            labwire.impair(self.state, node, 0.0, float(p[1]) / 100, self._note,
+                           delay_back_ms=delay_ms, log=self.dir / f"wire-{node}.log")  # fmt: skip
+        except labwire.WireError as e:
+            raise LabError(f"netem: {e}") from None
+        finally:
+            self._save()
 
     def engine_pids(self, node: str, shard: str = "") -> list[int]:
         """The engines NODE's agent started (its records of them); ``shard``: only those
@@ -608,6 +631,8 @@ sha256 = "{hash_key(key)}"
         """Remove what the record says was made: processes, mounts, namespaces, links."""
         if not self.state and (self.dir / "lab.json").exists():
             self.state = json.loads((self.dir / "lab.json").read_text())
+        with contextlib.suppress(labwire.WireError, OSError):  # a TAP left is a link below
+            labwire.restore_all(self.state)
         procs: dict[str, int] = self.state.get("procs", {})
         # the router and the agents first, the control plane last; in parallel, TERM then KILL
         order = [w for w in ("router", *self.state.get("nodes", {}), "cp") if w in procs]
