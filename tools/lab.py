@@ -296,7 +296,7 @@ settings = {{ ray_port = 6390 }}
 state_dir = "state"
 catalog = "catalog.toml"
 [reconcile]
-settle_s = 1
+settle_s = 3  # agents (backoff at most 1 s) are back within it after a restart
 drain_grace_s = 10  # a drain with no room for a replacement ends within seconds
 [liveness]  # short, so a partition shows within seconds
 heartbeat_interval_s = {heartbeat}
@@ -326,6 +326,8 @@ sha256 = "{hash_key(key)}"
         for node in self.node_names:
             (d / f"agent-{node}.toml").write_text(
                 f'control_plane = ["{cp_ip}:{STREAM_PORT}"]\nstate_dir = "agent-{node}"\n'
+                # back within a second of a restarted control plane, inside its settle time
+                + "[backoff]\ninitial_s = 0.25\nmax_s = 1\n"
                 + (self._gpu_node(node) if self.gpus else "")
             )
             state_dir = d / f"agent-{node}"
