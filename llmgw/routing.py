@@ -21,6 +21,9 @@ class Route(msgspec.Struct, kw_only=True):
     url: str
     engine: str = ""  # "" for static endpoints: no metrics to scrape
     weight: float = 1.0
+    # its profile's own admission thresholds; None: its model's (``Snapshot.models``)
+    target_waiting: float | None = None
+    kv_ceiling: float | None = None
     ready: bool = True
     draining: bool = False
     # the engine's own key (``Authorization: Bearer``), "" for none; a secret: the

@@ -48,11 +48,20 @@ class _Entry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
 class Routing(_Entry, frozen=True):
     """How the router weighs this model's replicas (read by the router, not placement)."""
 
-    # a replica's share of its model's traffic (> 0); set per model, every replica of
-    # the model carries the same one, so it changes nothing yet
+    # a replica's share of its model's traffic (> 0), against the model's other replicas;
+    # it tells replicas apart only when set per profile (a profile's ``routing``)
     weight: float = 1.0
     target_waiting: int | None = None  # queued requests per replica worth routing away from
     kv_ceiling: float | None = None  # KV-cache usage in (0, 1] past which a replica is avoided
+
+
+class ProfileRouting(_Entry, frozen=True):
+    """A profile's own routing settings, over its model's (``ctl bench --write`` sets
+    them): replicas on different hardware take different shares and queues."""
+
+    weight: float | None = None  # this profile's replicas' share (> 0); unset: the model's
+    target_waiting: int | None = None  # queued requests worth routing away from; unset: the model's
+    kv_ceiling: float | None = None  # KV-cache usage in (0, 1] to avoid; unset: the model's
 
 
 class Profile(_Entry, frozen=True):
@@ -72,6 +81,8 @@ class Profile(_Entry, frozen=True):
     settings: dict[str, SettingValue] = {}
     env: dict[str, str] = {}  # added to the engine's clean environment
     startup_timeout_s: float = 600.0  # placed to Ready; past it (plus a margin) it is failed
+    # over the model's routing, for this profile's replicas; changing it restarts nothing
+    routing: ProfileRouting | None = None
 
 
 class _ModelEntry(_Entry, frozen=True):
@@ -188,6 +199,30 @@ def validate(catalog: Catalog) -> None:
         _validate_model(name, model)
 
 
+def _check_routing(key: str, r: Routing | ProfileRouting) -> None:
+    if r.weight is not None and not (math.isfinite(r.weight) and r.weight > 0):
+        raise ConfigError("", f"{key}.weight", f"must be greater than 0, got {r.weight}")
+    if r.target_waiting is not None:
+        _at_least(f"{key}.target_waiting", r.target_waiting, 0)
+    if r.kv_ceiling is not None and not 0 < r.kv_ceiling <= 1:
+        raise ConfigError("", f"{key}.kv_ceiling", f"must be in (0, 1], got {r.kv_ceiling}")
+
+
+def routing_for(model: Model, profile: str) -> Routing:
+    """The routing settings of ``model``'s replicas of ``profile``: the profile's own,
+    then the model's."""
+    p = model.profile(profile)
+    own = p.routing if p is not None else None
+    if own is None:
+        return model.routing
+    r = model.routing
+    return Routing(
+        weight=own.weight if own.weight is not None else r.weight,
+        target_waiting=own.target_waiting if own.target_waiting is not None else r.target_waiting,
+        kv_ceiling=own.kv_ceiling if own.kv_ceiling is not None else r.kv_ceiling,
+    )
+
+
 def _validate_model(name: str, model: Model) -> None:
     key = f"models.{name}"
     if not name or len(name) > 200 or any(c.isspace() or not c.isprintable() for c in name):
@@ -197,13 +232,10 @@ def _validate_model(name: str, model: Model) -> None:
         raise ConfigError(
             "", f"{key}.replicas", f"must be at most {MAX_REPLICAS}, got {model.replicas}"
         )
-    r = model.routing
-    if not (math.isfinite(r.weight) and r.weight > 0):
-        raise ConfigError("", f"{key}.routing.weight", f"must be greater than 0, got {r.weight}")
-    if r.target_waiting is not None:
-        _at_least(f"{key}.routing.target_waiting", r.target_waiting, 0)
-    if r.kv_ceiling is not None and not 0 < r.kv_ceiling <= 1:
-        raise ConfigError("", f"{key}.routing.kv_ceiling", f"must be in (0, 1], got {r.kv_ceiling}")
+    _check_routing(f"{key}.routing", model.routing)
+    for p in model.profiles:
+        if p.routing is not None:
+            _check_routing(f"{key}.profiles[{p.name}].routing", p.routing)
     if not model.profiles and not model.static_endpoints:
         raise ConfigError(
             "", key, "has no profiles and no static_endpoints: nothing could serve it"

@@ -15,7 +15,7 @@ import msgspec
 import trio
 
 from llmgw.addr import url_host
-from llmgw.controlplane.catalog import Catalog
+from llmgw.controlplane.catalog import Catalog, routing_for
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.routing import ModelRouting, Route, Snapshot, versioned
@@ -46,13 +46,16 @@ def build_snapshot(
         if head is None or node is None:
             continue
         model = catalog.models.get(replica.model)
+        own = routing_for(model, replica.profile) if model is not None else None
         routes.append(
             Route(
                 key=replica.replica_id,
                 model=replica.model,
                 url=f"http://{url_host(node.address or head.spec.host)}:{head.spec.port}",
                 engine=head.spec.engine,
-                weight=model.routing.weight if model is not None else 1.0,
+                weight=own.weight if own is not None else 1.0,
+                target_waiting=own.target_waiting if own is not None else None,
+                kv_ceiling=own.kv_ceiling if own is not None else None,
                 # an engine that answers no health check takes no new request
                 ready=replica.state is ReplicaState.READY and replica.healthy,
                 draining=replica.state is ReplicaState.DRAINING,

@@ -75,6 +75,11 @@ class RoutingTable:
                     key=route.key, model=route.model, url=route.url
                 )
             ep.weight = route.weight
+            ep.admission = (
+                Admission(target_waiting=route.target_waiting, kv_ceiling=route.kv_ceiling)
+                if route.target_waiting is not None or route.kv_ceiling is not None
+                else None
+            )
             ep.ready = route.ready
             ep.draining = route.draining
             ep.engine_key = route.engine_key

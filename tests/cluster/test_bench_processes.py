@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 from tests.cluster.test_router_processes import routed
@@ -21,6 +22,15 @@ QUICK = ["--duration", "1", "--input-words", "48", "--output-tokens", "6"]
 
 async def _bench(cluster: Any, *args: str, check: bool = True) -> Any:
     return await cluster.server.ctl("bench", *args, check=check)
+
+
+async def _routing(c: Any) -> Any:
+    token = (c.tmp / "state" / "admin-token").read_text().strip()
+    async with httpx.AsyncClient(timeout=5) as client:
+        r = await client.get(
+            c.server.admin_url + "/v1/routing", headers={"authorization": f"Bearer {token}"}
+        )
+    return r.json()
 
 
 @needs_server
@@ -61,6 +71,27 @@ async def test_bench_climbs_straight_at_a_replica_and_through_the_router(
         assert "capacity: concurrency 1" in text and "kept in" in text
         routed_run = json.loads((tmp_path / "routed.json").read_text())
         assert routed_run["target"]["replicas"] == [rid]
+
+        # --write: the profile's routing, as a diff to review; a reload applies it, and the
+        # replica's route carries its profile's weight and thresholds, no restart
+        wrote = await _bench(c, "tiny", "--replica", rid, "--levels", "1,2", "--slo",
+                             "ttft_p95=10s", *QUICK, "--out", str(tmp_path / "w.json"),
+                             "--write", "--config", str(tmp_path / "server.toml"))  # fmt: skip
+        diff = wrote.stdout.decode()
+        assert "+[models.tiny.profiles.routing]" in diff and "+weight = 2.0" in diff
+        assert "then `llmgw ctl reload` applies it" in diff
+        await c.server.ctl("reload")
+        with trio.fail_after(10):
+            while True:
+                routing = json.loads((await c.server.ctl("replicas", "--json")).stdout)
+                table = await _routing(c)
+                [route] = [r for r in table["routes"] if r["key"] == rid]
+                if route["weight"] == 2.0:
+                    break
+                await trio.sleep(0.2)
+        assert route["target_waiting"] == json.loads((tmp_path / "w.json").read_text())[
+            "recommendation"]["target_waiting"]  # fmt: skip
+        assert [r["replica_id"] for r in routing["replicas"]] == [rid]  # not restarted
 
         compared = await trio.run_process(
             [sys.executable, "-m", "llmgw", "ctl", "bench", "compare", str(out),

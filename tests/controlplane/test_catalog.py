@@ -332,3 +332,39 @@ def test_a_catalog_is_a_value() -> None:
     assert parse(FULL) == parse(FULL)
     with pytest.raises(AttributeError):
         parse(FULL).models["big"].replicas = 3  # type: ignore[misc]
+
+
+TWO_PROFILES = """
+[models.m]
+replicas = 2
+[models.m.routing]
+target_waiting = 4
+[[models.m.profiles]]
+name = "h200"
+engine = "vllm"
+gpus = 1
+[models.m.profiles.routing]
+weight = 8.0
+kv_ceiling = 0.9
+[[models.m.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+model_path = "/models/m.gguf"
+"""
+
+
+def test_a_profile_weighs_its_replicas_apart_over_its_models_routing() -> None:
+    from llmgw.controlplane.catalog import routing_for
+
+    model = parse(TWO_PROFILES).models["m"]
+    assert routing_for(model, "h200") == Routing(weight=8.0, target_waiting=4, kv_ceiling=0.9)
+    assert routing_for(model, "cpu") == Routing(weight=1.0, target_waiting=4)
+    with pytest.raises(
+        ConfigError,
+        match=r"models\.m\.profiles\[h200\]\.routing\.kv_ceiling: must be in \(0, 1\], got 2",
+    ):
+        parse(TWO_PROFILES.replace("kv_ceiling = 0.9", "kv_ceiling = 2.0"))
+    with pytest.raises(
+        ConfigError, match=r"models\.m\.profiles\[h200\]\.routing\.weight: must be greater than 0"
+    ):
+        parse(TWO_PROFILES.replace("weight = 8.0", "weight = 0.0"))
