@@ -25,6 +25,8 @@ two live replicas ever hold one node's port or GPU), ``kill-cp``, ``kill-agent``
 ``kill-engine`` (kill -9, then restart), ``stop-engine`` (SIGSTOP for 20 s, then
 SIGCONT), ``full-disk`` (the agent's state dir full; what the agent says),
 ``netem`` (200 ms and 5 % loss on the agent's link: no node may flap).
+``partition-gpus``: ``partition`` in a lab of three nodes with fake GPUs and a model
+over two of them (vLLM on Ray, the suite's stand-ins), where a GPU could be held twice.
 
     .venv/bin/python -m tools.bench_faults                       # all, ~6 minutes
     .venv/bin/python -m tools.bench_faults --scenario kill-cp --json
@@ -234,14 +236,30 @@ def orphans(lab: Lab) -> list[str]:
     for node in lab.state["nodes"]:
         ns = lab.state["nodes"][node]["ns"]
         known = set(lab.engine_pids(node))
+        recorded = {r.stem for r in (lab.dir / f"agent-{node}").glob("shards/*.json")}
         agent = lab.state["procs"].get(node)
         if agent is not None:
             known.add(agent)
         for pid in Lab._ns_pids(ns):
             if not _alive(pid) or any(p in known for p in _ancestry(pid)):
                 continue
+            if _tagged_shard(pid) in recorded:
+                continue  # a daemon of a live shard (Ray's head), carrying its tag
+
             out.append(f"{node}: pid {pid} {_cmdline(pid)}")
     return out
+
+
+def _tagged_shard(pid: int) -> str:
+    """The shard an agent's engine (or a daemon it started) carries in its environment."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    for entry in env:
+        if entry.startswith(b"LLMGW_SHARD_ID="):
+            return entry.split(b"=", 1)[1].decode(errors="replace")
+    return ""
 
 
 def _ancestry(pid: int) -> list[int]:
@@ -310,6 +328,7 @@ def _run_lab(
     lost_after_s: float = 30.0,
     small_disk: tuple[str, ...] = (),
     clients: int = 3,
+    gpus: bool = False,
 ) -> Result:
     """Up a lab, let traffic go, run ``body`` (it injects and repairs the fault and
     returns when the repair was done, monotonic), wait for the fleet to be whole,
@@ -322,6 +341,7 @@ def _run_lab(
         nodes=nodes,
         lost_after_s=lost_after_s,
         small_disk=small_disk,
+        gpus=gpus,
     )
     try:
         lab.up(timeout=120)
@@ -545,6 +565,9 @@ def _r(x: float | None) -> float | None:
 
 SCENARIOS: dict[str, tuple[Callable[[Lab, Traffic, Result], float], dict[str, Any]]] = {
     "partition": (partition, {"lost_after_s": 10.0}),
+    # the same with fake GPUs and a model over two nodes (vLLM on Ray, stand-ins): no
+    # GPU is held twice through the loss, the replacement and the reconnect
+    "partition-gpus": (partition, {"lost_after_s": 10.0, "gpus": True, "nodes": 3}),
     "kill-cp": (kill_restart("cp"), {}),
     "kill-agent": (kill_restart("agent"), {}),
     "kill-engine": (kill_engine, {}),
