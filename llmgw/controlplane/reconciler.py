@@ -61,7 +61,7 @@ logs nothing: what it did is in the plan's notes, which the fleet manager logs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import attrs
 
@@ -70,7 +70,6 @@ from llmgw.controlplane.catalog import Catalog, Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.controlplane.placement import (
     Decision,
-    Kind,
     NodeFacts,
     PlacementCache,
     ShardPlacement,
@@ -178,8 +177,8 @@ class Reconciler:
         # what placement read from each inventory, kept from pass to pass (derived data,
         # never stale): a pass reads only the inventories that changed since the last
         self.placement_cache = PlacementCache()
-        # a model whose last placement failed for want of GPUs or ports: a rollout or
-        # spread of it gives way after the drain grace (``_may_force``)
+        # a model whose last placement failed, but would fit in what its moving replicas
+        # hold: a rollout or spread of it gives way after the drain grace (``_may_force``)
         self.room_short: dict[str, bool] = {}
         # per model, the open nodes and its replicas when a spread was last looked at
         self._spread_seen: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
@@ -304,15 +303,15 @@ class Reconciler:
 
     # --- placement and scaling ------------------------------------------------------
 
-    def allocations(self, *, without: str = "") -> Allocations:
+    def allocations(self, *, without: Collection[str] = ()) -> Allocations:
         """What is handed out. A failed replica stops counting towards its model at once,
         but its shards hold their GPUs and ports until they report stopped (or their node
         is lost, or the stop timeout is over): a new engine started on a GPU the dying
-        one still holds would fail to load. ``without``: a replica id left out, to ask
-        where that replica would go if it were placed now."""
+        one still holds would fail to load. ``without``: replica ids left out, to ask
+        where a replica would go if they held nothing."""
         a = Allocations()
         for replica in self.replicas.values():
-            if replica.replica_id == without:
+            if replica.replica_id in without:
                 continue
             for shard in replica.shards:
                 a.take(
@@ -410,6 +409,29 @@ class Reconciler:
             return True
         return self.room_short.get(replica.model, False)
 
+    def _fits_in_place(self, model: Model, shared: _PassState, now: float) -> bool:
+        """Whether a replacement that cannot be placed would fit in what the model's
+        moving replicas (a rollout, a spread) hold. Asked of placement itself, not read
+        off the failure's most common reason: with two nodes cordoned and one short of
+        a GPU, the reason most nodes gave is "cordoned", yet the old replica's GPU is
+        all the new one needs."""
+        moving = {
+            r.replica_id
+            for r in self.replicas.values()
+            if r.model == model.name and r.leaving and r.leaving_why in ("outdated", "spread")
+        }
+        if not moving:
+            return False
+        decision = place(
+            model,
+            shared.facts(),
+            self.allocations(without=moving),
+            now,
+            avoid=frozenset(self.draining),
+            cache=shared.cache,
+        )
+        return decision.profile is not None
+
     def _cancel_move(self, replica: Replica, model: Model) -> bool:
         """A rollout whose profile was changed back, or a spread whose replacement
         failed, is called off while the replica still serves."""
@@ -489,7 +511,7 @@ class Reconciler:
         decision = place(
             model,
             shared.facts(),
-            self.allocations(without=replica.replica_id),
+            self.allocations(without={replica.replica_id}),
             now,
             avoid=frozenset(self.draining),
             cache=shared.cache,
@@ -515,7 +537,7 @@ class Reconciler:
             if decision.profile is None:
                 kind = failure_kind(decision)
                 plan.placement_failures[model.name] = PlacementFailure(decision.summary, kind)
-                self.room_short[model.name] = kind in (Kind.GPUS, Kind.PORTS)
+                self.room_short[model.name] = self._fits_in_place(model, shared, now)
                 self._back_off(model.name, now)
                 return
             self.room_short.pop(model.name, None)

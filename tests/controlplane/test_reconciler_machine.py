@@ -915,3 +915,18 @@ def test_scale_down_keeps_the_replica_that_serves() -> None:
         f"drained {shard_id}, which serves, and kept "
         f"{[r.replica_id + ' (' + r.state.value + ')' for r in w.where('tiny') if r.counts]}"
     )
+
+
+def test_a_rollout_on_the_only_free_gpu_replaces_in_place_beside_cordoned_nodes() -> None:
+    """Hypothesis: setup(gpus=[0, 0, 1], big=1); settle; cordon n1; cordon n2; big's
+    profile changes; settle -> the old replica stays leaving forever, its replacement
+    never placed: most nodes refused it as cordoned, so the rollout was not seen to be
+    short of the one GPU the old replica holds, and the old one was never given up."""
+    w = World([0, 0, 1], {"big": 1})
+    w.m.settle()
+    w.m.cordon(0)
+    w.m.cordon(1)
+    w.m.profile_changes("big")
+    w.m.settle()  # asserts it converges: one Ready replica of the new version
+    [replica] = w.where("big")
+    assert not replica.outdated
