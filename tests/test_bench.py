@@ -147,7 +147,7 @@ def test_the_table_plot_and_json_say_what_was_measured() -> None:
     assert "hardware: n1, 1 GPU (NVIDIA H200), 64 CPUs, 512 GiB" in table
     assert "broke: ttft_p95 1s > 500ms" in table
     assert "capacity: concurrency 1 (1.00 req/s, 10.0 output tok/s)" in table
-    assert "recommended for profile h200: weight = 1, target_waiting = 1, kv_ceiling = -" in table
+    assert "recommended for profile h200: weight = 1, target_waiting = 0, kv_ceiling = -" in table
     drawing = results.plot(run)
     assert "TTFT p95" in drawing and "-" * 5 in drawing  # the SLO's line
     again = results.load(__import__("msgspec").json.encode(run), "x")

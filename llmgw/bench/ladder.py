@@ -10,10 +10,11 @@ The last level that met the SLO is the capacity. Peak throughput comes long
 after latency has become unusable, so throughput alone overstates what the
 hardware can serve; the ladder stops at the first level that breaks the SLO.
 
-While a level runs, the engine's own ``/metrics`` (and what its adapter reads
-from it: queue depth, requests running, KV usage) is sampled every half
-second, with the engine's key: what the engine said while it still met the SLO
-is what admission should treat as healthy.
+While a level runs, the engine's load is sampled four times a second, with the
+engine's key, as the router reads it (``llmgw.engines.load``): queue depth and
+requests running from its ``/metrics``, KV usage from there (vLLM) or from its
+``/slots`` (llama.cpp). What the engine said while it still met the SLO is what
+admission should treat as healthy.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import trio
 
 from llmgw.bench.prompts import PromptMaker
 from llmgw.engines import adapters
+from llmgw.engines.load import read_load
 
-SAMPLE_S = 0.5
+SAMPLE_S = 0.25
 _DURATION = re.compile(r"^([0-9.]+)\s*(ms|s)?$")
 SLO_KEYS = ("ttft_p50", "ttft_p95", "itl_p50", "itl_p95", "e2e_p50", "e2e_p95", "error_rate")
 
@@ -145,9 +147,9 @@ class Level(msgspec.Struct, kw_only=True):
 
 @attrs.frozen
 class Scrape:
-    """Where an engine's own metrics are, and how to read them."""
+    """Where an engine is, and how to read its load."""
 
-    url: str  # .../metrics
+    url: str  # its base URL (no /v1)
     engine: str  # its adapter's name
     key: str = ""
 
@@ -363,13 +365,11 @@ class Ladder:
             if adapter is None:
                 continue
             headers = {"authorization": f"Bearer {scrape.key}"} if scrape.key else {}
-            try:
-                r = await client.get(scrape.url, headers=headers, timeout=2.0)
-            except httpx.HTTPError:
+            signals = None
+            with trio.move_on_after(2.0):
+                signals = await read_load(client, scrape.url, adapter, headers)
+            if signals is None:
                 continue
-            if r.status_code != 200:
-                continue
-            signals = adapter.parse_metrics(r.text)
             if signals.waiting is not None:
                 waiting.append(signals.waiting)
             if signals.running is not None:

@@ -7,7 +7,9 @@ Recommendations come from the last level that met the SLO (the capacity):
   proportion to its weight, so replicas weighted by the concurrency each can
   serve within the SLO each get their share.
 - ``target_waiting``: the most requests the engine had queued while it still met
-  the SLO (at least 1): a queue that deep is healthy, a deeper one is not.
+  the SLO: a queue that deep is healthy, a deeper one is not. It may be 0: a
+  one-slot llama-server whose SLO broke at concurrency 2 broke it with one request
+  queued, so admitting a queue of one would let it break the SLO again.
 - ``kv_ceiling``: the fullest KV cache seen then, rounded up to 5 %, when the
   engine reports one (vLLM's KV usage; llama.cpp's slots' context fill).
 """
@@ -79,9 +81,7 @@ def recommend(level: Level | None) -> Recommendation | None:
     if level.kv_max is not None:
         kv = min(1.0, math.ceil(level.kv_max * 20 - 1e-9) / 20) or 0.05
     waiting = math.ceil(level.waiting_max) if level.waiting_max is not None else 0
-    return Recommendation(
-        weight=float(level.concurrency), target_waiting=max(1, waiting), kv_ceiling=kv
-    )
+    return Recommendation(weight=float(level.concurrency), target_waiting=waiting, kv_ceiling=kv)
 
 
 def finish(run: Run) -> Run:

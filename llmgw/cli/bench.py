@@ -383,7 +383,7 @@ def _engine_version(node: dict[str, Any], engine: str) -> str:
 
 def _scrape(route: dict[str, Any]) -> Scrape:
     return Scrape(
-        url=route["url"] + "/metrics",
+        url=route["url"],
         engine=route.get("engine", ""),
         key=route.get("engine_key", ""),
     )

@@ -41,6 +41,9 @@ class LoadSignals:
     waiting: float | None = None
     running: float | None = None
     kv_usage: float | None = None  # 0..1
+    # how many requests it runs at once, where it says (llama.cpp's slots): what tells
+    # a request sent since the last reading that took a free slot from one that queued
+    slots: float | None = None
 
 
 class ProfileError(ValueError):
@@ -66,6 +69,15 @@ class EngineAdapter(Protocol):
 
     def parse_metrics(self, text: str) -> LoadSignals:
         """Load signals from the engine's Prometheus text."""
+        ...
+
+    # where the engine tells its KV usage when its metrics do not (llama.cpp: /slots);
+    # None: the metrics say it all
+    usage_path: str | None
+
+    def parse_usage(self, body: bytes) -> LoadSignals | None:
+        """KV usage and slots from what ``usage_path`` answered (the other fields None);
+        None when it does not say."""
         ...
 
 

@@ -3,13 +3,18 @@
 Readiness is the server's own ``/health`` (503 "Loading model" until the
 model is in memory, then 200); load comes from ``/metrics`` (enabled with
 ``--metrics``): ``llamacpp:requests_processing`` and
-``llamacpp:requests_deferred``. llama-server has no KV-usage gauge.
+``llamacpp:requests_deferred``. llama-server has no KV-usage gauge; its
+``/slots`` (enabled with ``--slots``) says, per slot, the context it has
+(``n_ctx``), whether it is busy, and how many tokens its request holds (prompt
+and generated): KV usage is the busy slots' tokens over every slot's context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+
+import msgspec
 
 from llmgw.addr import url_host
 from llmgw.engines.base import (
@@ -50,6 +55,39 @@ MANAGED = {
 }
 
 ALL_LAYERS = 999
+
+
+class _Slot(msgspec.Struct):
+    """One entry of llama-server's ``GET /slots`` (the fields read here)."""
+
+    n_ctx: int = 0
+    is_processing: bool = False
+    # the tokens in the slot's context: its prompt and what it has generated so far
+    # (a finished slot keeps its last request's count, with is_processing false)
+    n_prompt_tokens: int = 0
+
+
+_SLOTS = msgspec.json.Decoder(list[_Slot])
+
+
+def slots_usage(body: bytes) -> LoadSignals | None:
+    """KV usage, as the share of the slots' context that busy slots hold (a busy slot
+    holds its prompt and what it has generated, ``n_prompt_tokens``; an idle slot's
+    cached tokens are given up to the next request, so it counts as free), and the
+    number of slots. None for an answer that is not a slot list.
+
+    With ``--kv-unified`` (set by llama-server itself only when ``--parallel`` is
+    left to it; llmgw always sets it) every slot reports the whole context as its
+    own, and this reads low by the number of slots."""
+    try:
+        slots = _SLOTS.decode(body)
+    except msgspec.DecodeError:  # ValidationError is one
+        return None
+    total = sum(s.n_ctx for s in slots)
+    if total <= 0:
+        return None
+    held = sum(s.n_prompt_tokens for s in slots if s.is_processing)
+    return LoadSignals(kv_usage=min(1.0, held / total), slots=float(len(slots)))
 
 
 class LlamaCppAdapter:
@@ -126,6 +164,11 @@ class LlamaCppAdapter:
             running=values.get("llamacpp:requests_processing"),
             kv_usage=None,
         )
+
+    usage_path: str | None = "/slots"
+
+    def parse_usage(self, body: bytes) -> LoadSignals | None:
+        return slots_usage(body)
 
 
 LLAMA_CPP = LlamaCppAdapter()

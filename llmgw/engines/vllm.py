@@ -263,6 +263,11 @@ class _VllmBase:
         return f"{base}/health", f"{base}/metrics"
 
     # ---------------------------------------------------------------- metrics
+    usage_path: str | None = None  # its metrics carry KV usage
+
+    def parse_usage(self, body: bytes) -> LoadSignals | None:
+        return None
+
     def parse_metrics(self, text: str) -> LoadSignals:
         values = sample_values(text)
         kv = values.get(METRIC_KV)

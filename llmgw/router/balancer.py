@@ -75,6 +75,7 @@ class Endpoint:
     in_flight: int = 0  # this router's own count, always fresh
     load: LoadSignals | None = None
     load_at: float | None = None  # when ``load`` was scraped
+    in_flight_at_load: int = 0  # ``in_flight`` when ``load`` was read
     breaker: Breaker = attrs.Factory(Breaker)
     # per-replica thresholds (replicas on different hardware hold different
     # queues); None: the ones passed to ``choose``
@@ -149,20 +150,49 @@ def score(endpoint: Endpoint, load: LoadSignals | None) -> float:
     return work / endpoint.weight
 
 
-def above_thresholds(load: LoadSignals | None, admission: Admission) -> list[str]:
+def queued(endpoint: Endpoint, load: LoadSignals) -> float | None:
+    """The engine's queue now, as best this router can tell: what the last reading
+    said, plus what this router sent since that found no free slot.
+
+    A reading is up to a scrape interval old, and a burst between two readings
+    would otherwise all be admitted against a queue that was empty when read. A
+    request sent since then takes a free slot if the engine had one (its slots,
+    less those running, where it says how many it has; none if it was queueing
+    already) and queues otherwise. An engine that does not say its slots and was
+    not queueing is taken to have room: an unknown is not saturated."""
+    if load.waiting is None:
+        return None
+    sent = endpoint.in_flight - endpoint.in_flight_at_load
+    if sent <= 0:
+        return load.waiting
+    if load.slots is not None and load.running is not None:
+        free = max(0.0, load.slots - load.running - load.waiting)
+    elif load.waiting > 0:
+        free = 0.0
+    else:
+        return load.waiting
+    return load.waiting + max(0.0, sent - free)
+
+
+def above_thresholds(
+    load: LoadSignals | None, admission: Admission, endpoint: Endpoint | None = None
+) -> list[str]:
     """Which thresholds fresh signals exceed, in words; empty when admissible.
+    ``endpoint``: the replica the signals are of, to count what this router sent it
+    since they were read (``queued``).
 
     No fresh signals → never above: an unknown is not saturated.
     """
     if load is None:
         return []
     over: list[str] = []
+    waiting = load.waiting if endpoint is None else queued(endpoint, load)
     if (
         admission.target_waiting is not None
-        and load.waiting is not None
-        and load.waiting > admission.target_waiting
+        and waiting is not None
+        and waiting > admission.target_waiting
     ):
-        over.append(f"waiting {load.waiting:g} > {admission.target_waiting:g}")
+        over.append(f"waiting {waiting:g} > {admission.target_waiting:g}")
     if (
         admission.kv_ceiling is not None
         and load.kv_usage is not None
@@ -271,7 +301,7 @@ def choose(
                 healthy_tried = True
             continue
         load = fresh_load(endpoint, now, stale_after_s)
-        over = above_thresholds(load, endpoint.admission or admission)
+        over = above_thresholds(load, endpoint.admission or admission, endpoint)
         if over:
             saturated.append(f"{' and '.join(over)} on {endpoint.key}")
             continue

@@ -51,7 +51,7 @@ class _EndpointsCollector(Collector):
             breaker.add_metric([ep.model, ep.key], value)
             in_flight.add_metric([ep.model, ep.key], ep.in_flight)
             if ep.load is not None:
-                for name in ("waiting", "running", "kv_usage"):
+                for name in ("waiting", "running", "kv_usage", "slots"):
                     v = getattr(ep.load, name)
                     if v is not None:
                         load.add_metric([ep.model, ep.key, name], v)

@@ -24,6 +24,7 @@ import trio
 
 from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter
+from llmgw.engines.load import read_load
 from llmgw.router.balancer import Admission, Endpoint
 from llmgw.routing import Snapshot, TrafficView
 
@@ -135,13 +136,9 @@ async def _scrape(
     """One endpoint's gauges, given up at ``deadline``: stale signals degrade to
     the in-flight count, never to "saturated"."""
     with trio.move_on_at(deadline):
-        try:
-            r = await client.get(ep.url + "/metrics", headers=engine_auth(ep), timeout=None)
-        except httpx.HTTPError:
-            return
-        if r.status_code == 200:
-            ep.load = adapter.parse_metrics(r.text)
-            ep.load_at = trio.current_time()
+        load = await read_load(client, ep.url, adapter, engine_auth(ep))
+        if load is not None:
+            ep.load, ep.load_at, ep.in_flight_at_load = load, trio.current_time(), ep.in_flight
 
 
 def engine_auth(ep: Endpoint) -> dict[str, str]:

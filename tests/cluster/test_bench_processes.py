@@ -41,8 +41,10 @@ async def test_bench_climbs_straight_at_a_replica_and_through_the_router(
         [replica] = await c.wait_ready(1)
         rid = replica["replica_id"]
         out = tmp_path / "direct.json"
+        # replies long enough that the engine is busy when it is sampled
         await _bench(c, "tiny", "--replica", rid, "--levels", "1,2", "--slo", "ttft_p95=10s",
-                     *QUICK, "--out", str(out), "--png", str(tmp_path / "direct.png"))  # fmt: skip
+                     "--duration", "1", "--input-words", "48", "--output-tokens", "48",
+                     "--out", str(out), "--png", str(tmp_path / "direct.png"))  # fmt: skip
         run = json.loads(out.read_text())
         assert [lv["concurrency"] for lv in run["levels"]] == [1, 2]
         assert all(lv["met_slo"] and lv["errors"] == 0 for lv in run["levels"])
@@ -52,12 +54,16 @@ async def test_bench_climbs_straight_at_a_replica_and_through_the_router(
         assert run["engine"] == "llama.cpp" and run["engine_version"].startswith("b")
         assert run["profile"] == "cpu" and run["hardware"]["nodes"] == ["n1"]
         first = run["levels"][0]
-        assert first["requests"] > 0 and first["output_tokens"] == 6  # ignore_eos: all 6
+        assert first["requests"] > 0 and first["output_tokens"] == 48  # ignore_eos: all 48
         assert first["ttft_p95"] > 0 and first["itl_p95"] is not None
         # what the engine said while it ran (busy slots, deferred requests), read from
         # its own /metrics with its own key (a refused scrape would leave them None)
         assert all(lv["running_max"] is not None for lv in run["levels"])
         assert all(lv["waiting_max"] is not None for lv in run["levels"])
+        # and how full its slots' contexts were, from its /slots: llama.cpp reads as
+        # filling, so kv_ceiling is recommended for it too
+        assert 0 < max(lv["kv_max"] for lv in run["levels"]) < 1, run["levels"]
+        assert run["recommendation"]["kv_ceiling"] is not None
         assert run["recommendation"]["weight"] == 2
         assert (tmp_path / "direct.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

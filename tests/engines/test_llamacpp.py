@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
+import trio
 
+from llmgw.engines.base import LoadSignals
 from llmgw.engines.llamacpp import LLAMA_CPP
+from llmgw.engines.load import read_load
 from llmgw.protocol.messages import ShardSpec
 from tests.agent.discovery.test_weights import write_gguf
+from tests.cluster.test_engine_processes import free_port
+from tests.realparts import LLAMA_SERVER, needs_server
+from tools.tinymodel import write_model
 
 BIN = {"llama-server": "/opt/llama/bin/llama-server"}
 
@@ -121,3 +129,77 @@ def test_load_signals_from_llama_server_metrics() -> None:
     load = LLAMA_CPP.parse_metrics(text)
     assert (load.running, load.waiting, load.kv_usage) == (2.0, 5.0, None)
     assert LLAMA_CPP.parse_metrics("not prometheus {{{") == LLAMA_CPP.parse_metrics("")
+
+
+# --- KV usage from /slots -----------------------------------------------------------
+
+SLOTS = Path(__file__).parent.parent / "fixtures" / "llama-server"
+
+
+def test_kv_usage_is_what_busy_slots_hold_of_every_slots_context() -> None:
+    """Real /slots from llama-server b11434 (-np 2 -c 8192): slot 1 busy with 866 tokens
+    (its prompt and what it had generated), slot 0 idle; after the request, slot 1
+    still reports its 3,015 tokens, but idle: its cache is free for the next request."""
+    busy = LLAMA_CPP.parse_usage((SLOTS / "slots-busy.json").read_bytes())
+    assert busy == LoadSignals(kv_usage=866 / 8192, slots=2.0)
+    after = LLAMA_CPP.parse_usage((SLOTS / "slots-idle-after.json").read_bytes())
+    assert after == LoadSignals(kv_usage=0.0, slots=2.0)
+    for bad in (b"", b"[]", b'{"error": "slots disabled"}', b"<html>", b'[{"n_ctx": "x"}]'):
+        assert LLAMA_CPP.parse_usage(bad) is None, bad
+
+
+@needs_server
+async def test_a_running_llama_server_reads_as_filling_while_a_request_runs(
+    tmp_path: Path,
+) -> None:
+    """The command line the adapter builds, run for real: its /metrics and /slots read
+    together (as the router and ctl bench read them) say the slots it has, and KV
+    usage that rises while a long request runs and falls back to 0 when it ends."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=4096)
+    port = free_port()
+    launch = LLAMA_CPP.launch(
+        spec(model, port=port, settings={"context": 8192, "parallel": 2, "threads": 1}),
+        {"llama-server": str(LLAMA_SERVER)},
+    )
+    base = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "llama.log").open("wb")
+    proc = await trio.lowlevel.open_process(launch.argv, stdout=log, stderr=subprocess.STDOUT)
+    readings: list[LoadSignals] = []
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            with trio.fail_after(60):
+                while True:
+                    try:
+                        if (await client.get(base + "/health")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await trio.sleep(0.05)
+            async with trio.open_nursery() as nursery:
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000,
+                        "ignore_eos": True}  # fmt: skip
+                done = trio.Event()
+
+                async def long_request() -> None:
+                    r = await client.post(base + "/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    done.set()
+
+                nursery.start_soon(long_request)
+                with trio.fail_after(30):
+                    while not done.is_set():
+                        load = await read_load(client, base, LLAMA_CPP, {})
+                        assert load is not None
+                        readings.append(load)
+                        await trio.sleep(0.05)
+            after = await read_load(client, base, LLAMA_CPP, {})
+    finally:
+        proc.kill()
+        with trio.CancelScope(shield=True):
+            await proc.wait()
+    filling = [r.kv_usage for r in readings if r.kv_usage]
+    assert filling, f"no reading saw the request in its slot: {readings}"
+    assert all(r.slots == 2 for r in readings)
+    assert 0 < max(filling) <= 3016 / 8192 + 1e-9
+    assert filling == sorted(filling)  # it only grows while the request generates
+    assert after is not None and (after.kv_usage, after.running) == (0.0, 0.0)

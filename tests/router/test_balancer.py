@@ -25,6 +25,10 @@ STRICT = Admission(target_waiting=4, kv_ceiling=0.9, retry_after_s=2.5)
 
 
 def ep(key: str, **kw: object) -> Endpoint:
+    """An endpoint; with ``load``, read when this router had its ``in_flight`` there
+    (nothing sent since) unless ``in_flight_at_load`` says otherwise."""
+    if "load" in kw:
+        kw.setdefault("in_flight_at_load", kw.get("in_flight", 0))
     return Endpoint(key=key, model="m", url=f"http://{key}:8000", **kw)  # type: ignore[arg-type]
 
 
@@ -383,3 +387,44 @@ def test_retry_budget_floor_lets_a_quiet_router_retry() -> None:
         assert budget.can_retry(0)
         budget.on_retry(0)
     assert not budget.can_retry(0)
+
+
+# --- what was sent since the engine's gauges were read ---------------------------
+
+ONE_QUEUED = Admission(target_waiting=0)
+
+
+def read(in_flight: int, **load: float | None) -> dict[str, object]:
+    """An endpoint whose gauges were read when this router had ``in_flight`` there."""
+    return {"load": LoadSignals(**load), "load_at": NOW - 0.5, "in_flight_at_load": in_flight}
+
+
+def test_a_burst_since_the_last_reading_queues_on_an_engine_with_no_free_slot() -> None:
+    """A one-slot llama-server read busy, nothing queued: a request sent since then
+    queues behind it, though the reading (up to a scrape old) says nothing waits."""
+    one = ep("one", in_flight=1, **read(1, waiting=0, running=1, slots=1))
+    assert choose([one], NOW, admission=ONE_QUEUED).endpoint is one  # nothing sent since
+    one.in_flight = 2  # one sent since the reading: it waits
+    choice = choose([one], NOW, admission=ONE_QUEUED)
+    assert choice.shed and "waiting 1 > 0 on one" in choice.reason
+
+
+def test_requests_sent_since_the_reading_take_free_slots_first() -> None:
+    four = ep("four", in_flight=3, **read(1, waiting=0, running=1, slots=4))
+    assert not choose([four], NOW, admission=ONE_QUEUED).shed  # 2 sent, 3 slots free
+    four.in_flight = 5  # 4 sent since: one more than the free slots
+    assert choose([four], NOW, admission=ONE_QUEUED).shed
+
+
+def test_an_engine_that_does_not_say_its_slots_has_room_until_it_queues() -> None:
+    """vLLM says no slot count: sent since a reading with nothing queued is taken to
+    have found room (an unknown is not saturation); once it queues, every request
+    sent since queues too."""
+    roomy = ep("roomy", in_flight=9, **read(0, waiting=0, running=0))
+    assert not choose([roomy], NOW, admission=ONE_QUEUED).shed
+    queueing = ep("queueing", in_flight=3, **read(2, waiting=1, running=8))
+    choice = choose([queueing], NOW, admission=Admission(target_waiting=1))
+    assert choice.shed and "waiting 2 > 1" in choice.reason
+    # completions since the reading make room again
+    queueing.in_flight = 1
+    assert not choose([queueing], NOW, admission=Admission(target_waiting=1)).shed
