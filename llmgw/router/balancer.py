@@ -151,27 +151,26 @@ def score(endpoint: Endpoint, load: LoadSignals | None) -> float:
 
 
 def queued(endpoint: Endpoint, load: LoadSignals) -> float | None:
-    """The engine's queue now, as best this router can tell: what the last reading
-    said, plus what this router sent since that found no free slot.
+    """The engine's queue as this router can best tell, for admission.
 
     A reading is up to a scrape interval old, and a burst between two readings
-    would otherwise all be admitted against a queue that was empty when read. A
-    request sent since then takes a free slot if the engine had one (its slots,
-    less those running, where it says how many it has; none if it was queueing
-    already) and queues otherwise. An engine that does not say its slots and was
-    not queueing is taken to have room: an unknown is not saturated."""
+    would otherwise all be admitted against a queue that was empty when read:
+
+    - an engine that says how many requests it runs at once (llama.cpp's slots)
+      is judged as it would be with this request sent: this router's requests
+      beyond its slots queue (the reading's own queue, other routers' included,
+      stands if it is longer);
+    - one that does not (vLLM) and was queueing when read queues every request
+      sent since; one that was not queueing is taken to have room (an unknown is
+      not saturation)."""
     if load.waiting is None:
         return None
+    if load.slots is not None:
+        return max(load.waiting, endpoint.in_flight + 1 - load.slots)
     sent = endpoint.in_flight - endpoint.in_flight_at_load
-    if sent <= 0:
-        return load.waiting
-    if load.slots is not None and load.running is not None:
-        free = max(0.0, load.slots - load.running - load.waiting)
-    elif load.waiting > 0:
-        free = 0.0
-    else:
-        return load.waiting
-    return load.waiting + max(0.0, sent - free)
+    if sent > 0 and load.waiting > 0:
+        return load.waiting + sent
+    return load.waiting
 
 
 def above_thresholds(

@@ -8,6 +8,12 @@ not promise the last: one never started runs no ``finally``.
 A streamed (SSE) body is also watched, cheaply, for the time to its first
 event (the first token: an engine sends its head before the prompt is even
 read) and for how many tokens it carried.
+
+A stream's last event (``data: [DONE]``) ends the request on its replica at
+once, before it is passed on: a client that starts its next request the moment
+it reads it must find this one no longer counted, or the balancer, seeing one
+more in flight than there is, sends the next request elsewhere (or, with every
+replica at its slots, sheds it).
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ _STREAM_USAGE = re.compile(rb'"completion_tokens":\s*(\d+)')
 _USAGE = b'"completion_tokens"'
 _TEXT, _EMPTY_TEXT = b'content":"', b'content":""'  # chat: content, reasoning_content
 _COMPLETION_TEXT, _EMPTY_COMPLETION = b'"text":"', b'"text":""'
+_DONE = b"data: [DONE]"
 
 
 class Relay:
     """The body of ``upstream``, relayed; ``outcome``: the breaker's, if it completes."""
 
     __slots__ = (
+        "_ended",
         "_first",
         "_lease",
         "_outcome",
@@ -60,6 +68,7 @@ class Relay:
         self._record = record
         self._stream = stream
         self._first = True
+        self._ended = False
         self._text_events = 0
         self._usage = 0
 
@@ -97,12 +106,15 @@ class Relay:
             self._text_events += chunk.count(_COMPLETION_TEXT) - chunk.count(_EMPTY_COMPLETION)
         elif _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
             self._usage = int(found[1])  # a usage event carries no text
+        if _DONE in chunk[-16:]:  # the last event: done on the replica
+            self._lease.finish(trio.current_time(), self._outcome)
 
     async def aclose(self) -> None:
         self._end(None)
 
     def _end(self, outcome: Outcome | None) -> None:
-        if self._lease.open:
+        if not self._ended:
+            self._ended = True
             self._upstream.body_iter.close()
             now = trio.current_time()
             self._lease.finish(now, outcome)

@@ -136,9 +136,13 @@ async def _scrape(
     """One endpoint's gauges, given up at ``deadline``: stale signals degrade to
     the in-flight count, never to "saturated"."""
     with trio.move_on_at(deadline):
+        before = ep.in_flight
         load = await read_load(client, ep.url, adapter, engine_auth(ep))
         if load is not None:
-            ep.load, ep.load_at, ep.in_flight_at_load = load, trio.current_time(), ep.in_flight
+            # the engine answered somewhere between: the larger count errs towards
+            # room (what was sent meanwhile is not counted as sent since)
+            ep.in_flight_at_load = max(before, ep.in_flight)
+            ep.load, ep.load_at = load, trio.current_time()
 
 
 def engine_auth(ep: Endpoint) -> dict[str, str]:

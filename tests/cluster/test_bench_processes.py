@@ -4,6 +4,8 @@ agent and a real llama-server, straight at the replica and through the router.""
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -150,3 +152,140 @@ async def test_a_broken_slo_stops_the_ladder_and_bad_input_says_what_to_do(
             err = bad.stderr.decode().strip()
             assert bad.returncode != 0 and len(err.splitlines()) == 1, err
             assert words in err, err
+
+
+def _duo(model: Path) -> str:
+    """One model, two profiles of different capacity: four slots on n1, one on n2 (two
+    GPUs each, so each node takes one replica)."""
+    return "".join(
+        f"""
+[[models.duo.profiles]]
+name = "{name}"
+engine = "llama.cpp"
+gpus = 2
+selector = {{ rack = "{rack}" }}
+model_path = "{model}"
+settings = {{ context = {2048 * parallel}, parallel = {parallel}, threads = 1, threads_batch = 1 }}
+startup_timeout_s = 60
+"""
+        for name, rack, parallel in (("four", "r0", 4), ("one", "r1", 1))
+    )
+
+
+# on a one-slot llama-server a second request waits out a whole 1,024-token reply (half
+# a second or more here), while a request that finds a slot has its first token in
+# tens of milliseconds
+SLO = "ttft_p95=300ms"
+REPLY = 1024
+WORK = ["--duration", "2", "--input-words", "32", "--output-tokens", str(REPLY)]
+
+
+async def _streams(
+    base: str, key: str, users: int, seconds: float, *, pause: float = 0.05
+) -> tuple[list[float], list[tuple[int, str]]]:
+    """``users`` closed-loop streaming clients through the router for ``seconds`` (each
+    waits ``pause`` after a refusal): the time to first token of each admitted request,
+    and (status, Retry-After) of each refused one."""
+    ttfts: list[float] = []
+    refused: list[tuple[int, str]] = []
+    why: list[str] = []
+    body = {"model": "duo", "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": REPLY, "ignore_eos": True, "stream": True}  # fmt: skip
+    deadline = trio.current_time() + seconds
+
+    async def user(client: httpx.AsyncClient) -> None:
+        while trio.current_time() < deadline:
+            sent = trio.current_time()
+            async with client.stream("POST", base + "/chat/completions", json=body) as r:
+                if r.status_code != 200:
+                    refused.append((r.status_code, r.headers.get("retry-after", "")))
+                    why.append((await r.aread()).decode()[:300])
+                    await trio.sleep(pause)
+                    continue
+                first = None
+                async for line in r.aiter_lines():
+                    if first is None and line.startswith("data: {") and '"content":"' in line:
+                        first = trio.current_time() - sent
+                assert first is not None
+                ttfts.append(first)
+
+    headers = {"authorization": f"Bearer {key}"}
+    limits = httpx.Limits(max_connections=users + 4)
+    async with (
+        httpx.AsyncClient(timeout=30, headers=headers, limits=limits) as client,
+        trio.open_nursery() as nursery,
+    ):
+        for _ in range(users):
+            nursery.start_soon(user, client)
+    if why:
+        print("refused, first:", why[0], "last:", why[-1])
+    return ttfts, refused
+
+
+@needs_server
+async def test_bench_weights_split_the_load_and_admission_sheds_before_the_slo_breaks(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Two real llama-servers of one model, four slots and one: ctl bench measures each,
+    --write and a reload give each profile its weight and thresholds, and then through
+    the router (1) each replica carries its weight's share of the requests in flight,
+    within 10 %, and (2) with three times the load they can serve, the router sheds
+    with 429 and Retry-After while every request it lets through still meets the SLO."""
+    model = tmp_path / "tiny.gguf"
+    async with routed(tmp_path, pki, replicas=0, nodes=2, serves="duo", context=2048,
+                      extra_catalog="\n[models.duo]\nreplicas = 2\n" + _duo(model),
+                      ) as (c, base, key):  # fmt: skip
+        ready = await c.wait_ready(2, model="duo")
+        by_profile = {r["profile"]: r["replica_id"] for r in ready}
+        assert set(by_profile) == {"four", "one"}, ready
+        weights = {}
+        for profile, rid in by_profile.items():
+            out = tmp_path / f"{profile}.json"
+            await _bench(c, "duo", "--replica", rid, "--levels", "1,2,4,8", "--slo", SLO,
+                         *WORK, "--out", str(out), "--write",
+                         "--config", str(tmp_path / "server.toml"))  # fmt: skip
+            run = json.loads(out.read_text())
+            assert run["capacity"] is not None, run["levels"]
+            weights[rid] = run["recommendation"]["weight"]
+        assert weights[by_profile["four"]] > weights[by_profile["one"]], (
+            weights,
+            [(lv["concurrency"], lv["ttft_p50"], lv["ttft_p95"], lv["itl_p95"], lv["running_max"],
+              lv["waiting_max"]) for lv in json.loads((tmp_path / "four.json").read_text())["levels"]],
+        )  # fmt: skip
+        await c.server.ctl("reload")
+        with trio.fail_after(10):
+            while {r["key"]: r["weight"] for r in (await _routing(c))["routes"]} != weights:
+                await trio.sleep(0.2)
+
+        # (1) one user more than both can serve (so that a slot never idles while a
+        # client turns round): each replica's share of the time requests spent on it
+        # (the router's access log: the replica and time of each) follows its weight
+        total = int(sum(weights.values()))
+        start = len(c.server.log())
+        await _streams(base, key, total + 1, 8.0, pause=0.01)
+        busy = dict.fromkeys(weights, 0.0)
+        log = c.server.log()[start:]
+        for rid, took in re.findall(r"status=200 \S+ \S+ replica=(\S+) time=([\d.]+)s", log):
+            busy[rid] += float(took)
+        assert sum(busy.values()) > 6.0 * total, busy  # most of the time, every slot
+        for rid, weight in weights.items():
+            share, want = busy[rid] / sum(busy.values()), weight / total
+            assert abs(share - want) <= 0.10 * want, (rid, share, want, busy)
+
+        # (2) three times that: refused with 429 and Retry-After, and what is let through
+        # meets the SLO the weights were measured at, as the router timed it (from the
+        # request to its first event relayed; this test's own client, sharing two cores
+        # with everything else, adds its own delays)
+        start = len(c.server.log())
+        _, refused = await _streams(base, key, 3 * total, 4.0)
+        assert refused, "nothing was shed at three times the capacity"
+        assert {status for status, _ in refused} == {429}, refused[:5]
+        assert all(after.isdigit() and int(after) >= 1 for _, after in refused), refused[:5]
+        ttfts = sorted(
+            float(t) for t in re.findall(r"status=200 .* ttft=([\d.]+)s", c.server.log()[start:])
+        )
+        assert len(ttfts) >= 5, ttfts
+        p95 = ttfts[max(0, math.ceil(len(ttfts) * 0.95) - 1)]
+        print(f"weights {weights}; in flight {busy}; at 3x: {len(ttfts)} admitted, "
+              f"TTFT p95 {p95 * 1000:.0f} ms, {len(refused)} refused")  # fmt: skip
+        assert p95 <= 0.300, f"TTFT p95 {p95 * 1000:.0f} ms over {len(ttfts)} admitted requests"

@@ -44,7 +44,11 @@ async def routed(
     extra_catalog: str = "",
     router_extra: str = "",
     extra_keys: str = "",
+    nodes: int | None = None,
+    serves: str = "tiny",
 ) -> AsyncIterator[tuple[Cluster, str, str]]:
+    """A cluster with a router: ``replicas`` of the tiny model, on ``nodes`` agents (by
+    default one, two for more than one replica), ready once ``serves`` is listed."""
     key = new_key()
     router = (
         '[router]\nlisten = "127.0.0.1:0"\nmax_body_mb = 1\naccess_log = true\n'
@@ -63,9 +67,8 @@ async def routed(
         settle_s=1,
         log_level="debug",  # whatever the router logs, keys must not be in it
     ) as c:
-        c.agent("n1")
-        if replicas > 1:
-            c.agent("n2")
+        for i in range(nodes if nodes is not None else 1 + (replicas > 1)):
+            c.agent(f"n{i + 1}")
         await c.wait_ready(replicas)
         m = await c.server.wait_log(r"OpenAI-compatible endpoint on (http://127\.0\.0\.1:\d+/v1)")
         base = m.group(1)
@@ -75,7 +78,7 @@ async def routed(
                     r = await client.get(
                         base + "/models", headers={"authorization": f"Bearer {key}"}
                     )
-                if r.status_code == 200 and "tiny" in [m["id"] for m in r.json()["data"]]:
+                if r.status_code == 200 and serves in [m["id"] for m in r.json()["data"]]:
                     break
                 await trio.sleep(0.1)
         yield c, base, key

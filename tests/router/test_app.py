@@ -33,6 +33,7 @@ class Engine:
     chunks: int = 3
     reply_delay: float = 0.0  # before a whole (non-streamed) reply
     first_delay: float = 0.0  # before a stream's first event
+    tail_delay: float = 0.0  # after a stream's last event, before its body ends
     received: int = 0
     abandoned: int = 0  # requests whose connection closed before the reply was done
     port: int = 0
@@ -68,6 +69,7 @@ class Engine:
                 await trio.sleep(self.chunk_delay)
                 yield f'data: {{"id":"{self.name}","n":{i},"delta":{{"content":"t"}}}}\n\n'.encode()
             yield b"data: [DONE]\n\n"
+            await trio.sleep(self.tail_delay)
             done = True
         finally:
             self.abandoned += not done
@@ -370,6 +372,34 @@ async def test_a_streams_first_token_and_token_count_are_measured(rig: Rig) -> N
     ttft = m.ttft.labels("m")._sum.get()
     assert ttfb < 0.3 <= ttft, (ttfb, ttft)
     assert m.tokens.labels("m")._sum.get() == 7  # not the role event, nor [DONE]
+
+
+async def test_a_streams_last_event_frees_its_replica_before_the_client_reads_it(
+    rig: Rig,
+) -> None:
+    """A client may start its next request the moment it reads ``[DONE]``; by then the
+    replica must no longer count this one, or the balancer sees one more in flight
+    than there is (and, with every slot taken, sheds the next request). The engine
+    here holds its body open a while after its last event."""
+    a = rig.engines["a"]
+    a.tail_delay = 5.0
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))
+    [ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
+    with trio.fail_after(3):
+        async with (
+            httpx.AsyncClient(timeout=10) as client,
+            client.stream(
+                "POST", rig.base + "/chat/completions", json=chat(True), headers=AUTH
+            ) as r,
+        ):
+            seen = b""
+            async for chunk in r.aiter_bytes():
+                seen += chunk
+                if seen.endswith(b"data: [DONE]\n\n"):
+                    assert ep.in_flight == 0
+                    assert ep.breaker.consecutive_faults == 0
+                    break
+    assert seen.endswith(b"data: [DONE]\n\n")
 
 
 async def test_the_access_log_has_a_line_per_request_and_no_key(

@@ -399,21 +399,36 @@ def read(in_flight: int, **load: float | None) -> dict[str, object]:
     return {"load": LoadSignals(**load), "load_at": NOW - 0.5, "in_flight_at_load": in_flight}
 
 
-def test_a_burst_since_the_last_reading_queues_on_an_engine_with_no_free_slot() -> None:
-    """A one-slot llama-server read busy, nothing queued: a request sent since then
-    queues behind it, though the reading (up to a scrape old) says nothing waits."""
-    one = ep("one", in_flight=1, **read(1, waiting=0, running=1, slots=1))
-    assert choose([one], NOW, admission=ONE_QUEUED).endpoint is one  # nothing sent since
-    one.in_flight = 2  # one sent since the reading: it waits
+def test_an_engine_with_slots_is_judged_with_the_request_sent() -> None:
+    """A one-slot llama-server read idle, nothing queued: it takes one request; this
+    router's second request there would queue behind the first, though the reading
+    (up to a scrape old) says nothing runs."""
+    one = ep("one", in_flight=0, **read(0, waiting=0, running=0, slots=1))
+    assert choose([one], NOW, admission=ONE_QUEUED).endpoint is one
+    one.in_flight = 1  # sent since the reading
     choice = choose([one], NOW, admission=ONE_QUEUED)
     assert choice.shed and "waiting 1 > 0 on one" in choice.reason
 
 
 def test_requests_sent_since_the_reading_take_free_slots_first() -> None:
     four = ep("four", in_flight=3, **read(1, waiting=0, running=1, slots=4))
-    assert not choose([four], NOW, admission=ONE_QUEUED).shed  # 2 sent, 3 slots free
-    four.in_flight = 5  # 4 sent since: one more than the free slots
-    assert choose([four], NOW, admission=ONE_QUEUED).shed
+    assert not choose([four], NOW, admission=ONE_QUEUED).shed  # the fourth slot is free
+    four.in_flight = 4
+    assert choose([four], NOW, admission=ONE_QUEUED).shed  # a fifth would queue
+    assert not choose([four], NOW, admission=Admission(target_waiting=1)).shed
+    # a queue the reading saw (another router's requests) stands
+    shared = ep("shared", in_flight=0, **read(0, waiting=2, running=4, slots=4))
+    assert choose([shared], NOW, admission=Admission(target_waiting=1)).shed
+
+
+def test_at_capacity_the_next_request_goes_where_a_slot_is_free() -> None:
+    """Four slots full and one slot free, read when the one-slot replica was busy
+    (its stale running count scores it as loaded as the other): the request goes
+    to the free slot, never to queue behind four."""
+    four = ep("four", weight=4, in_flight=4, **read(4, waiting=0, running=4, slots=4))
+    one = ep("one", weight=1, in_flight=0, **read(1, waiting=0, running=1, slots=1))
+    for r in (0.0, 0.99):
+        assert choose([four, one], NOW, admission=ONE_QUEUED, rng_value=r).endpoint is one
 
 
 def test_an_engine_that_does_not_say_its_slots_has_room_until_it_queues() -> None:
