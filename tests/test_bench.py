@@ -141,8 +141,10 @@ def test_capacity_is_the_last_level_that_met_the_slo_and_sets_the_recommendation
 
 
 def test_the_table_plot_and_json_say_what_was_measured() -> None:
-    run = a_run([level(1, True, waiting_max=0), level(2, False, waiting_max=5)])
+    run = a_run([level(1, True, waiting_max=0, running_max=1, slots=4),
+                 level(2, False, waiting_max=5)])  # fmt: skip
     table = results.render(run)
+    assert " 1/4 " in table  # busy slots of the engine's slots, where it says
     assert "m (h200 profile, vllm 0.11.2) via replica m-x-1" in table
     assert "hardware: n1, 1 GPU (NVIDIA H200), 64 CPUs, 512 GiB" in table
     assert "broke: ttft_p95 1s > 500ms" in table

@@ -138,6 +138,7 @@ class Level(msgspec.Struct, kw_only=True):
     waiting_max: float | None = None
     waiting_mean: float | None = None
     running_max: float | None = None
+    slots: float | None = None  # requests the engine(s) run at once, where they say (llama.cpp)
     kv_max: float | None = None
     kv_mean: float | None = None
     met_slo: bool = False
@@ -159,6 +160,7 @@ class _Samples:
     waiting: list[float] = attrs.Factory(list)
     running: list[float] = attrs.Factory(list)
     kv: list[float] = attrs.Factory(list)
+    slots: list[float] = attrs.Factory(list)
 
 
 @attrs.define
@@ -245,6 +247,7 @@ class Ladder:
             waiting_max=max(samples.waiting, default=None),
             waiting_mean=_mean(samples.waiting),
             running_max=max(samples.running, default=None),
+            slots=max(samples.slots, default=None),
             kv_max=max(samples.kv, default=None),
             kv_mean=_mean(samples.kv),
             error_examples=tally.examples,
@@ -360,6 +363,7 @@ class Ladder:
         waiting: list[float] = []
         running: list[float] = []
         kv: list[float] = []
+        slots: list[float] = []
         for scrape in self.scrapes:
             adapter = adapters().get(scrape.engine)
             if adapter is None:
@@ -374,6 +378,8 @@ class Ladder:
                 waiting.append(signals.waiting)
             if signals.running is not None:
                 running.append(signals.running)
+            if signals.slots is not None:
+                slots.append(signals.slots)
             if signals.kv_usage is not None:
                 kv.append(signals.kv_usage)
         # over the replicas aimed at: queues and running requests add up, KV is the fullest
@@ -381,6 +387,8 @@ class Ladder:
             samples.waiting.append(sum(waiting))
         if running:
             samples.running.append(sum(running))
+        if slots:
+            samples.slots.append(sum(slots))
         if kv:
             samples.kv.append(max(kv))
 

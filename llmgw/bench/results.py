@@ -144,7 +144,7 @@ def render(run: Run) -> str:
                 _t(lv.e2e_p95),
                 f"{lv.errors}/{lv.requests}",
                 _n(lv.waiting_max, 0),
-                _n(lv.running_max, 0),
+                _n(lv.running_max, 0) + ("" if lv.slots is None else f"/{lv.slots:.0f}"),
                 "-" if lv.kv_max is None else f"{lv.kv_max:.0%}",
                 "met" if lv.met_slo else "broke: " + "; ".join(lv.broke),
             ]

@@ -65,6 +65,7 @@ async def test_bench_climbs_straight_at_a_replica_and_through_the_router(
         # and how full its slots' contexts were, from its /slots: llama.cpp reads as
         # filling, so kv_ceiling is recommended for it too
         assert 0 < max(lv["kv_max"] for lv in run["levels"]) < 1, run["levels"]
+        assert all(lv["slots"] == 1 for lv in run["levels"])  # --parallel 1
         assert run["recommendation"]["kv_ceiling"] is not None
         assert run["recommendation"]["weight"] == 2
         assert (tmp_path / "direct.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
