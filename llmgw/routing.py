@@ -58,3 +58,4 @@ class TrafficView(msgspec.Struct, kw_only=True):
     running: float | None = None
     kv_usage: float | None = None
     load_age_s: float | None = None  # since that scrape; None: never scraped
+    wedged: str = ""  # why the router holds it wedged (work, no progress); "" if not

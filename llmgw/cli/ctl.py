@@ -320,6 +320,8 @@ def render_traffic(t: dict[str, Any] | None) -> str:
     if t is None:
         return "-"
     words = [f"{t['in_flight']} in flight"]
+    if t.get("wedged"):
+        words.append(f"WEDGED: {t['wedged']}")
     if t["breaker"] != "closed":
         words.append(f"breaker {t['breaker']}")
     if t.get("load_age_s") is None:

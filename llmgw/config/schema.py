@@ -129,6 +129,9 @@ class RouterConfig(_Section):
     first_byte_timeout_s: float = 120.0  # request sent -> head and first body byte (prefill)
     idle_timeout_s: float = 60.0  # between chunks of a streamed answer
     queue_timeout_s: float = 0.0  # every replica saturated: wait this long for room, then 429
+    # work in flight and the engine's progress counter flat this long: wedged, its
+    # breaker opens (0: never judged)
+    wedged_after_s: float = 30.0
     access_log: bool = False  # one line per request (logger llmgw.router.access), key by name
 
     def validate(self) -> None:
@@ -141,6 +144,10 @@ class RouterConfig(_Section):
                 "router.max_bodies_mb",
                 f"must be at least router.max_body_mb ({self.max_body_mb:g}), "
                 f"got {self.max_bodies_mb:g}",
+            )
+        if self.wedged_after_s < 0:
+            raise ConfigError(
+                "", "router.wedged_after_s", f"must be 0 or more, got {self.wedged_after_s:g}"
             )
         for key in ("max_connections", "max_connections_per_address"):
             if getattr(self, key) < 1:

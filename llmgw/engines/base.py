@@ -44,6 +44,9 @@ class LoadSignals:
     # how many requests it runs at once, where it says (llama.cpp's slots): what tells
     # a request sent since the last reading that took a free slot from one that queued
     slots: float | None = None
+    # a counter that grows while the engine generates (llama.cpp: decode calls; vLLM:
+    # generated tokens): flat while it has requests in flight, the engine is wedged
+    progress: float | None = None
 
 
 class ProfileError(ValueError):

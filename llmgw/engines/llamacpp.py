@@ -3,7 +3,9 @@
 Readiness is the server's own ``/health`` (503 "Loading model" until the
 model is in memory, then 200); load comes from ``/metrics`` (enabled with
 ``--metrics``): ``llamacpp:requests_processing`` and
-``llamacpp:requests_deferred``. llama-server has no KV-usage gauge; its
+``llamacpp:requests_deferred``, and progress from ``llamacpp:n_decode_total``
+(a step's worth at a time; ``tokens_predicted_total`` moves only as requests
+end). llama-server has no KV-usage gauge; its
 ``/slots`` (enabled with ``--slots``) says, per slot, the context it has
 (``n_ctx``), whether it is busy, and how many tokens its request holds (prompt
 and generated): KV usage is the busy slots' tokens over every slot's context.
@@ -163,6 +165,8 @@ class LlamaCppAdapter:
             waiting=values.get("llamacpp:requests_deferred"),
             running=values.get("llamacpp:requests_processing"),
             kv_usage=None,
+            # per decode step; tokens_predicted_total grows only as requests end
+            progress=values.get("llamacpp:n_decode_total"),
         )
 
     usage_path: str | None = "/slots"

@@ -100,6 +100,7 @@ METRIC_WAITING = "vllm:num_requests_waiting"
 METRIC_RUNNING = "vllm:num_requests_running"
 METRIC_KV = "vllm:kv_cache_usage_perc"
 METRIC_KV_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM renamed it
+METRIC_PROGRESS = "vllm:generation_tokens_total"  # counted every engine step
 
 
 def _normal_flag(arg: str) -> str:
@@ -277,6 +278,7 @@ class _VllmBase:
             waiting=values.get(METRIC_WAITING),
             running=values.get(METRIC_RUNNING),
             kv_usage=kv,
+            progress=values.get(METRIC_PROGRESS),
         )
 
 

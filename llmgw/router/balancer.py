@@ -76,6 +76,11 @@ class Endpoint:
     load: LoadSignals | None = None
     load_at: float | None = None  # when ``load`` was scraped
     in_flight_at_load: int = 0  # ``in_flight`` when ``load`` was read
+    # the engine's progress counter as last read, and when it last moved (or the
+    # engine had nothing to do): flat while work is in flight, the engine is wedged
+    progress: float | None = None
+    progress_at: float | None = None
+    wedged: str = ""  # why it counts as wedged now, in words; "" while it progresses
     breaker: Breaker = attrs.Factory(Breaker)
     # per-replica thresholds (replicas on different hardware hold different
     # queues); None: the ones passed to ``choose``
@@ -171,6 +176,46 @@ def queued(endpoint: Endpoint, load: LoadSignals) -> float | None:
     if sent > 0 and load.waiting > 0:
         return load.waiting + sent
     return load.waiting
+
+
+def note_progress(endpoint: Endpoint, load: LoadSignals, now: float) -> None:
+    """Keep when the engine's progress counter last moved, from a fresh reading. An
+    engine with nothing to do makes no progress and is not wedged: its clock restarts."""
+    if load.progress is None:
+        return
+    if (
+        endpoint.progress_at is None
+        or load.progress != endpoint.progress
+        or not _has_work(endpoint, load)
+    ):
+        endpoint.progress, endpoint.progress_at = load.progress, now
+
+
+def _has_work(endpoint: Endpoint, load: LoadSignals) -> bool:
+    return endpoint.in_flight > 0 or (load.running or 0) > 0 or (load.waiting or 0) > 0
+
+
+def wedged(
+    endpoint: Endpoint, now: float, after_s: float, stale_after_s: float = 5.0
+) -> str | None:
+    """Why the replica is wedged, in words; "" when it is not; None when this cannot be
+    told (no fresh reading, or no progress counter).
+
+    Wedged: it has work (this router's requests in flight, or the engine's own count
+    of running and waiting), its metrics answer, and its progress counter has stayed
+    flat for ``after_s``. Its health check may well pass meanwhile (vLLM #17972). An
+    engine that is merely slow still moves its counter; one whose metrics do not
+    answer is left to its requests' own timeouts."""
+    load = fresh_load(endpoint, now, stale_after_s)
+    if after_s <= 0:
+        return ""
+    if load is None or load.progress is None or endpoint.progress_at is None:
+        return None
+    flat = now - endpoint.progress_at
+    if not _has_work(endpoint, load) or flat < after_s:
+        return ""
+    work = max(float(endpoint.in_flight), load.running or 0.0) + (load.waiting or 0.0)
+    return f"{work:g} requests in flight and no progress for {flat:.0f} s"
 
 
 def above_thresholds(

@@ -144,6 +144,15 @@ class Breaker:
             self.opened_at = now
             self.probes_in_flight = 0
 
+    def trip(self, now: float, why: str) -> None:
+        """Open now, whatever the fault count, for evidence other than a request's
+        fault (a wedged engine); open already, the cool-down starts again."""
+        if self.state is not BreakerState.OPEN:
+            self._move(BreakerState.OPEN)
+        self.opened_at = now
+        self.probes_in_flight = 0
+        self.reason = why
+
     def on_client_error(self, now: float) -> None:
         """The engine answered with an error: never counts against the replica.
 

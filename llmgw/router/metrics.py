@@ -34,6 +34,12 @@ class _EndpointsCollector(Collector):
             "Requests this router has in flight",
             labels=["model", "replica"],
         )
+        wedged = GaugeMetricFamily(
+            "llmgw_router_wedged",
+            "1 while the replica has work and its progress counter is flat "
+            "(router.wedged_after_s): its breaker is held open",
+            labels=["model", "replica"],
+        )
         load = GaugeMetricFamily(
             "llmgw_router_load",
             "The load signals the router sees per replica (engine gauges as last scraped)",
@@ -50,13 +56,15 @@ class _EndpointsCollector(Collector):
             )
             breaker.add_metric([ep.model, ep.key], value)
             in_flight.add_metric([ep.model, ep.key], ep.in_flight)
+            wedged.add_metric([ep.model, ep.key], 1.0 if ep.wedged else 0.0)
             if ep.load is not None:
-                for name in ("waiting", "running", "kv_usage", "slots"):
+                for name in ("waiting", "running", "kv_usage", "slots", "progress"):
                     v = getattr(ep.load, name)
                     if v is not None:
                         load.add_metric([ep.model, ep.key, name], v)
         yield breaker
         yield in_flight
+        yield wedged
         yield load
 
 

@@ -25,7 +25,7 @@ import trio
 from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.load import read_load
-from llmgw.router.balancer import Admission, Endpoint
+from llmgw.router.balancer import Admission, Endpoint, note_progress, wedged
 from llmgw.routing import Snapshot, TrafficView
 
 log = logging.getLogger("llmgw.router")
@@ -48,10 +48,12 @@ class RoutingTable:
         *,
         scrape_s: float = 1.0,
         on_gone: Callable[[list[str]], None] = lambda _: None,
+        wedged_after_s: float = 30.0,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
         self.on_gone = on_gone  # told the replicas that left the table, once each
         self.scrape_s = scrape_s
+        self.wedged_after_s = wedged_after_s
         self.version = ""
         self.endpoints: dict[str, list[Endpoint]] = {}
         self.admission: dict[str, Admission] = {}
@@ -127,7 +129,31 @@ class RoutingTable:
                         adapter = engines.get(engine)
                         if ep is not None and adapter is not None:
                             nursery.start_soon(_scrape, client, ep, adapter, beat)
+                self._judge_progress(trio.current_time())
                 await trio.sleep_until(beat)
+
+    def _judge_progress(self, now: float) -> None:
+        """A replica with work and a flat progress counter is wedged: its breaker opens
+        (and stays open while it stays so), said once; its counter moving again (or
+        its work gone) is said once too, and its breaker lets a probe in as usual.
+        Without a fresh reading nothing changes."""
+        for ep in self._by_key.values():
+            why = wedged(ep, now, self.wedged_after_s)
+            if why is None:
+                continue
+            if why:
+                ep.breaker.trip(now, f"wedged: {why}")
+                if not ep.wedged:
+                    log.warning(
+                        "replica %s of model %s is wedged: %s, though its metrics answer; "
+                        "its breaker is open and no new request goes to it",
+                        ep.key,
+                        ep.model,
+                        why,
+                    )
+            elif ep.wedged:
+                log.info("replica %s of model %s makes progress again", ep.key, ep.model)
+            ep.wedged = why
 
 
 async def _scrape(
@@ -143,6 +169,7 @@ async def _scrape(
             # room (what was sent meanwhile is not counted as sent since)
             ep.in_flight_at_load = max(before, ep.in_flight)
             ep.load, ep.load_at = load, trio.current_time()
+            note_progress(ep, load, ep.load_at)
 
 
 def engine_auth(ep: Endpoint) -> dict[str, str]:
@@ -159,6 +186,7 @@ def traffic_view(ep: Endpoint, now: float) -> TrafficView:
         running=load.running if load else None,
         kv_usage=load.kv_usage if load else None,
         load_age_s=None if ep.load_at is None else max(0.0, now - ep.load_at),
+        wedged=ep.wedged or "",
     )
 
 

@@ -145,7 +145,12 @@ async def serve(
     keys = None
     if config.router.listen:
         metrics = RouterMetrics(control.metrics.registry)
-        table = RoutingTable(routing.next, routing.snapshot, on_gone=metrics.forget)
+        table = RoutingTable(
+            routing.next,
+            routing.snapshot,
+            on_gone=metrics.forget,
+            wedged_after_s=config.router.wedged_after_s,
+        )
         keys = KeyRing(api_keys(config.router))
         router = (table, router_app(config.router, table, metrics, keys))
     reload = Reloader(fleet, keys, reread) if fleet is not None or keys is not None else None

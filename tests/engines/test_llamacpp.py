@@ -125,9 +125,12 @@ def test_load_signals_from_llama_server_metrics() -> None:
         "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
         "# TYPE llamacpp:prompt_tokens_total counter\n"
         "llamacpp:prompt_tokens_total 120\n"
+        "# HELP llamacpp:n_decode_total Total number of llama_decode() calls\n"
+        "# TYPE llamacpp:n_decode_total counter\n"
+        "llamacpp:n_decode_total 1301\n"
     )
     load = LLAMA_CPP.parse_metrics(text)
-    assert (load.running, load.waiting, load.kv_usage) == (2.0, 5.0, None)
+    assert (load.running, load.waiting, load.kv_usage, load.progress) == (2.0, 5.0, None, 1301)
     assert LLAMA_CPP.parse_metrics("not prometheus {{{") == LLAMA_CPP.parse_metrics("")
 
 

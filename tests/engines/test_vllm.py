@@ -472,6 +472,9 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.4375
 # HELP vllm:prompt_tokens_total Number of prefill tokens processed.
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{engine="0",model_name="m"} 12345.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="m"} 6789.0
 # HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
 # TYPE vllm:e2e_request_latency_seconds histogram
 vllm:e2e_request_latency_seconds_sum{engine="0",model_name="m"} 42.5
@@ -499,9 +502,9 @@ vllm:gpu_cache_usage_perc{model_name="m"} 0.25
 
 def test_parse_metrics() -> None:
     assert VLLM.parse_metrics(VLLM_METRICS) == LoadSignals(
-        waiting=7.0, running=3.0, kv_usage=0.4375
+        waiting=7.0, running=3.0, kv_usage=0.4375, progress=6789.0
     )
-    assert VLLM_RAY.parse_metrics(VLLM_METRICS) == LoadSignals(7.0, 3.0, 0.4375)
+    assert VLLM_RAY.parse_metrics(VLLM_METRICS) == VLLM.parse_metrics(VLLM_METRICS)
 
 
 def test_parse_metrics_older_kv_name() -> None:
@@ -512,7 +515,9 @@ def test_parse_metrics_older_kv_name() -> None:
 
 def test_parse_metrics_missing_is_none_not_zero() -> None:
     text = "\n".join(
-        line for line in VLLM_METRICS.splitlines() if "waiting" not in line and "kv_" not in line
+        line
+        for line in VLLM_METRICS.splitlines()
+        if "waiting" not in line and "kv_" not in line and "generation" not in line
     )
     assert VLLM.parse_metrics(text + "\n") == LoadSignals(waiting=None, running=3.0, kv_usage=None)
     assert VLLM.parse_metrics("") == LoadSignals()
@@ -596,7 +601,7 @@ async def test_single_node_end_to_end(tmp_path: Path) -> None:
         models = (await client.get(launch.health_url.replace("/health", "/v1/models"))).json()
         assert [m["id"] for m in models["data"]] == [s.model, "qwen"]
         signals = VLLM.parse_metrics((await client.get(launch.metrics_url)).text)
-        assert signals == LoadSignals(waiting=0.0, running=0.0, kv_usage=0.0)
+        assert signals == LoadSignals(waiting=0.0, running=0.0, kv_usage=0.0, progress=0.0)
 
         base = launch.health_url.removesuffix("/health")
         chat = {"model": "qwen", "messages": [{"role": "user", "content": "hi there"}]}

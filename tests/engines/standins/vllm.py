@@ -23,6 +23,10 @@ Environment:
   PP). It says what it waits for every 10 s, as vLLM does, and it serves only
   once they have joined. Once serving, a rank that leaves the cluster ends it
   with exit 1, as a dead Ray worker ends vLLM's engine.
+- ``STANDIN_WEDGE_AFTER_TOKENS`` (unset: never): after that many tokens generated
+  in all, it generates no more: every request in flight stalls, and new ones too,
+  while ``/health`` answers 200 and ``/metrics`` answers with its counters flat
+  (vLLM #17972: an engine that accepts requests and makes no progress).
 - ``CUDA_VISIBLE_DEVICES``: the GPUs it pretends to have (unset: none).
 - ``VLLM_API_KEY``: as vLLM's: when set, every path under ``/v1`` answers 401
   ``{"error": "Unauthorized"}`` without ``Authorization: Bearer <key>``; the
@@ -142,12 +146,27 @@ class State:
         self.max_len = max_len
         self.running = 0
         self.served = 0
+        self.generated = 0
         self.lock = threading.Lock()
         self.delay = env_float("STANDIN_TOKEN_DELAY_S", 0.05)
+        wedge = os.environ.get("STANDIN_WEDGE_AFTER_TOKENS")
+        self.wedge_after = int(wedge) if wedge else None
+
+    def step(self) -> None:
+        """One token's time, counted; past the wedge point it never returns."""
+        time.sleep(self.delay)
+        with self.lock:
+            wedged = self.wedge_after is not None and self.generated >= self.wedge_after
+            if not wedged:
+                self.generated += 1
+        if wedged:
+            say(f"wedged after {self.wedge_after} tokens: generating nothing more")
+            while True:
+                time.sleep(3600)
 
     def metrics(self) -> bytes:
         with self.lock:
-            running, served = self.running, self.served
+            running, served, generated = self.running, self.served, self.generated
         label = f'{{model_name="{self.names[0]}"}}'
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -159,6 +178,9 @@ class State:
             "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
             "# TYPE vllm:kv_cache_usage_perc gauge",
             f"vllm:kv_cache_usage_perc{label} {min(1.0, 0.05 * running)}",
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{label} {float(generated)}",
             "# HELP vllm:request_success_total Count of successfully processed requests.",
             "# TYPE vllm:request_success_total counter",
             f'vllm:request_success_total{{finished_reason="stop",model_name="{self.names[0]}"}} {float(served)}',
@@ -245,7 +267,8 @@ class Handler(BaseHTTPRequestHandler):
             if body.get("stream"):
                 self.stream(chat, model, tokens, finish)
             else:
-                time.sleep(state.delay * len(tokens))
+                for _ in tokens:
+                    state.step()
                 self.json(200, completion(chat, model, tokens, finish, prompt_tokens(body)))
         finally:
             with state.lock:
@@ -266,7 +289,7 @@ class Handler(BaseHTTPRequestHandler):
         if chat:
             event(json.dumps(chunk(chat, model, {"role": "assistant", "content": ""}, None)))
         for i, token in enumerate(tokens):
-            time.sleep(self.server.state.delay)
+            self.server.state.step()
             last = finish if i == len(tokens) - 1 else None
             piece: object = {"content": token} if chat else token
             event(json.dumps(chunk(chat, model, piece, last)))

@@ -1,0 +1,229 @@
+"""Wedged engines: work in flight and a flat progress counter take a replica out, though
+its health check passes; an engine that is merely slow is never taken out."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from llmgw.engines.base import Launch, LoadSignals
+from llmgw.engines.vllm import VLLM
+from llmgw.router.app import RouterApp
+from llmgw.router.balancer import Endpoint, note_progress, wedged
+from llmgw.router.breaker import Breaker, BreakerState
+from llmgw.router.keys import ApiKey, KeyRing, hash_key
+from llmgw.router.table import RoutingTable
+from llmgw.routing import ModelRouting, Route, Snapshot
+from tests.engines.test_tinymodel import llama_server
+from tests.engines.test_vllm import running, spec, wait_healthy, wrapper
+from tests.ports import own_port
+from tests.realparts import needs_server
+from tests.router.test_app import AUTH, KEY, serve
+from tools.tinymodel import write_model
+
+NOW = 1000.0
+
+
+def reading(ep: Endpoint, now: float, progress: float, running: float = 1) -> None:
+    """What a scrape does with a fresh reading."""
+    load = LoadSignals(waiting=0, running=running, progress=progress)
+    ep.load, ep.load_at = load, now
+    note_progress(ep, load, now)
+
+
+def test_work_and_a_flat_counter_for_long_enough_is_wedged() -> None:
+    ep = Endpoint(key="r", model="m", url="http://r")
+    reading(ep, NOW, 500)
+    for t in range(1, 30):
+        reading(ep, NOW + t, 500)
+        assert wedged(ep, NOW + t, 30) == ""
+    reading(ep, NOW + 30, 500)
+    assert wedged(ep, NOW + 30, 30) == "1 requests in flight and no progress for 30 s"
+    reading(ep, NOW + 31, 501)  # it moved: not wedged, and the clock starts again
+    assert wedged(ep, NOW + 31, 30) == ""
+    assert wedged(ep, NOW + 60, 30) is None  # the last reading is stale: no judgement
+
+
+def test_an_idle_engine_is_never_wedged_and_its_clock_restarts() -> None:
+    ep = Endpoint(key="r", model="m", url="http://r")
+    reading(ep, NOW, 500, running=0)
+    reading(ep, NOW + 100, 500, running=0)
+    assert wedged(ep, NOW + 100, 30) == ""
+    ep.in_flight = 1  # work arrives: flat from the last idle reading, not the first
+    reading(ep, NOW + 101, 500, running=0)
+    assert wedged(ep, NOW + 101, 30) == ""
+    reading(ep, NOW + 129, 500, running=1)
+    assert wedged(ep, NOW + 129, 30) == ""
+    reading(ep, NOW + 131, 500, running=1)
+    assert wedged(ep, NOW + 131, 30) == "1 requests in flight and no progress for 31 s"
+
+
+def test_no_counter_or_no_judging_is_never_wedged() -> None:
+    ep = Endpoint(key="r", model="m", url="http://r", in_flight=3)
+    load = LoadSignals(waiting=0, running=3)  # an engine without a progress counter
+    ep.load, ep.load_at = load, NOW
+    note_progress(ep, load, NOW)
+    assert wedged(ep, NOW + 100, 30) is None
+    reading(ep, NOW, 1)
+    assert wedged(ep, NOW + 4, 0) == ""  # wedged_after_s = 0: never judged
+
+
+def test_a_trip_opens_the_breaker_and_restarts_its_cool_down() -> None:
+    b = Breaker(cooldown_s=10)
+    b.trip(NOW, "wedged: no progress")
+    assert (b.state, b.reason) == (BreakerState.OPEN, "wedged: no progress")
+    assert not b.allows(NOW + 9)
+    b.trip(NOW + 9, "wedged: still")
+    assert not b.allows(NOW + 18)  # restarted at +9
+    assert b.allows(NOW + 19) and b.state is BreakerState.HALF_OPEN
+    b.trip(NOW + 19, "wedged: again")
+    assert b.state is BreakerState.OPEN
+
+
+@pytest.fixture
+def caplog_router(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="llmgw.router")
+    return caplog
+
+
+async def test_a_wedged_vllm_is_taken_out_though_its_health_passes(
+    tmp_path: Path, nursery: trio.Nursery, caplog_router: pytest.LogCaptureFixture
+) -> None:
+    """Two vLLM stand-ins; one stops generating after its third token (vLLM #17972: it
+    accepts requests, /health answers 200, /metrics answers with a flat counter). Its
+    stream stalls; the router says so once, opens its breaker, shows it in the admin
+    view and the metrics, and every request after goes to the other, and is answered."""
+    binaries = {"vllm": wrapper(tmp_path / "bin", "vllm")}
+    stuck, healthy = vllm(binaries), vllm(binaries)
+    async with (
+        running(stuck, tmp_path / "stuck.log", STANDIN_LOAD_S="0",
+                STANDIN_TOKEN_DELAY_S="0.02", STANDIN_WEDGE_AFTER_TOKENS="3") as p1,
+        running(healthy, tmp_path / "healthy.log", STANDIN_LOAD_S="0",
+                STANDIN_TOKEN_DELAY_S="0.02") as p2,
+        httpx.AsyncClient(timeout=10) as client,
+    ):  # fmt: skip
+        assert stuck.health_url is not None and healthy.health_url is not None
+        await wait_healthy(client, stuck.health_url, p1)
+        await wait_healthy(client, healthy.health_url, p2)
+        table = RoutingTable(scrape_s=0.1, wedged_after_s=1.0)
+
+        def routes(version: str, healthy_ready: bool) -> Snapshot:
+            return Snapshot(
+                version=version,
+                models={"m": ModelRouting()},
+                routes=[
+                    Route(key=name, model="m", url=launch.removesuffix("/health"),
+                          engine="vllm", ready=name == "stuck" or healthy_ready)
+                    for name, launch in (("stuck", stuck.health_url),
+                                         ("healthy", healthy.health_url))
+                    if launch is not None
+                ],
+            )  # fmt: skip
+
+        # at first only the one that wedges is Ready: the stream goes there
+        table.apply(routes("1", healthy_ready=False))
+        await nursery.start(table.run)
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
+        [ep] = [e for e in table.endpoints["m"] if e.key == "stuck"]
+        # a stream on the one that wedges: it stalls after three tokens
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        got: list[str] = []
+
+        async def stalled() -> None:
+            async with client.stream(
+                "POST", base + "/chat/completions", json=body, headers=AUTH
+            ) as r:
+                async for line in r.aiter_lines():
+                    got.append(line)
+
+        async with trio.open_nursery() as streams:
+            streams.start_soon(stalled)
+            with trio.fail_after(10):
+                while not ep.wedged:
+                    await trio.sleep(0.05)
+            table.apply(routes("2", healthy_ready=True))
+            assert ep.breaker.state is BreakerState.OPEN
+            assert ep.breaker.reason.startswith("wedged: 1 requests in flight and no progress")
+            # its health still passes: only its progress gave it away
+            assert (await client.get(stuck.health_url)).status_code == 200
+            view = table.traffic(trio.current_time())["stuck"]
+            assert view.wedged and view.breaker == "open"
+            # every request now goes to the other one, and is answered
+            for _ in range(5):
+                r = await client.post(
+                    base + "/chat/completions", json={**body, "stream": False}, headers=AUTH
+                )
+                assert r.status_code == 200, r.text
+            assert app.metrics.requests.labels("m", "healthy", "200", "t")._value.get() == 5
+            samples = {
+                s.labels["replica"]: s.value
+                for m in app.metrics.registry.collect()
+                if m.name == "llmgw_router_wedged"
+                for s in m.samples
+            }
+            assert samples == {"stuck": 1.0, "healthy": 0.0}
+            streams.cancel_scope.cancel()
+        assert sum('"content"' in line for line in got) >= 3  # it did start
+        said = [r.getMessage() for r in caplog_router.records if "is wedged" in r.getMessage()]
+        assert len(said) == 1, said  # once, not every scrape
+        assert said[0].startswith("replica stuck of model m is wedged: 1 requests in flight")
+
+
+def vllm(binaries: dict[str, str]) -> Launch:
+    """A one-GPU ``vllm serve`` serving model ``m``, on a port of this test's own."""
+    return VLLM.launch(
+        spec(gpus=[0], port=own_port(), settings={"served_model_name": "m"}), binaries
+    )
+
+
+@needs_server
+async def test_a_slow_llama_server_under_a_burst_is_never_wedged(
+    tmp_path: Path, nursery: trio.Nursery, caplog_router: pytest.LogCaptureFixture
+) -> None:
+    """Slow is not wedged: 64 long requests at once on a one-slot llama-server, most of
+    them deferred for seconds, with a one-second wedge limit judged ten times a second.
+    Its decode counter moves with every step, so it is never taken out, and every
+    request is answered."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    async with llama_server(model, tmp_path) as url:
+        table = RoutingTable(scrape_s=0.1, wedged_after_s=1.0)
+        table.apply(
+            Snapshot(version="1", models={"m": ModelRouting()},
+                     routes=[Route(key="one", model="m", url=url, engine="llama.cpp")])
+        )  # fmt: skip
+        await nursery.start(table.run)
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
+        [ep] = table.endpoints["m"]
+        body = {"model": "m", "messages": [{"role": "user", "content": "go"}],
+                "max_tokens": 400, "ignore_eos": True}  # fmt: skip
+        statuses: list[int] = []
+        deferred: list[float] = []
+
+        async def one(client: httpx.AsyncClient) -> None:
+            r = await client.post(base + "/chat/completions", json=body, headers=AUTH)
+            statuses.append(r.status_code)
+
+        limits = httpx.Limits(max_connections=80)
+        with trio.fail_after(120):
+            async with (
+                httpx.AsyncClient(timeout=100, limits=limits) as client,
+                trio.open_nursery() as burst,
+            ):
+                for _ in range(64):
+                    burst.start_soon(one, client)
+                while len(statuses) < 64:
+                    assert not ep.wedged, ep.wedged
+                    assert ep.breaker.state is BreakerState.CLOSED
+                    if ep.load is not None and ep.load.waiting is not None:
+                        deferred.append(ep.load.waiting)
+                    await trio.sleep(0.05)
+    assert statuses == [200] * 64
+    assert max(deferred) >= 1  # it did queue: slow, not idle
+    assert ep.progress is not None  # the counter was read
+    assert not [r for r in caplog_router.records if "wedged" in r.getMessage()]
