@@ -151,6 +151,10 @@ def test_the_routers_view_of_a_replica_in_words() -> None:
         render_traffic(as_json())
         == "3 in flight, breaker open, 2 waiting, 8 running, kv 91%, gauges 40s old"
     )
+    ep.wedged = "3 requests in flight and no progress for 31 s"
+    assert render_traffic(as_json()).startswith(
+        "3 in flight, WEDGED: 3 requests in flight and no progress for 31 s, breaker open"
+    )
     assert render_traffic(None) == "-"  # no router in this server
 
 
