@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -47,6 +48,8 @@ from llmgw.version import describe
 log = logging.getLogger("llmgw.admin")
 
 _JSON = [("content-type", "application/json")]
+_ROUTER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_REPLICA_ID = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 
 
 def json_response(status: int, body: object) -> Response:
@@ -257,6 +260,15 @@ class AdminApi:
             if host in ("0.0.0.0", "::", ""):
                 host = request.client[0]  # a wildcard: where it is seen from
             routing.followed_by(join_hostport(host, port), trio.current_time())
+        router = params.get("router", [""])[0]
+        if router:  # a router says what it holds wedged (work, no progress), every poll
+            if not _ROUTER_ID.fullmatch(router):
+                return error(400, "router must be 1-64 letters, digits, '-' or '_'")
+            said = params.get("wedged", [""])[0]
+            wedged = frozenset(filter(None, said.split(",")))
+            if len(wedged) > 1000 or not all(_REPLICA_ID.fullmatch(r) for r in wedged):
+                return error(400, "wedged must be at most 1,000 replica ids, comma-separated")
+            routing.report_wedged(router, wedged, trio.current_time())
         fleet = self.fleet
         if since and fleet is not None and routing.snapshot.version != since:
             # A router that holds a table keeps it while agents come back to a control

@@ -107,6 +107,9 @@ class ReconcileConfig(_Section):
     retry_base_s: float = 5.0  # failed placements and replicas are retried with backoff from here
     retry_cap_s: float = 300.0  # the longest wait between two tries (crash loops)
     settle_s: float = 15.0  # after a start, agents re-register before anything is placed
+    # a replica a router holds wedged (router.wedged_after_s) this much longer is failed
+    # and replaced: its engine restarted
+    wedged_grace_s: float = 60.0
 
 
 class KeyConfig(_Section):

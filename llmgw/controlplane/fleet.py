@@ -246,7 +246,9 @@ class FleetManager:
 
     def reconcile_once(self) -> None:
         started = time.perf_counter()
-        plan = self.reconciler.reconcile(self.control.nodes.nodes, self._clock())
+        now = self._clock()
+        self._plans.append(self.reconciler.wedged(self.routing.wedged(now), now))
+        plan = self.reconciler.reconcile(self.control.nodes.nodes, now)
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         wall = time.time()
         for model in list(self.cannot_place):

@@ -107,6 +107,9 @@ class Timing:
     # after a (re)start, agents get this long to re-register before anything is placed:
     # a replica placed in the meantime would double one that is already serving
     settle_s: float = 15.0
+    # a replica the routers hold wedged (work, no progress) this long is failed and
+    # replaced: its engine is restarted
+    wedged_grace_s: float = 60.0
 
 
 class ReplicaIds:
@@ -180,6 +183,8 @@ class Reconciler:
         # a model whose last placement failed, but would fit in what its moving replicas
         # hold: a rollout or spread of it gives way after the drain grace (``_may_force``)
         self.room_short: dict[str, bool] = {}
+        # replicas the routers say are wedged -> since when they have said so
+        self._wedged_since: dict[str, float] = {}
         # per model, the open nodes and its replicas when a spread was last looked at
         self._spread_seen: dict[str, tuple[frozenset[str], frozenset[str]]] = {}
 
@@ -271,6 +276,31 @@ class Reconciler:
         shared = _PassState(self, nodes)  # facts and allocations, built once a pass
         for model in self.catalog.models.values():
             self._scale(model, by_model.get(model.name, []), shared, now, plan)
+        return plan
+
+    def wedged(self, replica_ids: Collection[str], now: float) -> Plan:
+        """The routers' word that these replicas have requests in flight and make no
+        progress (their health checks may pass). One that stays so for the wedged grace
+        fails: its shards are stopped (the agent is told) and a new one is placed, as
+        for any failure. Words that stop, or a replica that is no longer Ready, forget."""
+        plan = Plan()
+        for rid in [r for r in self._wedged_since if r not in replica_ids]:
+            del self._wedged_since[rid]
+        for rid in replica_ids:
+            replica = self.replicas.get(rid)
+            if replica is None or replica.state is not R.READY:
+                self._wedged_since.pop(rid, None)
+                continue
+            since = self._wedged_since.setdefault(rid, now)
+            if now - since >= self.timing.wedged_grace_s:
+                del self._wedged_since[rid]
+                self._fail(
+                    replica,
+                    now,
+                    plan,
+                    f"wedged: its router saw requests in flight and no progress, "
+                    f"for {now - since:.0f} s past its wedged limit; restarting it",
+                )
         return plan
 
     def set_catalog(self, catalog: Catalog) -> None:

@@ -16,6 +16,7 @@ bounded by the next beat: one dead replica ages nobody's gauges but its own.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -49,11 +50,13 @@ class RoutingTable:
         scrape_s: float = 1.0,
         on_gone: Callable[[list[str]], None] = lambda _: None,
         wedged_after_s: float = 30.0,
+        on_wedged: Callable[[frozenset[str]], None] = lambda _: None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
         self.on_gone = on_gone  # told the replicas that left the table, once each
         self.scrape_s = scrape_s
         self.wedged_after_s = wedged_after_s
+        self.on_wedged = on_wedged  # told the replicas held wedged, after every judgement
         self.version = ""
         self.endpoints: dict[str, list[Endpoint]] = {}
         self.admission: dict[str, Admission] = {}
@@ -154,6 +157,11 @@ class RoutingTable:
             elif ep.wedged:
                 log.info("replica %s of model %s makes progress again", ep.key, ep.model)
             ep.wedged = why
+        self.on_wedged(self.wedged_ids())
+
+    def wedged_ids(self) -> frozenset[str]:
+        """The replicas this router holds wedged now (for the control plane to restart)."""
+        return frozenset(ep.key for ep in self._by_key.values() if ep.wedged)
 
 
 async def _scrape(
@@ -205,6 +213,10 @@ class HttpWatch:
         # where this router serves its metrics, told to the control plane with every
         # poll so that its service discovery lists it ("": none)
         self.metrics_address = ""
+        # what this router holds wedged, told with every poll under its own id (a
+        # router's workers each poll, each with its own table)
+        self.wedged: Callable[[], frozenset[str]] = frozenset
+        self.router_id = secrets.token_hex(6)
         self._headers = {"authorization": f"Bearer {token}"}
         self._client = httpx.AsyncClient(timeout=poll_s + 10)
 
@@ -214,7 +226,12 @@ class HttpWatch:
             try:
                 r = await self._client.get(
                     self.url,
-                    params={"since": since, "wait": str(self.poll_s)}
+                    params={
+                        "since": since,
+                        "wait": str(self.poll_s),
+                        "router": self.router_id,
+                        "wedged": ",".join(sorted(self.wedged())),
+                    }
                     | ({"metrics": self.metrics_address} if self.metrics_address else {}),
                     headers=self._headers,
                 )

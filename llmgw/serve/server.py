@@ -138,6 +138,7 @@ async def serve(
                 retry_base_s=rc.retry_base_s,
                 retry_cap_s=rc.retry_cap_s,
                 settle_s=rc.settle_s,
+                wedged_grace_s=rc.wedged_grace_s,
             ),
         )
     routing = fleet.routing if fleet is not None else RoutingPublisher()
@@ -150,6 +151,7 @@ async def serve(
             routing.snapshot,
             on_gone=metrics.forget,
             wedged_after_s=config.router.wedged_after_s,
+            on_wedged=lambda ids: routing.report_wedged("in-process", ids, trio.current_time()),
         )
         keys = KeyRing(api_keys(config.router))
         router = (table, router_app(config.router, table, metrics, keys))

@@ -229,6 +229,51 @@ async def test_a_replica_that_fails_is_one_warning_in_the_fleet_log(
     ]
 
 
+async def test_a_replica_the_routers_hold_wedged_is_restarted_after_the_grace(
+    pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A router says, with every poll, that a Ready replica has work and makes no
+    progress: after the wedged grace its agent is told to stop it (one warning says
+    why) and a new one is started; nothing happens before the grace."""
+    caplog.set_level(logging.INFO)
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    async with control_plane(
+        pki, heartbeat=HEARTBEAT_S, unreachable_after=30, lost_after=60
+    ) as plane:
+        fleet = FleetManager(plane.control, catalog, timing=Timing(settle_s=0, wedged_grace_s=1.0))
+        async with agent_ws(plane, "n2") as n2, trio.open_nursery() as nursery:
+            await nursery.start(fleet.run)
+            with trio.fail_after(5):
+                start = _decode(await n2.get_message())
+            assert isinstance(start, StartShard)
+            shard, replica = start.spec.shard_id, start.spec.replica_id
+            await n2.send_message(encode(ShardStatus(shard_id=shard, state="starting")))
+            await n2.send_message(encode(ShardStatus(shard_id=shard, state="ready")))
+            await wait_for(lambda: fleet.reconciler.replicas[replica].state.value == "Ready")
+            said_at = trio.current_time()
+
+            async def router_polls() -> None:
+                while True:
+                    fleet.routing.report_wedged("r1", frozenset({replica}), trio.current_time())
+                    await trio.sleep(0.1)
+
+            nursery.start_soon(router_polls)
+            with trio.fail_after(10):
+                stop = _decode(await n2.get_message())
+            assert isinstance(stop, StopShard) and stop.shard_id == shard
+            assert trio.current_time() - said_at >= 1.0  # not before the grace
+            with trio.fail_after(10):
+                again = _decode(await n2.get_message())
+            assert isinstance(again, StartShard) and again.spec.model == "second"
+            assert again.spec.replica_id != replica
+            nursery.cancel_scope.cancel()
+    said = [r.getMessage() for r in caplog.records if "wedged" in r.getMessage()]
+    assert said == [
+        f"replica {replica} failed: wedged: its router saw requests in flight and no "
+        "progress, for 1 s past its wedged limit; restarting it"
+    ], said
+
+
 async def test_a_command_to_a_stream_whose_session_just_failed_is_not_sent(
     pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:

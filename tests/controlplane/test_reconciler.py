@@ -684,3 +684,25 @@ def test_the_startup_timeout_covers_the_whole_group() -> None:
     assert sorted(s.shard_id for s in plan.stop) == sorted(
         [head.spec.shard_id, worker.spec.shard_id]
     )
+
+
+def test_a_replica_held_wedged_past_the_grace_fails_and_is_replaced() -> None:
+    """Routers say a Ready replica has work and makes no progress: once they have said
+    so for the wedged grace, it fails (its shards stopped) and a new one is placed;
+    words that stop before that forget it."""
+    nodes = fleet("n1", "n2", gpus=1)
+    rec = reconciler(catalog(), Timing(settle_s=0, wedged_grace_s=60))
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    [big] = [r for r in rec.replicas.values() if r.model == "big"]
+    assert not rec.wedged({big.replica_id}, now=10)
+    assert not rec.wedged(set(), now=40)  # it moved again: forgotten
+    assert not rec.wedged({big.replica_id}, now=50)  # the grace starts again here
+    assert not rec.wedged({big.replica_id}, now=109)
+    failed = rec.wedged({big.replica_id}, now=110)
+    assert [s.shard_id for s in failed.stop] == [big.shards[0].shard_id]
+    assert big.state is ReplicaState.FAILED
+    assert failed.failed[0].why.startswith("wedged: its router saw requests in flight")
+    replaced = rec.reconcile(nodes.nodes, now=111)
+    assert [s.spec.model for s in replaced.start] == ["big"]
+    assert not rec.wedged({big.replica_id}, now=200)  # no longer Ready: nothing more

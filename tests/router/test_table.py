@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import httpx
 import trio
 import trio.lowlevel
 import trio.testing
@@ -105,6 +106,51 @@ async def test_the_admin_watch_answers_a_standalone_router_on_the_change(
     await _until(lambda: "m" in table.endpoints)
     assert table.version == publisher.snapshot.version
     assert trio.current_time() == 0
+
+
+async def test_a_standalone_router_tells_the_control_plane_what_it_holds_wedged(
+    nursery: trio.Nursery,
+) -> None:
+    """With every poll of the admin API's watch, under its own id: the control plane
+    holds a replica wedged while some router says so, and not once none does."""
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
+    )
+    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
+    server = HttpServer(AdminApi(control, TOKEN, routing=publisher))
+    listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    held: frozenset[str] = frozenset()
+    watches = [HttpWatch(url, TOKEN, poll_s=0.05), HttpWatch(url, TOKEN, poll_s=0.05)]
+    watches[0].wedged = lambda: held  # one router's table; the other holds nothing
+    for watch in watches:
+        await nursery.start(RoutingTable(watch).run)
+    now = trio.current_time
+    held = frozenset({"m-ab12cd-1", "Qwen/Qwen3-8B-ab12cd-2"})
+    await _until(lambda: publisher.wedged(now()) == held)
+    await trio.sleep(0.3)  # the other router's polls do not clear what this one says
+    assert publisher.wedged(now()) == held
+    held = frozenset()
+    await _until(lambda: publisher.wedged(now()) == frozenset())
+
+
+async def test_a_bad_wedged_report_is_refused_and_changes_nothing(nursery: trio.Nursery) -> None:
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
+    )
+    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
+    api = AdminApi(control, TOKEN, routing=publisher)
+    listeners = await nursery.start(HttpServer(api).serve_tcp, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1/routing"
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}) as client:
+        for params, words in (
+            ({"router": "a b"}, "router must be 1-64 letters"),
+            ({"router": "r", "wedged": "ok,<script>"}, "wedged must be at most 1,000"),
+            ({"router": "r", "wedged": ",".join(f"m-{i}" for i in range(1001))}, "at most"),
+        ):
+            r = await client.get(url, params=params)
+            assert r.status_code == 400 and words in r.text, (params, r.text)
+    assert publisher.wedged(trio.current_time()) == frozenset()
 
 
 async def test_one_dead_replica_ages_no_other_replicas_gauges(nursery: trio.Nursery) -> None:

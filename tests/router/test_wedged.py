@@ -109,7 +109,8 @@ async def test_a_wedged_vllm_is_taken_out_though_its_health_passes(
         assert stuck.health_url is not None and healthy.health_url is not None
         await wait_healthy(client, stuck.health_url, p1)
         await wait_healthy(client, healthy.health_url, p2)
-        table = RoutingTable(scrape_s=0.1, wedged_after_s=1.0)
+        told: list[frozenset[str]] = []  # what the control plane is told (in-process)
+        table = RoutingTable(scrape_s=0.1, wedged_after_s=1.0, on_wedged=told.append)
 
         def routes(version: str, healthy_ready: bool) -> Snapshot:
             return Snapshot(
@@ -148,6 +149,7 @@ async def test_a_wedged_vllm_is_taken_out_though_its_health_passes(
                     await trio.sleep(0.05)
             table.apply(routes("2", healthy_ready=True))
             assert ep.breaker.state is BreakerState.OPEN
+            assert told[-1] == frozenset({"stuck"}) and told[0] == frozenset()
             assert ep.breaker.reason.startswith("wedged: 1 requests in flight and no progress")
             # its health still passes: only its progress gave it away
             assert (await client.get(stuck.health_url)).status_code == 200
