@@ -9,6 +9,11 @@ A streamed (SSE) body is also watched, cheaply, for the time to its first
 event (the first token: an engine sends its head before the prompt is even
 read) and for how many tokens it carried.
 
+A stream whose replica fails after its head (a reset, a killed engine, a stall
+past ``idle_timeout_s``) ends with an error event in OpenAI's format, which the
+openai client raises as an ``APIError`` with its words, never a silent cut (the
+connection itself stays whole).
+
 A stream's last event (``data: [DONE]``) ends the request on its replica at
 once, before it is passed on: a client that starts its next request the moment
 it reads it must find this one no longer counted, or the balancer, seeing one
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import trio
 
 from llmgw.http.client import UpstreamError, UpstreamResponse
@@ -84,7 +90,9 @@ class Relay:
         except UpstreamError as exc:
             self._record.upstream_error(self._lease.endpoint.key, attempt.kind(exc))
             self._end(verdict(attempt.failure(exc), started=True).outcome)
-            raise
+            if not self._stream:
+                raise
+            return cut_short(self._lease.endpoint.key, exc)  # then the body is over
         except BaseException:
             self._end(None)
             raise
@@ -121,3 +129,15 @@ class Relay:
             record = self._record
             record.tokens = self._usage or self._text_events
             record.end(now, ENDED[outcome])
+
+
+def cut_short(replica: str, exc: UpstreamError) -> bytes:
+    """The last event of a stream whose replica failed mid-way: OpenAI's error shape."""
+    error = {
+        "message": f"the reply was cut short: replica {replica} failed mid-stream ({exc}); "
+        "what was sent stands, the rest is lost: ask again",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_failed",
+    }
+    return b"data: " + msgspec.json.encode({"error": error}) + b"\n\n"

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import attrs
 import httpx
 import msgspec
+import openai
 import pytest
 import trio
 
@@ -34,6 +35,7 @@ class Engine:
     reply_delay: float = 0.0  # before a whole (non-streamed) reply
     first_delay: float = 0.0  # before a stream's first event
     tail_delay: float = 0.0  # after a stream's last event, before its body ends
+    fail_after: int | None = None  # a stream breaks (the engine dies) after this many tokens
     received: int = 0
     abandoned: int = 0  # requests whose connection closed before the reply was done
     port: int = 0
@@ -67,6 +69,8 @@ class Engine:
             yield f'data: {{"id":"{self.name}","delta":{{"role":"assistant","content":""}}}}\n\n'.encode()
             for i in range(self.chunks):
                 await trio.sleep(self.chunk_delay)
+                if i == self.fail_after:
+                    raise RuntimeError("the engine died")  # the server cuts the connection
                 yield f'data: {{"id":"{self.name}","n":{i},"delta":{{"content":"t"}}}}\n\n'.encode()
             yield b"data: [DONE]\n\n"
             await trio.sleep(self.tail_delay)
@@ -400,6 +404,39 @@ async def test_a_streams_last_event_frees_its_replica_before_the_client_reads_it
                     assert ep.breaker.consecutive_faults == 0
                     break
     assert seen.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_stream_whose_replica_dies_mid_way_ends_with_an_error_event(rig: Rig) -> None:
+    """The engine dies after three tokens: the client gets those three, then an error
+    event in OpenAI's format (the openai client raises it as an APIError with its words),
+    and a whole HTTP response, never a silent cut; the replica's breaker counts it."""
+    a = rig.engines["a"]
+    a.chunks, a.fail_after = 10, 3
+    rig.table.apply(snapshot(rig.routes(b=(False, False))))
+    [ep] = [e for e in rig.table.endpoints["m"] if e.key == "a"]
+    client = openai.AsyncOpenAI(base_url=rig.base, api_key=KEY, max_retries=0, timeout=10)
+
+    async def read() -> None:
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        async for _ in stream:
+            pass
+
+    with trio.fail_after(10), pytest.raises(openai.APIError) as raised:
+        await read()
+    assert "the reply was cut short: replica a failed mid-stream" in raised.value.message
+    # the bytes: what was sent stands, then the error event, in a whole response (a cut
+    # connection would raise httpx.RemoteProtocolError here)
+    async with (
+        httpx.AsyncClient(timeout=10) as raw,
+        raw.stream("POST", rig.base + "/chat/completions", json=chat(True), headers=AUTH) as r,
+    ):
+        events = [line async for line in r.aiter_lines() if line]
+    assert [e.count('"content":"t"') for e in events[1:4]] == [1, 1, 1]
+    assert events[4].startswith('data: {"error":{"message":"the reply was cut short')
+    assert len(events) == 5
+    assert ep.in_flight == 0 and ep.breaker.consecutive_faults == 2
 
 
 async def test_the_access_log_has_a_line_per_request_and_no_key(
