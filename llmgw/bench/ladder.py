@@ -195,6 +195,9 @@ class Ladder:
     slo: Slo
     levels: Sequence[int]
     duration_s: float = 30.0
+    # a level runs past duration_s until this many requests ended (at most ten times as
+    # long): the p95 of a handful of requests is their slowest, one outlier's verdict
+    min_requests: int = 0
     request_timeout_s: float = 120.0
     ignore_eos: bool = True  # every reply runs to its max_tokens: the same work each time
     scrapes: Sequence[Scrape] = ()
@@ -257,7 +260,10 @@ class Ladder:
         return level
 
     async def _user(self, client: httpx.AsyncClient, deadline: float, tally: _Tally) -> None:
-        while trio.current_time() < deadline:
+        last = deadline + 9 * self.duration_s
+        while trio.current_time() < deadline or (
+            tally.done + tally.errors < self.min_requests and trio.current_time() < last
+        ):
             prompt, max_tokens = self.prompts.next()
             await self._request(client, prompt, max_tokens, tally)
 

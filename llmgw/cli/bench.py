@@ -41,6 +41,7 @@ def bench(
     levels: str = "",
     max_concurrency: int = 64,
     duration: float = 30.0,
+    min_requests: int = 20,
     input_words: str = "256",
     output_tokens: str = "128",
     shared_prefix: int = 0,
@@ -74,6 +75,9 @@ def bench(
         The highest level of the default ladder.
     duration
         Seconds each level runs (requests started by then finish).
+    min_requests
+        Each level runs on past --duration until this many requests have ended (at
+        most ten times as long): a p95 of a handful of requests is their slowest.
     input_words
         Prompt length in words: N, uniform:LO,HI or normal:MEAN,SD.
     output_tokens
@@ -110,6 +114,7 @@ def bench(
             levels_text=levels,
             max_concurrency=max_concurrency,
             duration=duration,
+            min_requests=min_requests,
             input_words=input_words,
             output_tokens=output_tokens,
             shared_prefix=shared_prefix,
@@ -169,6 +174,7 @@ def _bench(
     levels_text: str,
     max_concurrency: int,
     duration: float,
+    min_requests: int,
     input_words: str,
     output_tokens: str,
     shared_prefix: int,
@@ -191,8 +197,11 @@ def _bench(
         )
     except (SloError, DistError) as exc:
         raise CtlError(str(exc)) from None
-    if shared_prefix < 0 or max_concurrency < 1 or duration <= 0:
-        raise CtlError("--shared-prefix must be >= 0, --max-concurrency >= 1, --duration > 0")
+    if shared_prefix < 0 or max_concurrency < 1 or duration <= 0 or min_requests < 0:
+        raise CtlError(
+            "--shared-prefix and --min-requests must be >= 0, --max-concurrency >= 1, "
+            "--duration > 0"
+        )
     ladder_levels = _levels(levels_text) if levels_text else default_levels(max_concurrency)
     fleet = _Fleet.read(target, model)
     if replica:
@@ -231,6 +240,7 @@ def _bench(
         slo=slo,
         levels=ladder_levels,
         duration_s=duration,
+        min_requests=min_requests,
         request_timeout_s=request_timeout,
         scrapes=scrapes,
         progress=progress,
