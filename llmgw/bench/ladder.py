@@ -196,7 +196,7 @@ class Ladder:
     levels: Sequence[int]
     duration_s: float = 30.0
     # a level runs past duration_s until this many requests ended (at most ten times as
-    # long): the p95 of a handful of requests is their slowest, one outlier's verdict
+    # long, or a minute more): the p95 of a handful of requests is their slowest
     min_requests: int = 0
     request_timeout_s: float = 120.0
     ignore_eos: bool = True  # every reply runs to its max_tokens: the same work each time
@@ -260,7 +260,7 @@ class Ladder:
         return level
 
     async def _user(self, client: httpx.AsyncClient, deadline: float, tally: _Tally) -> None:
-        last = deadline + 9 * self.duration_s
+        last = deadline + max(9 * self.duration_s, 60.0)
         while trio.current_time() < deadline or (
             tally.done + tally.errors < self.min_requests and trio.current_time() < last
         ):

@@ -77,7 +77,8 @@ def bench(
         Seconds each level runs (requests started by then finish).
     min_requests
         Each level runs on past --duration until this many requests have ended (at
-        most ten times as long): a p95 of a handful of requests is their slowest.
+        most ten times as long, or a minute more): a p95 of a handful of requests is
+        their slowest.
     input_words
         Prompt length in words: N, uniform:LO,HI or normal:MEAN,SD.
     output_tokens
