@@ -154,26 +154,7 @@ def write_slow_model(
     w.add_rope_freq_base(tm.ROPE_BASE)
     w.add_layer_norm_rms_eps(tm.RMS_EPS)
     # the tiny model's tokenizer and chat template, token for token
-    w.add_vocab_size(len(vocab.tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.types)
-    w.add_token_merges([f"{a} {b}" for a, b in vocab.merges])
-    w.add_bos_token_id(vocab.id(tm.ENDOFTEXT))
-    w.add_eos_token_id(vocab.id(tm.IM_END))
-    w.add_eot_token_id(vocab.id(tm.IM_END))
-    w.add_pad_token_id(vocab.id(tm.ENDOFTEXT))
-    w.add_add_bos_token(False)
-    w.add_add_eos_token(False)
-    w.add_chat_template(tm.CHATML_TEMPLATE)
-    for tensor_name, array in tensors.items():
-        w.add_tensor(tensor_name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
+    tm.finish_model(w, vocab, tensors, tmp, path)
     return path
 
 

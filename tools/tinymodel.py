@@ -54,7 +54,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -396,6 +396,20 @@ def write_model(
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_rope_freq_base(ROPE_BASE)
     w.add_layer_norm_rms_eps(RMS_EPS)
+    finish_model(w, vocab, tensors, tmp, path)
+    return path
+
+
+def finish_model(
+    w: gguf.GGUFWriter,
+    vocab: Vocab,
+    tensors: Mapping[str, npt.NDArray[np.generic]],
+    tmp: Path,
+    path: Path,
+) -> None:
+    """Add the tiny model's tokenizer and chat template and ``tensors`` to ``w``, write
+    it to ``tmp`` and move it to ``path``: every model built on this vocabulary (the
+    slow benchmark model too) reads prompts token for token alike."""
     w.add_vocab_size(len(vocab.tokens))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
@@ -416,7 +430,6 @@ def write_model(
     w.write_tensors_to_file()
     w.close()
     os.replace(tmp, path)
-    return path
 
 
 # --- numpy reference of llama.cpp's forward pass (for tests) -------------------------
