@@ -38,6 +38,17 @@ async def _until(done: Callable[[], bool], wall_s: float = 5.0) -> None:
         await trio.lowlevel.checkpoint()
 
 
+async def _admin(nursery: trio.Nursery) -> tuple[RoutingPublisher, str]:
+    """A control plane's admin API on loopback, routing from a publisher: both."""
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
+    )
+    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
+    server = HttpServer(AdminApi(control, TOKEN, routing=publisher))
+    listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
+    return publisher, f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
 def test_the_version_is_the_content() -> None:
     a = versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:1", "http://127.0.0.1:2"))
     b = versioned(
@@ -91,13 +102,7 @@ async def test_the_admin_watch_answers_a_standalone_router_on_the_change(
 ) -> None:
     """Through the admin API's HTTP listener and the standalone router's own watch:
     the long poll parked on the publisher answers the moment the snapshot changes."""
-    control = ControlPlane(
-        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
-    )
-    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
-    server = HttpServer(AdminApi(control, TOKEN, routing=publisher))
-    listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    publisher, url = await _admin(nursery)
     table = RoutingTable(HttpWatch(url, TOKEN))
     await nursery.start(table.run)
     await _until(lambda: table.known("m"))  # the first answer: we held no version
@@ -113,13 +118,7 @@ async def test_a_standalone_router_tells_the_control_plane_what_it_holds_wedged(
 ) -> None:
     """With every poll of the admin API's watch, under its own id: the control plane
     holds a replica wedged while some router says so, and not once none does."""
-    control = ControlPlane(
-        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
-    )
-    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
-    server = HttpServer(AdminApi(control, TOKEN, routing=publisher))
-    listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    publisher, url = await _admin(nursery)
     held: frozenset[str] = frozenset()
     watches = [HttpWatch(url, TOKEN, poll_s=0.05), HttpWatch(url, TOKEN, poll_s=0.05)]
     watches[0].wedged = lambda: held  # one router's table; the other holds nothing
@@ -135,13 +134,8 @@ async def test_a_standalone_router_tells_the_control_plane_what_it_holds_wedged(
 
 
 async def test_a_bad_wedged_report_is_refused_and_changes_nothing(nursery: trio.Nursery) -> None:
-    control = ControlPlane(
-        policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
-    )
-    publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
-    api = AdminApi(control, TOKEN, routing=publisher)
-    listeners = await nursery.start(HttpServer(api).serve_tcp, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1/routing"
+    publisher, admin = await _admin(nursery)
+    url = admin + "/v1/routing"
     async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}) as client:
         for params, words in (
             ({"router": "a b"}, "router must be 1-64 letters"),
