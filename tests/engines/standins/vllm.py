@@ -30,7 +30,38 @@ Environment:
 - ``CUDA_VISIBLE_DEVICES``: the GPUs it pretends to have (unset: none).
 - ``VLLM_API_KEY``: as vLLM's: when set, every path under ``/v1`` answers 401
   ``{"error": "Unauthorized"}`` without ``Authorization: Bearer <key>``; the
-  others (``/health``, ``/metrics``) are open, and so is every ``OPTIONS``.
+  others (``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``) are open,
+  and so is every ``OPTIONS``.
+
+Tokens: it has what vLLM offers to resume a broken stream on another replica,
+so the gateway's resuming can be tested without a GPU.
+
+- A toy tokenizer: ids 0-255 are single bytes of UTF-8 text, ids 1000-1005 are
+  the words of its reply (``TOKENS``). Text is cut left to right, the longest
+  word where one matches, else one byte; ids turn back into text byte by byte
+  (``errors="replace"``). An id outside that vocabulary is a 400.
+- A chat template: each message is ``<|role|>content`` and a newline, then
+  ``<|assistant|>`` unless ``add_generation_prompt`` is false (vLLM's default is
+  true). Content given as parts is their text, a newline between parts.
+- ``POST /tokenize`` (text, or messages through the template) and ``POST
+  /detokenize``, with vLLM's bodies and answers, outside ``/v1`` as in vLLM.
+- ``/v1/completions`` takes the prompt as text or as a list of token ids.
+- Generation follows from the context, deterministic: after word i of the reply
+  comes word i + 1; after its last word, ".", the reply is over (finish
+  "stop"); after anything else (the end of a prompt) comes its first word. A
+  fresh prompt gets the whole reply; a prompt that already ends with the ids of
+  "Hello from the" gets " vLLM stand-in." and no more, so a stream resumed with
+  the right ids can be told from one resumed with wrong ones. ``max_tokens``
+  cuts it (finish "length").
+- ``return_token_ids`` (vLLM 0.10.2 and later): every streamed chunk with a
+  token carries ``token_ids`` in its choice; the prompt's ids come in the chat
+  stream's first chunk as ``prompt_token_ids`` (a completions stream: in the
+  first chunk's choice). Unstreamed, the choice has ``token_ids``, and the
+  prompt's ids are the chat response's ``prompt_token_ids`` (a completions
+  response: its choice's). Without it, none of these keys appear.
+- ``usage.prompt_tokens`` counts the prompt's ids; with ``stream_options:
+  {"include_usage": true}`` a stream ends with a chunk with no choices and the
+  usage, before ``[DONE]``, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -49,6 +80,9 @@ from typing import Any, NoReturn
 
 PREFIX = "vllm stand-in:"
 TOKENS = ["Hello", " from", " the", " vLLM", " stand-in", "."]
+WORD_BASE = 1000  # id of TOKENS[0]; ids 0-255 are bytes
+WORDS = [w.encode() for w in TOKENS]
+DEFAULT_MAX_LEN = 2048  # what /tokenize says without --max-model-len
 
 
 def say(message: str, *, err: bool = False) -> None:
@@ -138,6 +172,102 @@ def check_gpus(args: argparse.Namespace) -> None:
     if needed > have:
         time.sleep(env_float("STANDIN_FAIL_S", 0.3))
         fail(f"{layout}, CUDA_VISIBLE_DEVICES={visible!r} has {have}")
+
+
+class BadRequest(ValueError):
+    """A request vLLM would answer 400."""
+
+
+def tokenize(text: str) -> list[int]:
+    """Left to right: the longest word of TOKENS that starts here, else one byte."""
+    raw = text.encode()
+    ids: list[int] = []
+    at = 0
+    while at < len(raw):
+        best = -1
+        for i, word in enumerate(WORDS):
+            if raw.startswith(word, at) and (best < 0 or len(word) > len(WORDS[best])):
+                best = i
+        if best >= 0:
+            ids.append(WORD_BASE + best)
+            at += len(WORDS[best])
+        else:
+            ids.append(raw[at])
+            at += 1
+    return ids
+
+
+def token_ids(value: object) -> list[int]:
+    """A list of ids of the vocabulary, else BadRequest."""
+    if not isinstance(value, list):
+        raise BadRequest(f"token ids must be a list of integers, got {value!r}")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise BadRequest(f"token ids must be integers, got {t!r}")
+        if not (0 <= t < 256 or WORD_BASE <= t < WORD_BASE + len(TOKENS)):
+            raise BadRequest(f"token id {t} is out of vocabulary")
+    return value
+
+
+def detokenize(ids: object) -> str:
+    """The text of a list of ids; BadRequest for anything else."""
+    raw = b"".join(bytes([t]) if t < 256 else WORDS[t - WORD_BASE] for t in token_ids(ids))
+    return raw.decode(errors="replace")
+
+
+def render(messages: object, add_generation_prompt: bool = True) -> str:
+    """The chat template: ``<|role|>content`` and a newline each, then ``<|assistant|>``."""
+    if not isinstance(messages, list):
+        raise BadRequest(f"messages must be a list, got {messages!r}")
+    text = ""
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"a message needs a role: {m!r}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [p for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            content = "\n".join(str(p.get("text", "")) for p in parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise BadRequest(f"a message's content must be text or parts, got {content!r}")
+        text += f"<|{m['role']}|>{content}\n"
+    return text + "<|assistant|>" if add_generation_prompt else text
+
+
+def successor(context: list[int]) -> int | None:
+    """The next id after ``context``; None: the reply is over."""
+    last = context[-1] if context else None
+    if last == WORD_BASE + len(TOKENS) - 1:
+        return None
+    if last is not None and WORD_BASE <= last < WORD_BASE + len(TOKENS) - 1:
+        return last + 1
+    return WORD_BASE
+
+
+def generate(prompt: list[int], limit: int | None) -> tuple[list[int], str]:
+    """The ids generated after ``prompt``, at most ``limit``, and the finish reason."""
+    context = list(prompt)
+    out: list[int] = []
+    while limit is None or len(out) < limit:
+        nxt = successor(context)
+        if nxt is None:
+            break
+        out.append(nxt)
+        context.append(nxt)
+    return out, "stop" if successor(context) is None else "length"
+
+
+def max_tokens(body: dict[str, Any]) -> int | None:
+    limit = body.get("max_tokens") or body.get("max_completion_tokens")
+    if limit is None:
+        return None
+    try:
+        if isinstance(limit, bool):
+            raise ValueError
+        return max(1, int(limit))
+    except (TypeError, ValueError):
+        raise BadRequest(f"max_tokens must be an integer, got {limit!r}") from None
 
 
 class State:
@@ -244,8 +374,7 @@ class Handler(BaseHTTPRequestHandler):
         state = self.server.state
         if self.refused():
             return
-        chat = self.path == "/v1/chat/completions"
-        if not chat and self.path != "/v1/completions":
+        if self.path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
             self.json(404, {"detail": "Not Found"})
             return
         length = int(self.headers.get("Content-Length") or 0)
@@ -254,28 +383,68 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             self.json(400, error("the body is not JSON", "BadRequestError", 400))
             return
+        if not isinstance(body, dict):
+            self.json(400, error("the body is not a JSON object", "BadRequestError", 400))
+            return
         model = body.get("model") or state.names[0]
         if model not in state.names:
             self.json(404, error(f"The model `{model}` does not exist.", "NotFoundError", 404))
             return
-        limit = body.get("max_tokens") or body.get("max_completion_tokens") or len(TOKENS)
-        tokens = TOKENS[: max(1, int(limit))]
-        finish = "stop" if len(tokens) == len(TOKENS) else "length"
+        try:
+            if self.path == "/tokenize":
+                self.tokenize(body)
+            elif self.path == "/detokenize":
+                self.json(200, {"prompt": detokenize(body.get("tokens"))})
+            else:
+                self.complete(body, model)
+        except BadRequest as exc:
+            self.json(400, error(str(exc), "BadRequestError", 400))
+
+    def tokenize(self, body: dict[str, Any]) -> None:
+        if "messages" in body:
+            text = render(body["messages"], bool(body.get("add_generation_prompt", True)))
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise BadRequest("/tokenize wants a prompt (text) or messages")
+        ids = tokenize(text)
+        max_len = self.server.state.max_len or DEFAULT_MAX_LEN
+        self.json(
+            200, {"count": len(ids), "max_model_len": max_len, "tokens": ids, "token_strs": None}
+        )
+
+    def complete(self, body: dict[str, Any], model: str) -> None:
+        """/v1/completions and /v1/chat/completions: the reply follows from the prompt's ids."""
+        state = self.server.state
+        chat = self.path == "/v1/chat/completions"
+        if chat:
+            text = render(body.get("messages", []), bool(body.get("add_generation_prompt", True)))
+            prompt = tokenize(text)
+        elif isinstance(body.get("prompt"), list):
+            prompt = token_ids(body["prompt"])
+        elif isinstance(body.get("prompt", ""), str):
+            prompt = tokenize(body.get("prompt", ""))
+        else:
+            raise BadRequest("prompt must be text or a list of token ids")
+        ids, finish = generate(prompt, max_tokens(body))
+        reply = Reply(chat, model, prompt, bool(body.get("return_token_ids")))
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and bool(options.get("include_usage"))
         with state.lock:
             state.running += 1
         try:
             if body.get("stream"):
-                self.stream(chat, model, tokens, finish)
+                self.stream(reply, ids, finish, usage)
             else:
-                for _ in tokens:
+                for _ in ids:
                     state.step()
-                self.json(200, completion(chat, model, tokens, finish, prompt_tokens(body)))
+                self.json(200, reply.completion(ids, finish))
         finally:
             with state.lock:
                 state.running -= 1
                 state.served += 1
 
-    def stream(self, chat: bool, model: str, tokens: list[str], finish: str) -> None:
+    def stream(self, reply: Reply, ids: list[int], finish: str, usage: bool) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Transfer-Encoding", "chunked")
@@ -286,13 +455,17 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
             self.wfile.flush()
 
-        if chat:
-            event(json.dumps(chunk(chat, model, {"role": "assistant", "content": ""}, None)))
-        for i, token in enumerate(tokens):
+        # the prompt's ids go with the first chunk: chat's role chunk, else the first token's
+        if reply.chat:
+            event(json.dumps(reply.chunk(None, None, first=True)))
+        for i, token in enumerate(ids):
             self.server.state.step()
-            last = finish if i == len(tokens) - 1 else None
-            piece: object = {"content": token} if chat else token
-            event(json.dumps(chunk(chat, model, piece, last)))
+            last = finish if i == len(ids) - 1 else None
+            event(json.dumps(reply.chunk(token, last, first=i == 0 and not reply.chat)))
+        if not ids:  # nothing to generate: only the finish
+            event(json.dumps(reply.chunk(None, finish, first=not reply.chat)))
+        if usage:
+            event(json.dumps(reply.usage_chunk(len(ids))))
         event("[DONE]")
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
@@ -302,47 +475,69 @@ def error(message: str, kind: str, code: int) -> dict[str, object]:
     return {"object": "error", "message": message, "type": kind, "param": None, "code": code}
 
 
-def prompt_tokens(body: dict[str, Any]) -> int:
-    if "messages" in body:
-        text = " ".join(str(m.get("content", "")) for m in body["messages"])
-    else:
-        text = str(body.get("prompt", ""))
-    return len(text.split())
+class Reply:
+    """The bodies of one request's answer, in vLLM's shapes."""
 
+    def __init__(self, chat: bool, model: str, prompt: list[int], with_ids: bool) -> None:
+        self.chat = chat
+        self.model = model
+        self.prompt = prompt
+        self.with_ids = with_ids  # return_token_ids
 
-def completion(
-    chat: bool, model: str, tokens: list[str], finish: str, prompt: int
-) -> dict[str, object]:
-    text = "".join(tokens)
-    choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": finish}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return {
-        "id": "chatcmpl-standin" if chat else "cmpl-standin",
-        "object": "chat.completion" if chat else "text_completion",
-        "created": 0,
-        "model": model,
-        "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt,
-            "completion_tokens": len(tokens),
-            "total_tokens": prompt + len(tokens),
-        },
-    }
+    def head(self, obj: str) -> dict[str, object]:
+        return {
+            "id": "chatcmpl-standin" if self.chat else "cmpl-standin",
+            "object": obj,
+            "created": 0,
+            "model": self.model,
+        }
 
+    def usage(self, generated: int) -> dict[str, int]:
+        n = len(self.prompt)
+        return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
 
-def chunk(chat: bool, model: str, piece: object, finish: str | None) -> dict[str, object]:
-    choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": finish}
-    choice["delta" if chat else "text"] = piece
-    return {
-        "id": "chatcmpl-standin" if chat else "cmpl-standin",
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": 0,
-        "model": model,
-        "choices": [choice],
-    }
+    def completion(self, ids: list[int], finish: str) -> dict[str, object]:
+        text = detokenize(ids)
+        choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = self.head("chat.completion" if self.chat else "text_completion")
+        if self.with_ids:
+            choice["token_ids"] = ids
+            # vLLM: the chat response has them at the top, a completion in its choice
+            (body if self.chat else choice)["prompt_token_ids"] = self.prompt
+        body["choices"] = [choice]
+        body["usage"] = self.usage(len(ids))
+        return body
+
+    def chunk(self, token: int | None, finish: str | None, first: bool) -> dict[str, object]:
+        """A chunk with ``token`` (None: no token; in chat, the first one, the role's)."""
+        choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        piece = "" if token is None else detokenize([token])
+        if not self.chat:
+            choice["text"] = piece
+        elif token is None and finish is None:
+            choice["delta"] = {"role": "assistant", "content": ""}
+        else:
+            choice["delta"] = {"content": piece}
+        body = self.head("chat.completion.chunk" if self.chat else "text_completion")
+        if self.with_ids:
+            if token is not None or finish is not None:
+                choice["token_ids"] = [] if token is None else [token]
+            if first:
+                # vLLM: the chat stream's first chunk has them at the top, a
+                # completions stream's first chunk in its choice
+                (body if self.chat else choice)["prompt_token_ids"] = self.prompt
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, generated: int) -> dict[str, object]:
+        body = self.head("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = self.usage(generated)
+        return body
 
 
 class Server(ThreadingHTTPServer):
