@@ -135,6 +135,10 @@ class RouterConfig(_Section):
     # work in flight and the engine's progress counter flat this long: wedged, its
     # breaker opens (0: never judged)
     wedged_after_s: float = 30.0
+    # a stream whose replica fails mid-way goes on from another replica of the same
+    # engine (asking engines for the ids of the tokens they stream); false: it ends
+    # with an error event
+    resume_streams: bool = True
     access_log: bool = False  # one line per request (logger llmgw.router.access), key by name
 
     def validate(self) -> None:

@@ -63,13 +63,18 @@ class RouterApp:
         metrics: RouterMetrics | None = None,
         queue_timeout_s: float = 0.0,
         access_log: bool = False,
+        resume_streams: bool = True,
     ) -> None:
         self.table = table
         self.keys = keys
         self.metrics = metrics or RouterMetrics()
         self.access_log = access_log
         self.proxy = Proxy(
-            table, pool or UpstreamPool(), RetryBudget(max_attempts=max_attempts), queue_timeout_s
+            table,
+            pool or UpstreamPool(),
+            RetryBudget(max_attempts=max_attempts),
+            queue_timeout_s,
+            resume_streams=resume_streams,
         )
         self.metrics.watch(lambda: [e for eps in self.table.endpoints.values() for e in eps])
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -62,6 +63,13 @@ class Admission:
     retry_after_s: float = attrs.field(default=1.0, validator=non_negative)
 
 
+class Cuttable(Protocol):
+    """Work in flight on a replica that can be ended from outside (a stream relayed
+    from it, an attempt waiting on it), when the replica is found wedged."""
+
+    def cut(self, why: str) -> None: ...
+
+
 @attrs.define(eq=False)
 class Endpoint:
     """One replica (or static URL) as the router sees it."""
@@ -69,6 +77,9 @@ class Endpoint:
     key: str  # replica id, or the static URL
     model: str
     url: str  # base URL
+    # the engine serving it, as a profile names it ("llama.cpp", "vllm", ...): what it
+    # scrapes and how a stream broken elsewhere is carried on there; "": unknown
+    engine: str = ""
     weight: float = attrs.field(default=1.0, validator=positive)  # relative share
     ready: bool = True  # Ready in the control plane's table
     draining: bool = False  # no new requests; in-flight ones finish
@@ -82,6 +93,8 @@ class Endpoint:
     progress_at: float | None = None
     wedged: str = ""  # why it counts as wedged now, in words; "" while it progresses
     breaker: Breaker = attrs.Factory(Breaker)
+    # the work on it now that a wedged replica cuts (to be carried on elsewhere)
+    streams: set[Cuttable] = attrs.Factory(set)
     # per-replica thresholds (replicas on different hardware hold different
     # queues); None: the ones passed to ``choose``
     admission: Admission | None = None

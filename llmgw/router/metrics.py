@@ -122,6 +122,26 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.resumed = Counter(
+            "llmgw_router_streams_resumed",
+            "Streams whose replica failed mid-way, carried on from another replica",
+            ["model"],
+            registry=r,
+        )
+        self.resume_gap = Histogram(
+            "llmgw_router_stream_resume_gap_seconds",
+            "Resumed streams: from the last event relayed before the break to the first "
+            "after it (the stall the client saw)",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.not_resumed = Counter(
+            "llmgw_router_streams_not_resumed",
+            "Streams whose replica failed mid-way and that ended with an error event, by why",
+            ["model", "why"],
+            registry=r,
+        )
 
         self.panic = Gauge(
             "llmgw_router_panic",

@@ -31,6 +31,14 @@ to ``queue_timeout_s`` for room, re-choosing every ``QUEUE_POLL_S``, then is
 shed with a 429 and Retry-After. When no replica can take it at all, the
 answer is a 503, or the last failed attempt's 502 or 504.
 
+A streamed chat or completion is relayed with a ``Transcript`` (see
+``llmgw.router.resume``): when its replica fails after the head, ``carry_on``
+has another Ready replica of the same engine continue it, and the client reads
+one unbroken stream. A whole reply whose body breaks is asked again, whole, of
+another replica, within the retry budget (the verdict retries it). A replica
+found wedged cuts what it holds: its streams go on elsewhere, and an attempt
+still waiting on it fails over as a timeout would.
+
 A client that leaves mid-attempt cancels the handler: the pool has closed
 the upstream connection, and the replica stops counting the request, with
 no verdict for its breaker.
@@ -39,25 +47,31 @@ no verdict for its breaker.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import trio
 
 from llmgw.http import Request, Response
-from llmgw.http.client import UpstreamError, UpstreamPool
-from llmgw.router import attempt
+from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from llmgw.router import attempt, resume
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
 from llmgw.router.record import Record
-from llmgw.router.relay import Relay
+from llmgw.router.relay import Continuation, Relay
+from llmgw.router.resume import NotResumed, Transcript
 from llmgw.router.table import RoutingTable
 from llmgw.router.verdict import Verdict, poisoned, verdict
 
 log = logging.getLogger("llmgw.router")
 
 QUEUE_POLL_S = 0.05
+# rendering a broken stream's request on another replica, and that replica's head
+RESUME_TIMEOUT_S = 10.0
+_STREAMED = {"/v1/chat/completions": True, "/v1/completions": False}  # path: chat?
+_OFF = NotResumed("off", "resuming streams is off (router.resume_streams)")
 _HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
 )
@@ -73,6 +87,21 @@ class _Reply(msgspec.Struct):
 
 
 _reply_decoder = msgspec.json.Decoder(_Reply)
+_JSON = ("content-type", "application/json")
+
+
+class _Attempt:
+    """An attempt waiting on its replica, which a wedged replica cuts."""
+
+    __slots__ = ("scope", "why")
+
+    def __init__(self) -> None:
+        self.scope = trio.CancelScope()
+        self.why = ""
+
+    def cut(self, why: str) -> None:
+        self.why = why
+        self.scope.cancel()
 
 
 class _Failed:
@@ -94,11 +123,14 @@ class Proxy:
         pool: UpstreamPool,
         budget: RetryBudget,
         queue_timeout_s: float = 0.0,
+        *,
+        resume_streams: bool = True,
     ) -> None:
         self.table = table
         self.pool = pool
         self.budget = budget
         self.queue_timeout_s = queue_timeout_s
+        self.resume_streams = resume_streams
         self._panicking: set[str] = set()  # models whose last pick was in panic
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
@@ -118,6 +150,10 @@ class Proxy:
             if k not in _HOP and k != "authorization" and k != "host"
         ]
         self.budget.on_request(trio.current_time())
+        plan: Transcript | NotResumed | None = None
+        chat = _STREAMED.get(request.path)
+        if stream and chat is not None:
+            plan = resume.plan(request.body, chat) if self.resume_streams else _OFF
         failed: _Failed | None = None
         held: Endpoint | None = None  # where ``failed``, a suspect fault, waits to be settled
         attempts = 0
@@ -153,7 +189,7 @@ class Proxy:
             tried.add(ep.key)
             lease = Lease(ep, now)
             try:
-                result = await self._attempt(request, headers, stream, lease, record)
+                result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:
                 # The client left (or the server is stopping) mid-attempt. The pool
                 # has closed the upstream; the replica must not go on counting this
@@ -203,21 +239,57 @@ class Proxy:
         stream: bool,
         lease: Lease,
         record: Record,
+        plan: Transcript | NotResumed | None = None,
+        tried: set[str] | None = None,
     ) -> Response | _Failed:
         """One try on one replica: the response, or the failure to judge.
 
         The lease is finished here or handed to the relay; an exception leaves
         it open for the caller."""
         ep = lease.endpoint
-        host, port = hostport(ep.url)
         if ep.engine_key:  # the client's authorization was its own, and is not sent on
             headers = [*headers, ("authorization", f"Bearer {ep.engine_key}")]
+        body = request.body
+        transcript: Transcript | None = None
+        why_not = plan if isinstance(plan, NotResumed) else _OFF
+        if isinstance(plan, Transcript):
+            asking = plan.request(ep.engine)
+            if asking is None:
+                why_not = NotResumed(
+                    "engine", f"its engine ({ep.engine or 'unknown'}) gives no token ids"
+                )
+            else:
+                body, transcript = asking, plan
+        waiting = _Attempt()
+        ep.streams.add(waiting)
         try:
-            upstream = await self.pool.request(
-                request.method, host, port, request.path, headers, request.body
-            )
+            with waiting.scope:
+                return await self._exchange(
+                    request, headers, body, stream, lease, record, transcript, why_not, tried
+                )
+            return _fault(
+                lease, record, UpstreamTimeout(waiting.why, "head"), started=False
+            )  # cut: the replica is wedged
         except UpstreamError as exc:
             return _fault(lease, record, exc, started=False)
+        finally:
+            ep.streams.discard(waiting)
+
+    async def _exchange(
+        self,
+        request: Request,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        stream: bool,
+        lease: Lease,
+        record: Record,
+        transcript: Transcript | None,
+        why_not: NotResumed,
+        tried: set[str] | None,
+    ) -> Response | _Failed:
+        ep = lease.endpoint
+        host, port = hostport(ep.url)
+        upstream = await self.pool.request(request.method, host, port, request.path, headers, body)
         now = trio.current_time()
         record.first_byte(now)
         status = upstream.status
@@ -239,7 +311,16 @@ class Proxy:
         record.replica = ep.key
         out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
         if stream or status >= 300:
-            relay = Relay(upstream, lease, judged.outcome, record, stream)
+            if transcript is not None and status < 300:
+                model = record.model
+                done = tried if tried is not None else set()
+
+                async def carry_on(t: Transcript) -> Continuation:
+                    return await self.carry_on(t, model, done, record)
+
+                relay = Relay(upstream, lease, judged.outcome, record, stream, transcript, carry_on)
+            else:
+                relay = Relay(upstream, lease, judged.outcome, record, stream, why_not=why_not)
             return Response(status, out_headers, relay)
         try:
             data = await upstream.read()
@@ -248,6 +329,149 @@ class Proxy:
         lease.finish(trio.current_time(), judged.outcome)
         record.tokens = _completion_tokens(data)
         return Response(status, out_headers, data)
+
+    async def carry_on(
+        self, t: Transcript, model: str, tried: set[str], record: Record
+    ) -> Continuation:
+        """A broken stream's continuation from another Ready replica of its engine (one
+        not ``tried`` yet), or why there is none."""
+        if t.remaining() == 0:
+            return t.ending()
+        same = [
+            e for e in self.table.endpoints.get(model, []) if resume.family(e.engine) == t.family
+        ]
+        failures: list[str] = []
+        for _ in range(self.budget.max_attempts):
+            now = trio.current_time()
+            choice = choose(
+                same, now, admission=_NO_THRESHOLDS, exclude=frozenset(tried), model=model
+            )
+            ep = choice.endpoint
+            if ep is None:
+                break
+            tried.add(ep.key)
+            lease = Lease(ep, now)
+            try:
+                found = await self._continue_on(ep, t)
+            except BaseException:
+                lease.finish(trio.current_time(), None)
+                raise
+            if isinstance(found, UpstreamResponse):
+                record.replica = ep.key
+                log.info(
+                    "a stream of %s broke mid-way; replica %s carries it on from token %d",
+                    model,
+                    ep.key,
+                    len(t.ids),
+                )
+                return found, lease
+            lease.finish(trio.current_time(), "upstream_fault")
+            record.upstream_error(ep.key, "resume")
+            failures.append(f"replica {ep.key} {found}")
+        if failures:
+            return NotResumed("refused", "; ".join(failures))
+        return NotResumed("no_replica", f"no other Ready replica of {model} runs {t.family}")
+
+    async def _continue_on(self, ep: Endpoint, t: Transcript) -> UpstreamResponse | str:
+        """Ask ``ep`` for the rest of ``t``: its response, or what went wrong, in words."""
+        host, port = hostport(ep.url)
+        headers = [_JSON]
+        if ep.engine_key:
+            headers.append(("authorization", f"Bearer {ep.engine_key}"))
+
+        async def ask(path: str, body: dict[str, object]) -> dict[str, object]:
+            up = await self.pool.request(
+                "POST", host, port, path, headers, msgspec.json.encode(body)
+            )
+            data = await up.read()
+            if up.status != 200:
+                raise _Refused(f"answered {path} with {up.status}: {data[:200]!r}")
+            found = msgspec.json.decode(data)
+            if not isinstance(found, dict):
+                raise _Refused(f"answered {path} with no JSON object")
+            return found
+
+        with trio.move_on_after(RESUME_TIMEOUT_S):
+            try:
+                prompt, ids = await _render(ask, t)
+                t.prompt_tokens = len(prompt)
+                up = await self.pool.request(
+                    "POST", host, port, "/v1/completions", headers, t.continuation(prompt, ids)
+                )
+            except UpstreamError as exc:
+                return f"failed: {type(exc).__name__}: {exc}"
+            except _Refused as exc:
+                return str(exc)
+            except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+                return f"answered what it should not: {type(exc).__name__}: {exc}"
+            if up.status == 200:
+                return up
+            data = await up.read()
+            return f"refused the continuation with {up.status}: {data[:200]!r}"
+        return f"did not take the continuation within {RESUME_TIMEOUT_S:g} s"
+
+
+class _Refused(Exception):
+    """An engine answered a step of rendering a continuation with other than 200."""
+
+
+_Ask = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
+# what of a chat request shapes its prompt on vLLM's /tokenize
+_VLLM_CHAT = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+)
+
+
+async def _render(ask: _Ask, t: Transcript) -> tuple[list[int], list[int]]:
+    """The request's prompt as the new engine tokenizes it, and the ids relayed (those
+    the first engine sent, if the new one reads them as the text relayed; else the
+    text relayed, tokenized)."""
+    body = t.body
+    relayed = t.relayed()
+    prompt_in = body.get("prompt")
+    if t.family == resume.LLAMA_CPP:
+        if t.chat:
+            prompt_in = (await ask("/apply-template", body))["prompt"]
+        if not isinstance(prompt_in, list):
+            found = await ask(
+                "/tokenize", {"content": prompt_in, "add_special": True, "parse_special": True}
+            )
+            prompt_in = found["tokens"]
+        text = (await ask("/detokenize", {"tokens": t.ids}))["content"] if t.ids else ""
+        if text != relayed:
+            found = await ask(
+                "/tokenize", {"content": relayed, "add_special": False, "parse_special": False}
+            )
+            t.ids = _ints(found["tokens"])
+    else:
+        model = body.get("model")
+        if t.chat:
+            shaping = {k: body[k] for k in _VLLM_CHAT if k in body}
+            prompt_in = (await ask("/tokenize", {"model": model, **shaping}))["tokens"]
+        elif not isinstance(prompt_in, list):
+            found = await ask("/tokenize", {"model": model, "prompt": prompt_in})
+            prompt_in = found["tokens"]
+        text = (
+            (await ask("/detokenize", {"model": model, "tokens": t.ids}))["prompt"] if t.ids else ""
+        )
+        if text != relayed:
+            found = await ask(
+                "/tokenize", {"model": model, "prompt": relayed, "add_special_tokens": False}
+            )
+            t.ids = _ints(found["tokens"])
+    return _ints(prompt_in), t.ids
+
+
+def _ints(found: object) -> list[int]:
+    if not isinstance(found, list) or not all(isinstance(i, int) for i in found):
+        raise TypeError(f"not a list of token ids: {str(found)[:100]}")
+    return found
 
 
 def _fault(lease: Lease, record: Record, exc: UpstreamError, *, started: bool) -> _Failed:

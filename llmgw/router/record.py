@@ -35,7 +35,8 @@ from llmgw.router.metrics import RouterMetrics
 
 access_log = logging.getLogger("llmgw.router.access")
 
-Ended = Literal["ok", "upstream cut", "client left"]
+# "resumed": a stream that went on from another replica when its own failed, and ended well
+Ended = Literal["ok", "resumed", "upstream cut", "client left"]
 # A relayed body's end, by the outcome the replica's breaker was told.
 ENDED: dict[Outcome | None, Ended] = {
     "success": "ok",
@@ -97,6 +98,15 @@ class Record:
         """Every replica was above its admission thresholds: the answer is a 429."""
         self.metrics.sheds.labels(self.model).inc()
 
+    def resumed(self, gap: float) -> None:
+        """A broken stream went on from another replica; the client waited ``gap``."""
+        self.metrics.resumed.labels(self.model).inc()
+        self.metrics.resume_gap.labels(self.model).observe(gap)
+
+    def not_resumed(self, why: str) -> None:
+        """A broken stream ended with an error event (``why``: the metric's label)."""
+        self.metrics.not_resumed.labels(self.model, why).inc()
+
     def respond(self, status: int) -> None:
         """The response's status is decided (its head is about to go)."""
         self.status = status
@@ -118,7 +128,7 @@ class Record:
             m = self.metrics
             m.latency.labels(self.model).observe(now - self.started)
             # tokens of an answer that completed as a success only
-            if self.tokens and ended == "ok" and self.status < 400:
+            if self.tokens and ended in ("ok", "resumed") and self.status < 400:
                 m.tokens.labels(self.model).observe(self.tokens)
         if self.arrived is not None:
             self._write(now, ended)

@@ -62,7 +62,6 @@ class RoutingTable:
         self.admission: dict[str, Admission] = {}
         self._known: frozenset[str] = frozenset()
         self._by_key: dict[str, Endpoint] = {}
-        self._engines: dict[str, str] = {}  # key -> engine, for scraping
         if initial is not None:
             self.apply(initial)
 
@@ -89,13 +88,12 @@ class RoutingTable:
             ep.ready = route.ready
             ep.draining = route.draining
             ep.engine_key = route.engine_key
-            self._engines[route.key] = route.engine
+            ep.engine = route.engine
             table.setdefault(route.model, []).append(ep)
             seen.add(route.key)
         gone = [k for k in self._by_key if k not in seen and self._by_key[k].in_flight == 0]
         for key in gone:
             del self._by_key[key]
-            self._engines.pop(key, None)
         if gone:
             self.on_gone(gone)
         self.admission = {
@@ -127,10 +125,9 @@ class RoutingTable:
             while True:
                 beat = trio.current_time() + self.scrape_s
                 async with trio.open_nursery() as nursery:
-                    for key, engine in list(self._engines.items()):
-                        ep = self._by_key.get(key)
-                        adapter = engines.get(engine)
-                        if ep is not None and adapter is not None:
+                    for ep in list(self._by_key.values()):
+                        adapter = engines.get(ep.engine)
+                        if adapter is not None:
                             nursery.start_soon(_scrape, client, ep, adapter, beat)
                 self._judge_progress(trio.current_time())
                 await trio.sleep_until(beat)
@@ -149,11 +146,15 @@ class RoutingTable:
                 if not ep.wedged:
                     log.warning(
                         "replica %s of model %s is wedged: %s, though its metrics answer; "
-                        "its breaker is open and no new request goes to it",
+                        "its breaker is open, no new request goes to it, and the %d in "
+                        "flight there go on elsewhere",
                         ep.key,
                         ep.model,
                         why,
+                        len(ep.streams),
                     )
+                    for held in list(ep.streams):
+                        held.cut(f"replica {ep.key} is wedged: {why}")
             elif ep.wedged:
                 log.info("replica %s of model %s makes progress again", ep.key, ep.model)
             ep.wedged = why

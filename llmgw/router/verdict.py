@@ -30,9 +30,9 @@ no connection in time                      upstream_fault  -        yes    504
 a timeout (send, head)                     upstream_fault  timeout  yes    504
 a reset before any byte of the response    upstream_fault  closed   yes    502
 a reset mid-head; not HTTP                 upstream_fault  -        no     502
-any failure once the body was being read   upstream_fault  -        no     504 for a
-                                                                           timeout, else
-                                                                           502
+a timeout once the body was being read     upstream_fault  timeout  yes    504
+a reset once the body was being read       upstream_fault  closed   yes    502
+not HTTP once the body was being read      upstream_fault  -        no     502
 =========================================  ==============  =======  =====  ===========
 
 An engine's own answer never counts against its replica, whatever its
@@ -65,8 +65,11 @@ have caused it.
 
 A failure before the response is retried when no byte of an answer came:
 nothing was sent, or nothing came back before the connection broke or the
-wait ran out. Once part of a head or body has arrived, a second
-replica's answer cannot be put in its place.
+wait ran out. Once part of a head has arrived it is not. A body that breaks
+(a reset, a killed engine, a stall) is retried: nothing of a whole reply has
+reached the client yet, so it is asked again, whole, of another replica; and
+a stream is carried on from another replica where it broke (``resume``), so
+the verdict only says what the breaker is told.
 
 Pure: no I/O and no trio. The shell names a failure with ``Failure``
 (``attempt.failure`` translates the upstream pool's exceptions).
@@ -97,7 +100,7 @@ class Suspect(Enum):
 
     GATEWAY = "gateway"  # an answer of 502, 503 or 504
     TIMEOUT = "timeout"  # no response in time
-    CLOSED = "closed"  # the connection closed before any byte of a response
+    CLOSED = "closed"  # the connection closed before the response ended
 
 
 @attrs.frozen
@@ -122,7 +125,11 @@ _RETRIED_FAILURES = frozenset(
 _TIMEOUTS = frozenset((Failure.CONNECT_TIMEOUT, Failure.TIMEOUT))
 
 
-_SUSPECT_FAILURES = {Failure.TIMEOUT: Suspect.TIMEOUT, Failure.UNANSWERED: Suspect.CLOSED}
+_SUSPECT_FAILURES = {
+    Failure.TIMEOUT: Suspect.TIMEOUT,
+    Failure.UNANSWERED: Suspect.CLOSED,
+    Failure.RESET: Suspect.CLOSED,
+}
 
 
 def _judge_status(status: int) -> Verdict:
@@ -137,9 +144,13 @@ def _judge_status(status: int) -> Verdict:
     return Verdict(classify(status), retry=False, status=status, relayed=True)
 
 
+# Once the body was being read: retried when the exchange broke, not when it was garbled.
+_RETRIED_MIDWAY = frozenset((Failure.TIMEOUT, Failure.RESET))
+
+
 def _judge_failure(failure: Failure, started: bool) -> Verdict:
     status = _GATEWAY_TIMEOUT if failure in _TIMEOUTS else _BAD_GATEWAY
-    retry = not started and failure in _RETRIED_FAILURES
+    retry = failure in (_RETRIED_MIDWAY if started else _RETRIED_FAILURES)
     # Only a retried fault can be checked against another replica's.
     suspect = _SUSPECT_FAILURES.get(failure) if retry else None
     return Verdict("upstream_fault", retry=retry, status=status, relayed=False, suspect=suspect)

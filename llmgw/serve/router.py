@@ -57,6 +57,7 @@ def router_app(
         metrics=metrics,
         queue_timeout_s=config.queue_timeout_s,
         access_log=config.access_log,
+        resume_streams=config.resume_streams,
     )
     return HttpServer(
         app,

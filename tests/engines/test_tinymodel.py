@@ -203,16 +203,28 @@ from tests.realparts import LLAMA_SERVER, needs_server  # noqa: E402
 
 
 @asynccontextmanager
-async def llama_server(model: Path, workdir: Path, timeout: float = 60) -> AsyncIterator[str]:
-    """Run llama-server on a free loopback port; yield its base URL once healthy."""
+async def llama_server(
+    model: Path,
+    workdir: Path,
+    timeout: float = 60,
+    *,
+    context: int = 512,
+    name: str = "",
+    procs: list[trio.Process] | None = None,
+) -> AsyncIterator[str]:
+    """Run llama-server on a free loopback port; yield its base URL once healthy
+    (its process goes into ``procs``, for a test that kills it)."""
     assert LLAMA_SERVER is not None
-    log_path = workdir / f"{model.stem}.log"
+    log_path = workdir / f"{name or model.stem}.log"
     argv = [LLAMA_SERVER, "-m", str(model), "--host", "127.0.0.1", "--port", "0",
-            "-t", "1", "-tb", "1", "-np", "1", "-c", "512", "--metrics", "--slots"]  # fmt: skip
+            "-t", "1", "-tb", "1", "-np", "1", "-c", str(context), "--metrics",
+            "--slots"]  # fmt: skip
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )
+    if procs is not None:
+        procs.append(proc)
 
     def log_text() -> str:
         return log_path.read_text(errors="replace")

@@ -105,21 +105,21 @@ POOL_FAILURES: list[tuple[UpstreamError, Failure, str, Verdict, Verdict]] = [
         Failure.TIMEOUT,
         "timeout_send",
         failed(True, 504, Suspect.TIMEOUT),
-        failed(False, 504),
+        failed(True, 504, Suspect.TIMEOUT),
     ),
     (
         UpstreamTimeout("e:1: no response head in time", "head"),
         Failure.TIMEOUT,
         "timeout_head",
         failed(True, 504, Suspect.TIMEOUT),
-        failed(False, 504),
+        failed(True, 504, Suspect.TIMEOUT),
     ),
     (
         UpstreamTimeout("e:1: no body bytes in time", "body"),
         Failure.TIMEOUT,
         "timeout_body",
         failed(True, 504, Suspect.TIMEOUT),
-        failed(False, 504),
+        failed(True, 504, Suspect.TIMEOUT),
     ),
     (
         UpstreamReset("e:1: send failed: [Errno 32] Broken pipe", "send", True),
@@ -140,21 +140,21 @@ POOL_FAILURES: list[tuple[UpstreamError, Failure, str, Verdict, Verdict]] = [
         Failure.RESET,
         "reset",
         failed(False, 502),
-        failed(False, 502),
+        failed(True, 502, Suspect.CLOSED),
     ),
     (
         UpstreamReset("e:1: the pool was closed", "head", False),
         Failure.RESET,
         "reset",
         failed(False, 502),
-        failed(False, 502),
+        failed(True, 502, Suspect.CLOSED),
     ),
     (
         UpstreamReset("e:1: connection closed mid-body", "body", False),
         Failure.RESET,
         "reset",
         failed(False, 502),
-        failed(False, 502),
+        failed(True, 502, Suspect.CLOSED),
     ),
     (
         UpstreamProtocolError("e:1: response head too large", "head"),
@@ -194,15 +194,18 @@ def test_a_failure_of_the_pool(
     assert verdict(attempt.failure(exc), started=True) == after
 
 
-def test_every_failure_is_the_replicas_and_none_is_retried_once_started() -> None:
+def test_every_failure_is_the_replicas_and_a_broken_body_is_retried_whole() -> None:
     for f in Failure:
         for started in (False, True):
             v = verdict(f, started=started)
             assert v.outcome == "upstream_fault" and not v.relayed
             timeout = f in (Failure.TIMEOUT, Failure.CONNECT_TIMEOUT)
             assert v.status == (504 if timeout else 502)
-            if started:
-                assert not v.retry
+    # a body that broke or stalled: asked again, whole, elsewhere; a garbled one is not
+    assert {f for f in Failure if verdict(f, started=True).retry} == {
+        Failure.TIMEOUT,
+        Failure.RESET,
+    }
     assert {f for f in Failure if verdict(f).retry} == {
         Failure.CONNECT,
         Failure.CONNECT_TIMEOUT,

@@ -1,0 +1,152 @@
+"""Never drop a stream: a stream whose engine dies mid-way goes on from another replica.
+
+Real llama-servers of the tiny model behind the router in this process; the engine a
+stream is on is killed with SIGKILL mid-stream, and the client (the real openai client)
+must read exactly what an unbroken greedy run gives, under one id."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import openai
+import pytest
+import trio
+
+from llmgw.router.app import RouterApp
+from llmgw.router.keys import ApiKey, KeyRing, hash_key
+from llmgw.router.resume import plan
+from llmgw.router.table import RoutingTable
+from llmgw.routing import ModelRouting, Route, Snapshot
+from tests.engines.test_tinymodel import PROMPT, llama_server
+from tests.realparts import needs_server
+from tests.router.test_app import KEY, serve
+from tools.tinymodel import write_model
+
+MESSAGES = [{"role": r, "content": c} for r, c in PROMPT]
+LONG = 1500  # tokens: long enough to kill the engine well before its end
+
+
+def _table(*urls: tuple[str, str]) -> Snapshot:
+    routes = [Route(key=k, model="m", url=u, engine="llama.cpp") for k, u in urls]
+    return Snapshot(version=str(len(urls)), models={"m": ModelRouting()}, routes=routes)
+
+
+@needs_server
+async def test_a_killed_engines_stream_goes_on_from_another_replica_exactly(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """kill -9 of the engine after 40 chunks: the client's one stream carries on from the
+    other replica, with the same id, created time and model throughout, and its text is
+    byte for byte an unbroken greedy run's; the metrics count one stream resumed."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    procs: list[trio.Process] = []
+    async with (
+        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
+    ):
+        table = RoutingTable(scrape_s=60)
+        table.apply(_table(("a", url_a)))  # the stream starts on a
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=60,
+        )
+
+        async def run(kill_after: int | None) -> tuple[str, set[tuple[str, int, str]], list]:
+            text: list[str] = []
+            identity: set[tuple[str, int, str]] = set()
+            finishes = []
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                max_tokens=LONG,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
+            )
+            n = 0
+            async for chunk in stream:
+                identity.add((chunk.id, chunk.created, chunk.model))
+                for choice in chunk.choices:
+                    assert choice.index == 0
+                    text.append(choice.delta.content or "")
+                    if choice.finish_reason:
+                        finishes.append(choice.finish_reason)
+                n += 1
+                if n == kill_after:
+                    table.apply(_table(("a", url_a), ("b", url_b)))
+                    procs[0].send_signal(signal.SIGKILL)
+            return "".join(text), identity, finishes
+
+        with trio.fail_after(120):
+            reference, _, finished = await run(None)  # unbroken, on a
+            assert finished == ["length"]
+            resumed, identity, finished = await run(40)
+        assert procs[0].poll() is not None  # a was killed mid-stream
+        assert len(identity) == 1, identity
+        assert finished == ["length"]
+        assert len(resumed) == len(reference)
+        assert resumed == reference
+        metrics = app.metrics.registry
+        assert metrics.get_sample_value("llmgw_router_streams_resumed_total", {"model": "m"}) == 1
+        assert (
+            metrics.get_sample_value("llmgw_router_stream_resume_gap_seconds_count", {"model": "m"})
+            == 1
+        )
+
+
+def test_what_cannot_be_carried_on_says_why() -> None:
+    """n > 1, tools, a forced format, log-probabilities: not carried on, each with its
+    label; a plain chat or a completion of one prompt is."""
+    cases = {
+        b'{"model":"m","messages":[],"n":2}': "n",
+        b'{"model":"m","messages":[],"tools":[{"type":"function"}]}': "tools",
+        b'{"model":"m","messages":[],"response_format":{"type":"json_object"}}': "response_format",
+        b'{"model":"m","messages":[],"logprobs":true}': "logprobs",
+        b"[1]": "request",
+    }
+    for body, label in cases.items():
+        found = plan(body, chat=True)
+        assert getattr(found, "label", None) == label, (body, found)
+    assert getattr(plan(b'{"prompt":["a","b"]}', chat=False), "label", None) == "prompt"
+    assert not hasattr(plan(b'{"model":"m","messages":[]}', chat=True), "label")
+    assert not hasattr(plan(b'{"model":"m","prompt":[1,2]}', chat=False), "label")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_continuation_is_shown_in_the_clients_shape(chat: bool) -> None:
+    """A continuation's completion events come out under the original's id, created
+    time, model and index, as chat deltas or completion text; the ids asked for are
+    taken out of what the client sees."""
+    raw = b'{"model":"m","stream":true,"max_tokens":5,"temperature":0,"prompt":"go"}'
+    found = plan(raw, chat=chat)
+    assert not hasattr(found, "label")
+    t = found  # a Transcript
+    assert t.request("llama.cpp") is not None  # type: ignore[union-attr]
+    first = (
+        b'data: {"id":"x1","created":7,"model":"m","object":"chat.completion.chunk",'
+        b'"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null,'
+        b'"logprobs":{"content":[{"id":42,"token":"Hi","prob":1.0,"top_probs":[]}]}}]}'
+        if chat
+        else b'data: {"id":"x1","created":7,"model":"m","object":"text_completion",'
+        b'"choices":[{"index":0,"text":"Hi","finish_reason":null,'
+        b'"logprobs":{"content":[{"id":42,"token":"Hi","prob":1.0,"top_probs":[]}]}}]}'
+    )
+    shown = t.observe(first)  # type: ignore[union-attr]
+    assert b"42" not in shown and b'"prob"' not in shown
+    assert t.ids == [42] and t.relayed() == "Hi" and t.remaining() == 4  # type: ignore[union-attr]
+    body = t.continuation([1, 2], [42])  # type: ignore[union-attr]
+    assert b'"prompt":[1,2,42]' in body and b'"max_tokens":4' in body
+    assert b'"temperature":0' in body and b'"n_probs":1' in body
+    out = t.translate(  # type: ignore[union-attr]
+        b'data: {"id":"other","created":9,"model":"x","object":"text_completion",'
+        b'"choices":[{"index":0,"text":" there","finish_reason":"length",'
+        b'"logprobs":{"content":[{"id":7,"token":" there","prob":1.0,"top_probs":[]}]}}]}'
+    )
+    assert out is not None
+    assert b'"id":"x1"' in out and b'"created":7' in out and b'"model":"m"' in out
+    assert (b'"delta":{"content":" there"}' if chat else b'"text":" there"') in out
+    assert b'"finish_reason":"length"' in out
+    assert t.ids == [42, 7]  # type: ignore[union-attr]
