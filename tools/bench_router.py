@@ -353,7 +353,11 @@ def start_engine(procs: Procs, python: Path, core: int | None) -> tuple[int, int
     return p.pid, int(port_file.read_text())
 
 
-def start_llmgw(procs: Procs, engine_port: int, core: int | None) -> tuple[int, int, str]:
+def start_llmgw(
+    procs: Procs, engine_port: int, core: int | None, catalog: str = ""
+) -> tuple[int, int, str]:
+    """``llmgw server`` routing the ``tiny`` model to the engine on ``engine_port`` (or
+    what ``catalog`` says): its pid, the router's port, and an API key it accepts."""
     from llmgw.router.keys import hash_key, new_key
     from llmgw.tls import init_ca, issue_server, load_ca
 
@@ -365,7 +369,7 @@ def start_llmgw(procs: Procs, engine_port: int, core: int | None) -> tuple[int, 
     key = new_key()
     port = free_port()
     (d / "catalog.toml").write_text(
-        f'[models.tiny]\nstatic_endpoints = ["http://127.0.0.1:{engine_port}"]\n'
+        catalog or f'[models.tiny]\nstatic_endpoints = ["http://127.0.0.1:{engine_port}"]\n'
     )
     (d / "server.toml").write_text(
         f"""state_dir = "state"

@@ -135,6 +135,10 @@ class RouterConfig(_Section):
     # work in flight and the engine's progress counter flat this long: wedged, its
     # breaker opens (0: never judged)
     wedged_after_s: float = 30.0
+    # work in flight and nothing heard from the replica this long, neither a byte of a
+    # reply nor an answer to a metrics scrape (a stopped process, a hung host): wedged
+    # too, and its streams go on elsewhere (0: never judged)
+    silent_after_s: float = 8.0
     # a stream whose replica fails mid-way goes on from another replica of the same
     # engine (asking engines for the ids of the tokens they stream); false: it ends
     # with an error event
@@ -152,10 +156,11 @@ class RouterConfig(_Section):
                 f"must be at least router.max_body_mb ({self.max_body_mb:g}), "
                 f"got {self.max_bodies_mb:g}",
             )
-        if self.wedged_after_s < 0:
-            raise ConfigError(
-                "", "router.wedged_after_s", f"must be 0 or more, got {self.wedged_after_s:g}"
-            )
+        for key in ("wedged_after_s", "silent_after_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(
+                    "", f"router.{key}", f"must be 0 or more, got {getattr(self, key):g}"
+                )
         for key in ("max_connections", "max_connections_per_address"):
             if getattr(self, key) < 1:
                 raise ConfigError(

@@ -93,6 +93,9 @@ class _ModelEntry(_Entry, frozen=True):
     profiles: list[Profile] = []  # ways to run it, in order of preference
     # base URLs the router sends this model's traffic to; nothing is placed for it
     static_endpoints: list[str] = []
+    # the engine behind them (llama.cpp, vllm): the router reads its load and progress,
+    # and carries a broken stream on from another of them; empty: not known
+    static_engine: str = ""
 
 
 class Model(msgspec.Struct, kw_only=True, frozen=True):
@@ -101,6 +104,7 @@ class Model(msgspec.Struct, kw_only=True, frozen=True):
     profiles: list[Profile] = []
     routing: Routing = msgspec.field(default_factory=Routing)
     static_endpoints: list[str] = []  # router-only: fixed URLs, nothing is placed
+    static_engine: str = ""  # the engine behind them; "": not known
 
     @property
     def managed(self) -> bool:
@@ -181,6 +185,7 @@ def parse_catalog(text: str, source: str) -> Catalog:
             profiles=typed.profiles,
             routing=typed.routing,
             static_endpoints=typed.static_endpoints,
+            static_engine=typed.static_engine,
         )
     catalog = Catalog(models=models, source=source)
     try:
@@ -245,6 +250,14 @@ def _validate_model(name: str, model: Model) -> None:
             "",
             f"{key}.static_endpoints",
             "a model is either placed (profiles) or routed to fixed endpoints, not both",
+        )
+    if model.static_engine and not model.static_endpoints:
+        raise ConfigError("", f"{key}.static_engine", "is only for a model with static_endpoints")
+    if model.static_engine and model.static_engine not in ENGINES:
+        raise ConfigError(
+            "",
+            f"{key}.static_engine",
+            f"{model.static_engine!r} is not one of {', '.join(ENGINES)}",
         )
     for i, url in enumerate(model.static_endpoints):
         problem = _url_problem(url)

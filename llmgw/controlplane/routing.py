@@ -36,7 +36,8 @@ def build_snapshot(
             target_waiting=entry.routing.target_waiting, kv_ceiling=entry.routing.kv_ceiling
         )
         routes.extend(
-            Route(key=url, model=name, url=url.rstrip("/")) for url in entry.static_endpoints
+            Route(key=url, model=name, url=url.rstrip("/"), engine=entry.static_engine)
+            for url in entry.static_endpoints
         )
     for replica in replicas:
         if replica.state not in _ROUTED:

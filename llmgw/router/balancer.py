@@ -92,6 +92,12 @@ class Endpoint:
     progress: float | None = None
     progress_at: float | None = None
     wedged: str = ""  # why it counts as wedged now, in words; "" while it progresses
+    # chunks of response bodies read from it (the relays count them), and when it was
+    # last heard from (a chunk or an answered scrape; restarted while it has no work):
+    # work in flight and nothing heard for long, the engine answers nothing at all
+    chunks: int = 0
+    chunks_heard: int = 0
+    heard_at: float | None = None
     breaker: Breaker = attrs.Factory(Breaker)
     # the work on it now that a wedged replica cuts (to be carried on elsewhere)
     streams: set[Cuttable] = attrs.Factory(set)
@@ -208,6 +214,38 @@ def _has_work(endpoint: Endpoint, load: LoadSignals) -> bool:
     return endpoint.in_flight > 0 or (load.running or 0) > 0 or (load.waiting or 0) > 0
 
 
+def note_heard(endpoint: Endpoint, now: float) -> None:
+    """Keep when the replica was last heard from: a chunk relayed since the last
+    judgement, or a scrape it answered since. With nothing in flight its clock restarts."""
+    if (
+        endpoint.in_flight == 0
+        or endpoint.chunks != endpoint.chunks_heard
+        or endpoint.heard_at is None
+        or (endpoint.load_at is not None and endpoint.load_at > endpoint.heard_at)
+    ):
+        endpoint.chunks_heard = endpoint.chunks
+        endpoint.heard_at = now
+
+
+def silent(endpoint: Endpoint, now: float, after_s: float) -> str:
+    """Why the replica counts as wedged for answering nothing, in words; "" when not.
+
+    Silent: this router has requests in flight on it, and for ``after_s`` not one
+    chunk of any of their bodies came back and no scrape of its metrics was answered
+    (a stopped process, a hung host, a link that went dark). An engine that is merely
+    slow still answers its metrics between its steps; one busy on a long prefill still
+    sends its streams' tokens or answers a scrape."""
+    if after_s <= 0 or endpoint.in_flight == 0 or endpoint.heard_at is None:
+        return ""
+    quiet = now - endpoint.heard_at
+    if quiet < after_s:
+        return ""
+    return (
+        f"{endpoint.in_flight} requests in flight and not a byte of them nor an answer "
+        f"to a metrics scrape for {quiet:.0f} s"
+    )
+
+
 def wedged(
     endpoint: Endpoint, now: float, after_s: float, stale_after_s: float = 5.0
 ) -> str | None:
@@ -228,7 +266,9 @@ def wedged(
     if not _has_work(endpoint, load) or flat < after_s:
         return ""
     work = max(float(endpoint.in_flight), load.running or 0.0) + (load.waiting or 0.0)
-    return f"{work:g} requests in flight and no progress for {flat:.0f} s"
+    return (
+        f"{work:g} requests in flight and no progress for {flat:.0f} s, though its metrics answer"
+    )
 
 
 def above_thresholds(

@@ -37,7 +37,8 @@ class _EndpointsCollector(Collector):
         wedged = GaugeMetricFamily(
             "llmgw_router_wedged",
             "1 while the replica has work and its progress counter is flat "
-            "(router.wedged_after_s): its breaker is held open",
+            "(router.wedged_after_s), or nothing is heard from it at all "
+            "(router.silent_after_s): its breaker is held open",
             labels=["model", "replica"],
         )
         load = GaugeMetricFamily(

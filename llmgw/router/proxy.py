@@ -357,13 +357,16 @@ class Proxy:
                 lease.finish(trio.current_time(), None)
                 raise
             if isinstance(found, UpstreamResponse):
-                record.replica = ep.key
                 log.info(
-                    "a stream of %s broke mid-way; replica %s carries it on from token %d",
+                    "stream %s of %s broke mid-way on replica %s; replica %s carries it on "
+                    "from token %d",
+                    t.id or "(not begun)",
                     model,
+                    record.replica,
                     ep.key,
                     len(t.ids),
                 )
+                record.replica = ep.key
                 return found, lease
             lease.finish(trio.current_time(), "upstream_fault")
             record.upstream_error(ep.key, "resume")

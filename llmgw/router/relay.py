@@ -143,6 +143,7 @@ class Relay:
         except BaseException:
             self._end(None)
             raise
+        self._lease.endpoint.chunks += 1  # heard from (see ``balancer.silent``)
         if self._stream:
             self._watch(chunk)
         return chunk
@@ -205,6 +206,7 @@ class Relay:
         """Split what arrived into events, and make each ready as the client gets it."""
         transcript = self._transcript
         assert transcript is not None
+        self._lease.endpoint.chunks += 1  # heard from (see ``balancer.silent``)
         events = (self._buf + chunk).split(_END)
         self._buf = events.pop()
         now = trio.current_time()

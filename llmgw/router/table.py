@@ -26,7 +26,7 @@ import trio
 from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.load import read_load
-from llmgw.router.balancer import Admission, Endpoint, note_progress, wedged
+from llmgw.router.balancer import Admission, Endpoint, note_heard, note_progress, silent, wedged
 from llmgw.routing import Snapshot, TrafficView
 
 log = logging.getLogger("llmgw.router")
@@ -50,12 +50,14 @@ class RoutingTable:
         scrape_s: float = 1.0,
         on_gone: Callable[[list[str]], None] = lambda _: None,
         wedged_after_s: float = 30.0,
+        silent_after_s: float = 8.0,
         on_wedged: Callable[[frozenset[str]], None] = lambda _: None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
         self.on_gone = on_gone  # told the replicas that left the table, once each
         self.scrape_s = scrape_s
         self.wedged_after_s = wedged_after_s
+        self.silent_after_s = silent_after_s
         self.on_wedged = on_wedged  # told the replicas held wedged, after every judgement
         self.version = ""
         self.endpoints: dict[str, list[Endpoint]] = {}
@@ -133,20 +135,21 @@ class RoutingTable:
                 await trio.sleep_until(beat)
 
     def _judge_progress(self, now: float) -> None:
-        """A replica with work and a flat progress counter is wedged: its breaker opens
-        (and stays open while it stays so), said once; its counter moving again (or
-        its work gone) is said once too, and its breaker lets a probe in as usual.
-        Without a fresh reading nothing changes."""
+        """A replica with work and a flat progress counter, or with work and nothing
+        heard from it at all, is wedged: its breaker opens (and stays open while it
+        stays so), said once; its counter moving again (or its work gone) is said once
+        too, and its breaker lets a probe in as usual. Without a fresh reading, and
+        while its streams still flow, nothing changes."""
         for ep in self._by_key.values():
-            why = wedged(ep, now, self.wedged_after_s)
+            note_heard(ep, now)
+            why = silent(ep, now, self.silent_after_s) or wedged(ep, now, self.wedged_after_s)
             if why is None:
                 continue
             if why:
                 ep.breaker.trip(now, f"wedged: {why}")
                 if not ep.wedged:
                     log.warning(
-                        "replica %s of model %s is wedged: %s, though its metrics answer; "
-                        "its breaker is open, no new request goes to it, and the %d in "
+                        "replica %s of model %s is wedged: %s; its breaker is open, no new request goes to it, and the %d in "
                         "flight there go on elsewhere",
                         ep.key,
                         ep.model,

@@ -145,7 +145,12 @@ async def serve(
     )
     watch = HttpWatch(config.admin_url, token)
     metrics = RouterMetrics(daemon_registry("router"))
-    table = RoutingTable(watch, on_gone=metrics.forget, wedged_after_s=config.router.wedged_after_s)
+    table = RoutingTable(
+        watch,
+        on_gone=metrics.forget,
+        wedged_after_s=config.router.wedged_after_s,
+        silent_after_s=config.router.silent_after_s,
+    )
     watch.wedged = table.wedged_ids
     keys = KeyRing(api_keys(config.router))
     server = router_app(config.router, table, metrics, keys)

@@ -151,6 +151,7 @@ async def serve(
             routing.snapshot,
             on_gone=metrics.forget,
             wedged_after_s=config.router.wedged_after_s,
+            silent_after_s=config.router.silent_after_s,
             on_wedged=lambda ids: routing.report_wedged("in-process", ids, trio.current_time()),
         )
         keys = KeyRing(api_keys(config.router))

@@ -125,6 +125,23 @@ def test_a_router_only_catalog_does_not_need_a_control_plane() -> None:
     assert not c.managed
 
 
+def test_static_endpoints_name_their_engine_for_the_router() -> None:
+    """The engine behind static endpoints reaches the routes: the router reads its load
+    and carries broken streams on among them."""
+    from llmgw.controlplane.routing import build_snapshot
+
+    c = parse(
+        '[models.m]\nstatic_endpoints = ["http://h:1/", "http://h:2"]\nstatic_engine = "llama.cpp"\n'
+    )
+    routes = build_snapshot(c, [], {}).routes
+    assert [(r.url, r.engine) for r in routes] == [
+        ("http://h:1", "llama.cpp"),
+        ("http://h:2", "llama.cpp"),
+    ]
+    plain = parse('[models.m]\nstatic_endpoints = ["http://h:1"]\n')
+    assert [r.engine for r in build_snapshot(plain, [], {}).routes] == [""]
+
+
 PROFILE = '[models.qwen-coder]\n[[models.qwen-coder.profiles]]\nname = "h100"\n'
 
 
@@ -216,6 +233,15 @@ def vllm(extra: str) -> str:
         (
             "[models.qwen-coder]\nreplicas = 1\n",
             "models.qwen-coder: has no profiles and no static_endpoints: nothing could serve it",
+        ),
+        (
+            '[models.e]\nstatic_endpoints = ["http://h:1"]\nstatic_engine = "sglang"\n',
+            "models.e.static_engine: 'sglang' is not one of llama.cpp, vllm, vllm-ray",
+        ),
+        (
+            '[models.x]\nstatic_engine = "vllm"\n'
+            '[[models.x.profiles]]\nname = "a"\nengine = "vllm"\ngpus = 1\n',
+            "models.x.static_engine: is only for a model with static_endpoints",
         ),
         (
             '[models.e]\nstatic_endpoints = ["ftp://h/x"]\n',

@@ -33,20 +33,24 @@ def _table(*urls: tuple[str, str]) -> Snapshot:
 
 
 @needs_server
-async def test_a_killed_engines_stream_goes_on_from_another_replica_exactly(
-    tmp_path: Path, nursery: trio.Nursery
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
+    tmp_path: Path, nursery: trio.Nursery, fault: signal.Signals
 ) -> None:
-    """kill -9 of the engine after 40 chunks: the client's one stream carries on from the
-    other replica, with the same id, created time and model throughout, and its text is
-    byte for byte an unbroken greedy run's; the metrics count one stream resumed."""
+    """kill -9 of the engine after 40 chunks, or SIGSTOP (its socket stays open and
+    silent: found by nothing heard from it, ``router.silent_after_s``, not the minute
+    of ``idle_timeout_s``): the client's one stream carries on from the other replica,
+    with the same id, created time and model throughout, and its text is byte for byte
+    an unbroken greedy run's; the metrics count one stream resumed."""
     model = write_model(tmp_path / "never.gguf", ends_after=None)
     procs: list[trio.Process] = []
     async with (
         llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
         llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
     ):
-        table = RoutingTable(scrape_s=60)
+        table = RoutingTable(scrape_s=0.2, silent_after_s=2.0)
         table.apply(_table(("a", url_a)))  # the stream starts on a
+        await nursery.start(table.run)
         app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
@@ -77,14 +81,18 @@ async def test_a_killed_engines_stream_goes_on_from_another_replica_exactly(
                 n += 1
                 if n == kill_after:
                     table.apply(_table(("a", url_a), ("b", url_b)))
-                    procs[0].send_signal(signal.SIGKILL)
+                    procs[0].send_signal(fault)
             return "".join(text), identity, finishes
 
         with trio.fail_after(120):
             reference, _, finished = await run(None)  # unbroken, on a
             assert finished == ["length"]
             resumed, identity, finished = await run(40)
-        assert procs[0].poll() is not None  # a was killed mid-stream
+        if fault == signal.SIGKILL:
+            assert procs[0].poll() is not None  # a was killed mid-stream
+        else:  # found silent, and held wedged
+            [ep_a] = [ep for ep in table.endpoints["m"] if ep.key == "a"]
+            assert "not a byte" in ep_a.wedged, ep_a.wedged
         assert len(identity) == 1, identity
         assert finished == ["length"]
         assert len(resumed) == len(reference)

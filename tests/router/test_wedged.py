@@ -14,7 +14,7 @@ import trio
 from llmgw.engines.base import Launch, LoadSignals
 from llmgw.engines.vllm import VLLM
 from llmgw.router.app import RouterApp
-from llmgw.router.balancer import Endpoint, note_progress, wedged
+from llmgw.router.balancer import Endpoint, note_heard, note_progress, silent, wedged
 from llmgw.router.breaker import Breaker, BreakerState
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
 from llmgw.router.table import RoutingTable
@@ -43,10 +43,36 @@ def test_work_and_a_flat_counter_for_long_enough_is_wedged() -> None:
         reading(ep, NOW + t, 500)
         assert wedged(ep, NOW + t, 30) == ""
     reading(ep, NOW + 30, 500)
-    assert wedged(ep, NOW + 30, 30) == "1 requests in flight and no progress for 30 s"
+    assert wedged(ep, NOW + 30, 30) == (
+        "1 requests in flight and no progress for 30 s, though its metrics answer"
+    )
     reading(ep, NOW + 31, 501)  # it moved: not wedged, and the clock starts again
     assert wedged(ep, NOW + 31, 30) == ""
     assert wedged(ep, NOW + 60, 30) is None  # the last reading is stale: no judgement
+
+
+def test_work_and_nothing_heard_for_long_enough_is_silent() -> None:
+    """A chunk of a reply or an answered scrape is hearing from it; neither for
+    ``after_s`` with work in flight is silent. With nothing in flight its clock restarts."""
+    ep = Endpoint(key="r", model="m", url="http://r")
+    note_heard(ep, NOW)
+    assert silent(ep, NOW + 100, 8) == ""  # idle: nothing is owed
+    note_heard(ep, NOW + 100)
+    ep.in_flight = 2
+    for t in range(101, 108):
+        note_heard(ep, NOW + t)
+        assert silent(ep, NOW + t, 8) == ""
+    ep.chunks += 1  # a token came back
+    note_heard(ep, NOW + 108)
+    assert silent(ep, NOW + 115, 8) == ""
+    note_heard(ep, NOW + 116)
+    quiet = "2 requests in flight and not a byte of them nor an answer to a metrics scrape"
+    assert silent(ep, NOW + 116, 8) == f"{quiet} for 8 s"
+    reading(ep, NOW + 117, 500)  # a scrape was answered
+    note_heard(ep, NOW + 117)
+    assert silent(ep, NOW + 124, 8) == ""
+    assert silent(ep, NOW + 125, 8).startswith(quiet)
+    assert silent(ep, NOW + 125, 0) == ""  # silent_after_s = 0: never judged
 
 
 def test_an_idle_engine_is_never_wedged_and_its_clock_restarts() -> None:
@@ -60,7 +86,9 @@ def test_an_idle_engine_is_never_wedged_and_its_clock_restarts() -> None:
     reading(ep, NOW + 129, 500, running=1)
     assert wedged(ep, NOW + 129, 30) == ""
     reading(ep, NOW + 131, 500, running=1)
-    assert wedged(ep, NOW + 131, 30) == "1 requests in flight and no progress for 31 s"
+    assert wedged(ep, NOW + 131, 30) == (
+        "1 requests in flight and no progress for 31 s, though its metrics answer"
+    )
 
 
 def test_no_counter_or_no_judging_is_never_wedged() -> None:
@@ -202,12 +230,12 @@ async def test_a_slow_llama_server_under_a_burst_is_never_wedged(
     tmp_path: Path, nursery: trio.Nursery, caplog_router: pytest.LogCaptureFixture
 ) -> None:
     """Slow is not wedged: 64 long requests at once on a one-slot llama-server, most of
-    them deferred for seconds, with a one-second wedge limit judged ten times a second.
-    Its decode counter moves with every step, so it is never taken out, and every
-    request is answered."""
+    them deferred for seconds, with one-second wedged and silent limits judged ten
+    times a second. Its decode counter moves with every step and it answers its
+    metrics between steps, so it is never taken out, and every request is answered."""
     model = write_model(tmp_path / "never.gguf", ends_after=None)
     async with llama_server(model, tmp_path) as url:
-        table = RoutingTable(scrape_s=0.1, wedged_after_s=1.0)
+        table = RoutingTable(scrape_s=0.1, wedged_after_s=1.0, silent_after_s=1.0)
         table.apply(
             Snapshot(version="1", models={"m": ModelRouting()},
                      routes=[Route(key="one", model="m", url=url, engine="llama.cpp")])
