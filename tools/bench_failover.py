@@ -59,9 +59,11 @@ import httpx
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import bench_router as br
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_router's own imports
+import bench_router as br  # a sibling script, not a package
+from benchlib import percentile
+
 from tools.bench_crosscheck import find_llama_server
-from tools.benchlib import percentile
 
 STREAMS = 32
 TOKENS = 200
@@ -70,7 +72,10 @@ FAULT_AT = TOKENS // 3  # tokens the median stream has had when the fault comes
 RUN_TIMEOUT_S = 300.0
 EVENTS = ("unbroken", "again", "kill", "stop")
 _LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
-_RESUMED = re.compile(r"stream (\S+) of \S+ broke mid-way on replica (\S+); replica (\S+)")
+_RESUMED = re.compile(
+    r"stream (\S+) of \S+ broke mid-way on replica \S+; replica \S+ carries it on "
+    r"from token (\d+)"
+)
 _LAUNCHED = re.compile(r"\| task (\d+) \| processing task")
 _PROMPT_EVAL = re.compile(r"\| task (\d+) \| prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
 
@@ -264,12 +269,25 @@ def measure(
     procs: br.Procs,
 ) -> None:
     result.intact = sum(1 for s in streams if s.finished and not s.error and s.tokens == TOKENS)
+    resumed_ids = {m.group(1): int(m.group(2)) for m in _RESUMED.finditer(procs.log("llmgw"))}
     if reference:
         result.identical = sum(1 for s in streams if s.text == reference[s.index])
+        for s in streams:
+            ref = reference[s.index]
+            if s.text != ref:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(s.text, ref, strict=False)) if a != b),
+                    min(len(s.text), len(ref)),
+                )
+                k = resumed_ids.get(s.id)
+                how = "not resumed" if k is None else f"resumed from token {k}"
+                result.notes.append(
+                    f"stream {s.index} ({how}) differs from the unbroken run's from character "
+                    f"{at} of {len(ref)}: {s.text[at : at + 12]!r} for {ref[at : at + 12]!r}"
+                )
     for s in streams:
         if s.error:
             result.notes.append(f"stream {s.index}: {s.error}")
-    resumed_ids = {m.group(1) for m in _RESUMED.finditer(procs.log("llmgw"))}
     resumed = [s for s in streams if s.id in resumed_ids]
     result.resumed = len(resumed)
     after = fault_at[0] if fault_at else 0.0

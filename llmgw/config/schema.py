@@ -138,7 +138,7 @@ class RouterConfig(_Section):
     # work in flight and nothing heard from the replica this long, neither a byte of a
     # reply nor an answer to a metrics scrape (a stopped process, a hung host): wedged
     # too, and its streams go on elsewhere (0: never judged)
-    silent_after_s: float = 8.0
+    silent_after_s: float = 6.0
     # a stream whose replica fails mid-way goes on from another replica of the same
     # engine (asking engines for the ids of the tokens they stream); false: it ends
     # with an error event

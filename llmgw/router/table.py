@@ -50,7 +50,7 @@ class RoutingTable:
         scrape_s: float = 1.0,
         on_gone: Callable[[list[str]], None] = lambda _: None,
         wedged_after_s: float = 30.0,
-        silent_after_s: float = 8.0,
+        silent_after_s: float = 6.0,
         on_wedged: Callable[[frozenset[str]], None] = lambda _: None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)

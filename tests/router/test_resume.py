@@ -7,6 +7,7 @@ must read exactly what an unbroken greedy run gives, under one id."""
 from __future__ import annotations
 
 import signal
+from functools import partial
 from pathlib import Path
 
 import openai
@@ -158,3 +159,141 @@ def test_a_continuation_is_shown_in_the_clients_shape(chat: bool) -> None:
     assert (b'"delta":{"content":" there"}' if chat else b'"text":" there"') in out
     assert b'"finish_reason":"length"' in out
     assert t.ids == [42, 7]  # type: ignore[union-attr]
+
+
+@needs_server
+async def test_a_sampled_stream_carries_on_from_where_it_stopped(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """With sampling there is no reference to compare with, but the stream must go on
+    from the token it stopped at: what was read before the kill is the start of the
+    whole text, the usage counts exactly ``max_tokens`` generated, and one identity."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    procs: list[trio.Process] = []
+    async with (
+        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
+    ):
+        table = RoutingTable(scrape_s=60)
+        table.apply(_table(("a", url_a)))
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=60,
+        )
+        pieces: list[str] = []
+        before = ""
+        identity: set[tuple[str, int, str]] = set()
+        usage = None
+        with trio.fail_after(120):
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                max_tokens=400,
+                temperature=1.0,
+                extra_body={"top_k": 40, "seed": 7},
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            n = 0
+            async for chunk in stream:
+                identity.add((chunk.id, chunk.created, chunk.model))
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    pieces.append(choice.delta.content or "")
+                n += 1
+                if n == 40:
+                    before = "".join(pieces)
+                    table.apply(_table(("a", url_a), ("b", url_b)))
+                    procs[0].send_signal(signal.SIGKILL)
+    text = "".join(pieces)
+    assert procs[0].poll() is not None
+    assert len(identity) == 1, identity
+    assert before and text.startswith(before) and len(text) > len(before)
+    assert usage is not None and usage.completion_tokens == 400
+    assert (
+        app.metrics.registry.get_sample_value("llmgw_router_streams_resumed_total", {"model": "m"})
+        == 1
+    )
+
+
+async def _cutting_proxy(nursery: trio.Nursery, upstream: str, cut: list[int]) -> str:
+    """A loopback TCP relay to ``upstream`` that, while ``cut[0]`` > 0, passes a
+    response's head and the first bytes of its body and then drops both connections
+    (an engine dying between its head and the end of its body); its base URL."""
+    host, port = upstream.removeprefix("http://").split(":")
+
+    async def handle(client: trio.SocketStream) -> None:
+        async with (
+            client,
+            await trio.open_tcp_stream(host, int(port)) as engine,
+            trio.open_nursery() as inner,
+        ):
+
+            async def forward() -> None:
+                async for data in client:
+                    await engine.send_all(data)
+                inner.cancel_scope.cancel()  # the router closed it
+
+            inner.start_soon(forward)
+            held = b""  # of a response to cut, until its head is whole
+            async for data in engine:
+                if not cut[0]:
+                    await client.send_all(data)
+                    continue
+                held += data
+                if b"\r\n\r\n" in held:
+                    cut[0] -= 1
+                    await client.send_all(held[: held.index(b"\r\n\r\n") + 4 + 8])
+                    break
+            inner.cancel_scope.cancel()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+@needs_server
+async def test_a_whole_reply_cut_after_its_head_is_asked_again_of_another_replica(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A non-streamed chat whose replica sends its head and eight bytes of its body and
+    then drops the connection is sent whole to the other replica: the client gets one
+    complete answer, the same greedy text as an unbroken one, and the break counts
+    against the first replica."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    async with (
+        llama_server(model, tmp_path, name="a") as url_a,
+        llama_server(model, tmp_path, name="b") as url_b,
+    ):
+        cut = [0]
+        via = await _cutting_proxy(nursery, url_a, cut)
+        table = RoutingTable(scrape_s=60)
+        table.apply(_table(("a", via)))
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=60,
+        )
+        with trio.fail_after(60):
+            whole = await client.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=64, temperature=0
+            )
+            table.apply(_table(("a", via), ("b", url_b)))
+            cut[0] = 1  # the next answer from a is cut; either replica may be picked
+            answers = []
+            while cut[0] and len(answers) < 30:
+                again = await client.chat.completions.create(
+                    model="m", messages=MESSAGES, max_tokens=64, temperature=0
+                )
+                answers.append((again.choices[0].message.content, again.usage))
+    assert cut == [0]  # an answer of a's was cut
+    for text, usage in answers:
+        assert text == whole.choices[0].message.content
+        assert usage is not None and usage.completion_tokens == 64
+    errors = app.metrics.upstream_errors.labels("m", "a", "reset")._value.get()
+    assert errors == 1
