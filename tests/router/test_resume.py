@@ -26,6 +26,7 @@ from tools.tinymodel import write_model
 
 MESSAGES = [{"role": r, "content": c} for r, c in PROMPT]
 LONG = 1500  # tokens: long enough to kill the engine well before its end
+KILL_AT = 240  # chunks: past what a 256-token context holds with the prompt
 
 
 def _table(*urls: tuple[str, str]) -> Snapshot:
@@ -297,3 +298,71 @@ async def test_a_whole_reply_cut_after_its_head_is_asked_again_of_another_replic
         assert usage is not None and usage.completion_tokens == 64
     errors = app.metrics.upstream_errors.labels("m", "a", "reset")._value.get()
     assert errors == 1
+
+
+@needs_server
+@pytest.mark.parametrize(
+    ("case", "label", "words"),
+    [
+        ("n", "n", "could not go on elsewhere: it asked for n=2 choices"),
+        ("small", "refused", "could not go on elsewhere: replica b refused the continuation"),
+        ("alone", "no_replica", "could not go on elsewhere: no other Ready replica of m"),
+    ],
+)
+async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why(
+    tmp_path: Path, nursery: trio.Nursery, case: str, label: str, words: str
+) -> None:
+    """Killed mid-way, a stream that cannot be carried on ends with an error event in
+    OpenAI's format, never a silent cut: one that asked for two choices; one whose
+    continuation the other replica refuses (its 256-token context is too small for the
+    prompt and the 240 tokens relayed: llama-server's own 400); one with no other
+    replica. The metric counts it by why."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    procs: list[trio.Process] = []
+    async with (
+        llama_server(model, tmp_path, context=2048, name="a", procs=procs, parallel=2) as url_a,
+        llama_server(model, tmp_path, context=256, name="b", procs=procs) as url_b,
+    ):
+        table = RoutingTable(scrape_s=60)
+        table.apply(_table(("a", url_a)))
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=60,
+        )
+        read: list[object] = []
+
+        async def stream_it() -> None:
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=MESSAGES,
+                max_tokens=400,
+                temperature=0,
+                n=2 if case == "n" else 1,
+                stream=True,
+            )
+            async for chunk in stream:
+                read.append(chunk)
+                if len(read) == KILL_AT:
+                    if case != "alone":
+                        table.apply(_table(("a", url_a), ("b", url_b)))
+                    procs[0].send_signal(signal.SIGKILL)
+
+        with trio.fail_after(60), pytest.raises(openai.APIError) as raised:
+            await stream_it()
+    assert len(read) >= KILL_AT  # what was sent stands
+    assert "the reply was cut short: replica a failed mid-stream" in raised.value.message
+    assert words in raised.value.message, raised.value.message
+    metrics = app.metrics.registry
+    assert (
+        metrics.get_sample_value(
+            "llmgw_router_streams_not_resumed_total", {"model": "m", "why": label}
+        )
+        == 1
+    )
+    assert metrics.get_sample_value("llmgw_router_streams_resumed_total", {"model": "m"}) in (
+        None,
+        0,
+    )
