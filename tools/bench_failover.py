@@ -33,6 +33,7 @@ Per event:
     .venv/bin/python -m tools.bench_failover                 # every event, ~6 minutes
     .venv/bin/python -m tools.bench_failover --event kill --json
     .venv/bin/python -m tools.bench_failover --model tiny    # the tiny test model
+    .venv/bin/python -m tools.bench_failover --cost          # per event, in the router
 
 The model by default is ``tools/slowmodel.py``'s (a couple of hundred tokens per
 second on one thread), so prefill takes the time it takes on real hardware relative
@@ -344,6 +345,35 @@ def table(results: list[Result]) -> str:
     )
 
 
+# a llama.cpp chat event as it streams when asked for its token's id (n_probs 1)
+_EVENT = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":" the"},'
+    b'"logprobs":{"content":[{"id":1234,"token":" the","bytes":[32,116,104,101],"prob":0.93,'
+    b'"top_probs":[{"id":1234,"token":" the","bytes":[32,116,104,101],"prob":0.93}]}]}}],'
+    b'"created":1796217819,"id":"chatcmpl-SQvGIVEoKFnJyzR1rb8PdP5wh4SUNefA","model":"m",'
+    b'"system_fingerprint":"b11434","object":"chat.completion.chunk"}'
+)
+
+
+def event_cost(n: int = 200_000) -> float:
+    """Microseconds the router spends per event keeping a resumable stream's transcript
+    (taking the id out, noting the text): its cost over a plain relay, per token."""
+    from llmgw.router.resume import Transcript, plan
+
+    t = plan(b'{"model":"m","messages":[],"stream":true,"max_tokens":200}', chat=True)
+    assert isinstance(t, Transcript)
+    t.request("llama.cpp")
+    best = float("inf")
+    for _ in range(5):
+        t.ids.clear()
+        t.text.clear()
+        start = time.perf_counter()
+        for _ in range(n // 5):
+            t.observe(_EVENT)
+        best = min(best, (time.perf_counter() - start) / (n // 5))
+    return best * 1e6
+
+
 def write_model(kind: str, workdir: Path) -> Path:
     if kind == "tiny":
         from tools.tinymodel import write_model as write_tiny
@@ -360,8 +390,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run only these (the unbroken run always runs first)")  # fmt: skip
     parser.add_argument("--model", choices=("slow", "tiny"), default="slow")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cost", action="store_true",
+                        help="only the router's per-event cost of keeping a transcript")  # fmt: skip
     parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir)")
     args = parser.parse_args(argv)
+    if args.cost:
+        print(f"transcript: {event_cost():.2f} us per event (best of 5)")
+        return 0
     events = ["unbroken", *[e for e in (args.event or EVENTS) if e != "unbroken"]]
     with contextlib.ExitStack() as stack:
         workdir = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
