@@ -14,6 +14,7 @@ import openai
 import pytest
 import trio
 
+from llmgw.http.client import ClientLimits, UpstreamPool
 from llmgw.router.app import RouterApp
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
 from llmgw.router.resume import plan
@@ -35,25 +36,31 @@ def _table(*urls: tuple[str, str]) -> Snapshot:
 
 
 @needs_server
-@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
+@pytest.mark.parametrize(
+    ("fault", "silent_after_s"),
+    [(signal.SIGKILL, 2.0), (signal.SIGSTOP, 2.0), (signal.SIGSTOP, 0.0)],
+    ids=["kill", "stop", "stop-idle"],
+)
 async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
-    tmp_path: Path, nursery: trio.Nursery, fault: signal.Signals
+    tmp_path: Path, nursery: trio.Nursery, fault: signal.Signals, silent_after_s: float
 ) -> None:
     """kill -9 of the engine after 40 chunks, or SIGSTOP (its socket stays open and
-    silent: found by nothing heard from it, ``router.silent_after_s``, not the minute
-    of ``idle_timeout_s``): the client's one stream carries on from the other replica,
-    with the same id, created time and model throughout, and its text is byte for byte
-    an unbroken greedy run's; the metrics count one stream resumed."""
+    silent: found by nothing heard from it, ``router.silent_after_s``; with that off,
+    by the stream's own ``idle_timeout_s``, here 2 s): the client's one stream carries
+    on from the other replica, with the same id, created time and model throughout,
+    and its text is byte for byte an unbroken greedy run's; the metrics count one
+    stream resumed."""
     model = write_model(tmp_path / "never.gguf", ends_after=None)
     procs: list[trio.Process] = []
     async with (
         llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
         llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
     ):
-        table = RoutingTable(scrape_s=0.2, silent_after_s=2.0)
+        table = RoutingTable(scrape_s=0.2, silent_after_s=silent_after_s)
         table.apply(_table(("a", url_a)))  # the stream starts on a
         await nursery.start(table.run)
-        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        pool = UpstreamPool(ClientLimits(idle_timeout_s=2.0))
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), pool)
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
             api_key=KEY,
@@ -92,9 +99,13 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
             resumed, identity, finished = await run(40)
         if fault == signal.SIGKILL:
             assert procs[0].poll() is not None  # a was killed mid-stream
-        else:  # found silent, and held wedged
+        else:
             [ep_a] = [ep for ep in table.endpoints["m"] if ep.key == "a"]
-            assert "not a byte" in ep_a.wedged, ep_a.wedged
+            if silent_after_s:  # found silent, and held wedged
+                assert "not a byte" in ep_a.wedged, ep_a.wedged
+            else:  # the stream's own idle timeout
+                assert not ep_a.wedged
+                assert ep_a.breaker.consecutive_faults >= 1
         assert len(identity) == 1, identity
         assert finished == ["length"]
         assert len(resumed) == len(reference)
