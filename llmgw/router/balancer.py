@@ -485,13 +485,19 @@ class RetryBudget:
         """A retry was sent."""
         self._current(now)[2] += 1
 
-    def can_retry(self, now: float, *, attempts: int = 1) -> bool:
+    def can_retry(self, now: float, *, attempts: int = 1, failover: bool = False) -> bool:
         """Whether a request that has made ``attempts`` attempts may make another.
 
         Only the bounds: whether the failure may be retried at all is the
-        attempt's ``verdict``.
+        attempt's ``verdict``. ``failover``: the attempt was cut because its
+        replica was found wedged, which does no work for it, so a retry adds no
+        load to a brown-out; only ``max_attempts`` bounds it (a replica found
+        wedged with many requests waiting on it would otherwise spend the whole
+        budget at once, and fail the rest).
         """
         if attempts >= self.max_attempts:
             return False
+        if failover:
+            return True
         requests, retries = self.totals(now)
         return retries < max(self.min_retries, self.ratio * requests)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 from pathlib import Path
 
 import httpx
@@ -271,3 +272,61 @@ async def test_a_slow_llama_server_under_a_burst_is_never_wedged(
     assert max(deferred) >= 1  # it did queue: slow, not idle
     assert ep.progress is not None  # the counter was read
     assert not [r for r in caplog_router.records if "wedged" in r.getMessage()]
+
+
+@needs_server
+async def test_every_request_waiting_on_a_stopped_engine_goes_to_another_replica(
+    tmp_path: Path, nursery: trio.Nursery, caplog_router: pytest.LogCaptureFixture
+) -> None:
+    """Twelve whole (non-streamed) requests wait on a SIGSTOPped llama-server: its
+    socket takes them and nothing comes back; meanwhile another replica becomes Ready.
+    Once the first is found silent, each is cut and
+    asked of the other replica, all twelve, though the retry budget allows three in
+    this window: a replica found wedged does no work for them, so moving them adds no
+    load. Every client gets its answer."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    procs: list[trio.Process] = []
+    async with (
+        llama_server(model, tmp_path, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, name="b", procs=procs) as url_b,
+    ):
+
+        def routes(b_ready: bool) -> Snapshot:
+            return Snapshot(
+                version=str(b_ready),
+                models={"m": ModelRouting()},
+                routes=[
+                    Route(key="a", model="m", url=url_a, engine="llama.cpp"),
+                    Route(key="b", model="m", url=url_b, engine="llama.cpp", ready=b_ready),
+                ],
+            )
+
+        table = RoutingTable(scrape_s=0.2, silent_after_s=1.5)
+        table.apply(routes(b_ready=False))  # the requests all go to a
+        await nursery.start(table.run)
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
+        [ep_a, _] = table.endpoints["m"]
+        procs[0].send_signal(signal.SIGSTOP)
+        body = {"model": "m", "messages": [{"role": "user", "content": "go"}],
+                "max_tokens": 8, "temperature": 0}  # fmt: skip
+        statuses: list[int] = []
+
+        async def one(client: httpx.AsyncClient) -> None:
+            r = await client.post(base + "/chat/completions", json=body, headers=AUTH)
+            statuses.append(r.status_code)
+
+        with trio.fail_after(30):
+            async with (
+                httpx.AsyncClient(timeout=25, limits=httpx.Limits(max_connections=20)) as client,
+                trio.open_nursery() as clients,
+            ):
+                for _ in range(12):
+                    clients.start_soon(one, client)
+                while ep_a.in_flight < 12:
+                    await trio.sleep(0.01)
+                table.apply(routes(b_ready=True))
+    assert statuses == [200] * 12, statuses
+    assert "not a byte" in ep_a.wedged
+    retries = app.metrics.registry.get_sample_value("llmgw_router_retries_total", {"model": "m"})
+    assert retries == 12
