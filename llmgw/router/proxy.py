@@ -46,6 +46,7 @@ no verdict for its breaker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -105,13 +106,15 @@ class _Attempt:
 
 
 class _Failed:
-    """An attempt that gave the client nothing: its verdict, and why in words."""
+    """An attempt that gave the client nothing: its verdict, and why in words
+    (``cut``: ended because its replica was found wedged)."""
 
-    __slots__ = ("verdict", "why")
+    __slots__ = ("cut", "verdict", "why")
 
-    def __init__(self, verdict: Verdict, why: str) -> None:
+    def __init__(self, verdict: Verdict, why: str, cut: bool = False) -> None:
         self.verdict = verdict
         self.why = why
+        self.cut = cut
 
 
 class Proxy:
@@ -207,8 +210,11 @@ class Proxy:
                 _count(held, now)
             failed = result
             held = ep if failed.verdict.suspect is not None else None
-            if failed.verdict.retry and self.budget.can_retry(now, attempts=attempts):
-                self.budget.on_retry(now)
+            if failed.verdict.retry and self.budget.can_retry(
+                now, attempts=attempts, failover=failed.cut
+            ):
+                if not failed.cut:
+                    self.budget.on_retry(now)
                 record.retry()
                 continue
             _count(held, now)  # no other replica to check it against
@@ -267,9 +273,9 @@ class Proxy:
                 return await self._exchange(
                     request, headers, body, stream, lease, record, transcript, why_not, tried
                 )
-            return _fault(
-                lease, record, UpstreamTimeout(waiting.why, "head"), started=False
-            )  # cut: the replica is wedged
+            failed = _fault(lease, record, UpstreamTimeout(waiting.why, "head"), started=False)
+            failed.cut = True  # the replica is wedged
+            return failed
         except UpstreamError as exc:
             return _fault(lease, record, exc, started=False)
         finally:
@@ -388,7 +394,7 @@ class Proxy:
             )
             data = await up.read()
             if up.status != 200:
-                raise _Refused(f"answered {path} with {up.status}: {data[:200]!r}")
+                raise _Refused(f"answered {path} with {up.status}: {_said(data)}")
             found = msgspec.json.decode(data)
             if not isinstance(found, dict):
                 raise _Refused(f"answered {path} with no JSON object")
@@ -410,8 +416,25 @@ class Proxy:
             if up.status == 200:
                 return up
             data = await up.read()
-            return f"refused the continuation with {up.status}: {data[:200]!r}"
+            return f"refused the continuation with {up.status}: {_said(data)}"
         return f"did not take the continuation within {RESUME_TIMEOUT_S:g} s"
+
+
+def _said(data: bytes, limit: int = 320) -> str:
+    """What an engine's error answer says, for one line: its ``error.message`` (or the
+    body), whitespace folded; a long one keeps its start and its end, where engines
+    put the cause (llama.cpp ends a template's failure with the exception it raised)."""
+    text = data.decode("utf-8", "replace")
+    with contextlib.suppress(msgspec.DecodeError):
+        found = msgspec.json.decode(data)
+        error = found.get("error") if isinstance(found, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        if isinstance(message, str):
+            text = message
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 3]} ... {text[-(limit - limit // 3) :]}"
 
 
 class _Refused(Exception):

@@ -212,6 +212,7 @@ async def llama_server(
     name: str = "",
     procs: list[trio.Process] | None = None,
     parallel: int = 1,
+    args: tuple[str, ...] = (),
 ) -> AsyncIterator[str]:
     """Run llama-server on a free loopback port; yield its base URL once healthy
     (its process goes into ``procs``, for a test that kills it)."""
@@ -219,7 +220,7 @@ async def llama_server(
     log_path = workdir / f"{name or model.stem}.log"
     argv = [LLAMA_SERVER, "-m", str(model), "--host", "127.0.0.1", "--port", "0",
             "-t", "1", "-tb", "1", "-np", str(parallel), "-c", str(context), "--metrics",
-            "--slots"]  # fmt: skip
+            "--slots", *args]  # fmt: skip
     with log_path.open("wb") as log:
         proc = await trio.lowlevel.open_process(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

@@ -28,6 +28,17 @@ from tools.tinymodel import write_model
 MESSAGES = [{"role": r, "content": c} for r, c in PROMPT]
 LONG = 1500  # tokens: long enough to kill the engine well before its end
 KILL_AT = 240  # chunks: past what a 256-token context holds with the prompt
+# a ChatML template that insists on alternating roles, as some models' templates do
+TWO_USERS = [{"role": "user", "content": "Hello,"}, {"role": "user", "content": "how are you?"}]
+ALTERNATE = (
+    "{%- for m in messages -%}"
+    "{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{%- endif -%}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+)
 
 
 def _table(*urls: tuple[str, str]) -> Snapshot:
@@ -318,6 +329,7 @@ async def test_a_whole_reply_cut_after_its_head_is_asked_again_of_another_replic
         ("n", "n", "could not go on elsewhere: it asked for n=2 choices"),
         ("small", "refused", "could not go on elsewhere: replica b refused the continuation"),
         ("alone", "no_replica", "could not go on elsewhere: no other Ready replica of m"),
+        ("template", "refused", "Conversation roles must alternate"),
     ],
 )
 async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why(
@@ -326,13 +338,25 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
     """Killed mid-way, a stream that cannot be carried on ends with an error event in
     OpenAI's format, never a silent cut: one that asked for two choices; one whose
     continuation the other replica refuses (its 256-token context is too small for the
-    prompt and the 240 tokens relayed: llama-server's own 400); one with no other
-    replica. The metric counts it by why."""
+    prompt and the 240 tokens relayed: llama-server's own 400); one the other replica
+    cannot render (two user messages in a row, which its chat template refuses, as
+    some models' do, where the first replica's renders them);
+    one with no other replica. The metric counts it by why."""
     model = write_model(tmp_path / "never.gguf", ends_after=None)
     procs: list[trio.Process] = []
+    template = tmp_path / "alternate.jinja"
+    template.write_text(ALTERNATE)
+    b_args = ("--jinja", "--chat-template-file", str(template)) if case == "template" else ()
     async with (
         llama_server(model, tmp_path, context=2048, name="a", procs=procs, parallel=2) as url_a,
-        llama_server(model, tmp_path, context=256, name="b", procs=procs) as url_b,
+        llama_server(
+            model,
+            tmp_path,
+            context=256 if case == "small" else 2048,
+            name="b",
+            procs=procs,
+            args=b_args,
+        ) as url_b,
     ):
         table = RoutingTable(scrape_s=60)
         table.apply(_table(("a", url_a)))
@@ -348,7 +372,7 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
         async def stream_it() -> None:
             stream = await client.chat.completions.create(
                 model="m",
-                messages=MESSAGES,
+                messages=TWO_USERS if case == "template" else MESSAGES,
                 max_tokens=400,
                 temperature=0,
                 n=2 if case == "n" else 1,
