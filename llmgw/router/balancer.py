@@ -489,11 +489,11 @@ class RetryBudget:
         """Whether a request that has made ``attempts`` attempts may make another.
 
         Only the bounds: whether the failure may be retried at all is the
-        attempt's ``verdict``. ``failover``: the attempt was cut because its
-        replica was found wedged, which does no work for it, so a retry adds no
-        load to a brown-out; only ``max_attempts`` bounds it (a replica found
-        wedged with many requests waiting on it would otherwise spend the whole
-        budget at once, and fail the rest).
+        attempt's ``verdict``. ``failover``: the attempt's replica is gone or
+        wedged, and did no work for it, so a retry adds no load to a brown-out;
+        only ``max_attempts`` bounds it (a replica dying with many requests
+        waiting on it would otherwise spend the whole budget at once, and fail
+        the rest).
         """
         if attempts >= self.max_attempts:
             return False

@@ -64,7 +64,7 @@ from llmgw.router.record import Record
 from llmgw.router.relay import Continuation, Relay
 from llmgw.router.resume import NotResumed, Transcript
 from llmgw.router.table import RoutingTable
-from llmgw.router.verdict import Verdict, poisoned, verdict
+from llmgw.router.verdict import Failure, Verdict, poisoned, verdict
 
 log = logging.getLogger("llmgw.router")
 
@@ -106,15 +106,21 @@ class _Attempt:
 
 
 class _Failed:
-    """An attempt that gave the client nothing: its verdict, and why in words
-    (``cut``: ended because its replica was found wedged)."""
+    """An attempt that gave the client nothing: its verdict, and why in words.
 
-    __slots__ = ("cut", "verdict", "why")
+    ``failover``: its replica is gone or held wedged (it refused the connection,
+    closed it without answering, or was found wedged), so the request put no load on
+    it and moving it elsewhere adds none: retried past the retry budget, within
+    ``max_attempts`` (and, as every retry, past the admission thresholds and the
+    poison check). Otherwise one engine dying with many requests waiting for their
+    first byte would spend the budget at once and fail the rest."""
 
-    def __init__(self, verdict: Verdict, why: str, cut: bool = False) -> None:
+    __slots__ = ("failover", "verdict", "why")
+
+    def __init__(self, verdict: Verdict, why: str, failover: bool = False) -> None:
         self.verdict = verdict
         self.why = why
-        self.cut = cut
+        self.failover = failover
 
 
 class Proxy:
@@ -211,9 +217,9 @@ class Proxy:
             failed = result
             held = ep if failed.verdict.suspect is not None else None
             if failed.verdict.retry and self.budget.can_retry(
-                now, attempts=attempts, failover=failed.cut
+                now, attempts=attempts, failover=failed.failover
             ):
-                if not failed.cut:
+                if not failed.failover:
                     self.budget.on_retry(now)
                 record.retry()
                 continue
@@ -274,7 +280,7 @@ class Proxy:
                     request, headers, body, stream, lease, record, transcript, why_not, tried
                 )
             failed = _fault(lease, record, UpstreamTimeout(waiting.why, "head"), started=False)
-            failed.cut = True  # the replica is wedged
+            failed.failover = True  # the replica is wedged
             return failed
         except UpstreamError as exc:
             return _fault(lease, record, exc, started=False)
@@ -502,10 +508,12 @@ def _ints(found: object) -> list[int]:
 
 def _fault(lease: Lease, record: Record, exc: UpstreamError, *, started: bool) -> _Failed:
     """An attempt the pool failed: the replica and the metrics told, the verdict made."""
-    judged = verdict(attempt.failure(exc), started=started)
+    failure = attempt.failure(exc)
+    judged = verdict(failure, started=started)
     _end(lease, judged)
     record.upstream_error(lease.endpoint.key, attempt.kind(exc))
-    return _Failed(judged, f"{type(exc).__name__}: {exc}")
+    gone = not started and failure in (Failure.CONNECT, Failure.UNANSWERED)
+    return _Failed(judged, f"{type(exc).__name__}: {exc}", failover=gone)
 
 
 def _end(lease: Lease, judged: Verdict) -> None:

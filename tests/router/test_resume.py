@@ -10,6 +10,7 @@ import signal
 from functools import partial
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import trio
@@ -22,7 +23,7 @@ from llmgw.router.table import RoutingTable
 from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.engines.test_tinymodel import PROMPT, llama_server
 from tests.realparts import needs_server
-from tests.router.test_app import KEY, serve
+from tests.router.test_app import AUTH, KEY, serve
 from tools.tinymodel import write_model
 
 MESSAGES = [{"role": r, "content": c} for r, c in PROMPT]
@@ -401,3 +402,68 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
         None,
         0,
     )
+
+
+@needs_server
+async def test_every_stream_on_a_killed_engine_goes_on_queued_or_begun(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """Twelve streams at a one-slot llama-server: one generating, eleven queued behind
+    it with no byte yet; then kill -9, as another replica becomes Ready. The begun one
+    is carried on; the queued ones, whose connections close without an answer, are
+    sent to the other replica, all eleven, though the retry budget allows three in
+    this window: a dead engine did no work for them. Every stream ends whole."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    procs: list[trio.Process] = []
+    async with (
+        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, context=2048, name="b", procs=procs, parallel=12) as url_b,
+    ):
+
+        def routes(b_ready: bool) -> Snapshot:
+            return Snapshot(
+                version=str(b_ready),
+                models={"m": ModelRouting()},
+                routes=[
+                    Route(key="a", model="m", url=url_a, engine="llama.cpp"),
+                    Route(key="b", model="m", url=url_b, engine="llama.cpp", ready=b_ready),
+                ],
+            )
+
+        table = RoutingTable(scrape_s=60)
+        table.apply(routes(b_ready=False))
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
+        base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
+        [ep_a, _] = table.endpoints["m"]
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 300, "temperature": 0,
+                "stream": True}  # fmt: skip
+        ends: list[str] = []
+        begun = trio.Event()
+
+        async def one(client: httpx.AsyncClient) -> None:
+            async with client.stream(
+                "POST", base + "/chat/completions", json=body, headers=AUTH
+            ) as r:
+                lines = []
+                async for line in r.aiter_lines():
+                    begun.set()
+                    if line:
+                        lines.append(line)
+            done = any('"finish_reason":"length"' in x for x in lines)
+            error = any('"error"' in x for x in lines)
+            whole = r.status_code == 200 and done and not error and lines[-1] == "data: [DONE]"
+            ends.append("whole" if whole else f"{r.status_code}: {lines[-2:]}")
+
+        with trio.fail_after(90):
+            async with (
+                httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=20)) as client,
+                trio.open_nursery() as clients,
+            ):
+                for _ in range(12):
+                    clients.start_soon(one, client)
+                await begun.wait()
+                while ep_a.in_flight < 12:
+                    await trio.sleep(0.01)
+                table.apply(routes(b_ready=True))
+                procs[0].send_signal(signal.SIGKILL)
+    assert ends == ["whole"] * 12, ends
