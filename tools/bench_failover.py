@@ -10,7 +10,8 @@ server`` routing the model to both as static endpoints (``static_engine =
 - ``unbroken``: no fault. Its texts are the reference the others are held to.
 - ``again``: no fault, a second time: the noise floor of "identical" (llama.cpp's
   batched decoding on the CPU may not be bit-for-bit the same from run to run).
-- ``kill``: once the leading stream is a third of the way, ``kill -9`` the first engine.
+- ``kill``: once the first engine's leading stream is a third of the way (as its
+  ``/slots`` count it), ``kill -9`` that engine.
 - ``stop``: the same moment, ``SIGSTOP`` the first engine (its sockets stay open and
   silent) for the rest of the run.
 
@@ -69,7 +70,7 @@ from tools.bench_crosscheck import find_llama_server
 STREAMS = 32
 TOKENS = 200
 SLOT_CONTEXT = 320  # prompt and 200 tokens, with room
-FAULT_AT = TOKENS // 3  # tokens the leading stream has had when the fault comes
+FAULT_AT = TOKENS // 3  # tokens the first engine's leading stream has generated at the fault
 RUN_TIMEOUT_S = 300.0
 EVENTS = ("unbroken", "again", "kill", "stop")
 _LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
@@ -100,6 +101,7 @@ class Stream:
     finished: bool = False  # a finish reason, and [DONE]
     error: str = ""
     times: list[float] = field(default_factory=list)  # of each event with text
+    done: bool = False  # the client is done with it, however it ended
 
     def longest_gap(self, after: float = 0.0) -> float:
         """The longest pause between two of its events, counting those from ``after``."""
@@ -159,6 +161,24 @@ def catalog(urls: list[str]) -> str:
     return f'[models.m]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n'
 
 
+async def decoded(client: httpx.AsyncClient, url: str) -> int:
+    """The most tokens a busy slot of the engine has generated so far (its ``/slots``):
+    what the fault waits for, as the engine counts it. The client's count would lag
+    behind an engine faster than the client reads (the tiny model), and a fault
+    timed by it could come after the engine had finished."""
+    try:
+        slots = (await client.get(f"{url}/slots", timeout=2)).json()
+    except (httpx.HTTPError, ValueError):
+        return 0
+    counts = [0]
+    for slot in slots if isinstance(slots, list) else ():
+        if slot.get("is_processing"):
+            nexts = slot.get("next_token") or []
+            for n in nexts if isinstance(nexts, list) else [nexts]:
+                counts.append(int(n.get("n_decoded") or 0))
+    return max(counts)
+
+
 async def one_stream(client: httpx.AsyncClient, url: str, key: str, s: Stream) -> None:
     body = {
         "model": "m",
@@ -202,6 +222,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, key: str, s: Stream) -
         s.error = f"{type(exc).__name__}: {exc}"
     finally:
         s.text = "".join(text)
+        s.done = True
 
 
 def run_event(event: str, model: Path, workdir: Path, reference: dict[int, str]) -> Result:
@@ -219,8 +240,11 @@ def run_event(event: str, model: Path, workdir: Path, reference: dict[int, str])
             async def fault_when_due() -> None:
                 if event not in ("kill", "stop"):
                     return
-                while max(len(s.times) for s in streams) < FAULT_AT:  # noqa: ASYNC110
-                    await trio.sleep(0.02)  # polled: the streams' progress is plain data
+                async with httpx.AsyncClient() as client:
+                    while await decoded(client, urls[0]) < FAULT_AT:
+                        if all(s.done for s in streams):
+                            return  # it never got that far: no fault, and the figures say so
+                        await trio.sleep(0.02)
                 survivor_offset.append(len(procs.log("engine-b")))
                 procs.procs["engine-a"].send_signal(
                     signal.SIGKILL if event == "kill" else signal.SIGSTOP
