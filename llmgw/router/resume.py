@@ -163,6 +163,10 @@ class Transcript:
             self.created = obj.get("created")
             self.model = obj.get("model")
             self.fingerprint = obj.get("system_fingerprint")
+        elif "created" in obj:
+            # OpenAI: every chunk of a stream has the same created time; llama.cpp
+            # stamps each with the second it was sent
+            obj["created"] = self.created
         if not self.keep:
             obj.pop("prompt_token_ids", None)
         for choice in obj.get("choices") or ():
