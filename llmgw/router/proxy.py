@@ -279,9 +279,9 @@ class Proxy:
                 return await self._exchange(
                     request, headers, body, stream, lease, record, transcript, why_not, tried
                 )
-            failed = _fault(lease, record, UpstreamTimeout(waiting.why, "head"), started=False)
-            failed.failover = True  # the replica is wedged
-            return failed
+            return _fault(  # cut: the replica is wedged
+                lease, record, UpstreamTimeout(waiting.why, "head"), started=False, wedged=True
+            )
         except UpstreamError as exc:
             return _fault(lease, record, exc, started=False)
         finally:
@@ -506,14 +506,17 @@ def _ints(found: object) -> list[int]:
     return found
 
 
-def _fault(lease: Lease, record: Record, exc: UpstreamError, *, started: bool) -> _Failed:
-    """An attempt the pool failed: the replica and the metrics told, the verdict made."""
+def _fault(
+    lease: Lease, record: Record, exc: UpstreamError, *, started: bool, wedged: bool = False
+) -> _Failed:
+    """An attempt the pool failed (or one cut because its replica is ``wedged``): the
+    replica and the metrics told, the verdict made."""
     failure = attempt.failure(exc)
     judged = verdict(failure, started=started)
     _end(lease, judged)
     record.upstream_error(lease.endpoint.key, attempt.kind(exc))
     gone = not started and failure in (Failure.CONNECT, Failure.UNANSWERED)
-    return _Failed(judged, f"{type(exc).__name__}: {exc}", failover=gone)
+    return _Failed(judged, f"{type(exc).__name__}: {exc}", failover=wedged or gone)
 
 
 def _end(lease: Lease, judged: Verdict) -> None:
