@@ -42,9 +42,27 @@ ALTERNATE = (
 )
 
 
-def _table(*urls: tuple[str, str]) -> Snapshot:
-    routes = [Route(key=k, model="m", url=u, engine="llama.cpp") for k, u in urls]
-    return Snapshot(version=str(len(urls)), models={"m": ModelRouting()}, routes=routes)
+def llama_routes(*urls: tuple[str, str], unready: frozenset[str] = frozenset()) -> Snapshot:
+    """Model ``m`` on llama-servers, by (key, url); those in ``unready`` not Ready yet."""
+    routes = [
+        Route(key=k, model="m", url=u, engine="llama.cpp", ready=k not in unready) for k, u in urls
+    ]
+    version = f"{len(urls)}-{','.join(sorted(unready))}"
+    return Snapshot(version=version, models={"m": ModelRouting()}, routes=routes)
+
+
+async def front(
+    nursery: trio.Nursery, table: RoutingTable, pool: UpstreamPool | None = None
+) -> tuple[RouterApp, openai.AsyncOpenAI]:
+    """The router over ``table`` on loopback, and the openai client that talks to it."""
+    app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), pool)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+        api_key=KEY,
+        max_retries=0,
+        timeout=60,
+    )
+    return app, client
 
 
 @needs_server
@@ -69,16 +87,10 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
         llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
     ):
         table = RoutingTable(scrape_s=0.2, silent_after_s=silent_after_s)
-        table.apply(_table(("a", url_a)))  # the stream starts on a
+        table.apply(llama_routes(("a", url_a)))  # the stream starts on a
         await nursery.start(table.run)
         pool = UpstreamPool(ClientLimits(idle_timeout_s=2.0))
-        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), pool)
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
-            api_key=KEY,
-            max_retries=0,
-            timeout=60,
-        )
+        app, client = await front(nursery, table, pool)
 
         async def run(kill_after: int | None) -> tuple[str, set[tuple[str, int, str]], list]:
             text: list[str] = []
@@ -101,7 +113,7 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
                         finishes.append(choice.finish_reason)
                 n += 1
                 if n == kill_after:
-                    table.apply(_table(("a", url_a), ("b", url_b)))
+                    table.apply(llama_routes(("a", url_a), ("b", url_b)))
                     procs[0].send_signal(fault)
             return "".join(text), identity, finishes
 
@@ -204,14 +216,8 @@ async def test_a_sampled_stream_carries_on_from_where_it_stopped(
         llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
     ):
         table = RoutingTable(scrape_s=60)
-        table.apply(_table(("a", url_a)))
-        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
-            api_key=KEY,
-            max_retries=0,
-            timeout=60,
-        )
+        table.apply(llama_routes(("a", url_a)))
+        app, client = await front(nursery, table)
         pieces: list[str] = []
         before = ""
         identity: set[tuple[str, int, str]] = set()
@@ -236,7 +242,7 @@ async def test_a_sampled_stream_carries_on_from_where_it_stopped(
                 n += 1
                 if n == 40:
                     before = "".join(pieces)
-                    table.apply(_table(("a", url_a), ("b", url_b)))
+                    table.apply(llama_routes(("a", url_a), ("b", url_b)))
                     procs[0].send_signal(signal.SIGKILL)
     text = "".join(pieces)
     assert procs[0].poll() is not None
@@ -300,19 +306,13 @@ async def test_a_whole_reply_cut_after_its_head_is_asked_again_of_another_replic
         cut = [0]
         via = await _cutting_proxy(nursery, url_a, cut)
         table = RoutingTable(scrape_s=60)
-        table.apply(_table(("a", via)))
-        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
-            api_key=KEY,
-            max_retries=0,
-            timeout=60,
-        )
+        table.apply(llama_routes(("a", via)))
+        app, client = await front(nursery, table)
         with trio.fail_after(60):
             whole = await client.chat.completions.create(
                 model="m", messages=MESSAGES, max_tokens=64, temperature=0
             )
-            table.apply(_table(("a", via), ("b", url_b)))
+            table.apply(llama_routes(("a", via), ("b", url_b)))
             cut[0] = 1  # the next answer from a is cut; either replica may be picked
             answers = []
             while cut[0] and len(answers) < 30:
@@ -365,14 +365,8 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
         ) as url_b,
     ):
         table = RoutingTable(scrape_s=60)
-        table.apply(_table(("a", url_a)))
-        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
-            api_key=KEY,
-            max_retries=0,
-            timeout=60,
-        )
+        table.apply(llama_routes(("a", url_a)))
+        app, client = await front(nursery, table)
         read: list[object] = []
 
         async def stream_it() -> None:
@@ -388,7 +382,7 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
                 read.append(chunk)
                 if len(read) == KILL_AT:
                     if case != "alone":
-                        table.apply(_table(("a", url_a), ("b", url_b)))
+                        table.apply(llama_routes(("a", url_a), ("b", url_b)))
                     procs[0].send_signal(signal.SIGKILL)
 
         with trio.fail_after(60), pytest.raises(openai.APIError) as raised:
@@ -424,19 +418,8 @@ async def test_every_stream_on_a_killed_engine_goes_on_queued_or_begun(
         llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
         llama_server(model, tmp_path, context=2048, name="b", procs=procs, parallel=12) as url_b,
     ):
-
-        def routes(b_ready: bool) -> Snapshot:
-            return Snapshot(
-                version=str(b_ready),
-                models={"m": ModelRouting()},
-                routes=[
-                    Route(key="a", model="m", url=url_a, engine="llama.cpp"),
-                    Route(key="b", model="m", url=url_b, engine="llama.cpp", ready=b_ready),
-                ],
-            )
-
         table = RoutingTable(scrape_s=60)
-        table.apply(routes(b_ready=False))
+        table.apply(llama_routes(("a", url_a), ("b", url_b), unready=frozenset({"b"})))
         app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
         base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
         [ep_a, _] = table.endpoints["m"]
@@ -469,6 +452,6 @@ async def test_every_stream_on_a_killed_engine_goes_on_queued_or_begun(
                 await begun.wait()
                 while ep_a.in_flight < 12:
                     await trio.sleep(0.01)
-                table.apply(routes(b_ready=True))
+                table.apply(llama_routes(("a", url_a), ("b", url_b)))
                 procs[0].send_signal(signal.SIGKILL)
     assert ends == ["whole"] * 12, ends

@@ -25,6 +25,7 @@ from tests.engines.test_vllm import running, spec, wait_healthy, wrapper
 from tests.ports import own_port
 from tests.realparts import needs_server
 from tests.router.test_app import AUTH, KEY, serve
+from tests.router.test_resume import llama_routes
 from tools.tinymodel import write_model
 
 NOW = 1000.0
@@ -290,19 +291,8 @@ async def test_every_request_waiting_on_a_stopped_engine_goes_to_another_replica
         llama_server(model, tmp_path, name="a", procs=procs) as url_a,
         llama_server(model, tmp_path, name="b", procs=procs) as url_b,
     ):
-
-        def routes(b_ready: bool) -> Snapshot:
-            return Snapshot(
-                version=str(b_ready),
-                models={"m": ModelRouting()},
-                routes=[
-                    Route(key="a", model="m", url=url_a, engine="llama.cpp"),
-                    Route(key="b", model="m", url=url_b, engine="llama.cpp", ready=b_ready),
-                ],
-            )
-
         table = RoutingTable(scrape_s=0.2, silent_after_s=1.5)
-        table.apply(routes(b_ready=False))  # the requests all go to a
+        table.apply(llama_routes(("a", url_a), ("b", url_b), unready=frozenset({"b"})))  # all to a
         await nursery.start(table.run)
         app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]))
         base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
@@ -325,7 +315,7 @@ async def test_every_request_waiting_on_a_stopped_engine_goes_to_another_replica
                     clients.start_soon(one, client)
                 while ep_a.in_flight < 12:
                     await trio.sleep(0.01)
-                table.apply(routes(b_ready=True))
+                table.apply(llama_routes(("a", url_a), ("b", url_b)))
     assert statuses == [200] * 12, statuses
     assert "not a byte" in ep_a.wedged
     retries = app.metrics.registry.get_sample_value("llmgw_router_retries_total", {"model": "m"})
