@@ -19,6 +19,7 @@ from llmgw.bench import results
 from llmgw.bench.ladder import Ladder, Level, Scrape, Slo, SloError, default_levels
 from llmgw.bench.prompts import Dist, DistError, PromptMaker
 from llmgw.cli.ctl import CtlError, Target, _run, get
+from llmgw.cli.defaults import not_found
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.loader import read_text
 from llmgw.config.schema import resolve
@@ -401,7 +402,7 @@ def _scrape(route: dict[str, Any]) -> Scrape:
 
 
 def _router_url(target: Target) -> str:
-    config = target.config or (Path(p) if (p := os.environ.get("LLMGW_SERVER_CONFIG")) else None)
+    config, _ = target.server_config()
     if config is not None:
         cfg, _ = load_config(ServerConfig, config)
         if cfg.router.listen:
@@ -438,9 +439,9 @@ def _write(target: Target, model: str, profile: str, run: results.Run, *, quiet:
         raise CtlError("nothing to write: no level met the SLO, so there is no capacity")
     if profile == "mixed":
         raise CtlError("--write needs one profile: aim at one replica with --replica R")
-    config = target.config or (Path(p) if (p := os.environ.get("LLMGW_SERVER_CONFIG")) else None)
+    config, _ = target.server_config()
     if config is None:
-        raise CtlError("--write needs the server's config (--config SERVER.toml): its catalog")
+        raise CtlError(f"--write needs the server's config, for its catalog: {not_found()}")
     cfg, base = load_config(ServerConfig, config)
     if not cfg.catalog:
         raise CtlError(f"{config} names no catalog")
