@@ -198,3 +198,59 @@ def test_write_sets_the_profile_routing_and_keeps_the_rest_as_it_was() -> None:
         CtlError, match=re.escape("catalog.toml has no profile 'a100' of model 'm'")
     ):
         with_routing(CATALOG, "m", "a100", rec, "catalog.toml")
+
+
+def test_a_recommendation_that_would_shed_what_the_replica_served_is_said() -> None:
+    """Short replies queue for milliseconds: the samples read no queue, and a one-slot
+    engine's target_waiting of 0 would let the router take one request at a time where
+    three met the SLO (its own admission rule decides: llmgw.router.balancer)."""
+    from llmgw.cli.shed import shed_warnings
+
+    missed = a_run([level(c, True, waiting_max=0, slots=1, kv_max=0.3) for c in (1, 2, 3)])
+    assert missed.recommendation is not None and missed.recommendation.target_waiting == 0
+    assert shed_warnings(missed) == [
+        "target_waiting = 0, kv_ceiling = 0.3 would shed load this replica served within the"
+        " SLO: at concurrency 3, which met it, the router would refuse a request (waiting 2 > 0)"
+        " and take 1 at once where 3 met the SLO; target_waiting = 2 would take them all"
+    ]
+    # the queue was seen: nothing to say
+    seen = a_run([level(1, True, waiting_max=0, slots=1), level(2, True, waiting_max=1, slots=1),
+                  level(3, True, waiting_max=2, slots=1)])  # fmt: skip
+    assert shed_warnings(seen) == []
+    # a KV cache read empty at the capacity, fuller below it
+    kv = a_run([level(1, True, waiting_max=0, slots=4, kv_max=0.32),
+                level(2, True, waiting_max=0, slots=4, kv_max=0.0)])  # fmt: skip
+    [line] = shed_warnings(kv)
+    assert "kv_ceiling = 0.05" in line and "(kv 0.32 > 0.05)" in line, line
+    assert line.endswith(
+        "take 0 at once where 1 met the SLO; kv_ceiling = 0.35 would take them all"
+    )
+    # an engine that says no slots (vLLM): only its queue as read counts
+    vllm = a_run([level(2, True, waiting_max=4), level(4, True, waiting_max=3),
+                  level(8, False, waiting_max=20)])  # fmt: skip
+    [line] = shed_warnings(vllm)
+    assert "at concurrency 2, which met it" in line and "(waiting 4 > 3)" in line, line
+    assert line.endswith("target_waiting = 4 would take them all")
+    # no capacity, no recommendation: nothing to warn of
+    assert shed_warnings(a_run([level(1, False)])) == []
+    # said under the recommendation in the table
+    missed.warnings = shed_warnings(missed)
+    assert "\nwarning: target_waiting = 0, kv_ceiling = 0.3 would shed" in results.render(missed)
+
+
+def test_the_plot_as_svg_needs_nothing() -> None:
+    from xml.etree import ElementTree
+
+    from llmgw.bench.svg import svg
+
+    run = a_run([level(1, True, itl_p95=0.01), level(2, True, itl_p95=0.02), level(4, False)])
+    run.slo = "ttft_p95=500ms,itl_p95=100ms"
+    doc = svg(run)
+    root = ElementTree.fromstring(doc)  # well-formed
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert {"1", "2", "4", "TTFT p95", "ITL p95", "SLO ttft_p95", "SLO itl_p95"} <= set(texts)
+    assert "concurrency" in texts
+    assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline"))) == 3
+    # a run interrupted before its first level still draws
+    ElementTree.fromstring(svg(a_run([])))

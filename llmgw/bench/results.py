@@ -62,6 +62,12 @@ class Run(msgspec.Struct, kw_only=True):
     levels: list[Level] = []
     capacity: int | None = None  # the concurrency of the last level that met the SLO
     recommendation: Recommendation | None = None
+    # where the recommendation would make the router's admission refuse load the run
+    # saw served within the SLO, in words (llmgw.cli.shed says them)
+    warnings: list[str] = []
+    # why the ladder ended before it was climbed ("" when it was): an interrupted run
+    # keeps the levels it finished, and is kept level by level as it goes
+    stopped: str = ""
 
 
 def capacity_level(levels: list[Level]) -> Level | None:
@@ -165,6 +171,9 @@ def render(run: Run) -> str:
             f"recommended for profile {run.profile or '?'}: weight = {r.weight:g}, "
             f"target_waiting = {r.target_waiting}, kv_ceiling = {kv}"
         )
+    lines += [f"warning: {w}" for w in run.warnings]
+    if run.stopped:
+        lines.append(f"stopped early: {run.stopped}")
     return "\n".join(lines)
 
 
@@ -219,6 +228,17 @@ def plot(run: Run, *, height: int = 8) -> str:
     return "\n".join(out)
 
 
+def slo_limits(slo: str) -> dict[str, float]:
+    """The latency limits of a kept run's SLO (as ``Slo`` writes it), in seconds."""
+    out = {}
+    for part in slo.split(","):
+        key, _, value = part.partition("=")
+        limit = _parse_shown(value)
+        if key != "error_rate" and limit is not None:
+            out[key] = limit
+    return out
+
+
 def _parse_shown(value: str) -> float | None:
     v = value.strip()
     try:
@@ -231,17 +251,36 @@ def _parse_shown(value: str) -> float | None:
         return None
 
 
+PNG_NEEDS = (
+    "--png needs matplotlib, which this llmgw cannot import (the single file has none):"
+    " draw with --svg FILE instead, which needs nothing, or pip install matplotlib"
+    " beside an installed llmgw"
+)
+
+
+def png_problem() -> str:
+    """Why ``png`` cannot draw here ("" when it can): asked before the run, so that
+    a missing matplotlib costs no measurement."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot
+    except ImportError:
+        return PNG_NEEDS
+    return ""
+
+
 def png(run: Run, path: str) -> None:
-    """The same plot as a PNG, with matplotlib (an optional dependency)."""
+    """The same plot as a PNG, with matplotlib (an optional dependency: ``svg`` draws
+    it without one)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError(
-            "a PNG needs matplotlib: pip install matplotlib (or llmgw[plot])"
-        ) from None
+        raise RuntimeError(PNG_NEEDS) from None
     xs = [lv.concurrency for lv in run.levels]
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(7, 6))
     top.plot(xs, [lv.output_tps for lv in run.levels], marker="o")

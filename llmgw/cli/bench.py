@@ -6,7 +6,10 @@ from __future__ import annotations
 import datetime
 import difflib
 import os
+import signal
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,14 @@ from llmgw.addr import url_host
 from llmgw.bench import results
 from llmgw.bench.ladder import Ladder, Level, Scrape, Slo, SloError, default_levels
 from llmgw.bench.prompts import Dist, DistError, PromptMaker
+from llmgw.bench.svg import svg as draw_svg
 from llmgw.cli.ctl import CtlError, Target, _run, get
+from llmgw.cli.defaults import not_found
+from llmgw.cli.shed import shed_warnings
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.loader import read_text
 from llmgw.config.schema import resolve
+from llmgw.files import write_atomic
 
 bench_app = cyclopts.App(
     name="bench",
@@ -30,6 +37,7 @@ bench_app = cyclopts.App(
 
 PROGRAM = "llmgw ctl bench"
 DEFAULT_SLO = "ttft_p95=2s,itl_p95=100ms"
+EXIT_INTERRUPTED = 130  # as a shell reports a command ended by SIGINT
 
 
 @bench_app.default
@@ -51,6 +59,7 @@ def bench(
     request_timeout: float = 120.0,
     out: Path | None = None,
     png: Path | None = None,
+    svg: Path | None = None,
     write: bool = False,
     json: bool = False,
     target: Target | None = None,
@@ -96,18 +105,22 @@ def bench(
     request_timeout
         Seconds one request may take, end to end, before it counts as an error.
     out
-        Where to keep the result (default ./llmgw-bench-MODEL-PROFILE-TIME.json).
+        Where to keep the result (default ./llmgw-bench-MODEL-PROFILE-TIME.json),
+        rewritten as each level ends: Ctrl-C keeps the levels measured.
     png
-        Also draw the plot into this PNG file (needs matplotlib).
+        Also draw the plot into this PNG file (needs matplotlib, which the single
+        file lacks: refused before the run; --svg needs nothing).
+    svg
+        Also draw the plot into this SVG file (no dependency).
     write
         Put the recommended settings into the catalog (the server config's), show the
-        diff to review; `llmgw ctl reload` applies them.
+        diff to review; `llmgw ctl reload` applies them. Warns where they would make
+        admission refuse load the run saw served within the SLO.
     json
         Print the result as JSON instead of a table and a plot.
     """
-    return _run(
-        PROGRAM,
-        lambda: _bench(
+    try:
+        return _run(PROGRAM, lambda: _bench(
             model,
             target or Target(),
             replica=replica,
@@ -125,10 +138,20 @@ def bench(
             request_timeout=request_timeout,
             out=out,
             png_path=png,
+            svg_path=svg,
             write=write,
             as_json=json,
-        ),
-    )
+        ))  # fmt: skip
+    except Interrupted as exc:
+        print(f"{PROGRAM}: {exc}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:
+        print(f"{PROGRAM}: interrupted before any level was measured", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+class Interrupted(Exception):
+    """The run was stopped by a signal; what was measured is kept (the message says where)."""
 
 
 @bench_app.command
@@ -185,6 +208,7 @@ def _bench(
     request_timeout: float,
     out: Path | None,
     png_path: Path | None,
+    svg_path: Path | None,
     write: bool,
     as_json: bool,
 ) -> None:
@@ -204,6 +228,12 @@ def _bench(
             "--duration > 0"
         )
     ladder_levels = _levels(levels_text) if levels_text else default_levels(max_concurrency)
+    # what would fail after the run is refused before it: no measurement is lost to it
+    if png_path is not None and (problem := results.png_problem()):
+        raise CtlError(problem)
+    for flag, drawing in (("--png", png_path), ("--svg", svg_path)):
+        if drawing is not None:
+            _check_folder(flag, drawing)
     fleet = _Fleet.read(target, model)
     if replica:
         route = fleet.route(replica)
@@ -222,6 +252,7 @@ def _bench(
         aimed = results.Target(kind="router", url=base_url, replicas=on)
         profiles = {fleet.replica(r)["profile"] for r in on}
     profile = profiles.pop() if len(profiles) == 1 else "mixed"
+    catalog = _catalog(target, model, profile) if write else None
     engine, version, hardware = fleet.describe(on)
     show = not as_json and sys.stderr.isatty()
 
@@ -247,7 +278,31 @@ def _bench(
         progress=progress,
     )
 
+    run = results.Run(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        model=model,
+        profile=profile,
+        engine=engine,
+        engine_version=version,
+        target=aimed,
+        hardware=hardware,
+        slo=str(slo),
+        settings={
+            "input_words": str(prompts.input_words),
+            "output_tokens": str(prompts.output_tokens),
+            "shared_prefix": shared_prefix,
+            "duration_s": duration,
+            "ignore_eos": True,
+        },
+    )
+    stamp = run.date.replace(":", "").replace("-", "").replace("+0000", "Z")
+    path = out or Path(f"llmgw-bench-{model}-{profile}-{stamp}.json".replace("/", "_"))
+    keeper = _Keeper(path)
+    keeper.first(run)  # the folder refuses it: said now, before any request is sent
+
     def done(result: Level) -> None:
+        run.levels.append(result)
+        keeper.keep(_finish(run))
         if as_json:
             return
         if show:
@@ -262,44 +317,148 @@ def _bench(
         )
 
     ladder.on_level = done
-    measured = trio.run(ladder.run)
-    run = results.finish(
-        results.Run(
-            date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            model=model,
-            profile=profile,
-            engine=engine,
-            engine_version=version,
-            target=aimed,
-            hardware=hardware,
-            slo=str(slo),
-            settings={
-                "input_words": str(prompts.input_words),
-                "output_tokens": str(prompts.output_tokens),
-                "shared_prefix": shared_prefix,
-                "duration_s": duration,
-                "ignore_eos": True,
-            },
-            levels=measured,
+    signalled = _climb(ladder)
+    _finish(run)
+    if signalled:
+        if show:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+        measured = len(run.levels)
+        during = ladder_levels[measured] if measured < len(ladder_levels) else None
+        run.stopped = f"{signalled}" + (f" during concurrency {during}" if during else "")
+        keeper.keep(run)
+        if as_json:
+            sys.stdout.write(msgspec.json.encode(run).decode() + "\n")
+        capacity = (
+            f"capacity so far: concurrency {run.capacity}"
+            if run.capacity is not None
+            else "no level met the SLO"
         )
-    )
-    stamp = run.date.replace(":", "").replace("-", "").replace("+0000", "Z")
-    path = out or Path(f"llmgw-bench-{model}-{profile}-{stamp}.json")
-    path.write_bytes(msgspec.json.format(msgspec.json.encode(run)) + b"\n")
+        kept = (
+            f"kept {measured} measured level{'s' if measured != 1 else ''} in {path}"
+            if keeper.kept
+            else f"nothing could be kept in {path}: {keeper.problem}"
+        )
+        raise Interrupted(f"{run.stopped}: {kept} ({capacity}); nothing written to the catalog")
     if png_path is not None:
         try:
             results.png(run, str(png_path))
-        except RuntimeError as exc:
-            raise CtlError(str(exc)) from None
+        except (RuntimeError, OSError) as exc:
+            raise CtlError(f"--png {png_path}: {exc}") from None
+    if svg_path is not None:
+        try:
+            svg_path.write_text(draw_svg(run))
+        except OSError as exc:
+            raise CtlError(f"--svg {svg_path}: {exc.strerror or exc}") from None
     if as_json:
         sys.stdout.write(msgspec.json.encode(run).decode() + "\n")
     else:
         print(results.render(run))
         print()
         print(results.plot(run))
-        print(f"\nkept in {path}" + (f"; plot in {png_path}" if png_path else ""))
-    if write:
-        _write(target, model, profile, run, quiet=as_json)
+        drawn = ", ".join(str(p) for p in (png_path, svg_path) if p is not None)
+        print(f"\nkept in {path}" + (f"; plot in {drawn}" if drawn else ""))
+    if not keeper.kept:
+        raise CtlError(f"cannot keep the result in {path}: {keeper.problem}")
+    if catalog is not None:
+        _write(catalog, model, profile, run, quiet=as_json)
+
+
+def _finish(run: results.Run) -> results.Run:
+    """Capacity and recommendation from the levels so far, and where the router would
+    shed by it load the run saw served."""
+    results.finish(run)
+    run.warnings = shed_warnings(run)
+    return run
+
+
+def _climb(ladder: Ladder) -> str:
+    """Climb the ladder; Ctrl-C (or SIGTERM) ends it at the level it is on. Returns the
+    signal's name, or "" when the ladder was climbed. The levels it ended are with its
+    ``on_level``; the one it was on is dropped, being shorter than asked."""
+
+    async def climb() -> str:
+        got = ""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    nonlocal got
+                    async for signum in signals:
+                        got = "interrupted" if signum == signal.SIGINT else "terminated"
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(watch)
+                await ladder.run()
+                nursery.cancel_scope.cancel()
+        return got
+
+    try:
+        return trio.run(climb)
+    except BaseExceptionGroup as group:
+        found = group.subgroup(CtlError)
+        if found is None:
+            raise
+        first: BaseException = found
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+
+class _Keeper:
+    """The result file, rewritten whole (atomically) as each level ends, so that what
+    was measured is on disk whatever stops the run."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.kept = False
+        self.problem = ""
+
+    def first(self, run: results.Run) -> None:
+        """Write the run before it starts; a folder that refuses it is said now."""
+        try:
+            self._write(run)
+        except OSError as exc:
+            folder = self.path.parent
+            raise CtlError(
+                f"cannot keep the result in {self.path}: {exc.strerror or exc}; give --out a"
+                f" file in a folder this user can write ({folder} is not one); no request"
+                " was sent"
+            ) from None
+
+    def keep(self, run: results.Run) -> None:
+        """Write the run as it stands; a failure now is said once and the run goes on
+        (its figures are printed at its end)."""
+        try:
+            self._write(run)
+        except OSError as exc:
+            if not self.problem:
+                print(
+                    f"{PROGRAM}: warning: cannot keep the result in {self.path}:"
+                    f" {exc.strerror or exc}; the run goes on and is printed at its end",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.problem = str(exc.strerror or exc)
+            self.kept = False
+
+    def _write(self, run: results.Run) -> None:
+        write_atomic(self.path, msgspec.json.format(msgspec.json.encode(run)) + b"\n", 0o644)
+        self.kept, self.problem = True, ""
+
+
+def _check_folder(flag: str, path: Path) -> None:
+    """The folder ``path`` goes in takes a file: tried with one, removed at once."""
+    folder = path.parent
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".probe")
+    except OSError as exc:
+        raise CtlError(
+            f"{flag} {path}: cannot write in {folder}: {exc.strerror or exc}; choose a folder"
+            " this user can write (no request was sent)"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _s(value: float | None) -> str:
@@ -401,7 +560,7 @@ def _scrape(route: dict[str, Any]) -> Scrape:
 
 
 def _router_url(target: Target) -> str:
-    config = target.config or (Path(p) if (p := os.environ.get("LLMGW_SERVER_CONFIG")) else None)
+    config, _ = target.server_config()
     if config is not None:
         cfg, _ = load_config(ServerConfig, config)
         if cfg.router.listen:
@@ -432,20 +591,33 @@ def _api_key(path: Path | None) -> str:
 # --- --write ------------------------------------------------------------------------
 
 
-def _write(target: Target, model: str, profile: str, run: results.Run, *, quiet: bool) -> None:
-    rec = run.recommendation
-    if rec is None:
-        raise CtlError("nothing to write: no level met the SLO, so there is no capacity")
+def _catalog(target: Target, model: str, profile: str) -> Path:
+    """The catalog --write edits, checked before the run: a run is not measured to be
+    refused after it, for a profile it cannot name or a file it cannot read."""
     if profile == "mixed":
         raise CtlError("--write needs one profile: aim at one replica with --replica R")
-    config = target.config or (Path(p) if (p := os.environ.get("LLMGW_SERVER_CONFIG")) else None)
+    config, _ = target.server_config()
     if config is None:
-        raise CtlError("--write needs the server's config (--config SERVER.toml): its catalog")
+        raise CtlError(f"--write needs the server's config, for its catalog: {not_found()}")
     cfg, base = load_config(ServerConfig, config)
     if not cfg.catalog:
         raise CtlError(f"{config} names no catalog")
     catalog = resolve(base, cfg.catalog)
-    before = catalog.read_text()
+    text = read_text(catalog, "catalog")
+    with_routing(text, model, profile, results.Recommendation(weight=1, target_waiting=0),
+                 str(catalog))  # fmt: skip
+    return catalog
+
+
+def _write(catalog: Path, model: str, profile: str, run: results.Run, *, quiet: bool) -> None:
+    rec = run.recommendation
+    if rec is None:
+        raise CtlError("nothing to write: no level met the SLO, so there is no capacity")
+    out = sys.stderr if quiet else sys.stdout
+    if quiet:  # the table, which says them, was not shown
+        for warning in run.warnings:
+            print(f"warning: {warning}", file=out)
+    before = read_text(catalog, "catalog")
     after = with_routing(before, model, profile, rec, str(catalog))
     if after == before:
         print(f"{catalog} already says so; nothing to write", file=sys.stderr)
@@ -458,10 +630,10 @@ def _write(target: Target, model: str, profile: str, run: results.Run, *, quiet:
             f"{catalog} (with the recommendation)",
         )
     )
-    tmp = catalog.with_name(catalog.name + ".tmp")
-    tmp.write_text(after)
-    tmp.replace(catalog)
-    out = sys.stderr if quiet else sys.stdout
+    try:
+        write_atomic(catalog, after.encode(), stat.S_IMODE(catalog.stat().st_mode))
+    except OSError as exc:
+        raise CtlError(f"cannot write {catalog}: {exc.strerror or exc}") from None
     print(diff, file=out, end="")
     print(f"wrote {catalog}: review the diff above, then `llmgw ctl reload` applies it", file=out)
 

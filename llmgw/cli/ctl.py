@@ -15,6 +15,7 @@ import msgspec
 
 from llmgw.addr import url_host
 from llmgw.admin.views import NodeView
+from llmgw.cli.defaults import not_found, server_config
 from llmgw.cli.runtime import fail
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.loader import read_text
@@ -43,7 +44,8 @@ class Target:
     ----------
     config
         The server's config file: the admin address and token are read from it.
-        [env: LLMGW_SERVER_CONFIG]
+        [env: LLMGW_SERVER_CONFIG; default /etc/llmgw/server.toml if it exists and
+        no token is given]
     admin_url
         The management API's URL. [env: LLMGW_ADMIN_URL; default http://127.0.0.1:7444]
     token
@@ -58,6 +60,11 @@ class Target:
     token: str | None = None
     token_file: Path | None = None
 
+    def server_config(self) -> tuple[Path | None, bool]:
+        """The server's config: --config, LLMGW_SERVER_CONFIG, or /etc/llmgw/server.toml
+        if it exists; and whether it is that default."""
+        return server_config(self.config, os.environ)
+
     def resolve(self) -> tuple[str, str]:
         url = self.admin_url or os.environ.get("LLMGW_ADMIN_URL")
         if self.token:
@@ -69,9 +76,19 @@ class Target:
             )
         token = self.token or os.environ.get("LLMGW_ADMIN_TOKEN")
         token_file = self.token_file or _env_path("LLMGW_ADMIN_TOKEN_FILE")
-        config = self.config or _env_path("LLMGW_SERVER_CONFIG")
+        config, default = self.server_config()
+        if default and (token or token_file):
+            config = None  # a token given outright needs no file that may be root's
         if config is not None:
-            cfg, base = load_config(ServerConfig, config)
+            try:
+                cfg, base = load_config(ServerConfig, config)
+            except ConfigError as exc:
+                if not default:
+                    raise
+                raise CtlError(
+                    f"{exc} (read by default: run ctl with sudo, or pass --config SERVER.toml"
+                    " or --token-file FILE)"
+                ) from None
             if url is None:
                 host, port = parse_hostport(cfg.admin.listen, key="admin.listen")
                 url = f"http://{url_host(host)}:{port}"
@@ -87,9 +104,10 @@ class Target:
             except ConfigError as exc:
                 raise CtlError(f"admin token file {exc}") from None
         if not token:
+            if token_file is not None:
+                raise CtlError(f"admin token file {token_file} is empty")
             raise CtlError(
-                "no admin token: pass --token, --token-file or --config SERVER.toml "
-                "(or set LLMGW_ADMIN_TOKEN)"
+                f"no admin token: {not_found()} (or give --token-file FILE or LLMGW_ADMIN_TOKEN)"
             )
         return (url or DEFAULT_ADMIN_URL).rstrip("/"), token
 

@@ -25,6 +25,7 @@ from typing import Annotated, NoReturn
 import cyclopts
 from cyclopts import Parameter
 
+from llmgw.cli.defaults import DEFAULT_SERVER_CONFIG
 from llmgw.config import ConfigError, ServerConfig, load_config
 from llmgw.files import write_atomic
 from llmgw.router.keys import hash_key, new_key
@@ -183,7 +184,7 @@ class _Plan:
 
 def init(
     *,
-    dir_: Annotated[Path, Parameter(name="--dir")] = Path("/etc/llmgw"),
+    dir_: Annotated[Path, Parameter(name="--dir")] = DEFAULT_SERVER_CONFIG.parent,
     name: Annotated[list[str] | None, Parameter(name="--name", negative="")] = None,
     address: Annotated[list[str] | None, Parameter(name="--address", negative="")] = None,
     state_dir: str = "/var/lib/llmgw",
@@ -291,6 +292,8 @@ def init(
     port = stream_listen.rsplit(":", 1)[-1]
     first = hosts[0].strip("[]")
     dial = f"[{first}]:{port}" if ":" in first else f"{first}:{port}"
+    # ctl finds the config by itself where init writes it by default
+    to_ctl = "" if config == DEFAULT_SERVER_CONFIG else f" --config {config}"
     print(
         f"""
 Next:
@@ -300,7 +303,7 @@ Next:
   # on the node, with the bundle in /etc/llmgw (see the bundle's INSTALL.txt):
   llmgw agent --check --config /etc/llmgw/agent.toml
   systemctl enable --now llmgw-agent
-  llmgw ctl nodes --config {config}"""
+  llmgw ctl nodes{to_ctl}"""
     )
 
 

@@ -24,6 +24,7 @@ from typing import Annotated, NoReturn
 from cyclopts import Parameter
 
 from llmgw.addr import join_hostport
+from llmgw.cli.defaults import server_config
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.schema import resolve
 from llmgw.files import write_atomic
@@ -32,7 +33,6 @@ from llmgw.tls.ca import CA, CA_CERT_NAME, CAError, describe_certificate, issue_
 __all__ = ["onboard"]
 
 PROG = "llmgw ctl onboard"
-DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.toml")
 
 
 def _fail(message: str) -> NoReturn:
@@ -86,19 +86,22 @@ Installing the llmgw agent on node {node}
    and delete the copy in /tmp:
      ssh {node} sudo chown llmgw:llmgw /etc/llmgw/pki/{node}-key.pem
 
-2. Install the program, one file that needs only python3 >= 3.11:
+2. Install the program, one file that needs only python3 >= 3.11, and put it on PATH
+   (the file runs itself: its first line is #!/usr/bin/env python3):
      sudo install -D -m 0755 llmgw.pyz /opt/llmgw/llmgw.pyz
+     sudo ln -sf /opt/llmgw/llmgw.pyz /usr/local/bin/llmgw
    and the unit, from the project's packaging/:
      sudo cp llmgw-agent.service /etc/systemd/system/ && sudo systemctl daemon-reload
 
 3. Check before starting (it starts no engine and disturbs no running agent):
-     sudo python3 /opt/llmgw/llmgw.pyz agent --check --config /etc/llmgw/agent.toml
+     sudo llmgw agent --check --config /etc/llmgw/agent.toml
 
 4. Start it, now and at every boot:
      sudo systemctl enable --now llmgw-agent
 
-5. On the control plane, the node reads Ready:
-     llmgw ctl nodes
+5. On the control plane, the node reads Ready (ctl reads /etc/llmgw/server.toml, which
+   is root's and the server's; --config FILE or LLMGW_SERVER_CONFIG for another):
+     sudo llmgw ctl nodes
 """
 
 
@@ -114,10 +117,7 @@ def _labels(pairs: list[str]) -> dict[str, str]:
 
 def _from_server(config: Path | None) -> tuple[Path | None, str | None]:
     """The CA's folder and the address agents dial, read from the server's config."""
-    env = os.environ.get("LLMGW_SERVER_CONFIG")
-    path = config or (Path(env) if env else None)
-    if path is None and DEFAULT_SERVER_CONFIG.exists():  # where llmgw init writes it
-        path = DEFAULT_SERVER_CONFIG
+    path, _ = server_config(config, os.environ)
     if path is None:
         return None, None
     try:

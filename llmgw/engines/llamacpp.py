@@ -9,6 +9,11 @@ end). llama-server has no KV-usage gauge; its
 ``/slots`` (enabled with ``--slots``) says, per slot, the context it has
 (``n_ctx``), whether it is busy, and how many tokens its request holds (prompt
 and generated): KV usage is the busy slots' tokens over every slot's context.
+
+An embedding model's profile sets ``embeddings = true`` (``--embeddings``: the
+server answers ``/v1/embeddings``; without it, it answers 501) and, for a
+model whose GGUF does not say how to pool its tokens into one vector,
+``pooling``.
 """
 
 from __future__ import annotations
@@ -32,8 +37,22 @@ from llmgw.gguf import gguf_complete
 from llmgw.protocol.messages import ShardSpec
 
 SETTINGS = frozenset(
-    {"context", "parallel", "threads", "threads_batch", "gpu_layers", "served_model_name"}
+    {
+        "context",
+        "parallel",
+        "threads",
+        "threads_batch",
+        "gpu_layers",
+        "served_model_name",
+        "embeddings",
+        "pooling",
+    }
 )
+
+# llama-server's --pooling; "none" gives a vector per token, which /v1/embeddings
+# refuses ("not OAI compatible"), so it is not offered. Unset: the model's own
+# (a GGUF embedding model says its pooling type).
+POOLING = ("mean", "cls", "last", "rank")
 
 # flags the adapter sets from the profile; engine_args may not set them again
 MANAGED = {
@@ -54,6 +73,9 @@ MANAGED = {
     "--n-gpu-layers": "gpu_layers",
     "-a": "served_model_name",
     "--alias": "served_model_name",
+    "--embedding": "embeddings",
+    "--embeddings": "embeddings",
+    "--pooling": "pooling",
 }
 
 ALL_LAYERS = 999
@@ -128,6 +150,15 @@ class LlamaCppAdapter:
         name = spec.settings.get("served_model_name", spec.model)
         if not isinstance(name, str) or not name:
             problems.append(f"served_model_name must be a non-empty string, got {name!r}")
+        embeddings = spec.settings.get("embeddings", False)
+        if not isinstance(embeddings, bool):
+            problems.append(f"embeddings must be true or false, got {embeddings!r}")
+        if "pooling" in spec.settings:
+            pooling = spec.settings["pooling"]
+            if pooling not in POOLING:
+                problems.append(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
+            elif embeddings is not True:
+                problems.append("pooling applies to an embedding model: set embeddings = true")
         check_extra_args(spec.engine_args, MANAGED, problems)
         return problems
 
@@ -150,6 +181,10 @@ class LlamaCppAdapter:
             argv += ["--threads", str(s["threads"])]
         if "threads_batch" in s:
             argv += ["--threads-batch", str(s["threads_batch"])]
+        if s.get("embeddings") is True:  # /v1/embeddings; it still completes, too
+            argv.append("--embeddings")
+            if "pooling" in s:
+                argv += ["--pooling", str(s["pooling"])]
         argv += spec.engine_args
         base = f"http://{url_host(spec.host)}:{spec.port}"
         return Launch(

@@ -18,6 +18,9 @@ Settings (``spec.settings``):
   that reach it directly. It always answers to ``spec.model`` too, first (the
   name in its replies): that is the name the gateway's clients ask for and
   the router forwards as sent, so an engine without it would refuse them.
+- ``embeddings``: true for an embedding model: ``--runner pooling --convert
+  embed`` (vLLM 0.10.1 and later; ``--task embed`` before), so that it answers
+  ``/v1/embeddings`` (a model that pools natively is left as it is).
 - ``ray_port`` (``vllm-ray``): the Ray head's port, default 6379.
 - ``node_ip`` (``vllm-ray``): this node's address as Ray should advertise
   it. The agent fills it with the address it discovered; when it is
@@ -74,6 +77,7 @@ _COMMON_SETTINGS = frozenset(
         "gpu_memory_utilization",
         "max_model_len",
         "served_model_name",
+        "embeddings",
     }
 )
 VLLM_SETTINGS = _COMMON_SETTINGS
@@ -94,6 +98,9 @@ _MANAGED_FLAGS = {
     "--max-model-len": "max_model_len setting",
     "--served-model-name": "served_model_name setting",
     "--distributed-executor-backend": "engine (vllm-ray runs Ray)",
+    "--runner": "embeddings setting",
+    "--convert": "embeddings setting",
+    "--task": "embeddings setting",
 }
 
 METRIC_WAITING = "vllm:num_requests_waiting"
@@ -138,6 +145,7 @@ class _Plan:
     served_model_name: str
     ray_port: int
     node_ip: str
+    embeddings: bool = False
 
 
 def _string_setting(spec: ShardSpec, key: str, default: str, problems: list[str]) -> str:
@@ -173,6 +181,10 @@ class _VllmBase:
         if "max_model_len" in spec.settings:
             max_len = int_setting(spec, "max_model_len", 16, problems, minimum=16)
         served = _string_setting(spec, "served_model_name", spec.model or model, problems)
+        embeddings = spec.settings.get("embeddings", False)
+        if not isinstance(embeddings, bool):
+            problems.append(f"embeddings must be true or false, got {embeddings!r}")
+            embeddings = False
         ray_port = 6379
         node_ip = ""
         if self.multi_node:
@@ -190,6 +202,7 @@ class _VllmBase:
             served_model_name=served,
             ray_port=ray_port,
             node_ip=node_ip,
+            embeddings=embeddings,
         )
 
     def validate(self, spec: ShardSpec) -> list[str]:
@@ -252,6 +265,8 @@ class _VllmBase:
         if spec.model and spec.model != plan.served_model_name:
             names.insert(0, spec.model)  # the catalog's name, which the router forwards
         argv += ["--served-model-name", *names]
+        if plan.embeddings:
+            argv += ["--runner", "pooling", "--convert", "embed"]
         if self.multi_node:
             argv += ["--distributed-executor-backend", "ray"]
         return argv + list(spec.engine_args)

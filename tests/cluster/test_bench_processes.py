@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -330,3 +333,156 @@ async def test_bench_weights_split_the_load_and_admission_sheds_before_the_slo_b
         for rid, most in queued.items():
             assert most <= room[rid], (rid, most, room[rid], queued)
         assert p95 <= 2 * 0.400, f"TTFT p95 {p95 * 1000:.0f} ms over {len(ttfts)} admitted"
+
+
+def _ctl_argv(c: Any, *args: str) -> list[str]:
+    return [sys.executable, "-m", "llmgw", "ctl", *args, "--admin-url", c.server.admin_url,
+            "--token-file", str(c.tmp / "state" / "admin-token")]  # fmt: skip
+
+
+async def _decodes(c: Any, replica: dict[str, Any]) -> float:
+    """The engine's own count of decode calls (llamacpp:n_decode_total): it moves with
+    every request it serves."""
+    shard = replica["shards"][0]
+    key = engine_key(c.tmp, shard["node_id"], shard["shard_id"])
+    async with httpx.AsyncClient(timeout=5) as client:
+        r = await client.get(f"http://127.0.0.1:{shard['port']}/metrics",
+                             headers={"authorization": f"Bearer {key}"})  # fmt: skip
+    found = re.search(r"^llamacpp:n_decode_total (\S+)", r.text, re.M)
+    assert found, r.text[:300]
+    return float(found[1])
+
+
+@needs_server
+async def test_ctrl_c_keeps_the_levels_measured_and_says_so_in_one_line(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Each level is on disk as soon as it is measured; Ctrl-C during the next ends the
+    run with exit 130 and one line, and keeps what was measured."""
+    async with routed(tmp_path, pki) as (c, _base, _key):
+        [replica] = await c.wait_ready(1)
+        out = tmp_path / "kept.json"
+        err = tmp_path / "bench.err"
+        argv = _ctl_argv(c, "bench", "tiny", "--replica", replica["replica_id"],
+                         "--levels", "1,2,4", "--slo", "ttft_p95=10s", "--duration", "1",
+                         "--input-words", "48", "--output-tokens", "6", "--out", str(out))  # fmt: skip
+        with err.open("wb") as stderr:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr)
+        try:
+            with trio.fail_after(60):
+                while "concurrency 1:" not in err.read_text():
+                    assert proc.poll() is None, err.read_text()
+                    await trio.sleep(0.05)
+            # the first level is kept before the second has ended
+            kept = json.loads(out.read_text())
+            assert [lv["concurrency"] for lv in kept["levels"]] == [1]
+            assert kept["capacity"] == 1 and kept["stopped"] == ""
+            await trio.sleep(0.3)  # well into the second level (a second long)
+            proc.send_signal(signal.SIGINT)
+            start = trio.current_time()
+            with trio.fail_after(10):
+                while proc.poll() is None:
+                    await trio.sleep(0.02)
+            took = trio.current_time() - start
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(5)
+        lines = err.read_text().splitlines()
+        assert proc.returncode == 130, lines
+        assert "Traceback" not in err.read_text()
+        assert lines[-1] == (
+            f"llmgw ctl bench: interrupted during concurrency 2: kept 1 measured level in {out}"
+            " (capacity so far: concurrency 1); nothing written to the catalog"
+        ), lines
+        run = json.loads(out.read_text())
+        assert [lv["concurrency"] for lv in run["levels"]] == [1]
+        assert run["stopped"] == "interrupted during concurrency 2"
+        assert run["recommendation"]["weight"] == 1
+        print(f"stopped {took:.2f} s after SIGINT")
+
+
+@needs_server
+async def test_what_would_fail_after_the_run_is_refused_before_a_request_is_sent(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """An --out folder that cannot be written, a --png without matplotlib (as in the
+    single file) and an --svg folder that is not one: one line each, exit 2, and the
+    engine has served nothing. --svg draws without any dependency."""
+    async with routed(tmp_path, pki) as (c, _base, _key):
+        [replica] = await c.wait_ready(1)
+        rid = replica["replica_id"]
+        before = await _decodes(c, replica)
+        (tmp_path / "a-file").write_text("")
+        # a python without matplotlib, as the single file is
+        (tmp_path / "nomatplotlib").mkdir()
+        (tmp_path / "nomatplotlib" / "matplotlib.py").write_text(
+            "raise ImportError('no matplotlib here')\n"
+        )
+        bare = dict(os.environ, PYTHONPATH=str(tmp_path / "nomatplotlib"))
+        base = ["bench", "tiny", "--replica", rid, "--levels", "1", "--slo", "ttft_p95=10s",
+                *QUICK]  # fmt: skip
+        for extra, env, words in (
+            (["--out", str(tmp_path / "a-file" / "r.json")], None,
+             f"llmgw ctl bench: cannot keep the result in {tmp_path / 'a-file' / 'r.json'}:"
+             f" Not a directory; give --out a file in a folder this user can write"
+             f" ({tmp_path / 'a-file'} is not one); no request was sent"),
+            (["--out", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")], bare,
+             "llmgw ctl bench: --png needs matplotlib, which this llmgw cannot import (the"
+             " single file has none): draw with --svg FILE instead, which needs nothing, or"
+             " pip install matplotlib beside an installed llmgw"),
+            (["--out", str(tmp_path / "r.json"), "--svg", str(tmp_path / "no" / "r.svg")], None,
+             f"llmgw ctl bench: --svg {tmp_path / 'no' / 'r.svg'}: cannot write in"
+             f" {tmp_path / 'no'}: No such file or directory; choose a folder this user can"
+             " write (no request was sent)"),
+        ):  # fmt: skip
+            result = await trio.run_process(_ctl_argv(c, *base, *extra), env=env,
+                                            capture_stdout=True, capture_stderr=True,
+                                            check=False)  # fmt: skip
+            assert result.returncode == 2, result.stderr.decode()
+            assert result.stderr.decode().splitlines() == [words]
+            assert not (tmp_path / "r.json").exists()
+        assert await _decodes(c, replica) == before  # not one request reached the engine
+
+        # without matplotlib, --svg still draws
+        drawn = await trio.run_process(
+            _ctl_argv(c, *base, "--out", str(tmp_path / "r.json"), "--svg",
+                      str(tmp_path / "r.svg")),
+            env=bare, capture_stdout=True, capture_stderr=True, check=False,
+        )  # fmt: skip
+        assert drawn.returncode == 0, drawn.stderr.decode()
+        svg = (tmp_path / "r.svg").read_text()
+        assert svg.startswith("<svg ") and "TTFT p95" in svg and "SLO ttft_p95" in svg
+        assert f"plot in {tmp_path / 'r.svg'}" in drawn.stdout.decode()
+        assert await _decodes(c, replica) > before
+
+
+@needs_server
+async def test_write_warns_when_admission_would_shed_what_the_replica_served(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Two-token replies on a one-slot llama-server: a request queues for milliseconds,
+    the samples read no queue, and target_waiting = 0 would have the router take one
+    request at a time where three met the SLO. --write says so, and by how much."""
+    async with routed(tmp_path, pki) as (c, _base, _key):
+        [replica] = await c.wait_ready(1)
+        out = tmp_path / "short.json"
+        wrote = await _bench(c, "tiny", "--replica", replica["replica_id"], "--levels", "1,2,3",
+                             "--slo", "ttft_p95=10s", "--duration", "1", "--input-words", "48",
+                             "--output-tokens", "2", "--out", str(out), "--write",
+                             "--config", str(tmp_path / "server.toml"))  # fmt: skip
+        run = json.loads(out.read_text())
+        rec = run["recommendation"]
+        assert run["capacity"] == 3 and run["levels"][-1]["slots"] == 1, run["levels"]
+        # the scenario: the queue of two behind the one slot went unseen
+        assert rec["target_waiting"] < 2, run["levels"]
+        text = wrote.stdout.decode()
+        [warning] = [line for line in text.splitlines() if line.startswith("warning: ")]
+        assert warning.startswith(
+            f"warning: target_waiting = {rec['target_waiting']}, kv_ceiling = "
+        ), warning
+        assert "would shed load this replica served within the SLO: at concurrency 3," in warning
+        assert f"take {1 + rec['target_waiting']} at once where 3 met the SLO" in warning
+        assert "target_waiting = 2" in warning
+        assert run["warnings"] == [warning.removeprefix("warning: ")]
+        assert "+[models.tiny.profiles.routing]" in text  # written all the same, to review

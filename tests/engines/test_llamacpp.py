@@ -74,6 +74,18 @@ def test_gpus_are_pinned_and_all_layers_offloaded(model: Path) -> None:
     assert v6.health_url == "http://[::1]:20001/health"
 
 
+def test_an_embedding_profile_starts_the_server_for_embeddings(model: Path) -> None:
+    """embeddings = true: /v1/embeddings is served (--embeddings), with the pooling asked
+    for, or the model's own when none is."""
+    pooled = spec(model, settings={"embeddings": True, "pooling": "mean"})
+    assert LLAMA_CPP.validate(pooled) == []
+    assert LLAMA_CPP.launch(pooled, BIN).argv[-3:] == ["--embeddings", "--pooling", "mean"]
+    own = spec(model, settings={"embeddings": True})
+    assert LLAMA_CPP.launch(own, BIN).argv[-2:] == ["--slots", "--embeddings"]
+    plain = spec(model, settings={"embeddings": False})
+    assert "--embeddings" not in LLAMA_CPP.launch(plain, BIN).argv
+
+
 def test_a_good_spec_has_no_problems(model: Path) -> None:
     assert LLAMA_CPP.validate(spec(model, settings={"context": 512})) == []
 
@@ -97,6 +109,19 @@ def test_a_good_spec_has_no_problems(model: Path) -> None:
             "engine_args sets -c, which comes from the profile's context",
         ),
         ({"model_path": ""}, "llama.cpp needs model_path"),
+        ({"settings": {"embeddings": "yes"}}, "embeddings must be true or false, got 'yes'"),
+        (
+            {"settings": {"embeddings": True, "pooling": "none"}},
+            "pooling must be one of mean, cls, last, rank, got 'none'",
+        ),
+        (
+            {"settings": {"pooling": "mean"}},
+            "pooling applies to an embedding model: set embeddings = true",
+        ),
+        (
+            {"engine_args": ["--embeddings"]},
+            "engine_args sets --embeddings, which comes from the profile's embeddings",
+        ),
     ],
 )
 def test_refusals_name_the_problem(model: Path, kw: dict[str, object], problem: str) -> None:

@@ -85,6 +85,20 @@ def test_single_node_argv_defaults() -> None:
     assert launch.metrics_url == "http://127.0.0.1:8001/metrics"
 
 
+def test_an_embedding_profile_runs_the_pooling_runner() -> None:
+    """embeddings = true: vLLM's pooling runner, converting the model for embeddings
+    (vLLM 0.10.1 and later; a model that pools natively is left as it is)."""
+    launch = VLLM.launch(spec(settings={"embeddings": True}), BIN)
+    assert launch.argv[-4:] == ["--runner", "pooling", "--convert", "embed"]
+    assert "--runner" not in VLLM.launch(spec(settings={"embeddings": False}), BIN).argv
+    assert VLLM.validate(spec(settings={"embeddings": 1})) == [
+        "embeddings must be true or false, got 1"
+    ]
+    assert VLLM.validate(spec(engine_args=["--task", "embed"])) == [
+        "engine_args sets --task, which comes from the profile's embeddings setting"
+    ]
+
+
 def test_single_node_argv_with_everything() -> None:
     s = spec(
         gpus=[4, 5, 6, 7],

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import zipfile
@@ -20,7 +21,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from llmgw.cli.onboard import install_txt
 from llmgw.version import describe
+from tests.ports import own_port
+from tests.privateroot import needs_root, run_private
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -261,3 +265,65 @@ def test_the_file_for_every_node_builds_the_same_twice(tmp_path: Path) -> None:
     second = build(tmp_path / "b" / "llmgw.pyz", host=False, root=src)
     assert sha256(first) == sha256(second), f"two builds differ in: {differing(first, second)}"
     check_wheels(first)
+
+
+@needs_root
+async def test_installed_as_install_txt_says_llmgw_is_on_path_and_ctl_finds_the_server(
+    pyz: Path, bare_python: list[str], tmp_path: Path
+) -> None:
+    """The install steps INSTALL.txt prints, run in a private /etc, /opt and /usr/local
+    (tests/privateroot.py): ``llmgw`` is on PATH, a link to the file, and a plain
+    ``llmgw ctl nodes`` (step 5) reads /etc/llmgw/server.toml and reaches the server."""
+    system = subprocess.run(
+        ["/usr/bin/python3", "-c", "import sys; print(sys.version_info >= (3, 11))"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if system.stdout.strip() != "True":
+        pytest.skip("/usr/bin/python3 is older than 3.11: the file's #! would not run it")
+    steps = [
+        line.strip().removeprefix("sudo ")
+        for line in install_txt("n1", "n1.tar", tar=True).splitlines()
+        if "/usr/local/bin/llmgw" in line or "install -D" in line or "llmgw ctl nodes" in line
+    ]
+    assert steps == [
+        "install -D -m 0755 llmgw.pyz /opt/llmgw/llmgw.pyz",
+        "ln -sf /opt/llmgw/llmgw.pyz /usr/local/bin/llmgw",
+        "llmgw ctl nodes",
+    ], steps
+    node = Node(bare_python, pyz, tmp_path)
+    node.run("ctl", "cert", "init", "--dir", "pki")
+    node.run("ctl", "cert", "server", "127.0.0.1", "--dir", "pki")
+    pki = tmp_path / "pki"
+    (tmp_path / "server.toml").write_text(
+        f'state_dir = "{tmp_path / "state"}"\n'
+        "[agent_stream]\n"
+        'listen = "127.0.0.1:0"\n'
+        f'ca = "{pki / "ca.pem"}"\ncert = "{pki / "server.pem"}"\n'
+        f'key = "{pki / "server-key.pem"}"\n'
+        f'[admin]\nlisten = "127.0.0.1:{own_port()}"\n'
+    )
+    server, server_log = node.start("server", "server", "--config", "server.toml")
+    try:
+        await wait_log(server, server_log, r"admin API listening on")
+        install, link, ctl = steps
+        script = f"""
+cd {shlex.quote(str(pyz.parent))}
+{install} && {link} || exit 9
+mkdir -p /etc/llmgw && cp {shlex.quote(str(tmp_path / "server.toml"))} /etc/llmgw/ || exit 9
+cd /
+command -v llmgw
+{ctl} --json
+"""
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            **{k: node.env[k] for k in ("HOME", "PEX_ROOT")},
+        }
+        result = run_private(tmp_path, script, dirs=("/etc", "/opt", "/usr/local"), env=env)
+        assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+        where, listed = result.stdout.split("\n", 1)
+        assert where == "/usr/local/bin/llmgw"
+        assert json.loads(listed)["nodes"] == []
+    finally:
+        stop(server)
