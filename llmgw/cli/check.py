@@ -8,7 +8,7 @@ discovery once and shows what it found. Each step prints one line, ``ok`` or
 ``FAILED`` with the reason and what to do (the agent's own wording); the first
 failure ends the check with status 1 (a bad config: 2, as the agent).
 
-It never takes the state dir's lock, reads no engine records, and starts and
+It never takes the state dir's lock nor the node's, reads no engine records, and starts and
 stops nothing: an agent running on the node goes on undisturbed.
 """
 
@@ -33,6 +33,7 @@ from trio_websocket import (
 )
 
 from llmgw.addr import join_hostport
+from llmgw.agent import hostlock
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.lock import LOCK_FILE
 from llmgw.agent.stream import certificate_problem, connect_problem, read_certificate_names
@@ -139,6 +140,13 @@ async def _check(
     running = _running_agent(resolve(base, config.state_dir))
     if running is not None:
         say(f"note: an agent runs on this state dir (pid {running}); the check leaves it alone")
+    holder = hostlock.probe(node, hostlock.fleet_digest(ca))
+    if holder is not None and (holder.pid is None or holder.pid != running):
+        who = f"pid {holder.pid}" if holder.pid is not None else "pid unknown"
+        say(
+            f"note: an agent runs as node {node} on this host ({who}) with another state dir;"
+            f" the check leaves it alone, but starting this one would be refused"
+        )
 
     for host, port in addresses:
         await _dial(config, node, host, port, ctx, probe, str(ca), say)

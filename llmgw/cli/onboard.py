@@ -3,7 +3,8 @@
 The bundle (a directory, or a tar file when ``--out`` ends in ``.tar``) holds
 what goes into ``/etc/llmgw`` on the node: ``agent.toml`` with only the
 overrides given here (the node id, the control plane's address, a fabric,
-labels), so the agent file is otherwise the same on every node; ``pki/`` with
+labels) and the unit's state dir, so the agent file is otherwise the same on
+every node and an agent run by hand with it uses the unit's state dir; ``pki/`` with
 the CA's certificate and the node's certificate and key (0600), where the
 agent looks for them by default; and ``INSTALL.txt``. It refuses to overwrite
 a bundle that exists.
@@ -33,6 +34,7 @@ __all__ = ["onboard"]
 
 PROG = "llmgw ctl onboard"
 DEFAULT_SERVER_CONFIG = Path("/etc/llmgw/server.toml")
+UNIT_STATE_DIR = "/var/lib/llmgw"  # packaging/llmgw-agent.service's StateDirectory
 
 
 def _fail(message: str) -> NoReturn:
@@ -54,6 +56,9 @@ def agent_toml(node: str, servers: list[str], fabric: str | None, labels: dict[s
         "",
         "control_plane = [" + ", ".join(_q(s) for s in servers) + "]",
         f"node_id = {_q(node)}",
+        "# the unit's (llmgw-agent.service: StateDirectory=llmgw), so that an agent run by",
+        "# hand with this file reads the same shard records",
+        f"state_dir = {_q(UNIT_STATE_DIR)}",
     ]
     if fabric or labels:
         lines += ["", "[inventory]"]

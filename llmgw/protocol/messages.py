@@ -173,6 +173,9 @@ class Register(Message, frozen=True):
     # where this agent serves its Prometheus metrics ("host:port"; empty: nowhere), for
     # the control plane's service discovery; a wildcard host means the node's address
     metrics_address: str = ""
+    # random, one per agent process: the same agent reconnecting says the same one, so
+    # the control plane tells it from a second agent for the node (empty: an older agent)
+    agent_instance: str = ""
 
 
 class RegisterAck(Message, frozen=True):

@@ -11,6 +11,7 @@ import trio
 
 from llmgw.addr import join_hostport
 from llmgw.agent.health import HealthSettings
+from llmgw.agent.hostlock import answer, fleet_digest, hold_node
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.lock import hold
 from llmgw.agent.metrics import AgentMetrics
@@ -102,12 +103,15 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
 
 
 async def serve(config: AgentConfig, base: Path) -> None:
-    # before anything reads the state dir: a second agent on it refuses here
-    with hold(resolve(base, config.state_dir)):
-        await _serve(config, base)
+    # before anything is discovered, adopted or killed: a second agent for this node
+    # on this host refuses here, whatever its state dir; then one on the same state dir
+    nid = node_id(config)
+    fleet = fleet_digest(resolve(base, config.ca))
+    with hold_node(nid, fleet) as node_lock, hold(resolve(base, config.state_dir)):
+        await _serve(config, base, node_lock)
 
 
-async def _serve(config: AgentConfig, base: Path) -> None:
+async def _serve(config: AgentConfig, base: Path, node_lock: socket.socket) -> None:
     mc = config.metrics
     # read before anything starts: a bad token file is one line, exit 2
     metrics_token = (
@@ -120,6 +124,7 @@ async def _serve(config: AgentConfig, base: Path) -> None:
         ", ".join(config.control_plane),
     )
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer, node_lock)
         await nursery.start(stream.source.run)
         inv = stream.source.inventory()
         log.info(
