@@ -95,8 +95,15 @@ Installing the llmgw agent on node {node}
      sudo install -D -m 0755 llmgw.pyz /opt/llmgw/llmgw.pyz
    and the unit, from the project's packaging/:
      sudo cp llmgw-agent.service /etc/systemd/system/ && sudo systemctl daemon-reload
+   and an engine for it to run: llama.cpp's llama-server, unpacked from a release
+   (https://github.com/ggml-org/llama.cpp/releases) so that
+   /opt/llama.cpp/bin/llama-server exists, or anywhere with
+     llama_server = "/path/to/llama-server"
+   under [engines] in /etc/llmgw/agent.toml; or vLLM, with vllm on the unit's PATH
+   (/usr/local/bin, /usr/bin)
 
-3. Check before starting (it starts no engine and disturbs no running agent):
+3. Check before starting (it starts no engine and disturbs no running agent; it
+   fails when it finds no engine):
      sudo python3 /opt/llmgw/llmgw.pyz agent --check --config /etc/llmgw/agent.toml
 
 4. Start it, now and at every boot:

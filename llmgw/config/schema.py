@@ -273,7 +273,8 @@ class WeightsConfig(_Section):
 class EnginesConfig(_Section):
     """How the agent runs engines: binaries, ports, stops, logs, health."""
 
-    llama_server: str = ""  # default: what discovery finds (PATH, then unpacked archives)
+    # the one launched and reported; default: what discovery finds (PATH, then unpacked archives)
+    llama_server: str = ""
     port_range: list[int] = msgspec.field(default_factory=lambda: [20000, 20999])  # engine ports
     kill_unidentified: bool = True  # kill a process on those ports that no shard describes
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this

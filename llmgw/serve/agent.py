@@ -77,6 +77,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         weights=config.weights,
         base=base,
         on_discovered=metrics.discovery.observe,
+        llama_server=config.engines.llama_server,
     )
     e = config.engines
     source.port_range = list(e.port_range)
