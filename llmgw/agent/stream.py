@@ -336,7 +336,7 @@ class AgentStream:
         if isinstance(command, StartShard):
             sup.start(command.spec)
         elif isinstance(command, StopShard):
-            sup.stop(command.shard_id, command.grace_s)
+            sup.stop(command.shard_id, None if command.agent_grace else command.grace_s)
         elif isinstance(command, DrainShard):
             sup.drain(command.shard_id, command.grace_s)
 
