@@ -122,7 +122,9 @@ def hold_node(node_id: str, fleet: str) -> Iterator[socket.socket]:
             sock.bind(_address(name))
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
-                raise
+                raise ConfigError(
+                    node_id, "node_id", f"cannot take the node's lock on this host: {exc.strerror}"
+                ) from None
             raise NodeBusy(node_id, probe(node_id, fleet) or Holder(None)) from None
         sock.listen(16)
         sock.setblocking(False)
@@ -138,10 +140,9 @@ def probe(node_id: str, fleet: str) -> Holder | None:
         sock.settimeout(_PROBE_TIMEOUT_S)
         try:
             sock.connect(_address(lock_name(node_id, fleet)))
-        except ConnectionRefusedError:
-            # bound but not (yet) listening: held, by whom the kernel cannot say
-            return _bound(node_id, fleet)
-        except FileNotFoundError:
+        except (ConnectionRefusedError, FileNotFoundError):
+            # nobody has the name (or has it without listening, for an instant while an
+            # agent starts, or a squatter: hold_node still finds it taken)
             return None
         except OSError:
             return Holder(None)
@@ -153,15 +154,6 @@ def probe(node_id: str, fleet: str) -> Holder | None:
         if pid <= 0:  # in another pid namespace
             return Holder(None)
         return Holder(pid, _command(pid), _unit(pid))
-
-
-def _bound(node_id: str, fleet: str) -> Holder | None:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
-        try:
-            sock.bind(_address(lock_name(node_id, fleet)))
-        except OSError:
-            return Holder(None)
-    return None
 
 
 def _command(pid: int) -> str:
