@@ -36,8 +36,10 @@ class InventorySource:
         weights: WeightsConfig | None = None,
         base: Path | None = None,
         on_discovered: Callable[[float], None] | None = None,
+        llama_server: str = "",
     ) -> None:
         self.overrides = overrides
+        self.llama_server = llama_server  # [engines] llama_server: what is reported, if set
         self.control_plane = control_plane
         self.settings = discovery or DiscoveryConfig()
         self.weights = weights or WeightsConfig()
@@ -69,7 +71,11 @@ class InventorySource:
         """Run discovery once; log what failed, in words."""
         before = self.inventory() if self.discovered is not None else None
         found = await discover(
-            self.settings, self.weights, ib_fabrics=self.overrides.ib_fabrics, base=self.base
+            self.settings,
+            self.weights,
+            ib_fabrics=self.overrides.ib_fabrics,
+            base=self.base,
+            llama_server=self.llama_server,
         )
         for problem in found.problems:
             log.warning("discovery: %s", problem)

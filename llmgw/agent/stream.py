@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import secrets
 import socket
 import ssl
 import time
@@ -106,6 +107,9 @@ class AgentStream:
         self.metrics = metrics
         self.metrics_address = ""  # "host:port" once its listener is open (serve.agent)
         self.backoff = Backoff(settings.backoff_initial, settings.backoff_max)
+        # one per process: the control plane tells this agent reconnecting from a second
+        # agent for the same node, which it refuses while this one's stream is live
+        self.instance = secrets.token_hex(8)
         self.sessions_started = 0
         self.registrations = 0
 
@@ -120,7 +124,8 @@ class AgentStream:
             if registered:
                 self.backoff.reset()
             delay = self.backoff.next_delay()
-            log.info("reconnecting in %.2f s (attempt %d)", delay, self.backoff.attempt)
+            # the attempt's end was said in one line already; this is detail
+            log.debug("reconnecting in %.2f s (attempt %d)", delay, self.backoff.attempt)
             await trio.sleep(delay)
 
     async def session(self, host: str, port: int) -> bool:
@@ -258,6 +263,7 @@ class AgentStream:
             shards=self.running_shards(),
             agent_version=describe(),
             metrics_address=self.metrics_address,
+            agent_instance=self.instance,
         )
         await ws.send_message(session.send(register))
         with trio.fail_after(s.handshake_timeout):
@@ -330,7 +336,7 @@ class AgentStream:
         if isinstance(command, StartShard):
             sup.start(command.spec)
         elif isinstance(command, StopShard):
-            sup.stop(command.shard_id, command.grace_s)
+            sup.stop(command.shard_id, None if command.agent_grace else command.grace_s)
         elif isinstance(command, DrainShard):
             sup.drain(command.shard_id, command.grace_s)
 

@@ -72,7 +72,6 @@ log = logging.getLogger("llmgw.agent.supervisor")
 HEALTH_INTERVAL_S = 0.25
 WORKER_SETTLE_S = 1.0  # a shard without HTTP is ready once it stayed up this long
 GIVE_UP_GRACE_S = 2.0  # SIGTERM to SIGKILL for an engine not ready in time
-DRAIN_STOP_GRACE_S = 10.0  # at most, once a drain is over
 
 
 @attrs.frozen
@@ -89,6 +88,14 @@ class SupervisorSettings:
     # where engines listen: "auto" (the address this node reaches the control plane
     # from), or an address ("0.0.0.0": every interface)
     engine_bind: str = "auto"
+
+
+def stop_grace(spec: ShardSpec, settings: SupervisorSettings, asked: float | None = None) -> float:
+    """SIGTERM to SIGKILL for a shard: what the stop asked for, else its profile's (in
+    its spec), else this agent's ``[engines] stop_grace_s``."""
+    if asked is not None:
+        return asked
+    return spec.stop_grace_s if spec.stop_grace_s is not None else settings.stop_grace_s
 
 
 class Supervisor:
@@ -181,13 +188,12 @@ class Supervisor:
         self._spawn(self._run_new, shard)
 
     def stop(self, shard_id: str, grace: float | None = None) -> None:
+        """``grace`` None: the shard's own (``stop_grace``)."""
         shard = self.shards.get(shard_id)
         if shard is None:
             self._not_here(shard_id)
             return
-        self.fire(
-            shard, Event.STOP, "", grace=self.settings.stop_grace_s if grace is None else grace
-        )
+        self.fire(shard, Event.STOP, "", grace=stop_grace(shard.spec, self.settings, grace))
 
     def drain(self, shard_id: str, grace: float) -> None:
         """Stop taking work, then stop. The router stops routing to a draining shard at once;
@@ -435,7 +441,7 @@ class Supervisor:
             if await self._idle(shard, launch.metrics_url):
                 break
             await trio.sleep(HEALTH_INTERVAL_S)
-        self.fire(shard, Event.DRAINED, "", grace=min(DRAIN_STOP_GRACE_S, grace))
+        self.fire(shard, Event.DRAINED, "", grace=min(stop_grace(shard.spec, self.settings), grace))
 
     async def _idle(self, shard: Shard, url: str) -> bool:
         adapter = adapters().get(shard.spec.engine)

@@ -131,7 +131,18 @@ def agent(
         return check_agent(config, overrides)
     from llmgw.serve import agent as daemon
 
-    return _start("llmgw agent", AgentConfig, config, overrides, daemon.serve)
+    reread = daemon.Rereader(  # SIGHUP: the file again, with the same overrides
+        read=lambda: load_config(AgentConfig, config, overrides)[0],
+        source=str(config) if config else "the agent's config",
+        set_log_level=setup_logging,
+    )
+    return _start(
+        "llmgw agent",
+        AgentConfig,
+        config,
+        overrides,
+        lambda cfg, base: daemon.serve(cfg, base, reread),
+    )
 
 
 @app.command

@@ -4,11 +4,13 @@ It reads the agent's config and certificates, then dials each control plane
 address as the agent would: name lookup, TCP, TLS, and a registration marked
 ``check_only``, which the control plane proves (the certificate's common name
 against the node id) and acks without touching its node table. Then it runs
-discovery once and shows what it found. Each step prints one line, ``ok`` or
-``FAILED`` with the reason and what to do (the agent's own wording); the first
-failure ends the check with status 1 (a bad config: 2, as the agent).
+discovery once and shows what it found; a node with no engine at all
+(llama-server, vLLM) fails there, since nothing could be placed on it. Each
+step prints one line, ``ok`` or ``FAILED`` with the reason and what to do (the
+agent's own wording); the first failure ends the check with status 1 (a bad
+config: 2, as the agent).
 
-It never takes the state dir's lock, reads no engine records, and starts and
+It never takes the state dir's lock nor the node's, reads no engine records, and starts and
 stops nothing: an agent running on the node goes on undisturbed.
 """
 
@@ -33,6 +35,7 @@ from trio_websocket import (
 )
 
 from llmgw.addr import join_hostport
+from llmgw.agent import hostlock
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.lock import LOCK_FILE
 from llmgw.agent.stream import certificate_problem, connect_problem, read_certificate_names
@@ -139,6 +142,13 @@ async def _check(
     running = _running_agent(resolve(base, config.state_dir))
     if running is not None:
         say(f"note: an agent runs on this state dir (pid {running}); the check leaves it alone")
+    holder = hostlock.probe(node, hostlock.fleet_digest(ca))
+    if holder is not None and (holder.pid is None or holder.pid != running):
+        who = f"pid {holder.pid}" if holder.pid is not None else "pid unknown"
+        say(
+            f"note: an agent runs as node {node} on this host ({who}) with another state dir;"
+            f" the check leaves it alone, but starting this one would be refused"
+        )
 
     for host, port in addresses:
         await _dial(config, node, host, port, ctx, probe, str(ca), say)
@@ -315,6 +325,7 @@ async def _discovered(
         discovery=config.discovery,
         weights=config.weights,
         base=base,
+        llama_server=config.engines.llama_server,
     )
     await source.refresh()
     inv = source.inventory()
@@ -354,6 +365,22 @@ async def _discovered(
         say(f"  weights: not looked for (weights.dirs is empty and {where} does not exist)")
     for problem in found.problems if found else []:
         say(f"  problem: {problem}")
+    if not inv.engines:
+        raise Blocked("engines", no_engine(config))
+
+
+def no_engine(config: AgentConfig) -> str:
+    """Why no engine was found, and how a node gets one, in one line."""
+    if config.engines.llama_server:
+        where = f"[engines] llama_server = {config.engines.llama_server} cannot run (see above)"
+    else:
+        where = "no llama-server on PATH or in /opt/llama.cpp and the other usual places"
+    return (
+        f"no engine on this node ({where}; no vllm on PATH): nothing can be placed here;"
+        " install llama.cpp's llama-server (a release unpacked in /opt/llama.cpp, or"
+        " [engines] llama_server = its path) or vLLM (vllm on the agent's PATH), then"
+        " check again"
+    )
 
 
 def _running_agent(state_dir: Path) -> int | None:

@@ -3,7 +3,8 @@
 The bundle (a directory, or a tar file when ``--out`` ends in ``.tar``) holds
 what goes into ``/etc/llmgw`` on the node: ``agent.toml`` with only the
 overrides given here (the node id, the control plane's address, a fabric,
-labels), so the agent file is otherwise the same on every node; ``pki/`` with
+labels) and the unit's state dir, so the agent file is otherwise the same on
+every node and an agent run by hand with it uses the unit's state dir; ``pki/`` with
 the CA's certificate and the node's certificate and key (0600), where the
 agent looks for them by default; and ``INSTALL.txt``. It refuses to overwrite
 a bundle that exists.
@@ -33,6 +34,7 @@ from llmgw.tls.ca import CA, CA_CERT_NAME, CAError, describe_certificate, issue_
 __all__ = ["onboard"]
 
 PROG = "llmgw ctl onboard"
+UNIT_STATE_DIR = "/var/lib/llmgw"  # packaging/llmgw-agent.service's StateDirectory
 
 
 def _fail(message: str) -> NoReturn:
@@ -54,6 +56,9 @@ def agent_toml(node: str, servers: list[str], fabric: str | None, labels: dict[s
         "",
         "control_plane = [" + ", ".join(_q(s) for s in servers) + "]",
         f"node_id = {_q(node)}",
+        "# the unit's (llmgw-agent.service: StateDirectory=llmgw), so that an agent run by",
+        "# hand with this file reads the same shard records",
+        f"state_dir = {_q(UNIT_STATE_DIR)}",
     ]
     if fabric or labels:
         lines += ["", "[inventory]"]
@@ -92,8 +97,15 @@ Installing the llmgw agent on node {node}
      sudo ln -sf /opt/llmgw/llmgw.pyz /usr/local/bin/llmgw
    and the unit, from the project's packaging/:
      sudo cp llmgw-agent.service /etc/systemd/system/ && sudo systemctl daemon-reload
+   and an engine for it to run: llama.cpp's llama-server, unpacked from a release
+   (https://github.com/ggml-org/llama.cpp/releases) so that
+   /opt/llama.cpp/bin/llama-server exists, or anywhere with
+     llama_server = "/path/to/llama-server"
+   under [engines] in /etc/llmgw/agent.toml; or vLLM, with vllm on the unit's PATH
+   (/usr/local/bin, /usr/bin)
 
-3. Check before starting (it starts no engine and disturbs no running agent):
+3. Check before starting (it starts no engine and disturbs no running agent; it
+   fails when it finds no engine):
      sudo llmgw agent --check --config /etc/llmgw/agent.toml
 
 4. Start it, now and at every boot:

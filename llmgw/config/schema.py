@@ -273,10 +273,11 @@ class WeightsConfig(_Section):
 class EnginesConfig(_Section):
     """How the agent runs engines: binaries, ports, stops, logs, health."""
 
-    llama_server: str = ""  # default: what discovery finds (PATH, then unpacked archives)
+    # the one launched and reported; default: what discovery finds (PATH, then unpacked archives)
+    llama_server: str = ""
     port_range: list[int] = msgspec.field(default_factory=lambda: [20000, 20999])  # engine ports
     kill_unidentified: bool = True  # kill a process on those ports that no shard describes
-    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL after this; a profile's stop_grace_s wins
     log_max_mb: int = 64  # each engine's log is rotated past this (one old copy kept)
     stopped_log_keep_hours: float = 72.0  # logs of shards no longer running here, at most
     stopped_logs_max_mb: int = 1024  # those logs in all, newest kept

@@ -37,6 +37,7 @@ MULTI_NODE_ENGINES = frozenset({"vllm-ray"})
 GPU_ENGINES = frozenset({"vllm", "vllm-ray"})  # their adapters refuse a shard without a GPU
 MAX_REPLICAS = 1000
 MAX_STARTUP_TIMEOUT_S = 86_400.0
+MAX_STOP_GRACE_S = 3600.0  # as [engines] stop_grace_s
 
 SettingValue = str | int | float | bool
 
@@ -81,6 +82,9 @@ class Profile(_Entry, frozen=True):
     settings: dict[str, SettingValue] = {}
     env: dict[str, str] = {}  # added to the engine's clean environment
     startup_timeout_s: float = 600.0  # placed to Ready; past it (plus a margin) it is failed
+    # SIGTERM to SIGKILL when its engines are stopped; unset: each agent's [engines]
+    # stop_grace_s. Given to engines as they are placed: changing it restarts nothing
+    stop_grace_s: float | None = None
     # over the model's routing, for this profile's replicas; changing it restarts nothing
     routing: ProfileRouting | None = None
 
@@ -317,6 +321,13 @@ def _validate_profile(key: str, p: Profile) -> None:
             "",
             f"{key}.startup_timeout_s",
             f"must be at most {MAX_STARTUP_TIMEOUT_S:g}, got {p.startup_timeout_s:g}",
+        )
+    grace = p.stop_grace_s
+    if grace is not None and not (math.isfinite(grace) and 0 < grace <= MAX_STOP_GRACE_S):
+        raise ConfigError(
+            "",
+            f"{key}.stop_grace_s",
+            f"must be greater than 0 and at most {MAX_STOP_GRACE_S:g}, got {grace:g}",
         )
 
 

@@ -36,6 +36,7 @@ class AgentConnection:
     cancel_scope: trio.CancelScope
     close_code: CloseCode = CloseCode.GOING_AWAY
     close_reason: str = "control plane shutting down"
+    instance: str = ""  # its agent's Register.agent_instance, once accepted
 
     async def send(self, message: Message) -> None:
         try:

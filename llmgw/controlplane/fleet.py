@@ -332,6 +332,7 @@ def _message(command: Command) -> StartShard | StopShard | DrainShard:
         case Start(spec=spec):
             return StartShard(spec=spec)
         case Stop(shard_id=shard_id, grace_s=grace):
-            return StopShard(shard_id=shard_id, grace_s=grace)
+            # the agent knows the shard's grace (its profile's, in the spec, or its own)
+            return StopShard(shard_id=shard_id, grace_s=grace, agent_grace=True)
         case Drain(shard_id=shard_id, grace_s=grace):
             return DrainShard(shard_id=shard_id, grace_s=grace)

@@ -104,6 +104,11 @@ def inventory_changes(old: Inventory, new: Inventory) -> list[str]:
         out.append(f"now has {new.memory.total_bytes / 2**30:.1f} GiB of memory")
     if len(old.gpus) != len(new.gpus):
         out.append(f"now has {len(new.gpus)} GPUs (was {len(old.gpus)})")
+    if old.labels != new.labels:
+        labels = ", ".join(f"{k}={v}" for k, v in sorted(new.labels.items()))
+        out.append(f"now has labels {labels or 'none'}")
+    if old.fabric != new.fabric:
+        out.append(f"now is on fabric {new.fabric or 'none'}")
     return out
 
 

@@ -609,6 +609,7 @@ class Reconciler:
                 env=dict(profile.env),
                 settings=dict(profile.settings),
                 startup_timeout_s=profile.startup_timeout_s,
+                stop_grace_s=profile.stop_grace_s,
                 head_address=head_address if len(placements) > 1 else "",
             )
             # sent by _send_starts: rank 0 (the Ray head) first, the ranks that join it after

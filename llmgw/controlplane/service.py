@@ -19,7 +19,9 @@ import trio
 from llmgw.controlplane.dispatcher import AgentConnection, Dispatcher
 from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import Change, LivenessPolicy, NodeTable
+from llmgw.controlplane.takeover import LiveStream, close_reason, refusal
 from llmgw.http.logsafe import printable
+from llmgw.protocol.errors import NodeTaken
 from llmgw.protocol.messages import Heartbeat, ProcessKill, Register, RegisterAck, ShardStatus
 from llmgw.version import describe
 
@@ -55,8 +57,19 @@ class ControlPlane:
         return next(self._generations)
 
     def registered(self, conn: AgentConnection, msg: Register) -> RegisterAck:
+        """Accept a registration, or refuse it (``NodeTaken``) when another agent holds the
+        node's stream live: a second agent for one node is refused, not let take over."""
         if msg.check_only:
             return self.checked(conn, msg)
+        current = self._live_stream(msg.node_id)
+        why = refusal(msg.node_id, current, msg.agent_instance, self.policy.unreachable_after)
+        if why is not None and current is not None:
+            raise NodeTaken(
+                f"{why}: a second agent for one node (a copied certificate, or a second agent"
+                " on its host) is refused; stop it",
+                close_reason(msg.node_id, current),
+            )
+        conn.instance = msg.agent_instance
         changes, news = self.nodes.register(
             msg.node_id,
             msg.inventory,
@@ -86,6 +99,15 @@ class ControlPlane:
             heartbeat_interval_s=self.heartbeat_interval,
             server_version=describe(),
         )
+
+    def _live_stream(self, node_id: str) -> LiveStream | None:
+        conn = self.dispatcher.connections.get(node_id)
+        node = self.nodes.nodes.get(node_id)
+        if conn is None or node is None or not node.connected:
+            return None
+        if node.connection != conn.generation:
+            return None
+        return LiveStream(conn.peer, conn.instance, self._clock() - node.last_seen)
 
     def checked(self, conn: AgentConnection, msg: Register) -> RegisterAck:
         """A preflight (``llmgw agent --check``): its identity was proved by the session;

@@ -31,6 +31,7 @@ class CloseCode(IntEnum):
     UNKNOWN_TYPE = 4005
     REPLACED = 4006  # a newer connection from the same node took over
     SILENT = 4007  # nothing received for longer than the lost timeout
+    NODE_TAKEN = 4008  # the node's stream is live: a second agent for it is refused
 
 
 def clip_reason(reason: str) -> str:
@@ -87,3 +88,18 @@ class IdentityMismatch(RemoteProtocolError):
 
 class VersionMismatch(RemoteProtocolError):
     code = CloseCode.VERSION_MISMATCH
+
+
+class NodeTaken(RemoteProtocolError):
+    """A second agent for a node whose stream is live and heartbeating; the log line
+    says more than the close frame has room for."""
+
+    code = CloseCode.NODE_TAKEN
+
+    def __init__(self, reason: str, close_reason: str) -> None:
+        super().__init__(reason)
+        self._close_reason = close_reason
+
+    @property
+    def close_reason(self) -> str:
+        return clip_reason(self._close_reason)

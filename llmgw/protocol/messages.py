@@ -117,6 +117,8 @@ class ShardSpec(_Wire, frozen=True):
     settings: dict[str, str | int | float | bool] = {}
     startup_timeout_s: float = 600.0
     head_address: str = ""  # multi-node: where rank 0's Ray head listens
+    # SIGTERM to SIGKILL when it is stopped (its profile's); None: the agent's own
+    stop_grace_s: float | None = None
 
 
 class ShardReport(_Wire, frozen=True):
@@ -173,6 +175,9 @@ class Register(Message, frozen=True):
     # where this agent serves its Prometheus metrics ("host:port"; empty: nowhere), for
     # the control plane's service discovery; a wildcard host means the node's address
     metrics_address: str = ""
+    # random, one per agent process: the same agent reconnecting says the same one, so
+    # the control plane tells it from a second agent for the node (empty: an older agent)
+    agent_instance: str = ""
 
 
 class RegisterAck(Message, frozen=True):
@@ -222,8 +227,15 @@ class StartShard(Message, frozen=True):
 
 
 class StopShard(Message, frozen=True):
+    """Down: SIGTERM the shard's process group, SIGKILL after the grace.
+
+    ``agent_grace``: the agent picks the grace, the shard spec's ``stop_grace_s``
+    (its profile's) or else its own ``[engines] stop_grace_s``; ``grace_s`` is then
+    only for an agent older than the field, which ignores it."""
+
     shard_id: str
     grace_s: float = 10.0
+    agent_grace: bool = False
 
 
 class DrainShard(Message, frozen=True):

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import trio
 
 from llmgw.addr import join_hostport
 from llmgw.agent.health import HealthSettings
+from llmgw.agent.hostlock import answer, fleet_digest, hold_node
 from llmgw.agent.inventory import InventorySource
 from llmgw.agent.lock import hold
 from llmgw.agent.metrics import AgentMetrics
+from llmgw.agent.reload import plan
 from llmgw.agent.stream import AgentStream, StreamSettings
 from llmgw.agent.supervisor import Supervisor, SupervisorSettings
-from llmgw.config import AgentConfig, parse_hostport
+from llmgw.config import AgentConfig, ConfigError, parse_hostport
+from llmgw.config.errors import one_line
 from llmgw.config.schema import resolve, token_from_file
 from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page
@@ -32,11 +38,12 @@ def node_id(config: AgentConfig) -> str:
     return config.node_id or socket.gethostname()
 
 
-def binaries(config: AgentConfig, source: InventorySource, base: Path) -> dict[str, str]:
-    """Where each engine command lives on this node: written in config, else discovered."""
+def binaries(source: InventorySource, base: Path) -> dict[str, str]:
+    """Where each engine command lives on this node: written in config (``[engines]
+    llama_server``, as the source has it since the last reload), else discovered."""
     out: dict[str, str] = {}
-    if config.engines.llama_server:
-        out["llama-server"] = str(resolve(base, config.engines.llama_server))
+    if source.llama_server:
+        out["llama-server"] = str(resolve(base, source.llama_server))
     else:
         for engine in source.inventory().engines:
             if engine.name == "llama.cpp" and engine.path:
@@ -76,6 +83,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         weights=config.weights,
         base=base,
         on_discovered=metrics.discovery.observe,
+        llama_server=config.engines.llama_server,
     )
     e = config.engines
     source.port_range = list(e.port_range)
@@ -94,20 +102,76 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
             # "auto": where the control plane will route to, the node's own address
             engine_bind=(config.inventory.address or e.bind) if e.bind == "auto" else e.bind,
         ),
-        lambda: binaries(config, source, base),
+        lambda: binaries(source, base),
         on_event=metrics.event,
     )
     metrics.watch_shards(lambda: [s.state for s in supervisor.shards.values()])
     return AgentStream(settings, source, supervisor, metrics)
 
 
-async def serve(config: AgentConfig, base: Path) -> None:
-    # before anything reads the state dir: a second agent on it refuses here
-    with hold(resolve(base, config.state_dir)):
-        await _serve(config, base)
+@attrs.frozen
+class Rereader:
+    """How SIGHUP reads the config file again: ``read`` (the file and the command
+    line's overrides), ``source`` (the file's name, for the one log line) and
+    ``set_log_level`` (the CLI's logging setup)."""
+
+    read: Callable[[], AgentConfig]
+    source: str
+    set_log_level: Callable[[str], None]
 
 
-async def _serve(config: AgentConfig, base: Path) -> None:
+async def serve(config: AgentConfig, base: Path, reread: Rereader | None = None) -> None:
+    # before anything is discovered, adopted or killed: a second agent for this node
+    # on this host refuses here, whatever its state dir; then one on the same state dir
+    nid = node_id(config)
+    fleet = fleet_digest(resolve(base, config.ca))
+    with hold_node(nid, fleet) as node_lock, hold(resolve(base, config.state_dir)):
+        await _serve(config, base, node_lock, reread)
+
+
+def take(stream: AgentStream, config: AgentConfig) -> None:
+    """Put a reloaded config's reloadable parts (``reload.plan``'s ``running``) to work."""
+    source = stream.source
+    source.overrides = config.inventory
+    source.settings = config.discovery
+    source.weights = config.weights
+    source.llama_server = config.engines.llama_server
+    sup = stream.supervisor
+    sup.settings = attrs.evolve(
+        sup.settings,
+        stop_grace_s=config.engines.stop_grace_s,
+        nvidia_smi=config.discovery.nvidia_smi,
+    )
+
+
+async def _reload_on_sighup(stream: AgentStream, config: AgentConfig, reread: Rereader) -> None:
+    """SIGHUP (``systemctl reload``): read the config again, take what can be taken,
+    run discovery again (the next heartbeat carries what changed), and say so in one
+    line; a bad file changes nothing and says why, and the agent runs on."""
+    running = config
+    with trio.open_signal_receiver(signal.SIGHUP) as signals:
+        async for _ in signals:
+            try:
+                read = reread.read()
+            except ConfigError as exc:
+                log.error("%s not reloaded, nothing changed: %s", reread.source, exc)
+                continue
+            except Exception as exc:  # a reload never takes the agent down
+                log.error("%s not reloaded, nothing changed: %s", reread.source, one_line(exc))
+                continue
+            change = plan(running, read)
+            level, running = running.log_level, change.running
+            take(stream, running)
+            if running.log_level != level:
+                reread.set_log_level(running.log_level)
+            log.info("%s", change.line(reread.source))
+            if change.taken:
+                await stream.source.refresh()
+
+
+async def _serve(
+    config: AgentConfig, base: Path, node_lock: socket.socket, reread: Rereader | None
+) -> None:
     mc = config.metrics
     # read before anything starts: a bad token file is one line, exit 2
     metrics_token = (
@@ -120,6 +184,9 @@ async def _serve(config: AgentConfig, base: Path) -> None:
         ", ".join(config.control_plane),
     )
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer, node_lock)
+        if reread is not None:
+            nursery.start_soon(_reload_on_sighup, stream, config, reread)
         await nursery.start(stream.source.run)
         inv = stream.source.inventory()
         log.info(

@@ -1,6 +1,7 @@
-"""Safety on a node: one agent per state dir, no kills before the control plane
-has accepted the agent's registration, and every kill reported to the control
-plane, which logs and counts it."""
+"""Safety on a node: one agent per state dir (one per node is
+test_one_agent_per_node_processes), no kills before the control plane has accepted
+the agent's registration, and every kill reported to the control plane, which logs
+and counts it."""
 
 from __future__ import annotations
 
@@ -47,9 +48,20 @@ async def test_a_second_agent_on_the_same_state_dir_refuses_naming_the_first(
     first = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
     cluster.append(first.start())
     await first.wait_log(r"registered with control plane .* as node n1")
+    # another node's agent, given this one's state dir
+    other = write_agent_config(tmp_path, pki, "n2", server.stream_port, extra=engines(own_port()))
     with trio.fail_after(30):
         second = await trio.run_process(
-            [sys.executable, "-m", "llmgw", "agent", "--config", config.name],
+            [
+                sys.executable,
+                "-m",
+                "llmgw",
+                "agent",
+                "--config",
+                other.name,
+                "--set",
+                'state_dir="agent-n1"',
+            ],
             cwd=tmp_path,
             capture_stdout=True,
             capture_stderr=True,

@@ -171,7 +171,10 @@ async def test_init_onboard_and_an_agent_from_the_bundle_is_ready(tmp_path: Path
         assert made.returncode == 0, made.stderr
         bundle = tmp_path / "n1"
         assert (bundle / "agent.toml").read_text().split("\n\n", 1)[1] == (
-            f'control_plane = ["{dial}"]\nnode_id = "n1"\n\n'
+            f'control_plane = ["{dial}"]\nnode_id = "n1"\n'
+            "# the unit's (llmgw-agent.service: StateDirectory=llmgw), so that an agent run by\n"
+            "# hand with this file reads the same shard records\n"
+            'state_dir = "/var/lib/llmgw"\n\n'
             '[inventory]\nfabric = "ib-a"\nlabels = { "role" = "coding" }\n'
         )
         assert mode(bundle / "pki" / "n1-key.pem") == 0o600

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import configparser
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from llmgw.cli.onboard import agent_toml
+from llmgw.config import AgentConfig, load_config
+from llmgw.config.schema import resolve
 
 PACKAGING = Path(__file__).resolve().parents[2] / "packaging"
 UNITS = sorted(PACKAGING.glob("llmgw-*.service"))
@@ -72,3 +77,23 @@ def test_the_units_user_is_created_by_sysusers() -> None:
         if line and not line.startswith("#")
     ]
     assert lines[0][:2] == ["u", "llmgw"]
+
+
+def test_the_onboarded_agent_file_and_the_unit_agree_on_the_state_dir(tmp_path: Path) -> None:
+    """The unit's agent and one run by hand (``llmgw agent --config
+    /etc/llmgw/agent.toml``) with the file ``ctl onboard`` wrote resolve the same
+    state dir, and it is the unit's StateDirectory."""
+    s = service(PACKAGING / "llmgw-agent.service")
+    argv = shlex.split(s["ExecStart"])
+    config = Path(argv[argv.index("--config") + 1])
+    unit_sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    # the bundle as it lies in /etc/llmgw on the node (relative paths resolve there)
+    etc = tmp_path / config.parent.relative_to("/")
+    etc.mkdir(parents=True)
+    (etc / config.name).write_text(agent_toml("n1", ["cp.example.net:7443"], None, {}))
+    by_unit, base = load_config(AgentConfig, etc / config.name, unit_sets)
+    by_hand, hand_base = load_config(AgentConfig, etc / config.name)
+    state_directory = Path("/var/lib") / s["StateDirectory"].split()[0]
+    assert resolve(base, by_unit.state_dir) == state_directory
+    assert resolve(hand_base, by_hand.state_dir) == state_directory
+    assert s["WorkingDirectory"] == str(state_directory)

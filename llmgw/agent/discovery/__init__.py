@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from llmgw.agent.discovery.engines import probe_engines
+from llmgw.agent.discovery.engines import configured_problem, probe_engines
 from llmgw.agent.discovery.gpus import discover_gpus
 from llmgw.agent.discovery.infiniband import read_adapters
 from llmgw.agent.discovery.memory import read_memory
@@ -47,14 +47,22 @@ async def discover(
     *,
     ib_fabrics: dict[str, str] | None = None,
     base: Path | None = None,
+    llama_server: str = "",
 ) -> Discovered:
+    """Every probe, each bounded; ``llama_server`` is ``[engines] llama_server`` (empty:
+    none written, so it is searched for)."""
     started = time.perf_counter()
     problems: list[str] = []
     gpu_result = await discover_gpus(settings.nvidia_smi, timeout=settings.probe_timeout_s)
     if gpu_result.error:
         problems.append(f"GPUs: {gpu_result.error}")
+    configured = _resolve(base, llama_server) if llama_server else None
+    if configured is not None and (problem := configured_problem(configured)):
+        problems.append(f"engines: {problem}")
     engines = await probe_engines(
-        llama_search=settings.llama_server_search, probe_timeout=settings.probe_timeout_s
+        llama_search=settings.llama_server_search,
+        probe_timeout=settings.probe_timeout_s,
+        llama_server=configured,
     )
     dirs = [_resolve(base, d) for d in weights.dirs]
     default_dir = _resolve(base, weights.default_dir)

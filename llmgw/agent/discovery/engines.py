@@ -1,7 +1,8 @@
 """Which inference engines this node can run, and their versions.
 
-``llama-server`` is looked for on PATH and then where llama.cpp release
-archives are usually unpacked; vLLM and Ray by their command on PATH, their
+``llama-server`` is the configured one (``[engines] llama_server``, which is
+the one the agent launches), or else looked for on PATH and then where
+llama.cpp release archives are usually unpacked; vLLM and Ray by their command on PATH, their
 version read from the package metadata of the Python that runs them (asking
 ``vllm --version`` imports torch and takes many seconds). Every probe is a
 subprocess under a deadline, and a probe that fails leaves the engine out
@@ -119,14 +120,32 @@ async def _package_version(command: str, package: str, probe_timeout: float) -> 
     return Engine(name=package, version=version, path=path)
 
 
+def configured_problem(path: Path) -> str | None:
+    """Why the configured llama-server cannot run, in words; None when it can."""
+    if not path.exists():
+        return f"[engines] llama_server = {path}: no such file; install llama-server there, or fix the path"
+    if not path.is_file() or not os.access(path, os.X_OK):
+        return (
+            f"[engines] llama_server = {path}: not an executable file (chmod +x, or fix the path)"
+        )
+    return None
+
+
 async def probe_engines(
     *,
     llama_search: Sequence[str] = (),
     probe_timeout: float = PROBE_TIMEOUT_S,
     python_package: bool = True,
+    llama_server: Path | None = None,
 ) -> list[Engine]:
+    """The engines this node can run. ``llama_server`` (``[engines] llama_server``) is the
+    one the agent launches, so it is the one reported, and nothing is searched for it;
+    one that cannot run is left out (``configured_problem`` says why)."""
     engines: list[Engine] = []
-    llama = find_llama_server(llama_search, python_package=python_package)
+    if llama_server is not None:
+        llama = str(llama_server) if configured_problem(llama_server) is None else None
+    else:
+        llama = find_llama_server(llama_search, python_package=python_package)
     if llama is not None:
         out = await _output([llama, "--version"], probe_timeout)
         engines.append(Engine(name="llama.cpp", version=parse_llama_version(out or ""), path=llama))
