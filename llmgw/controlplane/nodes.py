@@ -104,7 +104,18 @@ def inventory_changes(old: Inventory, new: Inventory) -> list[str]:
         out.append(f"now has {new.memory.total_bytes / 2**30:.1f} GiB of memory")
     if len(old.gpus) != len(new.gpus):
         out.append(f"now has {len(new.gpus)} GPUs (was {len(old.gpus)})")
+    if old.busy_ports != new.busy_ports:
+        out.append(_busy_words(new.busy_ports))
     return out
+
+
+def _busy_words(ports: list[int]) -> str:
+    if not ports:
+        return "has no engine port held by a process it does not run any more"
+    return (
+        f"has engine ports held by processes it does not run: {', '.join(map(str, ports))}; "
+        "nothing is placed on them (ctl nodes says who holds them)"
+    )
 
 
 @attrs.define
@@ -138,6 +149,8 @@ class NodeTable:
                 registered_at_wall=wall,
             )
             self.nodes[node_id] = node
+            if inventory.busy_ports:
+                news.append(_busy_words(inventory.busy_ports))
             return [Change(node_id, None, NodeState.READY, "registered")], news
         news = inventory_changes(node.inventory, inventory)
         node.inventory = inventory

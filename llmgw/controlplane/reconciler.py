@@ -157,7 +157,7 @@ class _PassState:
 
     def allocations(self) -> Allocations:
         if self._allocations is None:
-            self._allocations = self._rec.allocations()
+            self._allocations = self._rec.allocations(nodes=self.nodes)
         return self._allocations
 
 
@@ -333,7 +333,9 @@ class Reconciler:
 
     # --- placement and scaling ------------------------------------------------------
 
-    def allocations(self, *, without: Collection[str] = ()) -> Allocations:
+    def allocations(
+        self, *, without: Collection[str] = (), nodes: Mapping[str, Node] | None = None
+    ) -> Allocations:
         """What is handed out. A failed replica stops counting towards its model at once,
         but its shards hold their GPUs and ports until they report stopped (or their node
         is lost, or the stop timeout is over): a new engine started on a GPU the dying
@@ -351,6 +353,8 @@ class Reconciler:
                     shard.spec.port,
                     counts=not replica.leaving,
                 )
+        for node in (nodes or {}).values():  # what else holds engine ports there
+            a.hold(node.node_id, node.inventory.busy_ports)
         return a
 
     def facts(self, nodes: Mapping[str, Node]) -> list[NodeFacts]:
@@ -369,7 +373,7 @@ class Reconciler:
         return place(
             m,
             self.facts(nodes),
-            self.allocations(),
+            self.allocations(nodes=nodes),
             now,
             avoid=frozenset(self.draining),
             cache=self.placement_cache,

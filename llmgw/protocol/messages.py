@@ -91,6 +91,9 @@ class Inventory(_Wire, frozen=True):
     port_range: list[int] = []  # [low, high]: the ports the agent lets engines use; [] = default
     # what the agent finds wrong with its node, in words (its state dir full, ...)
     problems: list[str] = []
+    # engine ports something listens on that no shard of the agent is (an engine whose
+    # records were lost, left running): placement leaves them alone
+    busy_ports: list[int] = []
 
 
 # --- shards -----------------------------------------------------------------

@@ -97,6 +97,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         lambda: binaries(config, source, base),
         on_event=metrics.event,
     )
+    source.busy = supervisor.busy_ports
     metrics.watch_shards(lambda: [s.state for s in supervisor.shards.values()])
     return AgentStream(settings, source, supervisor, metrics)
 

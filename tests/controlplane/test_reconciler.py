@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from llmgw.controlplane.catalog import Catalog, parse_catalog
@@ -706,3 +707,19 @@ def test_a_replica_held_wedged_past_the_grace_fails_and_is_replaced() -> None:
     replaced = rec.reconcile(nodes.nodes, now=111)
     assert [s.spec.model for s in replaced.start] == ["big"]
     assert not rec.wedged({big.replica_id}, now=200)  # no longer Ready: nothing more
+
+
+def test_a_port_the_node_says_something_else_holds_is_not_placed_on() -> None:
+    """An engine no record describes holds the range's first port: a new replica
+    goes to the next one (placing on it failed, and was placed there again, for ever)."""
+    nodes = fleet("n1", gpus=1)
+    node = nodes.nodes["n1"]
+    node.inventory = msgspec.structs.replace(
+        node.inventory, port_range=[20000, 20002], busy_ports=[20000]
+    )
+    rec = reconciler(catalog())
+    plan = rec.reconcile(nodes.nodes, now=0)
+    assert sorted(s.spec.port for s in plan.start) == [20001, 20002]
+    explained = rec.explain("tiny", nodes.nodes, now=0)
+    assert explained is not None and explained.profile is None  # every port is taken
+    assert "no free engine port" in explained.summary, explained.summary
