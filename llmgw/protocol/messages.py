@@ -120,6 +120,12 @@ class ShardSpec(_Wire, frozen=True):
     settings: dict[str, str | int | float | bool] = {}
     startup_timeout_s: float = 600.0
     head_address: str = ""  # multi-node: where rank 0's Ray head listens
+    # the node the control plane placed it on, and the control plane's seal over that
+    # placement (``controlplane.claims``): an agent reports them back as it was given
+    # them, and a report whose spec names another node is refused. Empty: placed by
+    # an older control plane
+    node_id: str = ""
+    seal: str = ""
 
 
 class ShardReport(_Wire, frozen=True):
