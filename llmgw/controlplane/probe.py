@@ -32,7 +32,7 @@ from llmgw.controlplane.routing import engine_url
 PROBE_TIMEOUT_S = 3.0
 MAX_BODY = 1 << 16  # what is read of /v1/models' answer
 RETRY_S = (1.0, 2.0, 4.0, 8.0, 15.0)
-CONCURRENCY = 16
+CONCURRENCY = 64  # a fleet adopted after a restart is checked in moments
 WAKE_S = 1.0  # looked for new claims at least this often
 
 

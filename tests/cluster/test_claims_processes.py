@@ -32,6 +32,7 @@ from llmgw.protocol.messages import (
     RegisterAck,
     ShardReport,
     ShardSpec,
+    ShardStatus,
     StopShard,
 )
 from llmgw.tls import client_context
@@ -174,6 +175,10 @@ async def test_a_node_reporting_another_nodes_shards_moves_nothing(
             )
         async with lying_agent(pki, c.server.stream_port, "n3", reports) as liar:
             await c.server.wait_log(r"node n3 registered")
+            # and what it says of them afterwards changes nothing either
+            for sid in before:
+                failed = ShardStatus(shard_id=sid, state="failed", detail="lies", pid=1234567)
+                await liar.ws.send_message(encode(failed))
             await trio.sleep(1.5)  # passes run, routing is published
             answers = await chats(base, key, 20)
             assert MARK not in answers, f"{answers.count(MARK)} of 20 answered by the liar"
