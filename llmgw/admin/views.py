@@ -111,6 +111,9 @@ class ShardView(msgspec.Struct, kw_only=True):
     gpus: list[int]
     output_tail: list[str]
     healthy: bool = True  # False: ready, but not answering its health checks
+    # False: learned from a report, its engine not yet found to be what the report says
+    verified: bool = True
+    unverified_why: str = ""  # why its last probe failed ("" not probed yet)
 
 
 class ReplicaView(msgspec.Struct, kw_only=True):
@@ -127,6 +130,7 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     state_since: float  # seconds ago
     shards: list[ShardView]
     healthy: bool = True  # False: a shard's engine is not answering; it is not routed
+    verified: bool = True  # False: an engine not yet found to be what was reported; not routed
     traffic: TrafficView | None = None  # the in-process router's view, if it runs
 
 
@@ -143,6 +147,7 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
         adopted=r.adopted,
         state_since=max(0.0, now - r.state_since),
         healthy=r.healthy,
+        verified=r.verified,
         shards=[
             ShardView(
                 shard_id=s.shard_id,
@@ -154,6 +159,8 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
                 gpus=list(s.spec.gpus),
                 output_tail=s.output_tail[-10:],
                 healthy=s.healthy,
+                verified=s.verified,
+                unverified_why=s.unverified_why,
             )
             for s in sorted(r.shards, key=lambda s: s.rank)
         ],

@@ -51,6 +51,9 @@ class InventorySource:
         # engine a restarted agent cannot adopt)
         self.state_dir: Path | None = None
         self.min_free_bytes = STATE_DIR_MIN_FREE
+        # set by the daemon: the engine ports something no shard describes holds, and
+        # the words for each (``busy.BusyPorts``)
+        self.busy: Callable[[], tuple[list[int], list[str]]] | None = None
         self._full = False
         self.discovered: Discovered | None = None
         self.address = ""
@@ -118,6 +121,7 @@ class InventorySource:
             engines = [e for e in engines if e.name not in written] + list(written.values())
         infiniband = list(d.infiniband) if d else []
         fabric = o.fabric or next((a.fabric for a in infiniband if a.fabric), "")
+        busy, held = self.busy() if self.busy is not None else ([], [])
         return Inventory(
             hostname=d.hostname if d else "",
             address=o.address or self.address,
@@ -131,7 +135,8 @@ class InventorySource:
             weights_scanned=d.weights_scanned if d else False,
             labels=dict(o.labels),
             port_range=list(self.port_range),
-            problems=self.problems(),
+            busy_ports=busy,
+            problems=self.problems() + held,
         )
 
     def problems(self) -> list[str]:

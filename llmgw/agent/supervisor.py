@@ -47,6 +47,7 @@ import trio
 
 from llmgw.agent import health, logs, strays
 from llmgw.agent.adoption import adopt_records, adopted_exit, check_adopted, report_unrecorded
+from llmgw.agent.busy import BusyPorts
 from llmgw.agent.health import HealthSettings
 from llmgw.agent.launch import launch
 from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, expects_exit, move
@@ -124,6 +125,13 @@ class Supervisor:
         # the local address of the stream's connection to the control plane (set by
         # the stream as it connects): where engines listen when their bind is "auto"
         self.stream_address = ""
+        # the engine ports held by what no shard describes, for the inventory
+        self.busy_ports = BusyPorts(
+            settings.port_range,
+            settings.state_dir,
+            lambda: {s.spec.port for s in self.shards.values()},
+            lambda: strays.ours(self.shards.values()),
+        )
 
     # --- the daemon side --------------------------------------------------
 

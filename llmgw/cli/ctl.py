@@ -375,6 +375,7 @@ def render_replicas(data: dict[str, Any]) -> str:
             for s in r["shards"]
         )
         state = r["state"] + (",unhealthy" if not r.get("healthy", True) else "")
+        state += ",unverified" if not r.get("verified", True) else ""
         state += ",outdated" if r.get("outdated") else ""
         if r["leaving"] and r["state"] not in ("Draining", "Failed", "Stopping"):
             why = _LEAVING.get(r.get("leaving_why", ""), "")
@@ -397,6 +398,12 @@ def render_replicas(data: dict[str, Any]) -> str:
                 problems.append(
                     f"{r['replica_id']} shard {s['shard_id']} on {s['node_id']} "
                     f"is not routed: {s['detail']}"
+                )
+            if not s.get("verified", True):
+                why = s.get("unverified_why") or "is not checked yet (learned from a report)"
+                problems.append(
+                    f"{r['replica_id']} shard {s['shard_id']} on {s['node_id']} "
+                    f"is not routed: its engine {why}"
                 )
             if s["detail"] and s["state"] == "failed":
                 problems.append(

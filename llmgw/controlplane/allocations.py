@@ -2,7 +2,8 @@
 
 Derived from the replicas on every pass (never stored on its own), so it can
 never disagree with them: the fleet is authoritative about what runs, and
-replicas are rebuilt from what agents report.
+replicas are rebuilt from what agents report. Ports a node says something
+else holds (an engine no record describes) count as handed out too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class Allocations:
             return
         key = (model, node)
         self.replicas[key] = self.replicas.get(key, 0) + 1
+
+    def hold(self, node: str, ports: Iterable[int]) -> None:
+        """Ports the node says something else holds (``Inventory.busy_ports``): no
+        engine is placed on them."""
+        self.ports.setdefault(node, set()).update(ports)
 
     def free_gpus(self, node: str, indices: Iterable[int]) -> list[int]:
         used = self.gpus.get(node, set())

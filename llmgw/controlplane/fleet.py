@@ -26,22 +26,52 @@ from pathlib import Path
 import trio
 
 from llmgw.config import ConfigError
+from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.fabrics import FleetStatus, fleet_status, missing_weights
 from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.placement import Decision
-from llmgw.controlplane.plan import Command, Drain, Plan, ReplicaFailed, Start, Stop
+from llmgw.controlplane.plan import Command, Drain, Plan, Refusal, ReplicaFailed, Start, Stop
+from llmgw.controlplane.probe import Prober, url_of
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
 from llmgw.controlplane.service import ControlPlane
+from llmgw.files import write_atomic
 from llmgw.protocol.messages import DrainShard, Register, ShardStatus, StartShard, StopShard
 
 log = logging.getLogger("llmgw.controlplane.fleet")
 
 PASS_INTERVAL_S = 1.0
+REFUSALS_REMEMBERED = 10_000  # refused claims said once each; forgotten past this many
+SEAL_KEY_FILE = "placement-key"
+
+
+def seal_key(state_dir: Path | None) -> bytes:
+    """The key placements are sealed with (``claims``), kept in the state directory so
+    that a restarted control plane still knows its own placements; a key of this run
+    only where there is none to keep (seals then outlive no restart)."""
+    if state_dir is None:
+        return secrets.token_bytes(32)
+    path = state_dir / SEAL_KEY_FILE
+    try:
+        key = path.read_bytes()
+        if len(key) >= 32:
+            return key
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.error("cannot read %s (%s); sealing placements with a key of this run", path, exc)
+        return secrets.token_bytes(32)
+    key = secrets.token_bytes(32)
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, key, 0o600)
+    except OSError as exc:
+        log.error("cannot write %s (%s); sealing placements with a key of this run", path, exc)
+    return key
 
 
 class FleetManager:
@@ -59,6 +89,8 @@ class FleetManager:
         self.catalog_path = catalog_path
         # ids never repeat across control plane restarts
         self.reconciler = Reconciler(catalog, timing, ids=ReplicaIds(secrets.token_hex(3)))
+        # placements are sealed with a key that outlives a restart (``claims``)
+        self.reconciler.sealer = claims.Sealer(seal_key(state_dir))
         self.intent = IntentStore(state_dir)
         saved = self.intent.load()
         self.reconciler.cordoned = set(saved.cordoned)
@@ -73,6 +105,9 @@ class FleetManager:
         self.cannot_place: dict[str, tuple[str, float]] = {}
         self._cannot_place_kind: dict[str, str] = {}  # placement's bounded reason, for metrics
         self.routing = RoutingPublisher()
+        # engines learned from reports are probed before they are routed
+        self.prober = Prober(self._claims, self._probed)
+        self._refusals_said: set[tuple[str, str, str]] = set()
         self.publish_routing()
         control.on_register.append(self._registered)
         control.on_shard_status.append(self._status)
@@ -83,9 +118,36 @@ class FleetManager:
 
     def _registered(self, node_id: str, msg: Register) -> None:
         self._queue(self.reconciler.registered(node_id, msg.shards, self._clock()))
+        self.prober.wake()
 
     def _status(self, node_id: str, status: ShardStatus) -> None:
         self._queue(self.reconciler.shard_status(node_id, status, self._clock()))
+        if status.state == "ready":
+            self.prober.wake()
+
+    def _claims(self) -> list[tuple[claims.Claim, str]]:
+        """The engines waiting for a probe, and where each answers."""
+        nodes = self.control.nodes.nodes
+        out = []
+        for claim in claims.due(self.reconciler.replicas.values()):
+            url = url_of(claim, nodes)
+            if url is not None:
+                out.append((claim, url))
+        return out
+
+    def _probed(self, claim: claims.Claim, why: str) -> None:
+        self._queue(claims.checked(self.reconciler.replicas.values(), claim, why, self._clock()))
+
+    def _refused(self, refusal: Refusal) -> None:
+        """A node's claim to another node's shard: counted each time, said once."""
+        self.control.metrics.report_conflicts.labels(refusal.node_id).inc()
+        said = (refusal.node_id, refusal.shard_id, refusal.owner)
+        if said in self._refusals_said:
+            return
+        if len(self._refusals_said) >= REFUSALS_REMEMBERED:
+            self._refusals_said.clear()
+        self._refusals_said.add(said)
+        log.warning("%s", claims.refusal_words(refusal))
 
     def _record(self, failed: ReplicaFailed) -> None:
         """Keep a replica's failure (the agent's words for a failed shard, else ours: a
@@ -236,6 +298,7 @@ class FleetManager:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as senders:  # one task per node with commands to send
+            await senders.start(self.prober.run)
             task_status.started()
             while True:
                 with trio.move_on_after(PASS_INTERVAL_S):
@@ -294,6 +357,8 @@ class FleetManager:
                 log.log(logging.WARNING if note.warning else logging.INFO, "%s", note.text)
             for failed in plan.failed:
                 self._record(failed)
+            for refusal in plan.refused:
+                self._refused(refusal)
             # stops first: what is being replaced lets go of its resources soonest
             for command in plan.commands():
                 box = self._outboxes.get(command.node)
@@ -322,7 +387,10 @@ class FleetManager:
         for r in self.replicas():
             # a Ready replica whose engine does not answer is not served from: counted apart
             unhealthy = r.state is ReplicaState.READY and not r.healthy
-            key = (r.model, "Unhealthy" if unhealthy else r.state.value)
+            # nor is one whose engine is not yet found to be what its node reported
+            unverified = r.state is ReplicaState.READY and not r.verified
+            state = "Unhealthy" if unhealthy else "Unverified" if unverified else r.state.value
+            key = (r.model, state)
             counts[key] = counts.get(key, 0) + 1
         return counts
 

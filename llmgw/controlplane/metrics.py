@@ -109,6 +109,13 @@ class ControlPlaneMetrics:
             ["node", "reason_kind"],
             registry=r,
         )
+        self.report_conflicts = Counter(
+            "llmgw_report_conflicts",
+            "Shards a node reported that are another node's (refused), by the node whose "
+            "claim lost",
+            ["node"],
+            registry=r,
+        )
         self.liveness_changes = Counter(
             "llmgw_node_state_changes",
             "Node liveness transitions, by new state",

@@ -109,7 +109,18 @@ def inventory_changes(old: Inventory, new: Inventory) -> list[str]:
         out.append(f"now has labels {labels or 'none'}")
     if old.fabric != new.fabric:
         out.append(f"now is on fabric {new.fabric or 'none'}")
+    if old.busy_ports != new.busy_ports:
+        out.append(_busy_words(new.busy_ports))
     return out
+
+
+def _busy_words(ports: list[int]) -> str:
+    if not ports:
+        return "has no engine port held by a process it does not run any more"
+    return (
+        f"has engine ports held by processes it does not run: {', '.join(map(str, ports))}; "
+        "nothing is placed on them (ctl nodes says who holds them)"
+    )
 
 
 @attrs.define
@@ -143,6 +154,8 @@ class NodeTable:
                 registered_at_wall=wall,
             )
             self.nodes[node_id] = node
+            if inventory.busy_ports:
+                news.append(_busy_words(inventory.busy_ports))
             return [Change(node_id, None, NodeState.READY, "registered")], news
         news = inventory_changes(node.inventory, inventory)
         node.inventory = inventory

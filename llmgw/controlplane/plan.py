@@ -63,6 +63,17 @@ class ReplicaFailed:
     output_tail: tuple[str, ...] = ()
 
 
+@attrs.frozen
+class Refusal:
+    """A node's report of a shard refused: the shard is another node's."""
+
+    node_id: str  # the node whose claim lost
+    shard_id: str
+    owner: str  # the node that keeps it
+    why: str  # in words: "it runs on n1 (placed there and seen serving)"
+    stopped: bool  # the losing node was told to stop its copy
+
+
 @attrs.define
 class Plan:
     start: list[Start] = attrs.Factory(list)
@@ -71,6 +82,8 @@ class Plan:
     placement_failures: dict[str, PlacementFailure] = attrs.Factory(dict)  # by model
     failed: list[ReplicaFailed] = attrs.Factory(list)
     notes: list[Note] = attrs.Factory(list)
+    # reports refused because the shard is another node's (``claims.admit``)
+    refused: list[Refusal] = attrs.Factory(list)
 
     def commands(self) -> list[Command]:
         """In the order they are sent: stops, drains, starts."""

@@ -10,8 +10,9 @@ send through the dispatcher:
 ``registered(node, reports, now)``
     The fleet is authoritative. A registration follows a fresh connection,
     so whatever the control plane believed the node runs and the node did not
-    report is not running: it is let go. Every reported shard is adopted: a
-    replica we never heard of is rebuilt from the report; a replica we merely
+    report is not running: it is let go. Every shard the node may report
+    (``claims``: not another node's) is adopted, and probed before it is
+    routed: a replica we never heard of is rebuilt from the report; a replica we merely
     placed loses to what the agent reports, unless our copy has a shard that
     actually came up, in which case two really run and the stray (the one we
     did not ask for) is stopped. A reconnecting agent is never told to stop
@@ -65,6 +66,7 @@ from collections.abc import Collection, Mapping
 
 import attrs
 
+from llmgw.controlplane import claims
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Catalog, Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
@@ -110,6 +112,8 @@ class Timing:
     # a replica the routers hold wedged (work, no progress) this long is failed and
     # replaced: its engine is restarted
     wedged_grace_s: float = 60.0
+    # an adopted engine that fails every probe this long (not what its node reported) fails
+    verify_grace_s: float = 60.0
 
 
 class ReplicaIds:
@@ -157,7 +161,7 @@ class _PassState:
 
     def allocations(self) -> Allocations:
         if self._allocations is None:
-            self._allocations = self._rec.allocations()
+            self._allocations = self._rec.allocations(nodes=self.nodes)
         return self._allocations
 
 
@@ -170,6 +174,7 @@ class _Backoff:
 class Reconciler:
     def __init__(self, catalog: Catalog, timing: Timing | None = None, *, ids: ReplicaIds) -> None:
         self.catalog = catalog
+        self.sealer = claims.Sealer.ephemeral()  # seals what it places (the fleet's key)
         self.timing = timing or Timing()
         self.replicas: dict[str, Replica] = {}
         self.cordoned: set[str] = set()
@@ -210,6 +215,7 @@ class Reconciler:
         replica, shard = found
         shard.state, shard.detail = status.state, status.detail
         shard.engine_key = status.engine_key or shard.engine_key
+        shard.pid = status.pid or shard.pid
         self._follow_health(replica, shard, status.healthy, plan)
         if status.output_tail:
             shard.output_tail = list(status.output_tail)
@@ -258,6 +264,8 @@ class Reconciler:
                     when = "it was placed" if since is None else "a shard restarted"
                     self._fail(replica, now, plan, f"not ready {limit:g} s after {when}")
                     continue
+            if replica.state is R.READY and (why := claims.overdue(replica, now, t.verify_grace_s)):
+                self._fail(replica, now, plan, why)
             lost = [s.node_id for s in replica.shards if _gone(nodes.get(s.node_id))]
             if lost and replica.state is not R.FAILED:
                 self._fail(replica, now, plan, f"node {lost[0]} is lost")
@@ -333,7 +341,9 @@ class Reconciler:
 
     # --- placement and scaling ------------------------------------------------------
 
-    def allocations(self, *, without: Collection[str] = ()) -> Allocations:
+    def allocations(
+        self, *, without: Collection[str] = (), nodes: Mapping[str, Node] | None = None
+    ) -> Allocations:
         """What is handed out. A failed replica stops counting towards its model at once,
         but its shards hold their GPUs and ports until they report stopped (or their node
         is lost, or the stop timeout is over): a new engine started on a GPU the dying
@@ -351,6 +361,8 @@ class Reconciler:
                     shard.spec.port,
                     counts=not replica.leaving,
                 )
+        for node in (nodes or {}).values():  # what else holds engine ports there
+            a.hold(node.node_id, node.inventory.busy_ports)
         return a
 
     def facts(self, nodes: Mapping[str, Node]) -> list[NodeFacts]:
@@ -369,7 +381,7 @@ class Reconciler:
         return place(
             m,
             self.facts(nodes),
-            self.allocations(),
+            self.allocations(nodes=nodes),
             now,
             avoid=frozenset(self.draining),
             cache=self.placement_cache,
@@ -409,7 +421,7 @@ class Reconciler:
         missing = model.replicas - len(counting)
         if missing > 0:
             self._place(model, missing, shared, now, plan)
-        elif missing < 0:
+        elif missing < 0 and not any(claims.pending(r) for r in counting):  # probed first
             for replica in surplus(counting, -missing, list(self.replicas)):
                 self._leave(replica, now, "surplus", plan, "is an extra; draining it")
                 self._drain(replica, now, plan)
@@ -611,7 +623,9 @@ class Reconciler:
                 startup_timeout_s=profile.startup_timeout_s,
                 stop_grace_s=profile.stop_grace_s,
                 head_address=head_address if len(placements) > 1 else "",
+                node_id=p.node_id,
             )
+            spec = self.sealer.seal(spec)
             # sent by _send_starts: rank 0 (the Ray head) first, the ranks that join it after
             shards.append(Shard(spec=spec, node_id=p.node_id, sent=False))
         replica = Replica(
@@ -773,6 +787,10 @@ class Reconciler:
         # adopted even when its model or profile left the catalog: the next pass drains
         # it (the model left) or replaces it (the profile changed), as for any replica
         spec = report.spec
+        if not claims.admit(
+            node_id, report, self.replicas, self.sealer, plan, self.timing.stop_grace_s
+        ):
+            return  # another node's shard: it moves nothing
         replica = self.replicas.get(spec.replica_id)
         if replica is None:
             replica = Replica(
@@ -791,7 +809,7 @@ class Reconciler:
         same = next((s for s in replica.shards if s.shard_id == spec.shard_id), None)
         rival = next((s for s in replica.shards if s.rank == spec.rank and s is not same), None)
         if rival is not None:
-            if rival.came_up:
+            if rival.came_up or not claims.may_displace(rival, node_id, spec, self.sealer):
                 # two really run; the one we did not ask for goes
                 plan.stop.append(Stop(node_id, spec.shard_id, self.timing.stop_grace_s))
                 plan.notes.append(Note(f"stopping stray shard {spec.shard_id} on {node_id}"))
@@ -799,12 +817,15 @@ class Reconciler:
             # what we merely placed loses to what the agent reports
             replica.shards.remove(rival)
             plan.stop.append(Stop(rival.node_id, rival.shard_id, self.timing.stop_grace_s))
+        before = claims.where(same)
         if same is None:
             same = Shard(spec=spec, node_id=node_id)
             replica.shards.append(same)
         same.node_id = node_id
         same.spec = spec
         same.engine_key = report.engine_key or same.engine_key
+        same.pid = report.pid or same.pid
+        claims.follow(same, before)  # learned from a report: probed before it is routed
         same.state = report.state
         same.detail = report.detail
         self._follow_health(replica, same, report.healthy, plan)
@@ -860,7 +881,7 @@ def surplus(counting: list[Replica], n: int, known: list[str]) -> list[Replica]:
     return sorted(
         counting,
         key=lambda r: (
-            r.state is R.READY,
+            r.state is R.READY and r.verified,
             not r.outdated,
             r.adopted,
             -r.created_at,

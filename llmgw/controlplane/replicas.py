@@ -70,6 +70,13 @@ class Shard:
     engine_key: str = attrs.field(default="", repr=False)
     # its Start was sent (a multi-node replica's other ranks wait for rank 0's head)
     sent: bool = True
+    pid: int | None = None  # its engine's, as its agent said
+    # False: learned from a report, and its engine not yet found to be what the report
+    # says (``claims``): not routed. Why the last probe failed ("": not probed yet), and
+    # since when probes have failed
+    verified: bool = True
+    unverified_why: str = ""
+    unverified_since: float | None = None
 
     @property
     def shard_id(self) -> str:
@@ -126,6 +133,11 @@ class Replica:
     def healthy(self) -> bool:
         """No shard's engine has stopped answering its health checks."""
         return all(s.healthy for s in self.shards)
+
+    @property
+    def verified(self) -> bool:
+        """Every shard learned from a report was found to be what its report says."""
+        return all(s.verified for s in self.shards)
 
     @property
     def counts(self) -> bool:

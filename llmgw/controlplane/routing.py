@@ -28,7 +28,7 @@ def build_snapshot(
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
     each Ready or Draining replica at its head shard's node address (a Ready one
-    that is unhealthy as not ready)."""
+    that is unhealthy, or not yet verified, as not ready)."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     for name, entry in catalog.models.items():
@@ -52,18 +52,25 @@ def build_snapshot(
             Route(
                 key=replica.replica_id,
                 model=replica.model,
-                url=f"http://{url_host(node.address or head.spec.host)}:{head.spec.port}",
+                url=engine_url(node, head.spec.host, head.spec.port),
                 engine=head.spec.engine,
                 weight=own.weight if own is not None else 1.0,
                 target_waiting=own.target_waiting if own is not None else None,
                 kv_ceiling=own.kv_ceiling if own is not None else None,
-                # an engine that answers no health check takes no new request
-                ready=replica.state is ReplicaState.READY and replica.healthy,
+                # an engine that answers no health check takes no new request, nor one
+                # not yet found to be what its node reported (``claims``)
+                ready=replica.state is ReplicaState.READY and replica.healthy and replica.verified,
                 draining=replica.state is ReplicaState.DRAINING,
                 engine_key=head.engine_key,
             )
         )
     return versioned(models, routes)
+
+
+def engine_url(node: Node, host: str, port: int) -> str:
+    """Where a shard's engine answers: its node's address (its spec's ``host`` where the
+    node says none), the port it was given."""
+    return f"http://{url_host(node.address or host)}:{port}"
 
 
 class RoutingPublisher:

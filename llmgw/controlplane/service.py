@@ -151,16 +151,18 @@ class ControlPlane:
 
     def shard_status(self, conn: AgentConnection, status: ShardStatus) -> None:
         if status.state == "failed":
-            tail = "\n    ".join(status.output_tail[-20:])
+            # one line, in the agent's words escaped; the engine's own output is kept
+            # with the failure, for ``ctl replicas --failures``, never in this log
             log.warning(
-                "node %s: shard %s failed: %s%s",
+                "node %s: shard %s failed: %s",
                 conn.node_id,
-                status.shard_id,
-                status.detail,
-                f"\n    {tail}" if tail else "",
+                printable(status.shard_id),
+                printable(status.detail) or "no reason given",
             )
         else:
-            log.info("node %s: shard %s is %s", conn.node_id, status.shard_id, status.state)
+            log.info(
+                "node %s: shard %s is %s", conn.node_id, printable(status.shard_id), status.state
+            )
         for listener in self.on_shard_status:
             listener(conn.node_id, status)
 

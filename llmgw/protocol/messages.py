@@ -91,6 +91,9 @@ class Inventory(_Wire, frozen=True):
     port_range: list[int] = []  # [low, high]: the ports the agent lets engines use; [] = default
     # what the agent finds wrong with its node, in words (its state dir full, ...)
     problems: list[str] = []
+    # engine ports something listens on that no shard of the agent is (an engine whose
+    # records were lost, left running): placement leaves them alone
+    busy_ports: list[int] = []
 
 
 # --- shards -----------------------------------------------------------------
@@ -119,6 +122,12 @@ class ShardSpec(_Wire, frozen=True):
     head_address: str = ""  # multi-node: where rank 0's Ray head listens
     # SIGTERM to SIGKILL when it is stopped (its profile's); None: the agent's own
     stop_grace_s: float | None = None
+    # the node the control plane placed it on, and the control plane's seal over that
+    # placement (``controlplane.claims``): an agent reports them back as it was given
+    # them, and a report whose spec names another node is refused. Empty: placed by
+    # an older control plane
+    node_id: str = ""
+    seal: str = ""
 
 
 class ShardReport(_Wire, frozen=True):

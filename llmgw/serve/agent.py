@@ -105,6 +105,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         lambda: binaries(source, base),
         on_event=metrics.event,
     )
+    source.busy = supervisor.busy_ports
     metrics.watch_shards(lambda: [s.state for s in supervisor.shards.values()])
     return AgentStream(settings, source, supervisor, metrics)
 

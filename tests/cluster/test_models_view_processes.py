@@ -102,6 +102,16 @@ async def test_a_failed_engine_stays_visible_and_an_unplaceable_model_says_why(
         assert failure["output_tail"][-1].strip() in failures, failures
         as_json = json.loads((await c.server.ctl("replicas", "--failures", "--json")).stdout)
         assert as_json["models"], as_json
+        # the server's log has one line for the shard's failure (node, shard, why) and
+        # none of what the engine wrote: that is in `ctl replicas --failures` only
+        log = c.server.log()
+        said = [x for x in log.splitlines() if f"shard {failure['shard_id']} failed:" in x]
+        assert len(said) == 1, said
+        assert said[0].endswith(f"node n1: shard {failure['shard_id']} failed: {failure['reason']}")
+        written = [x.strip() for x in failure["output_tail"] if len(x.strip()) >= 20]
+        assert written, failure
+        leaked = [x for x in written if x in log]
+        assert not leaked, f"the engine's output is in the server's log: {leaked[:3]}"
 
         async with httpx.AsyncClient(timeout=5) as client:
             token = (tmp_path / "state" / "admin-token").read_text().strip()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, parse_catalog
 from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
 from llmgw.controlplane.plan import Drain, Plan, Stop
@@ -67,6 +69,12 @@ def ready_all(rec: Reconciler, plan: Plan, now: float) -> None:
     for s in plan.start:
         rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state="starting"), now)
         rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state="ready"), now)
+
+
+def probed(rec: Reconciler, now: float, why: str = "") -> None:
+    """Every engine waiting for a probe answered (``why``: "" as reported)."""
+    for claim in claims.due(rec.replicas.values()):
+        claims.checked(rec.replicas.values(), claim, why, now)
 
 
 def report(plan: Plan, state: str = "ready") -> dict[str, list[ShardReport]]:
@@ -178,6 +186,10 @@ def test_a_late_agents_serving_replica_stays_and_the_replacement_goes(replacemen
     for state in ("starting", replacement):
         restarted.shard_status("n2", ShardStatus(shard_id=start.spec.shard_id, state=state), 117)  # type: ignore[arg-type]
     assert restarted.registered("n1", serving, now=120).stop == []
+    # which one is the extra waits for the adopted engine's probe
+    waiting = restarted.reconcile(fleet("n1", "n2").nodes, now=120.5)
+    assert waiting.stop == [] and waiting.drain == []
+    probed(restarted, now=120.6)
     plan = restarted.reconcile(fleet("n1", "n2").nodes, now=121)
     let_go = [(s.node, s.shard_id) for s in plan.stop] + [(d.node, d.shard_id) for d in plan.drain]
     assert let_go == [("n2", start.spec.shard_id)]
@@ -706,3 +718,19 @@ def test_a_replica_held_wedged_past_the_grace_fails_and_is_replaced() -> None:
     replaced = rec.reconcile(nodes.nodes, now=111)
     assert [s.spec.model for s in replaced.start] == ["big"]
     assert not rec.wedged({big.replica_id}, now=200)  # no longer Ready: nothing more
+
+
+def test_a_port_the_node_says_something_else_holds_is_not_placed_on() -> None:
+    """An engine no record describes holds the range's first port: a new replica
+    goes to the next one (placing on it failed, and was placed there again, for ever)."""
+    nodes = fleet("n1", gpus=1)
+    node = nodes.nodes["n1"]
+    node.inventory = msgspec.structs.replace(
+        node.inventory, port_range=[20000, 20002], busy_ports=[20000]
+    )
+    rec = reconciler(catalog())
+    plan = rec.reconcile(nodes.nodes, now=0)
+    assert sorted(s.spec.port for s in plan.start) == [20001, 20002]
+    explained = rec.explain("tiny", nodes.nodes, now=0)
+    assert explained is not None and explained.profile is None  # every port is taken
+    assert "no free engine port" in explained.summary, explained.summary

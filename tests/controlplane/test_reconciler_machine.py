@@ -25,7 +25,9 @@ The naive model of the world, in short:
 - a control plane restart is a brand-new Reconciler and NodeTable with the
   same catalog and operator intent; some agents register at once, the rest
   right after the next pass (they reconnect within a second or so; nothing
-  is placed for ``Timing.settle_s`` after a start, so none of theirs doubles).
+  is placed for ``Timing.settle_s`` after a start, so none of theirs doubles);
+- an engine learned from a report is probed at once, and is what it was
+  reported to be.
 
 Statuses from connected agents are delivered immediately, so there is no
 window in which a shard died and the reconciler could not know it: the
@@ -58,6 +60,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, parse_catalog
 from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable
 from llmgw.controlplane.plan import Plan
@@ -302,6 +305,9 @@ class ReconcilerMachine(RuleBasedStateMachine):
         while self.statuses:
             node, status = self.statuses.pop(0)
             self._deliver(self.rec.shard_status(node, status, self.now))
+        # the fleet's prober, moments later: a simulated engine is what its agent says
+        for claim in claims.due(self.rec.replicas.values()):
+            claims.checked(self.rec.replicas.values(), claim, "", self.now)
 
     def _deliver(self, plan: Plan, *, from_pass: bool = False) -> None:
         """Send a plan's commands as the fleet manager does (starts, drains, stops);
