@@ -224,7 +224,10 @@ class AdminApi:
             what = fleet.set_intent(node_id, body.intent)
         except ValueError as exc:
             return error(400, str(exc))
-        return json_response(200, {"node_id": node_id, "intent": body.intent, "message": what})
+        answer: dict[str, object] = {"node_id": node_id, "intent": body.intent, "message": what}
+        if body.intent == "drain":  # how long `ctl drain --wait` waits by default
+            answer["drain_bound_s"] = fleet.reconciler.timing.drain_bound_s()
+        return json_response(200, answer)
 
     async def placement(self, request: Request, model: str) -> Response:
         fleet = self._need_fleet()

@@ -111,6 +111,11 @@ class Timing:
     # replaced: its engine is restarted
     wedged_grace_s: float = 60.0
 
+    def drain_bound_s(self) -> float:
+        """The longest a node's drain takes when nothing fails: the grace for a
+        replacement, then in-flight work's timeout, then the stop's."""
+        return self.drain_grace_s + self.drain_timeout_s + self.stop_timeout_s
+
 
 class ReplicaIds:
     """Replica ids: the model, a tag for this run of the control plane, a counter.
