@@ -14,7 +14,7 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -68,7 +68,7 @@ class AdminApi:
         fleet: FleetManager | None = None,
         routing: RoutingPublisher | None = None,
         traffic: Callable[[float], Mapping[str, TrafficView]] | None = None,
-        reload: Callable[[], Reloaded] | None = None,
+        reload: Callable[[], Awaitable[Reloaded]] | None = None,
     ) -> None:
         """``reload`` reads again what the server can change without a restart (the
         catalog, the API keys); without it a reload is the fleet's catalog alone."""
@@ -295,7 +295,7 @@ class AdminApi:
             assert isinstance(refused, Response)
             return refused
         try:
-            what = reload()
+            what = await reload()
         except NotReloaded as exc:
             log.error("%s", exc)
             return error(400, str(exc))

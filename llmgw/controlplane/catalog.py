@@ -37,6 +37,9 @@ MULTI_NODE_ENGINES = frozenset({"vllm-ray"})
 GPU_ENGINES = frozenset({"vllm", "vllm-ray"})  # their adapters refuse a shard without a GPU
 MAX_REPLICAS = 1000
 MAX_STARTUP_TIMEOUT_S = 86_400.0
+# A catalog is a few KiB; 4 MiB is some 20,000 models, parsed in about a second (off the
+# event loop, on a reload). A larger file is refused before it is read.
+MAX_CATALOG_BYTES = 4 << 20
 
 SettingValue = str | int | float | bool
 
@@ -141,13 +144,16 @@ class Catalog(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def load_catalog(path: str | Path) -> Catalog:
-    """Read, type-check and validate a catalog file.
+    """Read, type-check and validate a catalog file (at most ``MAX_CATALOG_BYTES``).
+
+    This blocks for as long as parsing takes (about a second at the bound): a
+    running server calls it from a worker thread.
 
     Raises:
         ConfigError: naming the file, the key (``models.NAME.profiles[PROFILE].FIELD``)
             and the problem.
     """
-    return parse_catalog(read_text(Path(path)), str(path))
+    return parse_catalog(read_text(Path(path), max_bytes=MAX_CATALOG_BYTES), str(path))
 
 
 def parse_catalog(text: str, source: str) -> Catalog:

@@ -219,15 +219,20 @@ class FleetManager:
         self._wake.set()
         return what
 
-    def reload(self) -> str:
-        """Read the catalog file again; a bad file changes nothing and says why."""
-        if self.catalog_path is None:
+    async def reload(self) -> str:
+        """Read the catalog file again; a bad file changes nothing and says why.
+
+        The file is read and parsed in a worker thread (a large catalog takes a
+        second, during which agents' heartbeats must go on being heard); only
+        swapping it in happens on the event loop."""
+        path = self.catalog_path
+        if path is None:
             raise ConfigError("", "catalog", "the server was started without a catalog file")
-        catalog = load_catalog(self.catalog_path)
+        catalog = await trio.to_thread.run_sync(load_catalog, path, abandon_on_cancel=True)
         self.reconciler.set_catalog(catalog)
         self._wake.set()
         # said once, with the keys and the warnings, by whoever asked (admin.reload.Reloader)
-        return f"catalog reloaded from {self.catalog_path}: {len(catalog.models)} models"
+        return f"catalog reloaded from {path}: {len(catalog.models)} models"
 
     def explain(self, model: str) -> Decision | None:
         return self.reconciler.explain(model, self.control.nodes.nodes, self._clock())

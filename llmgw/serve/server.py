@@ -77,7 +77,7 @@ async def _reload_on_sighup(reload: Reloader) -> None:
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
             try:
-                reload()
+                await reload()
             except NotReloaded as exc:
                 log.error("%s", exc)
             except Exception as exc:  # a reload never takes the server down
