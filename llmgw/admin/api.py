@@ -315,7 +315,7 @@ class AdminApi:
                 CannotPlace(model=name, why=why, since=at)
                 for name, (why, at) in fleet.unplaceable().items()
             ]
-            status.warnings.extend(fleet.weights_missing(status).values())
+            status.warnings.extend(fleet.weights_missing().values())
         return json_response(200, status)
 
     async def metrics(self, request: Request) -> Response:

@@ -22,6 +22,7 @@ models.qwen-coder.profiles[h100].gpus: must be at least 0, got -1``.
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,12 @@ class Model(msgspec.Struct, kw_only=True, frozen=True):
     def weights_name(self, profile: Profile) -> str:
         """The name matched against nodes' discovered weights for this profile."""
         return profile.weights or self.name
+
+    def weights_path(self, profile: Profile) -> str:
+        """The profile's model_path as matched against the paths of nodes' discovered
+        weights (normalised; "" when it has none): a copy found at exactly the path
+        its engine is given holds its weights, whatever discovery named it."""
+        return posixpath.normpath(profile.model_path) if profile.model_path else ""
 
 
 class Catalog(msgspec.Struct, kw_only=True, frozen=True):

@@ -26,7 +26,8 @@ Filters, in the order they are checked (the first failure is the reason):
 
 Preferences, never filters (the score; higher is better):
 
-1. weights locality: the node holds the weights, or its fabric does on shared
+1. weights locality: the node holds the weights (discovery named them so, or
+   found them at the profile's model_path), or its fabric does on shared
    storage, over a node that must fetch them. A node never asked to look for
    weights ranks exactly like one that looked and found none.
 2. spreading: fewer shards of this model already on the node.
@@ -66,6 +67,7 @@ fits nowhere first.
 from __future__ import annotations
 
 import math
+import posixpath
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -206,6 +208,7 @@ class _Static:
         "healthy",
         "healthy_set",
         "held",
+        "held_paths",
         "installed",
         "inv",
         "labels",
@@ -225,6 +228,7 @@ class _Static:
         # (index, "GPU 2 unhealthy: pending retired pages" or ""), by index
         self.gpus = [(g.index, _unhealthy(g)) for g in sorted(inv.gpus, key=_index)]
         self.held = frozenset(c.model for c in inv.weights)
+        self.held_paths = frozenset(posixpath.normpath(c.path) for c in inv.weights)
         # storage the agent could not classify is local, never shared
         self.shared = frozenset(c.model for c in inv.weights if c.storage == "shared")
         self.gpu_reasons: dict[tuple[int, frozenset[int]], str] = {}
@@ -337,6 +341,7 @@ class _Pass:
         selector = list(profile.selector.items())
         min_bytes = None if profile.min_memory_gb is None else profile.min_memory_gb * GIB
         weights = self.model.weights_name(profile)
+        path = self.model.weights_path(profile)
         fabrics = self.shared_in(weights)
         replicas = self.allocations.replicas
         gpus_used = self.allocations.gpus
@@ -368,7 +373,7 @@ class _Pass:
             if ports and len(ports) >= size and free_port(node_id, node_range) is None:
                 append(Candidate(node_id, pname, False, "no free engine port", Kind.PORTS))
                 continue
-            if weights in st.held:
+            if weights in st.held or (path and path in st.held_paths):
                 held, where = 1, "weights here"
             elif st.fabric in fabrics:
                 held, where = 1, f"weights on fabric {st.fabric}'s shared storage"

@@ -87,6 +87,8 @@ class Inventory(_Wire, frozen=True):
     engines: list[Engine] = []
     weights: list[WeightCopy] = []
     weights_scanned: bool = False  # False: never asked to look (not "looked, found none")
+    # the directories it looked in (absolute); [] from an agent older than the field
+    weights_dirs: list[str] = []
     labels: dict[str, str] = {}
     port_range: list[int] = []  # [low, high]: the ports the agent lets engines use; [] = default
     # what the agent finds wrong with its node, in words (its state dir full, ...)

@@ -360,6 +360,15 @@ def test_the_profile_weights_name_is_what_is_looked_for() -> None:
     assert only(d)[0] == "c"
 
 
+def test_a_copy_at_the_profiles_model_path_holds_its_weights_whatever_its_name() -> None:
+    """Discovery names a GGUF file by its stem; the profile's model_path is the file."""
+    gguf = WeightCopy(model="qwen2.5-0.5b-q4_k_m", path="/w/qwen2.5-0.5b-q4_k_m.gguf")
+    nodes = [facts("a"), facts("b", inventory(weights=[gguf]))]
+    d = decide(model(profile(model_path="/w/./qwen2.5-0.5b-q4_k_m.gguf")), nodes)
+    assert only(d)[0] == "b"
+    assert reasons(d)["b"].startswith("weights here")
+
+
 def test_shared_weights_count_fabric_wide_and_local_ones_do_not() -> None:
     # z1 sees the filer but is cordoned; z2 shares its fabric, a3 is elsewhere
     nodes = [
