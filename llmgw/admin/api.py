@@ -340,4 +340,6 @@ def decision_view(d: Decision) -> dict[str, object]:
         "summary": d.summary,
         "shards": [attrs.asdict(s) for s in d.shards],
         "candidates": [attrs.asdict(c) for c in d.candidates],
+        # each profile tried -> what one shard needs of a node's memory, in words
+        "needs": d.needs,
     }

@@ -479,6 +479,8 @@ def render_placement(d: dict[str, Any]) -> str:
     for c in d["candidates"]:
         rows.append([c["node_id"], c["profile"], "yes" if c["ok"] else "no", c["reason"]])
     lines.append(table(rows) if len(rows) > 1 else "no nodes have registered")
+    for profile, words in d.get("needs", {}).items():
+        lines.append(f"A replica of profile {profile} needs of each node's memory: {words}")
     return "\n".join(lines)
 
 
@@ -635,12 +637,16 @@ def _wait_drained(target: Target, node: str, timeout: float, out: Any) -> None:
 @ctl_app.command(name="explain-placement")
 def explain_placement(model: str, *, target: Target | None = None, json: bool = False) -> int:
     """Where MODEL's replicas run now, and where a new one would go: every node
-    placement would consider, and why each fits or not (memory in GiB).
+    placement would consider, and why each fits or not (memory in GiB: what the node
+    has, what the replicas there hold, what one more needs), and what a replica of
+    each profile needs of a node's memory, and why.
 
     Parameters
     ----------
     json
-        Print the API's JSON instead: the decision's fields, and ``running``, a list.
+        Print the API's JSON instead: the decision's fields (each candidate with
+        ``memory_bytes``, ``held_bytes``, ``held_by``, ``need_bytes``; ``needs`` by
+        profile), and ``running``, a list.
     """
     return _run(
         "llmgw ctl explain-placement",

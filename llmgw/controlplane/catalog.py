@@ -75,7 +75,9 @@ class Profile(_Entry, frozen=True):
     engine: str  # llama.cpp, vllm or vllm-ray
     gpus: int = 0  # per shard, i.e. per node
     nodes: int = 1  # shards per replica; more than one only for vllm-ray
-    min_memory_gb: float | None = None  # GiB of node memory; unset: fits anywhere
+    # GiB of node memory one replica needs on each node (placement subtracts what the
+    # replicas there need); unset: llama.cpp's is estimated, other engines' not counted
+    min_memory_gb: float | None = None
     selector: dict[str, str] = {}  # node labels that must all match
     model_path: str = ""  # on the node; empty: the engine resolves the model by name
     weights: str = ""  # name to look for in nodes' discovered weights; empty: the model's name

@@ -74,6 +74,11 @@ class WeightCopy(_Wire, frozen=True):
     storage: Literal["local", "shared", "unknown"] = "unknown"
     filesystem: str = ""  # mount type: "ext4", "nfs4", "lustre", ...
     storage_id: str = ""  # identifies one shared filer seen from many nodes
+    # GGUF: what its KV cache holds per token of context, all layers together, in
+    # elements (the control plane's memory estimate); None: not known
+    layers: int | None = None
+    kv_k_per_token: int | None = None
+    kv_v_per_token: int | None = None
 
 
 class Inventory(_Wire, frozen=True):
