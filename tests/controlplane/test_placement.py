@@ -804,3 +804,20 @@ def test_the_needs_placed_on_a_node_never_exceed_what_it_has(
         placed[node] = placed.get(node, 0) + gb
     for j, m in enumerate(memory):
         assert placed.get(f"n{j}", 0) <= m, (placed, memory)
+
+
+def test_an_h200_as_nvidia_smi_reports_it_holds_what_fits_in_its_memory() -> None:
+    """The card's memory as the real H200's nvidia-smi output gives it (143,771 MiB)."""
+    from llmgw.agent.discovery.gpus import parse_gpu_csv
+    from tests.agent.discovery.test_gpus import fixture_query
+
+    fields, output = fixture_query(must_have="memory.total")
+    h200 = Inventory(gpus=parse_gpu_csv(output, fields), engines=ALL_ENGINES)
+    p = profile(engine="llama.cpp", gpus=1, model_path="/w/m.gguf")
+    for gib_, fits in ((150, False), (130, True)):
+        gguf = WeightCopy(model="m", path="/w/m.gguf", size_bytes=gib_ * GIB)
+        inv = msgspec.structs.replace(h200, weights=[gguf], weights_scanned=True)
+        d = decide(model(p, name="m"), [facts("gpu-07", inv)], Allocations())
+        assert d.placed is fits, d.summary
+        if not fits:
+            assert reasons(d)["gpu-07"] == "GPU 0 has 140.4 GiB of memory, needs 150 GiB on them"
