@@ -223,10 +223,33 @@ def _skip_value(r: _Reader, vtype: int, depth: int = 0) -> None:
 
 
 @attrs.frozen
+class KvShape:
+    """What a model's KV cache holds per token of context, all layers together, in
+    elements (the cache type gives the bytes): what memory estimates need."""
+
+    layers: int
+    k_per_token: int  # sum over layers of KV heads x key length
+    v_per_token: int  # sum over layers of KV heads x value length
+
+
+@attrs.frozen
 class GgufCheck:
     reason: str | None  # None: complete
     tensors: int = 0
     needed: int = 0  # bytes the file must have
+    kv: KvShape | None = None  # None: the metadata does not say (or not a model)
+
+
+# metadata read for the KV shape: "<arch>.<suffix>"; every other value is skipped
+_KV_SUFFIXES = (
+    b".block_count",
+    b".embedding_length",
+    b".attention.head_count",
+    b".attention.head_count_kv",
+    b".attention.key_length",
+    b".attention.value_length",
+)
+_MAX_KV_KEY = 128  # longer keys are not read at all
 
 
 def check_gguf(f: BinaryIO, size: int) -> GgufCheck:
@@ -268,9 +291,11 @@ def _check_gguf(f: BinaryIO, size: int) -> GgufCheck:
 
     alignment = GGUF_DEFAULT_ALIGNMENT
     wanted = b"general.alignment"
+    arch = b""
+    meta: dict[bytes, int | list[int]] = {}  # the KV-shape keys, by full name
     for _ in range(n_kv):
         klen = r.string_len(MAX_GGUF_KEY_LEN, "key")
-        if klen == len(wanted):
+        if klen <= _MAX_KV_KEY:
             key = r.read(klen)
         else:
             r.skip(klen)
@@ -280,6 +305,18 @@ def _check_gguf(f: BinaryIO, size: int) -> GgufCheck:
             alignment = r.unpack(_GGUF_INT_FORMAT[vtype])
             if alignment <= 0 or alignment & (alignment - 1):
                 raise _Corrupt(f"alignment {alignment} is not a power of two")
+        elif key == b"general.architecture" and vtype == _GGUF_STRING:
+            n = r.string_len(MAX_GGUF_HEADER_BYTES, "string")
+            if n <= _MAX_KV_KEY:
+                arch = r.read(n)
+            else:
+                r.skip(n)
+        elif key.endswith(_KV_SUFFIXES) and vtype in _GGUF_INT_FORMAT:
+            meta[key] = r.unpack(_GGUF_INT_FORMAT[vtype])
+        elif key.endswith(b".attention.head_count_kv") and vtype == _GGUF_ARRAY:
+            values = _int_array(r)  # per layer (0 for a layer without attention)
+            if values is not None:
+                meta[key] = values
         else:
             _skip_value(r, vtype)
 
@@ -319,7 +356,45 @@ def _check_gguf(f: BinaryIO, size: int) -> GgufCheck:
         return GgufCheck(
             f"truncated: {size} bytes, needs at least {needed}", tensors=n_tensors, needed=needed
         )
-    return GgufCheck(None, tensors=n_tensors, needed=needed)
+    return GgufCheck(None, tensors=n_tensors, needed=needed, kv=_kv_shape(arch, meta))
+
+
+def _int_array(r: _Reader) -> list[int] | None:
+    """An array of up to 4,096 integers (one per layer), or None: anything else, which
+    is skipped as any array is."""
+    start = r.pos
+    etype = r.u32()
+    count = r.u64()
+    if etype not in _GGUF_INT_FORMAT or count > 4096:  # no model has more layers
+        r.pos = start
+        _skip_value(r, _GGUF_ARRAY)
+        return None
+    return [r.unpack(_GGUF_INT_FORMAT[etype]) for _ in range(count)]
+
+
+def _kv_shape(arch: bytes, meta: dict[bytes, int | list[int]]) -> KvShape | None:
+    """The KV cache's elements per token from llama.cpp's metadata keys: per layer,
+    KV heads (``head_count_kv``, else ``head_count``) times the key and value lengths
+    (``key_length``/``value_length``, else ``embedding_length / head_count``)."""
+
+    def one(suffix: bytes) -> int | None:
+        value = meta.get(arch + suffix)
+        return value if isinstance(value, int) and value > 0 else None
+
+    layers = one(b".block_count")
+    heads = one(b".attention.head_count")
+    if not arch or layers is None or heads is None:
+        return None
+    embd = one(b".embedding_length")
+    head_dim = embd // heads if embd is not None else None
+    k_len = one(b".attention.key_length") or head_dim
+    v_len = one(b".attention.value_length") or head_dim
+    if k_len is None or v_len is None:
+        return None
+    kv_heads = meta.get(arch + b".attention.head_count_kv", heads)
+    per_layer = kv_heads[:layers] if isinstance(kv_heads, list) else [kv_heads] * layers
+    total_heads = sum(max(0, h) for h in per_layer)
+    return KvShape(layers=layers, k_per_token=total_heads * k_len, v_per_token=total_heads * v_len)
 
 
 def download_leftover(path: Path) -> str | None:

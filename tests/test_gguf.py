@@ -93,6 +93,40 @@ def test_complete_gguf(tmp_path: Path) -> None:
     assert check.needed == reference_end(p)
 
 
+def kv_model(path: Path, arch: str = "llama", **keys: object) -> G.KvShape | None:
+    """A model whose metadata says its attention shape; what the reader makes of it."""
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return G.gguf_file(path).kv
+
+
+def test_the_kv_shape_is_read_as_llama_cpp_sizes_its_cache(tmp_path: Path) -> None:
+    # grouped-query attention: 32 layers x 8 KV heads x 128 (4096 / 32 heads)
+    gqa = kv_model(
+        tmp_path / "gqa.gguf", block_count=32, embedding_length=4096, head_count=32,
+        head_count_kv=8,
+    )  # fmt: skip
+    assert gqa == G.KvShape(layers=32, k_per_token=32 * 8 * 128, v_per_token=32 * 8 * 128)
+    # explicit key and value lengths, and KV heads per layer (0: no attention there)
+    mixed = kv_model(
+        tmp_path / "mixed.gguf", arch="qwen3next", block_count=4, embedding_length=2048,
+        head_count=16, head_count_kv=[2, 0, 2, 0], key_length=192, value_length=128,
+    )  # fmt: skip
+    assert mixed == G.KvShape(layers=4, k_per_token=4 * 192, v_per_token=4 * 128)
+    # no KV heads said: every head has its own
+    mha = kv_model(tmp_path / "mha.gguf", block_count=2, embedding_length=64, head_count=4)
+    assert mha == G.KvShape(layers=2, k_per_token=2 * 4 * 16, v_per_token=2 * 4 * 16)
+    # not enough said: unknown, and the file is still whole
+    assert kv_model(tmp_path / "bare.gguf", block_count=2) is None
+    assert gguf_complete(tmp_path / "bare.gguf") is None
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

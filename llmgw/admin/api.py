@@ -14,7 +14,7 @@ import math
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -68,7 +68,7 @@ class AdminApi:
         fleet: FleetManager | None = None,
         routing: RoutingPublisher | None = None,
         traffic: Callable[[float], Mapping[str, TrafficView]] | None = None,
-        reload: Callable[[], Reloaded] | None = None,
+        reload: Callable[[], Awaitable[Reloaded]] | None = None,
     ) -> None:
         """``reload`` reads again what the server can change without a restart (the
         catalog, the API keys); without it a reload is the fleet's catalog alone."""
@@ -224,7 +224,10 @@ class AdminApi:
             what = fleet.set_intent(node_id, body.intent)
         except ValueError as exc:
             return error(400, str(exc))
-        return json_response(200, {"node_id": node_id, "intent": body.intent, "message": what})
+        answer: dict[str, object] = {"node_id": node_id, "intent": body.intent, "message": what}
+        if body.intent == "drain":  # how long `ctl drain --wait` waits by default
+            answer["drain_bound_s"] = fleet.reconciler.timing.drain_bound_s()
+        return json_response(200, answer)
 
     async def placement(self, request: Request, model: str) -> Response:
         fleet = self._need_fleet()
@@ -292,7 +295,7 @@ class AdminApi:
             assert isinstance(refused, Response)
             return refused
         try:
-            what = reload()
+            what = await reload()
         except NotReloaded as exc:
             log.error("%s", exc)
             return error(400, str(exc))
@@ -312,7 +315,7 @@ class AdminApi:
                 CannotPlace(model=name, why=why, since=at)
                 for name, (why, at) in fleet.unplaceable().items()
             ]
-            status.warnings.extend(fleet.weights_missing(status).values())
+            status.warnings.extend(fleet.weights_missing().values())
         return json_response(200, status)
 
     async def metrics(self, request: Request) -> Response:
@@ -337,4 +340,6 @@ def decision_view(d: Decision) -> dict[str, object]:
         "summary": d.summary,
         "shards": [attrs.asdict(s) for s in d.shards],
         "candidates": [attrs.asdict(c) for c in d.candidates],
+        # each profile tried -> what one shard needs of a node's memory, in words
+        "needs": d.needs,
     }

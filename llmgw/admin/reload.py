@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 import attrs
+import trio
 
 from llmgw.config import ConfigError, ServerConfig
 from llmgw.config.errors import one_line
@@ -64,11 +65,20 @@ def unplaceable(fleet: FleetManager) -> list[str]:
             "no node has registered yet: whether the catalog's models can be placed is not known"
         ]
     lines = []
-    for name in fleet.below_count():
+    below = fleet.below_count()
+    # each is a placement over every node, on the event loop: a few, not thousands
+    for name in below[:MAX_PLACEMENT_CHECKS]:
         decision = fleet.explain(name)
         if decision is not None and decision.profile is None:
             lines.append(f"cannot place {name} now: {decision.summary}")
+    if len(below) > MAX_PLACEMENT_CHECKS:
+        rest = len(below) - MAX_PLACEMENT_CHECKS
+        lines.append(f"{rest} more models below their count were not checked (ctl models)")
     return lines
+
+
+MAX_PLACEMENT_CHECKS = 20  # models a reload asks placement about, for its warnings
+MAX_WARNINGS = 20  # warnings a reload says; the rest are counted
 
 
 @attrs.define
@@ -84,18 +94,25 @@ class Reloader:
     fleet: FleetManager | None
     keys: KeyRing | None  # the in-process router's, if it runs
     reread: Callable[[], ServerConfig] | None  # the config file, read again
+    # one reload at a time: files are read off the event loop, and two reloads
+    # overlapping could swap in the older file last
+    _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
 
-    def __call__(self) -> Reloaded:
+    async def __call__(self) -> Reloaded:
+        async with self._lock:
+            return await self._reload()
+
+    async def _reload(self) -> Reloaded:
         config = None
         if self.keys is not None and self.reread is not None:
             try:
-                config = self.reread()
+                config = await trio.to_thread.run_sync(self.reread, abandon_on_cancel=True)
             except ConfigError as exc:
                 raise NotReloaded(f"config not reloaded, nothing changed: {exc}") from None
         parts = []
         if self.fleet is not None:
             try:
-                parts.append(self.fleet.reload())
+                parts.append(await self.fleet.reload())
             except ConfigError as exc:
                 raise NotReloaded(f"catalog not reloaded, nothing changed: {exc}") from None
         if self.keys is not None and config is not None:
@@ -108,6 +125,9 @@ class Reloader:
             except Exception as exc:  # what is reloaded stays reloaded: say so, not a 500
                 log.debug("the reload's checks failed here", exc_info=True)
                 warnings = [f"the reload's checks failed: {one_line(exc)}"]
+        if len(warnings) > MAX_WARNINGS:
+            rest = len(warnings) - MAX_WARNINGS
+            warnings = [*warnings[:MAX_WARNINGS], f"and {rest} more warnings"]
         if warnings:
             log.warning("%s; warnings: %s", what, "; ".join(warnings))
         else:

@@ -37,6 +37,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     weights: list[WeightCopy]
     weights_scanned: bool
     labels: dict[str, str]
+    weights_dirs: list[str] = []  # where its agent looks for weights
     shards: int = 0  # the shards of the control plane's replicas on it now
     cordoned: bool = False
     draining: bool = False
@@ -96,6 +97,7 @@ def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
         weights=list(inv.weights),
         weights_scanned=inv.weights_scanned,
         labels=dict(inv.labels),
+        weights_dirs=list(inv.weights_dirs),
         version=node.agent_version,
         problems=list(inv.problems),
     )

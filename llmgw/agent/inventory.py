@@ -133,6 +133,7 @@ class InventorySource:
             engines=engines,
             weights=list(d.weights) if d else [],
             weights_scanned=d.weights_scanned if d else False,
+            weights_dirs=list(d.weights_dirs) if d else [],
             labels=dict(o.labels),
             port_range=list(self.port_range),
             busy_ports=busy,

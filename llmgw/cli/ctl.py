@@ -29,6 +29,9 @@ ctl_app = cyclopts.App(
 
 DEFAULT_ADMIN_URL = "http://127.0.0.1:7444"
 TIMEOUT_S = 10.0
+# `drain --wait` without --timeout: the server's longest drain (its drain_bound_s) plus this
+DRAIN_WAIT_MARGIN_S = 60.0
+DEFAULT_DRAIN_BOUND_S = 480.0  # drain grace 300 + drain timeout 120 + stop timeout 60
 
 
 class CtlError(Exception):
@@ -501,6 +504,8 @@ def render_placement(d: dict[str, Any]) -> str:
     for c in d["candidates"]:
         rows.append([c["node_id"], c["profile"], "yes" if c["ok"] else "no", c["reason"]])
     lines.append(table(rows) if len(rows) > 1 else "no nodes have registered")
+    for profile, words in d.get("needs", {}).items():
+        lines.append(f"A replica of profile {profile} needs of each node's memory: {words}")
     return "\n".join(lines)
 
 
@@ -568,7 +573,7 @@ def drain(
     node: str,
     *,
     wait: bool = False,
-    timeout: float = 300.0,
+    timeout: float | None = None,
     target: Target | None = None,
     json: bool = False,
 ) -> int:
@@ -583,7 +588,9 @@ def drain(
         Wait until NODE is drained, with a line of progress each time it changes;
         exit 0 once nothing runs there, non-zero (saying what still runs) on --timeout.
     timeout
-        How long --wait waits, in seconds.
+        How long --wait waits, in seconds; default: the longest the server's drain
+        takes (its drain grace, drain timeout and stop timeout, as it says) plus a
+        minute, so a drain that will finish is not called failed.
     json
         Print the API's JSON instead of words (progress then goes to stderr).
     """
@@ -594,7 +601,20 @@ def drain(
         t = target or Target()
         data = call(t, "POST", f"/v1/nodes/{node}", {"intent": "drain"})
         _print(data, json, lambda d: d["message"])
-        _wait_drained(t, node, timeout, sys.stderr if json else sys.stdout)
+        out = sys.stderr if json else sys.stdout
+        wait_s = timeout
+        if wait_s is None:
+            bound = data.get("drain_bound_s")
+            # a server that does not say: the longest drain of the default settings
+            bound = float(bound) if isinstance(bound, int | float) else DEFAULT_DRAIN_BOUND_S
+            wait_s = bound + DRAIN_WAIT_MARGIN_S
+            print(
+                f"waiting up to {wait_s:g} s for {node} to drain (the server's drain takes at"
+                f" most {bound:g} s, plus {DRAIN_WAIT_MARGIN_S:g} s; --timeout to change)",
+                file=out,
+                flush=True,
+            )
+        _wait_drained(t, node, wait_s, out)
 
     return _run("llmgw ctl drain", run)
 
@@ -642,12 +662,16 @@ def _wait_drained(target: Target, node: str, timeout: float, out: Any) -> None:
 @ctl_app.command(name="explain-placement")
 def explain_placement(model: str, *, target: Target | None = None, json: bool = False) -> int:
     """Where MODEL's replicas run now, and where a new one would go: every node
-    placement would consider, and why each fits or not (memory in GiB).
+    placement would consider, and why each fits or not (memory in GiB: what the node
+    has, what the replicas there hold, what one more needs), and what a replica of
+    each profile needs of a node's memory, and why.
 
     Parameters
     ----------
     json
-        Print the API's JSON instead: the decision's fields, and ``running``, a list.
+        Print the API's JSON instead: the decision's fields (each candidate with
+        ``memory_bytes``, ``held_bytes``, ``held_by``, ``need_bytes``; ``needs`` by
+        profile), and ``running``, a list.
     """
     return _run(
         "llmgw ctl explain-placement",

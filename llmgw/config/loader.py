@@ -9,6 +9,8 @@ so a config works from any working directory.
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import tomllib
 from collections.abc import Sequence
@@ -60,16 +62,30 @@ def load_config(
     return config, base
 
 
-def read_text(path: Path, key: str = "") -> str:
-    """A config-like file's text (a config, a catalog, a token), as UTF-8.
+def read_text(path: Path, key: str = "", *, max_bytes: int | None = None) -> str:
+    """A config-like file's text (a config, a catalog, a token), as UTF-8; with
+    ``max_bytes``, a larger file is refused before it is read.
 
     Raises:
         ConfigError: one line naming the file (and the key that named it) and why
-            it cannot be used: missing, unreadable, a folder, not UTF-8. No bad
-            file is a traceback.
+            it cannot be used: missing, unreadable, a folder, too large, not UTF-8.
+            No bad file is a traceback.
     """
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            if max_bytes is None:
+                data = f.read()
+            else:
+                size = os.fstat(f.fileno()).st_size
+                # read one byte more than allowed: a file growing meanwhile is caught too
+                data = b"" if size > max_bytes else f.read(max_bytes + 1)
+                if size > max_bytes or len(data) > max_bytes:
+                    raise ConfigError(
+                        str(path),
+                        key,
+                        f"{_mib(max(size, len(data)))} MiB, over the {_mib(max_bytes)} MiB"
+                        " this file may be: nothing was read from it (shrink it)",
+                    )
     except OSError as exc:
         raise ConfigError(str(path), key, f"cannot read: {exc.strerror or exc}") from None
     try:
@@ -81,6 +97,11 @@ def read_text(path: Path, key: str = "") -> str:
             key,
             f"not UTF-8 text (byte {data[exc.start]:#04x} on line {line}): save it as UTF-8",
         ) from None
+
+
+def _mib(n: int) -> str:
+    """Bytes as MiB with one decimal, rounded up (a size over a limit never reads as it)."""
+    return f"{math.ceil(n * 10 / 2**20) / 10:.1f}".removesuffix(".0")
 
 
 def parse_toml(text: str, source: str) -> dict[str, Any]:

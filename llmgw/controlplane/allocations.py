@@ -1,4 +1,5 @@
-"""What is already handed out on each node: GPUs, engine ports, replicas per model.
+"""What is already handed out on each node: GPUs, engine ports, replicas per model,
+and memory (what each shard there needs, as ``memory.Needs`` reckons it).
 
 Derived from the replicas on every pass (never stored on its own), so it can
 never disagree with them: the fleet is authoritative about what runs, and
@@ -20,15 +21,28 @@ class Allocations:
     gpus: dict[str, set[int]] = attrs.Factory(dict)  # node -> GPU indices in use
     ports: dict[str, set[int]] = attrs.Factory(dict)  # node -> engine ports in use
     replicas: dict[tuple[str, str], int] = attrs.Factory(dict)  # (model, node) -> shards
+    memory: dict[str, int] = attrs.Factory(dict)  # node -> bytes its shards need
+    holders: dict[str, int] = attrs.Factory(dict)  # node -> shards whose need is counted
 
     def take(
-        self, node: str, model: str, gpus: Iterable[int], port: int, *, counts: bool = True
+        self,
+        node: str,
+        model: str,
+        gpus: Iterable[int],
+        port: int,
+        *,
+        counts: bool = True,
+        memory: int | None = None,
     ) -> None:
-        """``counts``: False for a shard that is leaving; it holds its GPUs and port, but
-        placement's spreading does not count it (its replacement may stand beside it)."""
+        """``counts``: False for a shard that is leaving; it holds its GPUs, port and
+        memory, but placement's spreading does not count it (its replacement may stand
+        beside it). ``memory``: bytes of node memory it needs; None: not known."""
         self.gpus.setdefault(node, set()).update(gpus)
         if port:
             self.ports.setdefault(node, set()).add(port)
+        if memory is not None:
+            self.memory[node] = self.memory.get(node, 0) + memory
+            self.holders[node] = self.holders.get(node, 0) + 1
         if not counts:
             return
         key = (model, node)

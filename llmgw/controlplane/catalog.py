@@ -22,6 +22,7 @@ models.qwen-coder.profiles[h100].gpus: must be at least 0, got -1``.
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,9 @@ GPU_ENGINES = frozenset({"vllm", "vllm-ray"})  # their adapters refuse a shard w
 MAX_REPLICAS = 1000
 MAX_STARTUP_TIMEOUT_S = 86_400.0
 MAX_STOP_GRACE_S = 3600.0  # as [engines] stop_grace_s
+# A catalog is a few KiB; 4 MiB is some 20,000 models, parsed in about a second (off the
+# event loop, on a reload). A larger file is refused before it is read.
+MAX_CATALOG_BYTES = 4 << 20
 
 SettingValue = str | int | float | bool
 
@@ -72,7 +76,9 @@ class Profile(_Entry, frozen=True):
     engine: str  # llama.cpp, vllm or vllm-ray
     gpus: int = 0  # per shard, i.e. per node
     nodes: int = 1  # shards per replica; more than one only for vllm-ray
-    min_memory_gb: float | None = None  # GiB of node memory; unset: fits anywhere
+    # GiB of node memory one replica needs on each node (placement subtracts what the
+    # replicas there need); unset: llama.cpp's is estimated, other engines' not counted
+    min_memory_gb: float | None = None
     selector: dict[str, str] = {}  # node labels that must all match
     model_path: str = ""  # on the node; empty: the engine resolves the model by name
     weights: str = ""  # name to look for in nodes' discovered weights; empty: the model's name
@@ -125,6 +131,12 @@ class Model(msgspec.Struct, kw_only=True, frozen=True):
         """The name matched against nodes' discovered weights for this profile."""
         return profile.weights or self.name
 
+    def weights_path(self, profile: Profile) -> str:
+        """The profile's model_path as matched against the paths of nodes' discovered
+        weights (normalised; "" when it has none): a copy found at exactly the path
+        its engine is given holds its weights, whatever discovery named it."""
+        return posixpath.normpath(profile.model_path) if profile.model_path else ""
+
 
 class Catalog(msgspec.Struct, kw_only=True, frozen=True):
     models: dict[str, Model] = {}
@@ -145,13 +157,16 @@ class Catalog(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def load_catalog(path: str | Path) -> Catalog:
-    """Read, type-check and validate a catalog file.
+    """Read, type-check and validate a catalog file (at most ``MAX_CATALOG_BYTES``).
+
+    This blocks for as long as parsing takes (about a second at the bound): a
+    running server calls it from a worker thread.
 
     Raises:
         ConfigError: naming the file, the key (``models.NAME.profiles[PROFILE].FIELD``)
             and the problem.
     """
-    return parse_catalog(read_text(Path(path)), str(path))
+    return parse_catalog(read_text(Path(path), max_bytes=MAX_CATALOG_BYTES), str(path))
 
 
 def parse_catalog(text: str, source: str) -> Catalog:

@@ -11,6 +11,7 @@ node.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterable
 
 import msgspec
@@ -47,21 +48,54 @@ class FleetStatus(msgspec.Struct, kw_only=True):
     cannot_place: list[CannotPlace] = []
 
 
-def missing_weights(status: FleetStatus, wanted: Iterable[tuple[str, set[str]]]) -> dict[str, str]:
-    """A warning, by model, for each model (name, the weights names its profiles look
-    for) that no node holds, when some node looks for weights at all (one that never
-    looked is no evidence)."""
-    nodes = {n for f in status.fabrics for n in f.nodes}
-    if not nodes - set(status.nodes_not_scanning):
+# what a profile's weights are looked for by: its weights name, and its model_path
+# ("" when it has none), normalised (``Model.weights_name``, ``Model.weights_path``)
+WeightsWanted = tuple[str, str]
+
+
+def missing_weights(
+    nodes: Iterable[Node], wanted: Iterable[tuple[str, list[WeightsWanted]]]
+) -> dict[str, str]:
+    """A warning, by model, for each model (name, what each of its profiles looks for)
+    whose weights no node reports, when nodes look where they would be. A copy holds a
+    profile's weights when discovery named it so or found it at the profile's
+    model_path. Nobody looking is no evidence (an unknown is not a zero): a node never
+    asked to look, or one whose agent does not say where it looks, says nothing; and a
+    profile whose model_path lies outside every node's weights dirs is not looked for,
+    so a model with such a profile is not warned about."""
+    names: set[str] = set()
+    paths: set[str] = set()
+    dirs: set[str] = set()
+    looking = False
+    for node in nodes:
+        if node.state is NodeState.LOST:
+            continue
+        inv = node.inventory
+        for copy in inv.weights:
+            names.add(copy.model)
+            paths.add(posixpath.normpath(copy.path))
+        if inv.weights_scanned:
+            looking = True
+            dirs.update(posixpath.normpath(d) for d in inv.weights_dirs)
+    if not looking:
         return {}
-    held = {m.model for f in status.fabrics for m in f.models}
-    return {
-        model: f"no node reports the weights of {model} ({', '.join(sorted(names))}) in "
-        "its weights dirs: its engines must find them at their model_path, fetch them, "
-        "or fail to start"
-        for model, names in wanted
-        if not names & held
-    }
+    out: dict[str, str] = {}
+    for model, profiles in wanted:
+        if any(name in names or (path and path in paths) for name, path in profiles):
+            continue
+        if not all(not path or _inside(path, dirs) for _, path in profiles):
+            continue
+        said = ", ".join(sorted({name for name, _ in profiles}))
+        out[model] = (
+            f"no node reports the weights of {model} ({said}) in its weights dirs: its "
+            "engines must find them at their model_path, fetch them, or fail to start"
+        )
+    return out
+
+
+def _inside(path: str, dirs: set[str]) -> bool:
+    """Whether ``path`` (normalised) lies in one of ``dirs`` (normalised), at any depth."""
+    return any(path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
 def fleet_status(nodes: Iterable[Node]) -> FleetStatus:

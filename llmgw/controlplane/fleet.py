@@ -29,7 +29,7 @@ from llmgw.config import ConfigError
 from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
-from llmgw.controlplane.fabrics import FleetStatus, fleet_status, missing_weights
+from llmgw.controlplane.fabrics import missing_weights
 from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.placement import Decision
@@ -194,17 +194,15 @@ class FleetManager:
         words and when (wall clock)."""
         return {m: self.cannot_place[m] for m in self.below_count() if m in self.cannot_place}
 
-    def weights_missing(self, status: FleetStatus | None = None) -> dict[str, str]:
-        """Catalog models (that want replicas) whose weights no node reports, each with a
-        warning in words; empty when no node looks for weights. ``status``: the fleet's
-        weights view, if the caller already has it."""
-        status = status or fleet_status(self.control.nodes.nodes.values())
-        wanted = {
-            name: {m.weights_name(p) for p in m.profiles}
+    def weights_missing(self) -> dict[str, str]:
+        """Catalog models (that want replicas) whose weights no node reports where nodes
+        look, each with a warning in words (``fabrics.missing_weights``)."""
+        wanted = [
+            (name, [(m.weights_name(p), m.weights_path(p)) for p in m.profiles])
             for name, m in sorted(self.catalog.models.items())
             if m.profiles and m.replicas > 0
-        }
-        return missing_weights(status, wanted.items())
+        ]
+        return missing_weights(self.control.nodes.nodes.values(), wanted)
 
     def problems(self) -> dict[tuple[str, str], int]:
         """1 for each (model, reason) that keeps a catalog model from running as wanted:
@@ -281,15 +279,20 @@ class FleetManager:
         self._wake.set()
         return what
 
-    def reload(self) -> str:
-        """Read the catalog file again; a bad file changes nothing and says why."""
-        if self.catalog_path is None:
+    async def reload(self) -> str:
+        """Read the catalog file again; a bad file changes nothing and says why.
+
+        The file is read and parsed in a worker thread (a large catalog takes a
+        second, during which agents' heartbeats must go on being heard); only
+        swapping it in happens on the event loop."""
+        path = self.catalog_path
+        if path is None:
             raise ConfigError("", "catalog", "the server was started without a catalog file")
-        catalog = load_catalog(self.catalog_path)
+        catalog = await trio.to_thread.run_sync(load_catalog, path, abandon_on_cancel=True)
         self.reconciler.set_catalog(catalog)
         self._wake.set()
         # said once, with the keys and the warnings, by whoever asked (admin.reload.Reloader)
-        return f"catalog reloaded from {self.catalog_path}: {len(catalog.models)} models"
+        return f"catalog reloaded from {path}: {len(catalog.models)} models"
 
     def explain(self, model: str) -> Decision | None:
         return self.reconciler.explain(model, self.control.nodes.nodes, self._clock())

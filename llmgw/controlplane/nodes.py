@@ -225,8 +225,8 @@ def scrape_targets(
     routers: Iterable[str] = (),
 ) -> list[dict[str, object]]:
     """Prometheus HTTP service discovery (``http_sd_configs``): this control plane's
-    own metrics listener (``server``: host:port; left out when it is a wildcard, which
-    names no address to reach), every agent that serves metrics on a node that is
+    own metrics listener (``server``: host:port, an address to reach it at; left out
+    when it is still a wildcard, which names none), every agent that serves metrics on a node that is
     not Lost, labelled by role and node, and each engine in ``engines`` (node, model,
     replica, shard), read through its agent, which holds the engine's key, and each
     standalone router's metrics listener in ``routers`` (host:port)."""

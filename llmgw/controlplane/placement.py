@@ -18,15 +18,21 @@ Filters, in the order they are checked (the first failure is the reason):
 3. the profile's label selector (before hardware: a node that is not meant
    for this model should say so, not that it lacks a GPU);
 4. the engine is installed (vllm-ray needs both vllm and ray);
-5. ``min_memory_gb`` (GiB), only when the profile sets it *and* the node reports its
-   memory: a profile with no requirement fits anywhere, and a node that
-   reports no memory is still usable (an unknown is not a zero);
-6. enough healthy GPUs that no shard holds, each missing one named;
+5. memory: what one shard needs (``memory.Needs``: ``min_memory_gb``, else for
+   llama.cpp an estimate of its weights, KV cache and prompt cache) within what
+   the node has less what the shards already there need ("has 32 GiB, 24 GiB
+   held by 1 replica, needs 24 GiB"), only when both the need and the node's
+   memory are known: a need that cannot be known is not counted, and a node
+   that reports no memory is still usable (an unknown is not a zero);
+6. enough healthy GPUs that no shard holds, each missing one named; and when
+   the shard's engine fills its cards with a known size (llama.cpp offloaded),
+   cards that can hold it, as far as they report their memory;
 7. a free engine port.
 
 Preferences, never filters (the score; higher is better):
 
-1. weights locality: the node holds the weights, or its fabric does on shared
+1. weights locality: the node holds the weights (discovery named them so, or
+   found them at the profile's model_path), or its fabric does on shared
    storage, over a node that must fetch them. A node never asked to look for
    weights ranks exactly like one that looked and found none.
 2. spreading: fewer shards of this model already on the node.
@@ -65,7 +71,8 @@ fits nowhere first.
 
 from __future__ import annotations
 
-import math
+import functools
+import posixpath
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -73,6 +80,7 @@ import attrs
 
 from llmgw.controlplane.allocations import PORT_RANGE, Allocations
 from llmgw.controlplane.catalog import Model, Profile
+from llmgw.controlplane.memory import MIB, Needs, gib, gib_up
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.protocol.messages import Gpu, Inventory
 
@@ -123,6 +131,11 @@ class Candidate:
     # accepted: the ranking as one number, higher is better (1e6 for the weights,
     # 1e3 per shard of the model fewer, 1 per GPU left fewer); rejected: 0
     score: float = 0.0
+    # the memory accounting, where it was made (None: not known or not reached)
+    memory_bytes: int | None = None  # what the node has
+    held_bytes: int | None = None  # what the shards already there need
+    held_by: int | None = None  # how many shards that is
+    need_bytes: int | None = None  # what one shard of this profile needs
 
 
 @attrs.frozen
@@ -140,6 +153,9 @@ class Decision:
     shards: list[ShardPlacement]  # rank order; empty when profile is None
     candidates: list[Candidate]  # every node considered, for every profile tried
     summary: str  # "placed on n2 (profile cpu)" / "no node can hold qwen-coder: ..."
+    # each profile tried -> what one shard of it needs of a node's memory, in words
+    needs: dict[str, str] = attrs.Factory(dict)
+    memory: int | None = None  # bytes one shard of the chosen profile needs; None: not known
 
     @property
     def placed(self) -> bool:
@@ -163,6 +179,7 @@ def place(
     avoid: frozenset[str] = frozenset(),
     port_range: tuple[int, int] = PORT_RANGE,
     cache: PlacementCache | None = None,
+    needs: Needs | None = None,
 ) -> Decision:
     """Where the next replica of ``model`` goes, with every candidate's reason.
 
@@ -170,8 +187,10 @@ def place(
     yet (liveness arrives already judged, in ``Node.state``), it is taken so
     that callers need not change when something does. ``avoid`` lists nodes a
     replica is being moved off. ``cache`` keeps what was read from each
-    inventory for the next call (a fresh one when not given). Nothing else is
-    mutated.
+    inventory for the next call (a fresh one when not given); ``needs``, what
+    each profile needs of a node's memory (reckoned from these nodes' weights
+    when not given: the caller that built ``allocations`` should pass its own).
+    Nothing else is mutated.
     """
     del now
     name = model.name
@@ -181,19 +200,24 @@ def place(
         )
     if not nodes:
         return Decision(name, None, [], [], f"no node can hold {name}: no node has registered")
-    pass_ = _Pass(model, nodes, allocations, avoid, port_range, cache or PlacementCache())
+    if needs is None:
+        needs = Needs(lambda: [f.node.inventory for f in nodes])
+    pass_ = _Pass(model, nodes, allocations, avoid, port_range, cache or PlacementCache(), needs)
     candidates: list[Candidate] = []
     failed: list[tuple[Profile, list[Candidate]]] = []
+    said: dict[str, str] = {}
     for profile in model.profiles:
+        need = needs.of(model, profile)
+        said[profile.name] = need.words
         considered, shards, where = pass_.try_profile(profile)
         candidates.extend(considered)
         if shards:
             summary = f"placed on {where} (profile {profile.name}"
             if failed:
                 summary += "; " + ", ".join(f"{p.name} fits nowhere" for p, _ in failed)
-            return Decision(name, profile.name, shards, candidates, summary + ")")
+            return Decision(name, profile.name, shards, candidates, summary + ")", said, need.host)
         failed.append((profile, considered))
-    return Decision(name, None, [], candidates, _failure_summary(name, failed))
+    return Decision(name, None, [], candidates, _failure_summary(name, failed), said)
 
 
 class _Static:
@@ -201,11 +225,13 @@ class _Static:
 
     __slots__ = (
         "fabric",
+        "gpu_mib",
         "gpu_reasons",
         "gpus",
         "healthy",
         "healthy_set",
         "held",
+        "held_paths",
         "installed",
         "inv",
         "labels",
@@ -224,7 +250,9 @@ class _Static:
         self.healthy = sorted(self.healthy_set)
         # (index, "GPU 2 unhealthy: pending retired pages" or ""), by index
         self.gpus = [(g.index, _unhealthy(g)) for g in sorted(inv.gpus, key=_index)]
+        self.gpu_mib = {g.index: g.memory_total_mib for g in inv.gpus}
         self.held = frozenset(c.model for c in inv.weights)
+        self.held_paths = frozenset(posixpath.normpath(c.path) for c in inv.weights)
         # storage the agent could not classify is local, never shared
         self.shared = frozenset(c.model for c in inv.weights if c.storage == "shared")
         self.gpu_reasons: dict[tuple[int, frozenset[int]], str] = {}
@@ -304,8 +332,10 @@ class _Pass:
         avoid: frozenset[str],
         port_range: tuple[int, int],
         cache: PlacementCache,
+        needs: Needs,
     ) -> None:
         self.model = model
+        self.needs = needs
         self.nodes = nodes
         cache.prune(nodes)
         static = cache.static
@@ -335,8 +365,12 @@ class _Pass:
         multi = profile.nodes > 1
         required = REQUIRED_ENGINES.get(profile.engine, (profile.engine,))
         selector = list(profile.selector.items())
-        min_bytes = None if profile.min_memory_gb is None else profile.min_memory_gb * GIB
+        need_of = self.needs.of(self.model, profile)
+        need_host, need_gpu = need_of.host, need_of.gpu
+        mem_held = self.allocations.memory
+        mem_by = self.allocations.holders
         weights = self.model.weights_name(profile)
+        path = self.model.weights_path(profile)
         fabrics = self.shared_in(weights)
         replicas = self.allocations.replicas
         gpus_used = self.allocations.gpus
@@ -352,15 +386,31 @@ class _Pass:
             if blocked is not None:
                 append(Candidate(node_id, pname, False, blocked[1], blocked[0]))
                 continue
-            refused = _hardware(st, selector, required, min_bytes, multi)
+            refused = _hardware(st, selector, required, multi)
             if refused is not None:
                 append(Candidate(node_id, pname, False, refused[1], refused[0]))
+                continue
+            total = st.memory
+            held = mem_held.get(node_id, 0)
+            if need_host is not None and total is not None and total - held < need_host:
+                n = mem_by.get(node_id, 0)
+                why = _memory_reason(total, held, n, need_host)
+                append(
+                    Candidate(
+                        node_id, pname, False, why, Kind.MEMORY, 0.0, total, held, n, need_host
+                    )
+                )
                 continue
             used = gpus_used.get(node_id)
             free = len(st.healthy) - len(st.healthy_set & used) if used else len(st.healthy)
             if free < need:
                 append(Candidate(node_id, pname, False, st.gpu_reason(need, used), Kind.GPUS))
                 continue
+            if need_gpu is not None and need:
+                short = _cards_short(st, need, used, need_gpu)
+                if short:
+                    append(Candidate(node_id, pname, False, short, Kind.MEMORY))
+                    continue
             ports = ports_used.get(node_id)
             node_range = st.port_range or port_range
             size = range_size if st.port_range is None else node_range[1] - node_range[0] + 1
@@ -368,26 +418,29 @@ class _Pass:
             if ports and len(ports) >= size and free_port(node_id, node_range) is None:
                 append(Candidate(node_id, pname, False, "no free engine port", Kind.PORTS))
                 continue
-            if weights in st.held:
-                held, where = 1, "weights here"
+            if weights in st.held or (path and path in st.held_paths):
+                has, where = 1, "weights here"
             elif st.fabric in fabrics:
-                held, where = 1, f"weights on fabric {st.fabric}'s shared storage"
+                has, where = 1, f"weights on fabric {st.fabric}'s shared storage"
             else:
-                held, where = 0, "must fetch weights"
+                has, where = 0, "must fetch weights"
             shards = replicas.get((model, node_id), 0)
             left = free - need
-            key = (-held, shards, left, node_id)
+            key = (-has, shards, left, node_id)
             fits.append((key, len(out), st))
-            append(
-                Candidate(
-                    node_id,
-                    pname,
-                    True,
-                    f"{where}, {shards} shards of {model} here, {left} GPUs left after",
-                    Kind.FITS,
-                    held * 1e6 + (999 - min(shards, 999)) * 1e3 + 999 - min(left, 999),
+            why = f"{where}, {shards} shards of {model} here, {left} GPUs left after"
+            score = has * 1e6 + (999 - min(shards, 999)) * 1e3 + 999 - min(left, 999)
+            if need_host is not None and total is not None:
+                why += f", {gib(total - held - need_host)} GiB of memory left after"
+                fit = Candidate(
+                    node_id, pname, True, why, Kind.FITS, score,
+                    total, held, mem_by.get(node_id, 0), need_host,
+                )  # fmt: skip
+            else:
+                fit = Candidate(
+                    node_id, pname, True, why, Kind.FITS, score, total, None, None, need_host
                 )
-            )
+            append(fit)
         if not fits:
             return out, [], ""
         if not multi:
@@ -463,10 +516,9 @@ def _hardware(
     st: _Static,
     selector: list[tuple[str, str]],
     required: tuple[str, ...],
-    min_bytes: float | None,
     multi: bool,
 ) -> _Refusal | None:
-    """Why this node cannot run the profile, short of GPUs and ports; None: it can."""
+    """Why this node cannot run the profile, short of memory, GPUs and ports; None: it can."""
     if multi and not st.fabric:
         return Kind.SELECTOR, "multi-node profile needs a fabric label"
     if selector:
@@ -481,18 +533,35 @@ def _hardware(
     if not installed.issuperset(required):
         missing = " and ".join(e for e in required if e not in installed)
         return Kind.ENGINE, f"{missing} not installed"
-    total = st.memory
-    if min_bytes is not None and total is not None and total < min_bytes:
-        return Kind.MEMORY, (
-            f"has {_gib(total / GIB)} GiB of memory, needs {_gib(min_bytes / GIB)} GiB"
-        )
     return None
 
 
-def _gib(value: float) -> str:
-    """8.0 -> "8", 7.74 -> "7.7": rounded down, so a shortfall never reads as enough."""
-    shown = math.floor(value * 10) / 10
-    return f"{shown:.1f}".removesuffix(".0")
+@functools.lru_cache(maxsize=1024)  # a full fleet's nodes say the same few things
+def _memory_reason(total: int, held: int, by: int, need: int) -> str:
+    """ "has 8 GiB of memory, needs 24 GiB", or when the shards there already are why
+    "has 32 GiB, 24 GiB held by 1 replica, needs 24 GiB" (what a node has rounded down,
+    what is needed up, so a shortfall never reads as enough)."""
+    if not held or total < need:  # it would not fit on the node empty either
+        return f"has {gib(total)} GiB of memory, needs {gib_up(need)} GiB"
+    return (
+        f"has {gib(total)} GiB, {gib_up(held)} GiB held by {by} replica{'' if by == 1 else 's'}, "
+        f"needs {gib_up(need)} GiB"
+    )
+
+
+def _cards_short(st: _Static, need: int, used: set[int] | None, need_bytes: int) -> str:
+    """Why the cards a shard would get (the lowest free healthy ones, as ``_shard``
+    picks them) cannot hold what its engine puts on them; "" when they can, or when a
+    card does not say its memory."""
+    cards = [i for i in st.healthy if not used or i not in used][:need]
+    sizes = [st.gpu_mib.get(i) for i in cards]
+    if not cards or any(s is None for s in sizes):
+        return ""
+    have = sum(s or 0 for s in sizes) * MIB
+    if have >= need_bytes:
+        return ""
+    which = f"GPU {cards[0]} has" if len(cards) == 1 else f"GPUs {', '.join(map(str, cards))} have"
+    return f"{which} {gib(have)} GiB of memory, needs {gib_up(need_bytes)} GiB on them"
 
 
 def _gpu_reason(need: int, st: _Static, used: set[int] | None) -> str:

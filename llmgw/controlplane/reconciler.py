@@ -69,6 +69,7 @@ import attrs
 from llmgw.controlplane import claims
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Catalog, Model, Profile
+from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.controlplane.placement import (
     Decision,
@@ -115,6 +116,11 @@ class Timing:
     # an adopted engine that fails every probe this long (not what its node reported) fails
     verify_grace_s: float = 60.0
 
+    def drain_bound_s(self) -> float:
+        """The longest a node's drain takes when nothing fails: the grace for a
+        replacement, then in-flight work's timeout, then the stop's."""
+        return self.drain_grace_s + self.drain_timeout_s + self.stop_timeout_s
+
 
 class ReplicaIds:
     """Replica ids: the model, a tag for this run of the control plane, a counter.
@@ -142,6 +148,7 @@ class _PassState:
         self._facts: list[NodeFacts] | None = None
         self._allocations: Allocations | None = None
         self._open: frozenset[str] | None = None
+        self.needs = Needs(lambda: [n.inventory for n in nodes.values()])
 
     def facts(self) -> list[NodeFacts]:
         if self._facts is None:
@@ -161,8 +168,21 @@ class _PassState:
 
     def allocations(self) -> Allocations:
         if self._allocations is None:
-            self._allocations = self._rec.allocations(nodes=self.nodes)
+            self._allocations = self._rec.allocations(nodes=self.nodes, needs=self.needs)
         return self._allocations
+
+    def place(self, model: Model, now: float, without: Collection[str] = ()) -> Decision:
+        """Placement over this pass's nodes, allocations (less ``without``) and needs."""
+        rec = self._rec
+        a = (
+            rec.allocations(without=without, nodes=self.nodes, needs=self.needs)
+            if without
+            else self.allocations()
+        )
+        draining = frozenset(rec.draining)
+        return place(
+            model, self.facts(), a, now, avoid=draining, cache=self.cache, needs=self.needs
+        )
 
 
 @attrs.define
@@ -342,13 +362,18 @@ class Reconciler:
     # --- placement and scaling ------------------------------------------------------
 
     def allocations(
-        self, *, without: Collection[str] = (), nodes: Mapping[str, Node] | None = None
+        self,
+        *,
+        without: Collection[str] = (),
+        nodes: Mapping[str, Node] | None = None,
+        needs: Needs | None = None,
     ) -> Allocations:
         """What is handed out. A failed replica stops counting towards its model at once,
-        but its shards hold their GPUs and ports until they report stopped (or their node
-        is lost, or the stop timeout is over): a new engine started on a GPU the dying
-        one still holds would fail to load. ``without``: replica ids left out, to ask
-        where a replica would go if they held nothing."""
+        but its shards hold their GPUs, ports and memory until they report stopped (or
+        their node is lost, or the stop timeout is over): a new engine started on a GPU
+        the dying one still holds would fail to load. ``without``: replica ids left out,
+        to ask where a replica would go if they held nothing. ``needs``: the pass's."""
+        needs = needs or Needs()
         a = Allocations()
         for replica in self.replicas.values():
             if replica.replica_id in without:
@@ -360,6 +385,7 @@ class Reconciler:
                     shard.spec.gpus,
                     shard.spec.port,
                     counts=not replica.leaving,
+                    memory=needs.of_shard(self.catalog, shard.spec),
                 )
         for node in (nodes or {}).values():  # what else holds engine ports there
             a.hold(node.node_id, node.inventory.busy_ports)
@@ -378,14 +404,7 @@ class Reconciler:
         m = self.catalog.models.get(model)
         if m is None:
             return None
-        return place(
-            m,
-            self.facts(nodes),
-            self.allocations(nodes=nodes),
-            now,
-            avoid=frozenset(self.draining),
-            cache=self.placement_cache,
-        )
+        return _PassState(self, nodes).place(m, now)
 
     def _scale(
         self, model: Model, mine: list[Replica], shared: _PassState, now: float, plan: Plan
@@ -464,15 +483,7 @@ class Reconciler:
         }
         if not moving:
             return False
-        decision = place(
-            model,
-            shared.facts(),
-            self.allocations(without=moving),
-            now,
-            avoid=frozenset(self.draining),
-            cache=shared.cache,
-        )
-        return decision.profile is not None
+        return shared.place(model, now, without=moving).profile is not None
 
     def _cancel_move(self, replica: Replica, model: Model) -> bool:
         """A rollout whose profile was changed back, or a spread whose replacement
@@ -550,14 +561,7 @@ class Reconciler:
             (r for r in counting if r.nodes[0] == crowded),
             key=lambda r: (not r.adopted, r.created_at, r.replica_id),
         )
-        decision = place(
-            model,
-            shared.facts(),
-            self.allocations(without={replica.replica_id}),
-            now,
-            avoid=frozenset(self.draining),
-            cache=shared.cache,
-        )
+        decision = shared.place(model, now, without={replica.replica_id})
         if decision.profile is None or len(decision.shards) != 1:
             return None
         target = decision.shards[0].node_id
@@ -571,11 +575,9 @@ class Reconciler:
         backoff = self.backoff.setdefault(model.name, _Backoff())
         if now < backoff.next_attempt or shared.placed >= self.timing.max_placements_per_pass:
             return
-        facts, allocations, nodes = shared.facts(), shared.allocations(), shared.nodes
+        allocations, nodes = shared.allocations(), shared.nodes
         for _ in range(min(missing, self.timing.max_placements_per_pass - shared.placed)):
-            decision = place(
-                model, facts, allocations, now, avoid=frozenset(self.draining), cache=shared.cache
-            )
+            decision = shared.place(model, now)
             if decision.profile is None:
                 kind = failure_kind(decision)
                 plan.placement_failures[model.name] = PlacementFailure(decision.summary, kind)
@@ -587,8 +589,10 @@ class Reconciler:
             assert profile is not None
             replica = self._new_replica(model, profile, decision.shards, nodes, now)
             shared.placed += 1
-            for shard in replica.shards:
-                allocations.take(shard.node_id, model.name, shard.spec.gpus, shard.spec.port)
+            for s in replica.shards:
+                allocations.take(
+                    s.node_id, model.name, s.spec.gpus, s.spec.port, memory=decision.memory
+                )
             self._send_starts(replica, plan)
             plan.notes.append(Note(f"placed {replica.replica_id}: {decision.summary}"))
 

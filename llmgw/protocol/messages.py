@@ -74,6 +74,11 @@ class WeightCopy(_Wire, frozen=True):
     storage: Literal["local", "shared", "unknown"] = "unknown"
     filesystem: str = ""  # mount type: "ext4", "nfs4", "lustre", ...
     storage_id: str = ""  # identifies one shared filer seen from many nodes
+    # GGUF: what its KV cache holds per token of context, all layers together, in
+    # elements (the control plane's memory estimate); None: not known
+    layers: int | None = None
+    kv_k_per_token: int | None = None
+    kv_v_per_token: int | None = None
 
 
 class Inventory(_Wire, frozen=True):
@@ -87,6 +92,8 @@ class Inventory(_Wire, frozen=True):
     engines: list[Engine] = []
     weights: list[WeightCopy] = []
     weights_scanned: bool = False  # False: never asked to look (not "looked, found none")
+    # the directories it looked in (absolute); [] from an agent older than the field
+    weights_dirs: list[str] = []
     labels: dict[str, str] = {}
     port_range: list[int] = []  # [low, high]: the ports the agent lets engines use; [] = default
     # what the agent finds wrong with its node, in words (its state dir full, ...)

@@ -16,10 +16,12 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import trio
 
-from llmgw.addr import join_hostport, url_host
+from llmgw.addr import advertised_host, is_wildcard, join_hostport, url_host
+from llmgw.agent.discovery.address import route_address
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, token_from_file
@@ -241,7 +243,12 @@ async def _serve_metrics(
             ),
         )
         bound = listeners[0].socket.getsockname()
-        return join_hostport(bound[0], bound[1])
+        host = bound[0]
+        if is_wildcard(host):  # the address on the route to the control plane, as agents do
+            admin = urlsplit(config.admin_url)
+            port = admin.port or (443 if admin.scheme == "https" else 80)
+            host = advertised_host([route_address(admin.hostname or "", port)]) or host
+        return join_hostport(host, bound[1])
     elif run_dir:
         listeners = await nursery.start(
             HttpServer(metrics_app(registry_page(registry)), name="router-metrics").serve_tcp,

@@ -13,9 +13,10 @@ from pathlib import Path
 import msgspec
 import trio
 
-from llmgw.addr import join_hostport
+from llmgw.addr import advertised_host, is_wildcard, join_hostport
 from llmgw.admin.api import AdminApi
 from llmgw.admin.reload import NotReloaded, Reloader, unknown_settings
+from llmgw.agent.discovery.address import route_address
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
@@ -37,6 +38,7 @@ from llmgw.router.table import RoutingTable
 from llmgw.serve import open_listeners
 from llmgw.serve.router import router_app
 from llmgw.telemetry import daemon_registry
+from llmgw.tls.ca import CAError, describe_certificate
 from llmgw.tls.contexts import server_context
 
 log = logging.getLogger("llmgw.server")
@@ -77,12 +79,35 @@ async def _reload_on_sighup(reload: Reloader) -> None:
     with trio.open_signal_receiver(signal.SIGHUP) as signals:
         async for _ in signals:
             try:
-                reload()
+                await reload()
             except NotReloaded as exc:
                 log.error("%s", exc)
             except Exception as exc:  # a reload never takes the server down
                 log.error("not reloaded, nothing changed: %s", one_line(exc))
                 log.debug("the reload failed here", exc_info=True)
+
+
+# an address no packet is sent to: connecting a UDP socket there asks the routing table
+# for the default route's source address
+_DEFAULT_ROUTE_PROBE = ("192.0.2.1", 9)  # TEST-NET-1, never routed on the internet
+
+
+def advertised_metrics(bound: str, stream_host: str, cert: Path) -> str:
+    """Where Prometheus reaches the metrics listener bound at ``bound`` (host:port): itself,
+    or for a wildcard the first reachable-looking of the address agents dial (the agent
+    stream's listen host, then the names in the server certificate, which hold every
+    name agents dial) and the default route's source address."""
+    host, port = parse_hostport(bound, key="metrics.listen")
+    if not is_wildcard(host):
+        return bound
+    names: list[str] = [stream_host]
+    try:
+        names += [s.split(":", 1)[1] for s in describe_certificate(cert)["sans"]]
+    except CAError:
+        pass  # the stream would not have started with a bad certificate
+    names.append(route_address(*_DEFAULT_ROUTE_PROBE))
+    chosen = advertised_host(names)
+    return join_hostport(chosen, port) if chosen else bound
 
 
 def _show(listener: trio.SocketListener) -> str:
@@ -226,11 +251,13 @@ async def serve(
                 m_port,
                 lambda: nursery.start(m_server.serve_tcp, m_host, m_port),
             )
-            own.append(_show(m_listeners[0]))
+            bound = _show(m_listeners[0])
+            own.append(advertised_metrics(bound, stream_host, resolve(base, sc.cert)))
             log.info(
-                "metrics on %s%s",
+                "metrics on %s%s%s",
                 ", ".join(f"http://{_show(x)}/metrics" for x in m_listeners),
                 " (token asked)" if metrics_token else "",
+                f"; service discovery names it {own[0]}" if own[0] != bound else "",
             )
         if router is not None:
             await nursery.start(router[0].run)

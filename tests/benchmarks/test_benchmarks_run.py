@@ -82,3 +82,9 @@ def test_bench_abuse_runs_every_attack() -> None:
     rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1]}
     assert {"nokey", "poison", "flood", "log"} <= set(rows), text
     assert "forged lines in the server's log: 0" in rows["log"], text
+
+
+def test_bench_reload_runs() -> None:
+    text = run_tool("tools/bench_reload.py", "--mib=0.1,4.5", "--after=0.5")
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0.1"], ["4.5"])]
+    assert [r[3] for r in rows] == ["200", "400"], text

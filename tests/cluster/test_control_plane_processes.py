@@ -325,7 +325,11 @@ async def test_explain_placement_says_where_replicas_run_apart_from_where_a_new_
         # the replicas of a model spread: a new one would go to the other node
         assert lines[4] == f"A new replica would go: on {other} (profile cpu)", text
         assert lines[5].split() == ["NODE", "PROFILE", "FITS", "WHY"], text
-        assert {line.split()[0] for line in lines[6:]} == {"n1", "n2"}, text
+        assert {line.split()[0] for line in lines[6:8]} == {"n1", "n2"}, text
+        # then what a replica needs of a node's memory, and why
+        assert lines[8:] == [
+            "A replica of profile cpu needs of each node's memory: 4 GiB (min_memory_gb)"
+        ], text
 
         as_json = json.loads((await c.server.ctl("explain-placement", "tiny", "--json")).stdout)
         assert as_json["running"] == [

@@ -72,3 +72,32 @@ async def test_drain_wait_with_nowhere_to_move_times_out_saying_what_still_runs(
         assert last.startswith("llmgw ctl drain: node n1 is not drained after 3 s"), err
         assert f"replica {replica['replica_id']} (tiny, Ready" in last, err
         assert not (await c.server.nodes())["n1"]["drained"]
+
+
+async def test_drain_wait_waits_as_long_as_the_servers_drain_can_take(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Without --timeout, `ctl drain --wait` waits for the server's longest drain (its
+    drain grace, drain timeout and stop timeout) and a margin, not a fixed 300 s that a
+    forced drain outlasts."""
+    # the cluster's [reconcile] table goes on with these keys
+    longer = "drain_grace_s = 400\ndrain_timeout_s = 150\n"
+    async with cluster(tmp_path, pki, server_extra=longer) as c:
+        c.agent("n1")
+        [replica] = await c.wait_ready(1)
+        c.agent("n2")
+        await c.server.wait_node("n2", "Ready")
+        with trio.fail_after(30):
+            done = await c.server.ctl("drain", "n2", "--wait", "--json", check=False)
+        assert done.returncode == 0, (done.stdout, done.stderr.decode())
+        assert json.loads(done.stdout)["drain_bound_s"] == 400 + 150 + 60
+        err = done.stderr.decode()
+        first = err.splitlines()[0]
+        assert first.startswith("waiting up to 670 s for n2 to drain"), err
+        assert "node n2 drained: nothing runs there" in err, err
+        # --timeout still wins
+        done = await c.server.ctl("drain", "n1", "--wait", "--timeout", "1", check=False)
+        assert done.returncode != 0
+        out = done.stdout.decode()
+        assert "waiting up to" not in out, out
+        assert f"replica {replica['replica_id']}" in done.stderr.decode()

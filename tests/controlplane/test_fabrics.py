@@ -15,8 +15,8 @@ NFS = WeightCopy(
 )
 
 
-def local(model: str, storage: str = "local") -> WeightCopy:
-    return WeightCopy(model=model, path=f"/data/{model}", storage=storage)  # type: ignore[arg-type]
+def local(model: str, storage: str = "local", path: str = "") -> WeightCopy:
+    return WeightCopy(model=model, path=path or f"/data/{model}", storage=storage)  # type: ignore[arg-type]
 
 
 def table(nodes: dict[str, Inventory]) -> NodeTable:
@@ -81,12 +81,40 @@ def test_lost_nodes_hold_nothing() -> None:
 
 def test_a_catalog_model_no_node_holds_is_warned_about_only_when_nodes_look() -> None:
     looking = table({"n1": Inventory(weights=[local("qwen-14b")], weights_scanned=True)})
-    wanted = [("qwen", {"qwen-14b"}), ("llama", {"llama-8b", "llama-8b-q4"})]
-    missing = missing_weights(fleet_status(looking.nodes.values()), wanted)
+    wanted = [("qwen", [("qwen-14b", "")]), ("llama", [("llama-8b", ""), ("llama-8b-q4", "")])]
+    missing = missing_weights(looking.nodes.values(), wanted)
     assert list(missing) == ["llama"]
     assert missing["llama"].startswith(
         "no node reports the weights of llama (llama-8b, llama-8b-q4)"
     )
     # a node never asked to look is no evidence that the weights are missing
     blind = table({"n1": Inventory(weights_scanned=False)})
-    assert missing_weights(fleet_status(blind.nodes.values()), wanted) == {}
+    assert missing_weights(blind.nodes.values(), wanted) == {}
+
+
+def test_a_model_path_nobody_looks_in_is_no_evidence_and_one_found_there_is_held() -> None:
+    dirs = ["/var/lib/llmgw-weights", "/models/"]
+    t = table(
+        {
+            "n1": Inventory(
+                weights=[local("qwen2.5-0.5b-q4", path="/models/qwen2.5-0.5b-q4.gguf")],
+                weights_scanned=True,
+                weights_dirs=dirs,
+            )
+        }
+    )
+    nodes = t.nodes.values()
+    outside = [("elsewhere", [("elsewhere", "/opt/models/x.gguf")])]
+    assert missing_weights(nodes, outside) == {}
+    # one of its profiles is outside: unknown, not missing
+    mixed = [("m", [("m", "/var/lib/llmgw-weights/m.gguf"), ("m", "/opt/m.gguf")])]
+    assert missing_weights(nodes, mixed) == {}
+    # inside a weights dir, at any depth, and not there: missing
+    inside = [("m", [("m", "/var/lib/llmgw-weights/sub/m.gguf")])]
+    assert list(missing_weights(nodes, inside)) == ["m"]
+    # found at the model_path, under whatever name discovery gave it: held
+    named_apart = [("qwen", [("qwen", "/models/qwen2.5-0.5b-q4.gguf")])]
+    assert missing_weights(nodes, named_apart) == {}
+    # an agent that does not say where it looks: nothing is known about paths
+    old = table({"n1": Inventory(weights_scanned=True)})
+    assert missing_weights(old.nodes.values(), inside) == {}

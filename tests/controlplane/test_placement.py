@@ -14,7 +14,6 @@ from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.controlplane.placement import (
-    Candidate,
     Decision,
     Kind,
     NodeFacts,
@@ -265,7 +264,8 @@ def test_each_filter_says_why(
 ) -> None:
     d = decide(model(prof), [node], alloc, avoid=frozenset(avoid), port_range=(20000, 20001))
     assert d.profile is None and d.shards == []
-    assert d.candidates == [Candidate("n", prof.name, False, reason, kind)]
+    [c] = d.candidates
+    assert (c.node_id, c.profile, c.ok, c.reason, c.kind) == ("n", prof.name, False, reason, kind)
     assert failure_kind(d) == kind.value  # the metric's label
     assert d.summary == f"no node can hold qwen-coder: n: {reason}"
 
@@ -358,6 +358,15 @@ def test_the_profile_weights_name_is_what_is_looked_for() -> None:
     nodes.append(facts("c", inventory(weights=[local("Qwen2.5-Coder")])))
     d = decide(model(profile(weights="Qwen2.5-Coder")), nodes)
     assert only(d)[0] == "c"
+
+
+def test_a_copy_at_the_profiles_model_path_holds_its_weights_whatever_its_name() -> None:
+    """Discovery names a GGUF file by its stem; the profile's model_path is the file."""
+    gguf = WeightCopy(model="qwen2.5-0.5b-q4_k_m", path="/w/qwen2.5-0.5b-q4_k_m.gguf")
+    nodes = [facts("a"), facts("b", inventory(weights=[gguf]))]
+    d = decide(model(profile(model_path="/w/./qwen2.5-0.5b-q4_k_m.gguf")), nodes)
+    assert only(d)[0] == "b"
+    assert reasons(d)["b"].startswith("weights here")
 
 
 def test_shared_weights_count_fabric_wide_and_local_ones_do_not() -> None:
@@ -720,3 +729,95 @@ def test_a_decision_never_hands_out_what_is_not_there(
         assert not set(s.gpus) & alloc.gpus.get(s.node_id, set())  # never allocated
         assert PORTS[0] <= s.port <= PORTS[1]
         assert s.port not in alloc.ports.get(s.node_id, set())
+
+
+# --- memory is accounted ----------------------------------------------------------------
+
+
+def cpu(gb: float) -> Profile:
+    return profile(engine="llama.cpp", gpus=0, min_memory_gb=gb, model_path="/w/m.gguf")
+
+
+def test_what_shards_on_a_node_need_is_subtracted_and_said() -> None:
+    """Two 24 GiB replicas do not both land on a 32 GiB node, and the words say why."""
+    nodes = [facts(n, inventory(gpus=0, memory_gb=32)) for n in ("a", "b")]
+    alloc = Allocations()
+    first = decide(model(cpu(24), name="m1"), nodes, alloc)
+    assert only(first)[0] == "a" and first.memory == 24 * GIB
+    assert reasons(first)["a"].endswith("8 GiB of memory left after"), reasons(first)
+    alloc.take("a", "m1", [], only(first)[2], memory=first.memory)
+    second = decide(model(cpu(24), name="m2"), nodes, alloc)
+    assert only(second)[0] == "b"  # not "a", which packing alone would pick
+    assert reasons(second)["a"] == "has 32 GiB, 24 GiB held by 1 replica, needs 24 GiB"
+    [held] = [c for c in second.candidates if c.node_id == "a"]
+    assert (held.kind, held.memory_bytes, held.held_bytes, held.held_by, held.need_bytes) == (
+        Kind.MEMORY,
+        32 * GIB,
+        24 * GIB,
+        1,
+        24 * GIB,
+    )
+    assert second.needs == {"p": "24 GiB (min_memory_gb)"}
+    alloc.take("b", "m2", [], only(second)[2], memory=second.memory)
+    third = decide(model(cpu(24), name="m3"), nodes, alloc)
+    assert third.profile is None
+    assert "a, b: has 32 GiB, 24 GiB held by 1 replica, needs 24 GiB" in third.summary
+    # what is not known is not counted: a node that says nothing, a need nobody knows
+    assert decide(model(cpu(24), name="m4"), [facts("c", inventory(gpus=0))], alloc).placed
+    unknown = profile(engine="vllm", gpus=1)
+    assert decide(model(unknown), [facts("a", inventory(memory_gb=32))], alloc).placed
+
+
+def test_an_offloaded_llama_needs_cards_that_hold_it() -> None:
+    gguf = WeightCopy(model="m", path="/w/m.gguf", size_bytes=20 * GIB, layers=2)
+    small = [Gpu(index=0, memory_total_mib=16 * 1024), Gpu(index=1, memory_total_mib=80 * 1024)]
+    inv = Inventory(gpus=small, engines=ALL_ENGINES, weights=[gguf], weights_scanned=True)
+    p = profile(engine="llama.cpp", gpus=1, model_path="/w/m.gguf", engine_args=["-cram", "0"])
+    d = decide(model(p, name="m"), [facts("a", inv)], Allocations())
+    assert d.profile is None
+    assert reasons(d)["a"] == "GPU 0 has 16 GiB of memory, needs 20 GiB on them"
+    # with GPU 0 taken, GPU 1 is the one it would get, and it holds it
+    d = decide(model(p, name="m"), [facts("a", inv)], busy("a", [0]))
+    assert only(d)[:2] == ("a", [1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    memory=st.lists(st.integers(4, 64), min_size=1, max_size=4),
+    asks=st.lists(st.integers(1, 40), min_size=1, max_size=20),
+)
+def test_the_needs_placed_on_a_node_never_exceed_what_it_has(
+    memory: list[int], asks: list[int]
+) -> None:
+    nodes = [facts(f"n{i}", inventory(gpus=0, memory_gb=m)) for i, m in enumerate(memory)]
+    alloc = Allocations()
+    placed: dict[str, int] = {}  # the naive model: GiB asked, by node
+    for i, gb in enumerate(asks):
+        d = decide(model(cpu(gb), name=f"m{i}"), nodes, alloc)
+        room = [m - placed.get(f"n{j}", 0) for j, m in enumerate(memory)]
+        if not d.placed:
+            assert max(room) < gb, (room, gb, d.summary)  # refused only when nothing fits
+            event("refused")
+            continue
+        node, gpus, port = only(d)
+        alloc.take(node, f"m{i}", gpus, port, memory=d.memory)
+        placed[node] = placed.get(node, 0) + gb
+    for j, m in enumerate(memory):
+        assert placed.get(f"n{j}", 0) <= m, (placed, memory)
+
+
+def test_an_h200_as_nvidia_smi_reports_it_holds_what_fits_in_its_memory() -> None:
+    """The card's memory as the real H200's nvidia-smi output gives it (143,771 MiB)."""
+    from llmgw.agent.discovery.gpus import parse_gpu_csv
+    from tests.agent.discovery.test_gpus import fixture_query
+
+    fields, output = fixture_query(must_have="memory.total")
+    h200 = Inventory(gpus=parse_gpu_csv(output, fields), engines=ALL_ENGINES)
+    p = profile(engine="llama.cpp", gpus=1, model_path="/w/m.gguf")
+    for gib_, fits in ((150, False), (130, True)):
+        gguf = WeightCopy(model="m", path="/w/m.gguf", size_bytes=gib_ * GIB)
+        inv = msgspec.structs.replace(h200, weights=[gguf], weights_scanned=True)
+        d = decide(model(p, name="m"), [facts("gpu-07", inv)], Allocations())
+        assert d.placed is fits, d.summary
+        if not fits:
+            assert reasons(d)["gpu-07"] == "GPU 0 has 140.4 GiB of memory, needs 150 GiB on them"

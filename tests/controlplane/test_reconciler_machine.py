@@ -97,12 +97,19 @@ MAX_TICK = max(TICKS)
 QUIET_TICK = 5.0
 QUIET_TICKS = 80  # 400 s: past every timeout, backoff cap and liveness bound, several times
 ENGINES = [Engine(name="llama.cpp", version="b1"), Engine(name="vllm"), Engine(name="ray")]
+NODE_MEMORY_GB = 64
+# the naive model of what a shard needs of its node's memory, GiB: tiny's min_memory_gb;
+# flex on the CPU, llama-server's default prompt cache (no node reports its weights);
+# vLLM, nothing known
+SHARD_MEMORY_GB = {("tiny", "cpu"): NODE_MEMORY_GB * 5 // 8, ("flex", "cpu"): 8}
 
 PROFILES = {
+    # more than half of a node's memory: two never share a node
     "tiny": f"""
 [[models.tiny.profiles]]
 name = "cpu"
 engine = "llama.cpp"
+min_memory_gb = {NODE_MEMORY_GB * 5 // 8}
 model_path = "/models/tiny.gguf"
 startup_timeout_s = {STARTUP_S}
 """,
@@ -192,7 +199,7 @@ class Agent:
             self._inventory = Inventory(
                 hostname=self.node_id,
                 address=f"10.0.0.{self.node_id[1:]}",
-                memory=Memory(total_bytes=64 << 30),
+                memory=Memory(total_bytes=NODE_MEMORY_GB << 30),
                 gpus=[Gpu(index=i, name="H100", healthy=h) for i, h in enumerate(self.healthy)],
                 engines=list(ENGINES),
                 fabric="ib-a",
@@ -617,6 +624,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
         want = {m: n for m, n in self.replicas.items() if self.present[m]}
         if not open_ and any(want.values()):
             return False
+        if want.get("tiny", 0) > len(open_):  # a node each: two never fit in one's memory
+            return False
         caps = [sum(a.healthy) for a in open_]
         singles = sum(want.get(m, 0) for m in GPU_MODELS)
         wide = want.get("wide", 0)
@@ -729,6 +738,20 @@ class ReconcilerMachine(RuleBasedStateMachine):
         for node, gpus in allocated.gpus.items():
             stray = sorted(g for g in gpus if (node, g) not in anyone)
             assert not stray, f"allocations() holds GPUs {stray} of {node}, which no shard holds"
+
+    @invariant()
+    def no_node_holds_more_than_its_memory(self) -> None:
+        """What the shards on a node need (tiny's min_memory_gb, flex's prompt cache) never
+        adds up to more than the node has: placement subtracts what is there."""
+        held: dict[str, int] = {}
+        for r in self.rec.replicas.values():
+            for s in r.shards:
+                need = SHARD_MEMORY_GB.get((r.model, r.profile), 0)
+                held[s.node_id] = held.get(s.node_id, 0) + need
+        for node, gb in held.items():
+            assert gb <= NODE_MEMORY_GB, (
+                f"{node} holds shards needing {gb} GiB, has {NODE_MEMORY_GB} GiB: {self._describe()}"
+            )
 
     @invariant()
     def every_replica_has_a_way_out(self) -> None:

@@ -1,7 +1,9 @@
 """A real Prometheus (Debian's package; tools/setup installs it as root) scrapes a real
 fleet through packaging/prometheus.yml: every target (the server, the agent, the
 engine through its agent, a standalone router) is found by the control plane's service discovery and is
-up, and every query of packaging/grafana-dashboard.json returns data."""
+up, and every query of packaging/grafana-dashboard.json returns data. Every metrics
+listener listens on 0.0.0.0, as the packaging suggests: each is found at an address
+that reaches it, never at the wildcard."""
 
 from __future__ import annotations
 
@@ -68,21 +70,22 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
     token.write_text("prom-secret\n")
     key = new_key()
     server_extra = (
-        f'[metrics]\nlisten = "127.0.0.1:0"\ntoken_file = "{token}"\n'
+        f'[metrics]\nlisten = "0.0.0.0:0"\ntoken_file = "{token}"\n'
         '[router]\nlisten = "127.0.0.1:0"\n'
         f'[[router.keys]]\nname = "t"\nsha256 = "{hash_key(key)}"\n'
     )
-    metrics = f'[metrics]\nlisten = "127.0.0.1:0"\ntoken_file = "{token}"\n'
+    metrics = f'[metrics]\nlisten = "0.0.0.0:0"\ntoken_file = "{token}"\n'
     async with cluster(tmp_path, pki, ends_after=None, server_extra=server_extra, settle_s=1) as c:
         c.agent("n1", more=metrics)
         await c.wait_ready(1)
-        sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
+        listening = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1]
+        sd = listening.replace("0.0.0.0", "127.0.0.1") + "/sd"
         base = (await c.server.wait_log(r"OpenAI-compatible endpoint on (http://\S+/v1)"))[1]
         # a standalone router too, with its metrics behind the same token
         (tmp_path / "router.toml").write_text(
             f'admin_url = "{c.server.admin_url}"\n'
             'admin_token_file = "state/admin-token"\n'
-            'metrics_listen = "127.0.0.1:0"\n'
+            'metrics_listen = "0.0.0.0:0"\n'
             f'metrics_token_file = "{token}"\n'
             f'[router]\nlisten = "127.0.0.1:{own_port()}"\n'
             f'[[router.keys]]\nname = "t"\nsha256 = "{hash_key(key)}"\n'
@@ -110,7 +113,9 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
             hi: Any = [{"role": "user", "content": "hi"}]
             async with httpx.AsyncClient(timeout=5) as http:
                 # every target found through discovery, and up
-                with trio.fail_after(60):
+                every = {"server": "up", "agent": "up", "engine": "up", "router": "up"}
+                roles: dict[str, str] = {}
+                with trio.move_on_after(60):
                     while True:
                         try:
                             r = await http.get(f"{url}/api/v1/targets")
@@ -118,9 +123,12 @@ async def test_prometheus_finds_every_target_and_every_dashboard_query_has_data(
                         except (httpx.HTTPError, KeyError, ValueError):
                             active = []
                         roles = {t["labels"].get("role"): t["health"] for t in active}
-                        if roles == {"server": "up", "agent": "up", "engine": "up", "router": "up"}:
+                        wild = [t["scrapeUrl"] for t in active if "0.0.0.0" in t["scrapeUrl"]]
+                        assert not wild, f"targets at a wildcard address: {wild}"
+                        if roles == every:
                             break
                         await trio.sleep(0.5)
+                assert roles == every, f"targets found and their health: {roles}"
                 # traffic, streamed and not, so the request panels have something to show
                 for _ in range(3):
                     await client.chat.completions.create(model="tiny", messages=hi, max_tokens=8)

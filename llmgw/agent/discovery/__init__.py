@@ -37,6 +37,7 @@ class Discovered:
     engines: list[Engine]
     weights: list[WeightCopy]
     weights_scanned: bool
+    weights_dirs: list[str]  # the directories looked in: those that are directories
     problems: list[str]  # in words; a probe that failed says so here
     duration_s: float
 
@@ -68,12 +69,13 @@ async def discover(
     default_dir = _resolve(base, weights.default_dir)
     mounts_path = Path(settings.mounts)
 
-    def scan() -> tuple[list[WeightCopy], bool]:
+    def scan() -> tuple[list[WeightCopy], bool, list[str]]:
         # in a thread: a hung filer must not stall the event loop
         copies = scan_weights(dirs, default_dir=default_dir, mounts_path=mounts_path)
-        return copies, bool(dirs) or default_dir.is_dir()
+        looked = list(dict.fromkeys(os.path.abspath(d) for d in [*dirs, default_dir] if d.is_dir()))
+        return copies, bool(dirs) or default_dir.is_dir(), looked
 
-    copies, scanned = await trio.to_thread.run_sync(scan, abandon_on_cancel=True)
+    copies, scanned, looked = await trio.to_thread.run_sync(scan, abandon_on_cancel=True)
     return Discovered(
         hostname=socket.gethostname(),
         cpus=os.cpu_count(),
@@ -83,6 +85,7 @@ async def discover(
         engines=engines,
         weights=copies,
         weights_scanned=scanned,
+        weights_dirs=looked,
         problems=problems,
         duration_s=time.perf_counter() - started,
     )

@@ -39,7 +39,7 @@ from pathlib import Path
 import attrs
 
 from llmgw.agent.discovery.storage import Mount, classify, read_mounts
-from llmgw.gguf import INCOMPLETE_SUFFIXES, gguf_file
+from llmgw.gguf import INCOMPLETE_SUFFIXES, KvShape, gguf_file
 from llmgw.protocol.messages import WeightCopy
 
 log = logging.getLogger("llmgw.agent.discovery.weights")
@@ -240,6 +240,7 @@ class _Found:
     path: Path
     format: str
     size: int
+    kv: KvShape | None = None
 
 
 def _entries(directory: Path) -> list[os.DirEntry[str]]:
@@ -281,8 +282,8 @@ def _is_projector(name: str) -> bool:
     return name.lower().startswith("mmproj")
 
 
-def _gguf_models(files: list[Path]) -> Iterator[tuple[str, Path, int]]:
-    """(stem, first file, total size) of each whole GGUF model among ``files``.
+def _gguf_models(files: list[Path]) -> Iterator[tuple[str, Path, int, KvShape | None]]:
+    """(stem, first file, total size, KV shape) of each whole GGUF model among ``files``.
 
     A split model (``name-00001-of-00003.gguf``) counts only when every part
     is there and whole. Vision projectors (``mmproj*.gguf``) are not models.
@@ -302,20 +303,24 @@ def _gguf_models(files: list[Path]) -> Iterator[tuple[str, Path, int]]:
         if check.reason:
             log.debug("weights: %s skipped: %s", p, check.reason)
             continue
-        yield p.stem, p, _size(p)
+        yield p.stem, p, _size(p), check.kv
     for (prefix, count), parts in sorted(splits.items()):
         yield from _gguf_split(prefix, count, parts)
 
 
-def _gguf_split(prefix: str, count: int, parts: dict[int, Path]) -> Iterator[tuple[str, Path, int]]:
+def _gguf_split(
+    prefix: str, count: int, parts: dict[int, Path]
+) -> Iterator[tuple[str, Path, int, KvShape | None]]:
     missing = [i for i in range(1, count + 1) if i not in parts]
     if count == 0 or missing:
         log.debug("weights: %s skipped: parts %s of %d missing", prefix, missing[:5], count)
         return
     tensors = 0
     total = 0
+    kv = None
     for i in range(1, count + 1):
         check = gguf_file(parts[i])
+        kv = kv or check.kv  # the metadata is in the first part
         # The first part may hold only metadata (gguf-split --no-tensor-first-split).
         if check.reason and not (check.reason == "no tensors" and i == 1):
             log.debug("weights: %s skipped: %s", parts[i], check.reason)
@@ -325,7 +330,7 @@ def _gguf_split(prefix: str, count: int, parts: dict[int, Path]) -> Iterator[tup
     if tensors == 0:
         log.debug("weights: %s skipped: no tensors in any part", prefix)
         return
-    yield prefix, parts[1], total
+    yield prefix, parts[1], total, kv
 
 
 def _size(p: Path) -> int:
@@ -345,8 +350,8 @@ def _model_dir(name: str, directory: Path) -> Iterator[_Found]:
     ggufs = [Path(e.path) for e in entries if e.name.lower().endswith(".gguf") and _is_file(e)]
     several = len({_gguf_stem(p.name) for p in ggufs if not _is_projector(p.name)}) > 1
     models = list(_gguf_models(ggufs))
-    for stem, path, size in models:
-        yield _Found(f"{name}/{stem}" if several else name, path, "gguf", size)
+    for stem, path, size, kv in models:
+        yield _Found(f"{name}/{stem}" if several else name, path, "gguf", size, kv)
     hf_like = any(e.name == "config.json" or e.name.endswith(_HF_WEIGHT_SUFFIXES) for e in entries)
     if hf_like:
         check = check_hf(directory)
@@ -390,8 +395,8 @@ def _hub_repo(directory: Path, name: str) -> Iterator[_Found]:
 def _scan_root(root: Path) -> Iterator[_Found]:
     entries = _entries(root)
     top_ggufs = [Path(e.path) for e in entries if e.name.lower().endswith(".gguf") and _is_file(e)]
-    for stem, path, size in _gguf_models(top_ggufs):
-        yield _Found(stem, path, "gguf", size)
+    for stem, path, size, kv in _gguf_models(top_ggufs):
+        yield _Found(stem, path, "gguf", size, kv)
     for e in entries:
         if e.name.lower().endswith(".gguf") or not _is_dir(e):
             continue
@@ -459,6 +464,9 @@ def scan_weights(
                 storage=s.kind,
                 filesystem=s.filesystem,
                 storage_id=s.storage_id,
+                layers=f.kv.layers if f.kv else None,
+                kv_k_per_token=f.kv.k_per_token if f.kv else None,
+                kv_v_per_token=f.kv.v_per_token if f.kv else None,
             )
         )
     return copies
