@@ -46,9 +46,7 @@ no verdict for its breaker.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 
 import msgspec
 import trio
@@ -62,6 +60,7 @@ from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
 from llmgw.router.record import Record
 from llmgw.router.relay import Continuation, Relay
+from llmgw.router.render import Refused, render, said
 from llmgw.router.resume import NotResumed, Transcript
 from llmgw.router.table import RoutingTable
 from llmgw.router.verdict import Failure, Verdict, poisoned, verdict
@@ -400,110 +399,30 @@ class Proxy:
             )
             data = await up.read()
             if up.status != 200:
-                raise _Refused(f"answered {path} with {up.status}: {_said(data)}")
+                raise Refused(f"answered {path} with {up.status}: {said(data)}")
             found = msgspec.json.decode(data)
             if not isinstance(found, dict):
-                raise _Refused(f"answered {path} with no JSON object")
+                raise Refused(f"answered {path} with no JSON object")
             return found
 
         with trio.move_on_after(RESUME_TIMEOUT_S):
             try:
-                prompt, ids = await _render(ask, t)
+                prompt, ids = await render(ask, t)
                 t.prompt_tokens = len(prompt)
                 up = await self.pool.request(
                     "POST", host, port, "/v1/completions", headers, t.continuation(prompt, ids)
                 )
             except UpstreamError as exc:
                 return f"failed: {type(exc).__name__}: {exc}"
-            except _Refused as exc:
+            except Refused as exc:
                 return str(exc)
             except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
                 return f"answered what it should not: {type(exc).__name__}: {exc}"
             if up.status == 200:
                 return up
             data = await up.read()
-            return f"refused the continuation with {up.status}: {_said(data)}"
+            return f"refused the continuation with {up.status}: {said(data)}"
         return f"did not take the continuation within {RESUME_TIMEOUT_S:g} s"
-
-
-def _said(data: bytes, limit: int = 320) -> str:
-    """What an engine's error answer says, for one line: its ``error.message`` (or the
-    body), whitespace folded; a long one keeps its start and its end, where engines
-    put the cause (llama.cpp ends a template's failure with the exception it raised)."""
-    text = data.decode("utf-8", "replace")
-    with contextlib.suppress(msgspec.DecodeError):
-        found = msgspec.json.decode(data)
-        error = found.get("error") if isinstance(found, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        if isinstance(message, str):
-            text = message
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    return f"{text[: limit // 3]} ... {text[-(limit - limit // 3) :]}"
-
-
-class _Refused(Exception):
-    """An engine answered a step of rendering a continuation with other than 200."""
-
-
-_Ask = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
-# what of a chat request shapes its prompt on vLLM's /tokenize
-_VLLM_CHAT = (
-    "messages",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "mm_processor_kwargs",
-)
-
-
-async def _render(ask: _Ask, t: Transcript) -> tuple[list[int], list[int]]:
-    """The request's prompt as the new engine tokenizes it, and the ids relayed (those
-    the first engine sent, if the new one reads them as the text relayed; else the
-    text relayed, tokenized)."""
-    body = t.body
-    relayed = t.relayed()
-    prompt_in = body.get("prompt")
-    if t.family == resume.LLAMA_CPP:
-        if t.chat:
-            prompt_in = (await ask("/apply-template", body))["prompt"]
-        if not isinstance(prompt_in, list):
-            found = await ask(
-                "/tokenize", {"content": prompt_in, "add_special": True, "parse_special": True}
-            )
-            prompt_in = found["tokens"]
-        text = (await ask("/detokenize", {"tokens": t.ids}))["content"] if t.ids else ""
-        if text != relayed:
-            found = await ask(
-                "/tokenize", {"content": relayed, "add_special": False, "parse_special": False}
-            )
-            t.ids = _ints(found["tokens"])
-    else:
-        model = body.get("model")
-        if t.chat:
-            shaping = {k: body[k] for k in _VLLM_CHAT if k in body}
-            prompt_in = (await ask("/tokenize", {"model": model, **shaping}))["tokens"]
-        elif not isinstance(prompt_in, list):
-            found = await ask("/tokenize", {"model": model, "prompt": prompt_in})
-            prompt_in = found["tokens"]
-        text = (
-            (await ask("/detokenize", {"model": model, "tokens": t.ids}))["prompt"] if t.ids else ""
-        )
-        if text != relayed:
-            found = await ask(
-                "/tokenize", {"model": model, "prompt": relayed, "add_special_tokens": False}
-            )
-            t.ids = _ints(found["tokens"])
-    return _ints(prompt_in), t.ids
-
-
-def _ints(found: object) -> list[int]:
-    if not isinstance(found, list) or not all(isinstance(i, int) for i in found):
-        raise TypeError(f"not a list of token ids: {str(found)[:100]}")
-    return found
 
 
 def _fault(
