@@ -114,6 +114,13 @@ class RouterMetrics:
             ["model", "replica", "kind"],
             registry=r,
         )
+        self.refused = Counter(
+            "llmgw_router_refused",
+            "Requests refused with 400 before any engine saw them, by why: json (not "
+            "JSON), json_depth, grammar_depth, grammar_size, schema_size (router.max_*)",
+            ["why"],
+            registry=r,
+        )
         self.retries = Counter(
             "llmgw_router_retries", "Requests retried on another replica", ["model"], registry=r
         )
