@@ -15,7 +15,10 @@ A suspect fault (one the request may have caused) is held, not told to the
 breaker, until the next attempt ends: if that one fails the same way on
 another replica the request is poison and gets its error, counted against
 neither; otherwise, or when there is no next attempt, the held fault counts.
-A client that leaves mid-way settles nothing: the held fault is dropped.
+A client that leaves mid-way settles nothing: the held fault is dropped. An
+engine's death is judged by who was in flight (``poison``): a request in
+flight at two is poison, goes to no third replica, and its body is refused
+for a while.
 
 The client's ``Authorization`` (its key to the gateway) is never sent on; a
 replica whose engine has a key of its own gets that one. An engine that
@@ -53,7 +56,7 @@ import trio
 
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
-from llmgw.router import attempt, resume
+from llmgw.router import attempt, poison, resume
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
@@ -140,6 +143,7 @@ class Proxy:
         self.queue_timeout_s = queue_timeout_s
         self.resume_streams = resume_streams
         self._panicking: set[str] = set()  # models whose last pick was in panic
+        self.poison = poison.Watch()  # bodies that crashed engines lately
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
         """The response to a routed request (``record.model``, ``record.started`` set).
@@ -149,6 +153,8 @@ class Proxy:
         model = record.model
         started = record.started
         assert started is not None
+        if refused := self.poison.refuse(request.body, record, started):
+            return refused
         endpoints = self.table.endpoints.get(model, [])
         admission = self.table.admission.get(model, _NO_THRESHOLDS)
         tried: set[str] = set()
@@ -208,10 +214,13 @@ class Proxy:
             if isinstance(result, Response):
                 _count(held, now)  # another replica answered: the held fault was its replica's
                 return result
+            if record.poison:  # in flight at a second engine's death
+                record.replica = ep.key
+                return self.poison.answer(request.body, record, result.why, now)
             if failed is not None and held is not None:
                 if poisoned(failed.verdict, result.verdict):
                     record.replica = ep.key
-                    return _upstream_failed(model, result, poison=(held.key, ep.key))
+                    return _upstream_failed(model, result, poison=(held.key, ep.key), record=record)
                 _count(held, now)
             failed = result
             held = ep if failed.verdict.suspect is not None else None
@@ -225,6 +234,10 @@ class Proxy:
             _count(held, now)  # no other replica to check it against
             record.replica = ep.key
             return _upstream_failed(model, failed)
+
+    def _stream_crashed(self, body: bytes, record: Record) -> NotResumed:
+        why = self.poison.crashed(body, record, "its stream broke", trio.current_time())
+        return NotResumed("poison", why)
 
     def _panic(self, model: str, choice: Choice, record: Record) -> None:
         record.metrics.panic_routed.labels(model).inc()
@@ -327,7 +340,7 @@ class Proxy:
                 done = tried if tried is not None else set()
 
                 async def carry_on(t: Transcript) -> Continuation:
-                    return await self.carry_on(t, model, done, record)
+                    return await self.carry_on(t, model, done, record, request.body)
 
                 relay = Relay(upstream, lease, judged.outcome, record, stream, transcript, carry_on)
             else:
@@ -342,10 +355,12 @@ class Proxy:
         return Response(status, out_headers, data)
 
     async def carry_on(
-        self, t: Transcript, model: str, tried: set[str], record: Record
+        self, t: Transcript, model: str, tried: set[str], record: Record, body: bytes = b""
     ) -> Continuation:
         """A broken stream's continuation from another Ready replica of its engine (one
         not ``tried`` yet), or why there is none."""
+        if record.poison:
+            return self._stream_crashed(body, record)
         if t.remaining() == 0:
             return t.ending()
         same = [
@@ -367,6 +382,11 @@ class Proxy:
             except BaseException:
                 lease.finish(trio.current_time(), None)
                 raise
+            crashed = False
+            if isinstance(found, UpstreamError):  # its engine died under it too?
+                if attempt.failure(found) in poison.DEATHS:
+                    crashed = record.died(ep.key, answered=t.id is not None, alone=lease.alone())
+                found = f"failed: {type(found).__name__}: {found}"
             if isinstance(found, UpstreamResponse):
                 log.info(
                     "stream %s of %s broke mid-way on replica %s; replica %s carries it on "
@@ -382,12 +402,17 @@ class Proxy:
             lease.finish(trio.current_time(), "upstream_fault")
             record.upstream_error(ep.key, "resume")
             failures.append(f"replica {ep.key} {found}")
+            if crashed:
+                return self._stream_crashed(body, record)
         if failures:
             return NotResumed("refused", "; ".join(failures))
         return NotResumed("no_replica", f"no other Ready replica of {model} runs {t.family}")
 
-    async def _continue_on(self, ep: Endpoint, t: Transcript) -> UpstreamResponse | str:
-        """Ask ``ep`` for the rest of ``t``: its response, or what went wrong, in words."""
+    async def _continue_on(
+        self, ep: Endpoint, t: Transcript
+    ) -> UpstreamResponse | str | UpstreamError:
+        """Ask ``ep`` for the rest of ``t``: its response, or what went wrong (in words,
+        or the pool's exception)."""
         host, port = hostport(ep.url)
         headers = [_JSON]
         if ep.engine_key:
@@ -413,7 +438,7 @@ class Proxy:
                     "POST", host, port, "/v1/completions", headers, t.continuation(prompt, ids)
                 )
             except UpstreamError as exc:
-                return f"failed: {type(exc).__name__}: {exc}"
+                return exc
             except Refused as exc:
                 return str(exc)
             except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
@@ -434,6 +459,9 @@ def _fault(
     judged = verdict(failure, started=started)
     _end(lease, judged)
     record.upstream_error(lease.endpoint.key, attempt.kind(exc))
+    if failure in poison.DEATHS:  # the engine died with the request in flight
+        answered = started or failure is Failure.RESET
+        record.died(lease.endpoint.key, answered=answered, alone=lease.alone())
     gone = not started and failure in (Failure.CONNECT, Failure.UNANSWERED)
     return _Failed(judged, f"{type(exc).__name__}: {exc}", failover=wedged or gone)
 
@@ -450,9 +478,16 @@ def _count(held: Endpoint | None, now: float) -> None:
 
 
 def _upstream_failed(
-    model: str, failed: _Failed, *, poison: tuple[str, str] | None = None
+    model: str,
+    failed: _Failed,
+    *,
+    poison: tuple[str, str] | None = None,
+    record: Record | None = None,
 ) -> Response:
     if poison is not None:
+        suspect = failed.verdict.suspect
+        if record is not None and suspect is not None:
+            record.metrics.poisoned.labels(model, suspect.value).inc()
         log.warning(
             "request for %s failed the same way on replicas %s and %s (%s): taken for the "
             "request's own fault, counted against neither",
