@@ -198,7 +198,14 @@ def test_off_is_off_and_too_deep_to_decode_is_still_a_refusal() -> None:
 
 
 def test_not_json_is_a_refusal_that_says_so() -> None:
-    for data in (b"", b"{", b"[1]", b'{"model": 1}', chat_body() + b"garbage"):
+    for data in (
+        b"",
+        b"{",
+        b"[1]",
+        b'{"model": 1}',
+        chat_body() + b"garbage",
+        b'"' + b"[" * 200 + b'"',
+    ):
         found = read(data, Limits())
         assert isinstance(found, Refusal) and found.why == "json", data
 
