@@ -27,7 +27,8 @@ engines die per poison request.
 
 A stream carried on from another replica (``resume``) keeps its suspicion: its
 continuation dying too makes it poison, and it ends with an error event that
-says so.
+says so. What a replica found wedged (stopped, hung) cuts was at no death: its
+engine lives, and the wedge is judged by the timeout rule (``verdict``).
 
 Pure but for the responses and the log lines at the bottom: no I/O, no trio.
 """

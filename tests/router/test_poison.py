@@ -188,3 +188,50 @@ async def test_a_stream_alone_on_two_engines_that_die_goes_to_no_third(
         m = app.metrics
         assert m.not_resumed.labels("m", "poison")._value.get() == 1
         assert m.poisoned.labels("m", "crashed")._value.get() == 1
+
+
+@needs_server
+async def test_a_stream_cut_from_a_stopped_engine_is_not_taken_for_its_death(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """A stream alone on an engine that is stopped (SIGSTOP: found silent, its
+    streams cut and carried on) was not in flight at a death: when the engine that
+    carries it on is then killed, it goes on from a third and ends whole."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    procs: list[trio.Process] = []
+    async with (
+        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
+        llama_server(model, tmp_path, context=2048, name="c", procs=procs) as url_c,
+    ):
+        table = RoutingTable(scrape_s=0.2, silent_after_s=1.0)
+        table.apply(llama_routes(("a", url_a)))  # the stream starts on a
+        await nursery.start(table.run)
+        app, client = await front(nursery, table)
+        begun = trio.Event()
+
+        async def stop_a_then_kill_b() -> None:
+            await begun.wait()
+            table.apply(llama_routes(("a", url_a), ("b", url_b)))
+            procs[0].send_signal(signal.SIGSTOP)
+            async with httpx.AsyncClient(timeout=2) as http:
+                while await decoded(http, url_b) < 10:  # b carries it on now
+                    await trio.sleep(0.01)
+            table.apply(llama_routes(("a", url_a), ("b", url_b), ("c", url_c)))
+            procs[1].send_signal(signal.SIGKILL)
+
+        finishes = []
+        try:
+            with trio.fail_after(60):
+                nursery.start_soon(stop_a_then_kill_b)
+                stream = await client.chat.completions.create(
+                    model="m", messages=MESSAGES, max_tokens=LONG, stream=True
+                )
+                async for chunk in stream:
+                    begun.set()
+                    finishes += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        finally:
+            procs[0].send_signal(signal.SIGCONT)
+        assert finishes == ["length"]
+        assert app.metrics.resumed.labels("m")._value.get() == 2
+        assert app.metrics.poisoned.labels("m", "crashed")._value.get() == 0
