@@ -18,6 +18,9 @@ independent clients would), from 127.0.0.1, while each attack runs in turn:
 - ``log``:    a path whose ``%0a`` decodes to a newline (no key needed) and a
               ``model`` holding one, each followed by a forged access log line;
               then the server's log is searched for a line that starts with it.
+- ``grammar``: waves of requests whose GBNF grammar nests 25,000 deep (each
+              body different), which kill llama-server (SIGSEGV); the note says
+              whether the engine is still the process it was.
 
 For each attack it prints the good client's requests and failures from the
 attack's start until the "after" sample, and the server's RSS (MiB) and
@@ -27,6 +30,7 @@ after (a few seconds after the attack ended), from /proc.
     python tools/bench_abuse.py               # 60 x 15 MiB, 3 x 12 poison, 10,100 idle
     python tools/bench_abuse.py --quick       # small sizes, well under a minute
     python tools/bench_abuse.py --only nokey,log
+    python tools/bench_abuse.py --only grammar
 
 Every loop is bounded in count and in time; every process it starts is in
 its own session and is ended (SIGTERM, then SIGKILL) on the way out.
@@ -59,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 from tools.benchlib import free_port  # noqa: E402
 
 MIB = 1024 * 1024
-ATTACKS = ["nokey", "poison", "flood", "log"]
+ATTACKS = ["nokey", "poison", "flood", "log", "grammar"]
 FORGED = "2099-01-01 00:00:00,000 INFO llmgw.router.access: 6.6.6.6:1 POST /v1/x status=200"
 IMAGE = [
     {
@@ -493,6 +497,48 @@ def attack_log(port: int, key: str, procs: Procs) -> str:
     return f"3 requests; forged lines in the server's log: {forged_lines}"
 
 
+def attack_grammar(port: int, key: str, waves: int, burst: int, procs: Procs) -> str:
+    """``waves`` bursts of ``burst`` concurrent requests, each with a grammar nested
+    25,000 deep (llama-server dies of 20,000) and a prompt of its own; then whether
+    the engine is the process it was."""
+    statuses = collections.Counter[int]()
+    lock = threading.Lock()
+    engine = procs.procs["engine"]
+    grammar = "root ::= " + "(" * 25_000 + '"a"' + ")" * 25_000
+
+    def one(n: int) -> None:
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": f"say a, {n}"}],
+            "max_tokens": 4,
+            "grammar": grammar,
+        }
+        try:
+            status, _ = chat(port, key, body)
+        except (OSError, http.client.HTTPException):
+            status = 0
+        with lock:
+            statuses[status] += 1
+
+    for wave in range(waves):
+        threads = [
+            threading.Thread(target=one, args=(wave * burst + i,), daemon=True)
+            for i in range(burst)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        time.sleep(0.2)
+    alive = engine.poll() is None
+    state = f"alive (pid {engine.pid})" if alive else f"dead (exit {engine.returncode})"
+    return (
+        f"{waves} x {burst} requests; answers: "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(statuses.items()))
+        + f"; the engine: {state}"
+    )
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -511,8 +557,8 @@ def main() -> None:
     ap.add_argument("--only", help="comma-separated attacks: " + ",".join(ATTACKS))
     ap.add_argument("--nokey-conns", type=int, help="default 60 (quick: 8)")
     ap.add_argument("--nokey-mib", type=float, help="body sent by each, MiB; default 15 (quick: 4)")
-    ap.add_argument("--poison-waves", type=int, help="default 3 (quick: 2)")
-    ap.add_argument("--poison-burst", type=int, help="default 12 (quick: 8)")
+    ap.add_argument("--poison-waves", type=int, help="poison and grammar; default 3 (quick: 2)")
+    ap.add_argument("--poison-burst", type=int, help="poison and grammar; default 12 (quick: 8)")
     ap.add_argument("--flood-conns", type=int, help="default 10100 (quick: 300)")
     ap.add_argument("--hold", type=float, help="seconds attackers hold on; default 5 (quick: 1.5)")
     ap.add_argument("--settle", type=float, help="seconds before 'after'; default 3 (quick: 1)")
@@ -569,6 +615,8 @@ def main() -> None:
                         row["note"] = attack_poison(port, key, waves, burst)
                     elif name == "flood":
                         row["note"] = attack_flood(port, key, flood, hold)
+                    elif name == "grammar":
+                        row["note"] = attack_grammar(port, key, waves, burst, procs)
                     else:
                         row["note"] = attack_log(port, key, procs)
                 print_row(name, row)

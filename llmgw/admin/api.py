@@ -218,6 +218,8 @@ class AdminApi:
             body = msgspec.json.decode(request.body or b"{}", type=_IntentBody)
         except msgspec.DecodeError as exc:
             return error(400, f'body must be JSON like {{"intent": "drain"}}: {exc}')
+        except RecursionError:  # the decoder's bound on nesting: a client's error, not ours
+            return error(400, 'body must be JSON like {"intent": "drain"}: it nests too deep')
         if node_id not in self.control.nodes.nodes:
             return error(404, f"no node {node_id!r} has ever registered")
         try:

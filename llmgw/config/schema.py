@@ -144,10 +144,32 @@ class RouterConfig(_Section):
     # with an error event
     resume_streams: bool = True
     access_log: bool = False  # one line per request (logger llmgw.router.access), key by name
+    # what engines choke on, refused with 400 before one sees it (0: no limit): JSON
+    # nested deeper than this anywhere in a body (schemas, tools and content included)
+    max_json_depth: int = 128
+    # a grammar (grammar, guided_grammar) or regex (guided_regex) nesting its groups
+    # deeper than this (llama-server crashes at 20,000)
+    max_grammar_depth: int = 256
+    # a grammar, regex or choice list larger than this, in KiB
+    max_grammar_kb: int = 32
+    # a JSON schema (json_schema, response_format, guided_json, structured_outputs)
+    # larger than this, in KiB (llama-server takes 0.5 s to compile 16 KiB of one)
+    max_schema_kb: int = 16
 
     def validate(self) -> None:
         """The bounds on what clients may make the endpoint hold (called by the
         configs that hold a ``[router]``)."""
+        for key in ("max_json_depth", "max_grammar_depth", "max_grammar_kb", "max_schema_kb"):
+            if getattr(self, key) < 0:
+                raise ConfigError(
+                    "", f"router.{key}", f"must be 0 (no limit) or more, got {getattr(self, key)}"
+                )
+        if self.max_json_depth > 512:
+            raise ConfigError(
+                "",
+                "router.max_json_depth",
+                f"must be at most 512 (deeper JSON is not read), got {self.max_json_depth}",
+            )
         _positive("router.max_body_mb", self.max_body_mb)
         if self.max_bodies_mb < self.max_body_mb:
             raise ConfigError(

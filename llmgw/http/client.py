@@ -47,7 +47,9 @@ reuse it. When a request sent on a *reused* connection meets EOF or a reset
 before any byte of its response, the engine never answered it, and the
 request is sent again, once, on a fresh connection. A fresh connection that
 fails that way raises ``UpstreamReset(before_response=True)`` for the caller
-to decide.
+to decide, and so does one that cannot be made at all after such a close: the
+upstream died with the request on it, which a caller must not take for a
+refused connection (the request may be what killed it).
 
 Cancellation. A cancelled exchange or body read closes its connection at
 once, so the engine sees the client go and stops generating.
@@ -523,6 +525,7 @@ class UpstreamPool:
         head_only = method == "HEAD"
         key = (host, port)
         idle = self._idle.get(key)
+        stale: UpstreamReset | None = None
         if idle:
             conn = self._take(idle)
             if conn is not None:
@@ -533,9 +536,17 @@ class UpstreamPool:
                         raise
                     # A stale keep-alive connection: the upstream never saw the
                     # request. Once more on a fresh connection.
+                    stale = exc
         if self._closed:
             raise ConnectFailed(f"{host}:{port}: the pool is closed")
-        conn = await self._connect(host, port, key)
+        try:
+            conn = await self._connect(host, port, key)
+        except ConnectFailed:
+            if stale is None:
+                raise
+            # closed under the request, then no connection: the upstream died with the
+            # request on it (it may have been what killed it), which is not "refused"
+            raise stale from None
         return await self._exchange(conn, head, body, head_only, close)
 
     def stream(

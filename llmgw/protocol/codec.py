@@ -31,7 +31,8 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> AnyMes
     Raises:
         MessageTooLarge: before any decoding, so a huge message costs nothing.
         UnknownMessageType: the ``type`` tag names no message of this version.
-        MalformedMessage: anything else that is not a well-formed message.
+        MalformedMessage: anything else that is not a well-formed message (one
+            nested too deep included).
     """
     if len(data) > max_bytes:
         raise MessageTooLarge(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
@@ -44,6 +45,8 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> AnyMes
         raise MalformedMessage(f"malformed message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise MalformedMessage(f"not MessagePack: {exc}") from None
+    except RecursionError:  # the decoder's own bound on nesting, hundreds of levels deep
+        raise MalformedMessage("malformed message: it nests too deep to decode") from None
 
 
 def _peek_tag(data: bytes) -> str | None:

@@ -7,7 +7,9 @@ models). Everything that needs no body is answered there: a request without
 a good key gets its 401 with none of its body read, however much it sends,
 so a client without a key cannot make the server hold memory. Only then is
 the body read, and its JSON only for ``model`` and ``stream`` (the body is
-forwarded as is). A model the table does not know is 404; one it knows that
+forwarded as is), and for what engines are known to choke on (``guards``: JSON
+nested too deep, a grammar or schema too deep or too large), which is refused
+with a 400 that names the field and the limit. A model the table does not know is 404; one it knows that
 the key may not use is 403. A model the key may use and the table knows is
 routed: ``Proxy`` sends it to a replica and says what the client gets.
 
@@ -30,6 +32,7 @@ import trio
 
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamPool
+from llmgw.router import guards
 from llmgw.router.balancer import RetryBudget
 from llmgw.router.errors import error_body, openai_error
 from llmgw.router.keys import ApiKey, KeyRing
@@ -44,14 +47,6 @@ __all__ = ["ROUTES", "RouterApp", "error_body"]
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 
 
-class _Body(msgspec.Struct):
-    model: str = ""
-    stream: bool = False
-
-
-_decoder = msgspec.json.Decoder(_Body)
-
-
 class RouterApp:
     def __init__(
         self,
@@ -64,8 +59,10 @@ class RouterApp:
         queue_timeout_s: float = 0.0,
         access_log: bool = False,
         resume_streams: bool = True,
+        limits: guards.Limits = guards.Limits(),  # noqa: B008 (frozen)
     ) -> None:
         self.table = table
+        self.limits = limits
         self.keys = keys
         self.metrics = metrics or RouterMetrics()
         self.access_log = access_log
@@ -135,10 +132,10 @@ class RouterApp:
 
     async def _route(self, request: Request, record: Record, key: ApiKey) -> Response:
         """A request with a good key for an endpoint that routes: read the model, send it on."""
-        try:
-            body = _decoder.decode(request.body)
-        except msgspec.DecodeError as exc:
-            return openai_error(400, f"the body is not the JSON this endpoint takes: {exc}")
+        body = guards.read(request.body, self.limits)
+        if isinstance(body, guards.Refusal):
+            self.metrics.refused.labels(body.why).inc()
+            return openai_error(400, body.message, code=body.code, param=body.param)
         if not body.model:
             return openai_error(400, "the body names no model", code="missing_model")
         record.model = body.model  # as asked, known or not

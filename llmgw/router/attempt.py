@@ -47,12 +47,18 @@ def kind(exc: UpstreamError) -> str:
 class Lease:
     """One request on one replica: counted from the start, ended exactly once."""
 
-    __slots__ = ("endpoint", "open")
+    __slots__ = ("endpoint", "open", "seq", "sole")
 
     def __init__(self, endpoint: Endpoint, now: float) -> None:
         endpoint.start(now)
         self.endpoint = endpoint
         self.open = True
+        self.seq = endpoint.sent
+        self.sole = endpoint.in_flight == 1  # nothing else in flight there as it started
+
+    def alone(self) -> bool:
+        """Nothing else was in flight on the replica from this request's start on."""
+        return self.sole and self.endpoint.sent == self.seq
 
     def finish(self, now: float, outcome: Outcome | None) -> None:
         """Tell the replica the request ended (``None``: abandoned, no verdict)."""

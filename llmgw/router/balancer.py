@@ -84,6 +84,7 @@ class Endpoint:
     ready: bool = True  # Ready in the control plane's table
     draining: bool = False  # no new requests; in-flight ones finish
     in_flight: int = 0  # this router's own count, always fresh
+    sent: int = 0  # requests sent to it, ever (who was in flight when its engine died)
     load: LoadSignals | None = None
     load_at: float | None = None  # when ``load`` was scraped
     in_flight_at_load: int = 0  # ``in_flight`` when ``load`` was read
@@ -111,6 +112,7 @@ class Endpoint:
     def start(self, now: float) -> None:
         """A request was sent to it: count it, and tell the breaker."""
         self.in_flight += 1
+        self.sent += 1
         self.breaker.on_start(now)
 
     def finish(self, now: float, outcome: Outcome | None) -> None:

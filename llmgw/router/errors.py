@@ -8,9 +8,14 @@ from llmgw.http import Response
 
 
 def openai_error(
-    status: int, message: str, kind: str = "invalid_request_error", code: str | None = None
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
 ) -> Response:
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    """``param``: the request's field at fault, if one is."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return Response(status, [("content-type", "application/json")], msgspec.json.encode(body))
 
 

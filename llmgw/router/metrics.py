@@ -114,6 +114,21 @@ class RouterMetrics:
             ["model", "replica", "kind"],
             registry=r,
         )
+        self.refused = Counter(
+            "llmgw_router_refused",
+            "Requests refused with 400 before any engine saw them, by why: json (not "
+            "JSON), json_depth, grammar_depth, grammar_size, schema_size (router.max_*)",
+            ["why"],
+            registry=r,
+        )
+        self.poisoned = Counter(
+            "llmgw_router_poisoned",
+            "Requests taken for their own fault and sent to no other replica, by how: "
+            "crashed (in flight at two engines' deaths), remembered (a body that did so "
+            "lately, refused at once), gateway or timeout (the same failure on two replicas)",
+            ["model", "how"],
+            registry=r,
+        )
         self.retries = Counter(
             "llmgw_router_retries", "Requests retried on another replica", ["model"], registry=r
         )

@@ -15,7 +15,10 @@ A suspect fault (one the request may have caused) is held, not told to the
 breaker, until the next attempt ends: if that one fails the same way on
 another replica the request is poison and gets its error, counted against
 neither; otherwise, or when there is no next attempt, the held fault counts.
-A client that leaves mid-way settles nothing: the held fault is dropped.
+A client that leaves mid-way settles nothing: the held fault is dropped. An
+engine's death is judged by who was in flight (``poison``): a request in
+flight at two is poison, goes to no third replica, and its body is refused
+for a while.
 
 The client's ``Authorization`` (its key to the gateway) is never sent on; a
 replica whose engine has a key of its own gets that one. An engine that
@@ -46,22 +49,21 @@ no verdict for its breaker.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 
 import msgspec
 import trio
 
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
-from llmgw.router import attempt, resume
+from llmgw.router import attempt, poison, resume
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
 from llmgw.router.record import Record
 from llmgw.router.relay import Continuation, Relay
+from llmgw.router.render import Refused, render, said
 from llmgw.router.resume import NotResumed, Transcript
 from llmgw.router.table import RoutingTable
 from llmgw.router.verdict import Failure, Verdict, poisoned, verdict
@@ -141,6 +143,7 @@ class Proxy:
         self.queue_timeout_s = queue_timeout_s
         self.resume_streams = resume_streams
         self._panicking: set[str] = set()  # models whose last pick was in panic
+        self.poison = poison.Watch()  # bodies that crashed engines lately
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
         """The response to a routed request (``record.model``, ``record.started`` set).
@@ -150,6 +153,8 @@ class Proxy:
         model = record.model
         started = record.started
         assert started is not None
+        if refused := self.poison.refuse(request.body, record, started):
+            return refused
         endpoints = self.table.endpoints.get(model, [])
         admission = self.table.admission.get(model, _NO_THRESHOLDS)
         tried: set[str] = set()
@@ -209,10 +214,13 @@ class Proxy:
             if isinstance(result, Response):
                 _count(held, now)  # another replica answered: the held fault was its replica's
                 return result
+            if record.poison:  # in flight at a second engine's death
+                record.replica = ep.key
+                return self.poison.answer(request.body, record, result.why, now)
             if failed is not None and held is not None:
                 if poisoned(failed.verdict, result.verdict):
                     record.replica = ep.key
-                    return _upstream_failed(model, result, poison=(held.key, ep.key))
+                    return _upstream_failed(model, result, poison=(held.key, ep.key), record=record)
                 _count(held, now)
             failed = result
             held = ep if failed.verdict.suspect is not None else None
@@ -226,6 +234,10 @@ class Proxy:
             _count(held, now)  # no other replica to check it against
             record.replica = ep.key
             return _upstream_failed(model, failed)
+
+    def _stream_crashed(self, body: bytes, record: Record) -> NotResumed:
+        why = self.poison.crashed(body, record, "its stream broke", trio.current_time())
+        return NotResumed("poison", why)
 
     def _panic(self, model: str, choice: Choice, record: Record) -> None:
         record.metrics.panic_routed.labels(model).inc()
@@ -328,7 +340,7 @@ class Proxy:
                 done = tried if tried is not None else set()
 
                 async def carry_on(t: Transcript) -> Continuation:
-                    return await self.carry_on(t, model, done, record)
+                    return await self.carry_on(t, model, done, record, request.body)
 
                 relay = Relay(upstream, lease, judged.outcome, record, stream, transcript, carry_on)
             else:
@@ -343,10 +355,12 @@ class Proxy:
         return Response(status, out_headers, data)
 
     async def carry_on(
-        self, t: Transcript, model: str, tried: set[str], record: Record
+        self, t: Transcript, model: str, tried: set[str], record: Record, body: bytes = b""
     ) -> Continuation:
         """A broken stream's continuation from another Ready replica of its engine (one
         not ``tried`` yet), or why there is none."""
+        if record.poison:
+            return self._stream_crashed(body, record)
         if t.remaining() == 0:
             return t.ending()
         same = [
@@ -368,6 +382,11 @@ class Proxy:
             except BaseException:
                 lease.finish(trio.current_time(), None)
                 raise
+            crashed = False
+            if isinstance(found, UpstreamError):  # its engine died under it too?
+                if attempt.failure(found) in poison.DEATHS:
+                    crashed = record.died(ep.key, answered=t.id is not None, alone=lease.alone())
+                found = f"failed: {type(found).__name__}: {found}"
             if isinstance(found, UpstreamResponse):
                 log.info(
                     "stream %s of %s broke mid-way on replica %s; replica %s carries it on "
@@ -383,12 +402,17 @@ class Proxy:
             lease.finish(trio.current_time(), "upstream_fault")
             record.upstream_error(ep.key, "resume")
             failures.append(f"replica {ep.key} {found}")
+            if crashed:
+                return self._stream_crashed(body, record)
         if failures:
             return NotResumed("refused", "; ".join(failures))
         return NotResumed("no_replica", f"no other Ready replica of {model} runs {t.family}")
 
-    async def _continue_on(self, ep: Endpoint, t: Transcript) -> UpstreamResponse | str:
-        """Ask ``ep`` for the rest of ``t``: its response, or what went wrong, in words."""
+    async def _continue_on(
+        self, ep: Endpoint, t: Transcript
+    ) -> UpstreamResponse | str | UpstreamError:
+        """Ask ``ep`` for the rest of ``t``: its response, or what went wrong (in words,
+        or the pool's exception)."""
         host, port = hostport(ep.url)
         headers = [_JSON]
         if ep.engine_key:
@@ -400,110 +424,30 @@ class Proxy:
             )
             data = await up.read()
             if up.status != 200:
-                raise _Refused(f"answered {path} with {up.status}: {_said(data)}")
+                raise Refused(f"answered {path} with {up.status}: {said(data)}")
             found = msgspec.json.decode(data)
             if not isinstance(found, dict):
-                raise _Refused(f"answered {path} with no JSON object")
+                raise Refused(f"answered {path} with no JSON object")
             return found
 
         with trio.move_on_after(RESUME_TIMEOUT_S):
             try:
-                prompt, ids = await _render(ask, t)
+                prompt, ids = await render(ask, t)
                 t.prompt_tokens = len(prompt)
                 up = await self.pool.request(
                     "POST", host, port, "/v1/completions", headers, t.continuation(prompt, ids)
                 )
             except UpstreamError as exc:
-                return f"failed: {type(exc).__name__}: {exc}"
-            except _Refused as exc:
+                return exc
+            except Refused as exc:
                 return str(exc)
             except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
                 return f"answered what it should not: {type(exc).__name__}: {exc}"
             if up.status == 200:
                 return up
             data = await up.read()
-            return f"refused the continuation with {up.status}: {_said(data)}"
+            return f"refused the continuation with {up.status}: {said(data)}"
         return f"did not take the continuation within {RESUME_TIMEOUT_S:g} s"
-
-
-def _said(data: bytes, limit: int = 320) -> str:
-    """What an engine's error answer says, for one line: its ``error.message`` (or the
-    body), whitespace folded; a long one keeps its start and its end, where engines
-    put the cause (llama.cpp ends a template's failure with the exception it raised)."""
-    text = data.decode("utf-8", "replace")
-    with contextlib.suppress(msgspec.DecodeError):
-        found = msgspec.json.decode(data)
-        error = found.get("error") if isinstance(found, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        if isinstance(message, str):
-            text = message
-    text = " ".join(text.split())
-    if len(text) <= limit:
-        return text
-    return f"{text[: limit // 3]} ... {text[-(limit - limit // 3) :]}"
-
-
-class _Refused(Exception):
-    """An engine answered a step of rendering a continuation with other than 200."""
-
-
-_Ask = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
-# what of a chat request shapes its prompt on vLLM's /tokenize
-_VLLM_CHAT = (
-    "messages",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "mm_processor_kwargs",
-)
-
-
-async def _render(ask: _Ask, t: Transcript) -> tuple[list[int], list[int]]:
-    """The request's prompt as the new engine tokenizes it, and the ids relayed (those
-    the first engine sent, if the new one reads them as the text relayed; else the
-    text relayed, tokenized)."""
-    body = t.body
-    relayed = t.relayed()
-    prompt_in = body.get("prompt")
-    if t.family == resume.LLAMA_CPP:
-        if t.chat:
-            prompt_in = (await ask("/apply-template", body))["prompt"]
-        if not isinstance(prompt_in, list):
-            found = await ask(
-                "/tokenize", {"content": prompt_in, "add_special": True, "parse_special": True}
-            )
-            prompt_in = found["tokens"]
-        text = (await ask("/detokenize", {"tokens": t.ids}))["content"] if t.ids else ""
-        if text != relayed:
-            found = await ask(
-                "/tokenize", {"content": relayed, "add_special": False, "parse_special": False}
-            )
-            t.ids = _ints(found["tokens"])
-    else:
-        model = body.get("model")
-        if t.chat:
-            shaping = {k: body[k] for k in _VLLM_CHAT if k in body}
-            prompt_in = (await ask("/tokenize", {"model": model, **shaping}))["tokens"]
-        elif not isinstance(prompt_in, list):
-            found = await ask("/tokenize", {"model": model, "prompt": prompt_in})
-            prompt_in = found["tokens"]
-        text = (
-            (await ask("/detokenize", {"model": model, "tokens": t.ids}))["prompt"] if t.ids else ""
-        )
-        if text != relayed:
-            found = await ask(
-                "/tokenize", {"model": model, "prompt": relayed, "add_special_tokens": False}
-            )
-            t.ids = _ints(found["tokens"])
-    return _ints(prompt_in), t.ids
-
-
-def _ints(found: object) -> list[int]:
-    if not isinstance(found, list) or not all(isinstance(i, int) for i in found):
-        raise TypeError(f"not a list of token ids: {str(found)[:100]}")
-    return found
 
 
 def _fault(
@@ -515,6 +459,9 @@ def _fault(
     judged = verdict(failure, started=started)
     _end(lease, judged)
     record.upstream_error(lease.endpoint.key, attempt.kind(exc))
+    if failure in poison.DEATHS:  # the engine died with the request in flight
+        answered = started or failure is Failure.RESET
+        record.died(lease.endpoint.key, answered=answered, alone=lease.alone())
     gone = not started and failure in (Failure.CONNECT, Failure.UNANSWERED)
     return _Failed(judged, f"{type(exc).__name__}: {exc}", failover=wedged or gone)
 
@@ -531,9 +478,16 @@ def _count(held: Endpoint | None, now: float) -> None:
 
 
 def _upstream_failed(
-    model: str, failed: _Failed, *, poison: tuple[str, str] | None = None
+    model: str,
+    failed: _Failed,
+    *,
+    poison: tuple[str, str] | None = None,
+    record: Record | None = None,
 ) -> Response:
     if poison is not None:
+        suspect = failed.verdict.suspect
+        if record is not None and suspect is not None:
+            record.metrics.poisoned.labels(model, suspect.value).inc()
         log.warning(
             "request for %s failed the same way on replicas %s and %s (%s): taken for the "
             "request's own fault, counted against neither",

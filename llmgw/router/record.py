@@ -32,6 +32,7 @@ from llmgw.addr import join_hostport
 from llmgw.http import Request, printable
 from llmgw.router.breaker import Outcome
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.poison import Crashes
 
 access_log = logging.getLogger("llmgw.router.access")
 
@@ -51,6 +52,7 @@ class Record:
 
     __slots__ = (
         "arrived",
+        "crashes",
         "done",
         "key",
         "metrics",
@@ -76,6 +78,18 @@ class Record:
         self.ttft: float | None = None
         self.tokens = 0
         self.done = False
+        self.crashes: Crashes | None = None  # the engine deaths it was in flight at
+
+    def died(self, replica: str, *, answered: bool, alone: bool) -> bool:
+        """``replica``'s engine died with the request in flight on it (see
+        ``llmgw.router.poison``); True: the request is poison."""
+        if self.crashes is None:
+            self.crashes = Crashes()
+        return self.crashes.died(replica, answered=answered, alone=alone)
+
+    @property
+    def poison(self) -> bool:
+        return self.crashes is not None and self.crashes.poison
 
     def route(self, now: float) -> None:
         """The model is known and the key may use it: from now on the request counts."""

@@ -243,6 +243,8 @@ class Relay:
         lease = self._lease
         failed = lease.endpoint
         self._record.upstream_error(failed.key, attempt.kind(exc))
+        if isinstance(exc, UpstreamReset) and not self._cut:  # its engine died (poison)
+            self._record.died(failed.key, answered=True, alone=lease.alone())
         self._upstream.body_iter.close()
         failed.streams.discard(self)
         lease.finish(trio.current_time(), verdict(attempt.failure(exc), started=True).outcome)

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A streamed chat or completion that can be carried on (``plan``: one choice, no
-tools, no forced format, no log-probabilities asked for) asks its engine for
+tools, no forced format or grammar, no log-probabilities asked for) asks its engine for
 the ids of the tokens it generates: llama.cpp gives them with each token's
 probability (``n_probs`` 1, read after sampling, so the engine does no extra
 pass over the vocabulary), vLLM in ``token_ids`` (``return_token_ids``). Each
@@ -80,6 +80,18 @@ _CARRIED = (
     "samplers",
     "skip_special_tokens",
     "stream_options",
+)
+
+
+# what constrains a reply's whole text (llama.cpp's and vLLM's names): not carried on
+_CONSTRAINTS = (
+    "grammar",
+    "json_schema",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
 )
 
 
@@ -327,6 +339,10 @@ def plan(raw: bytes, chat: bool) -> Transcript | NotResumed:
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         return NotResumed("response_format", "it asked for a response format")
+    # a continuation would lose the constraint (its state is the whole output's)
+    constrained = next((k for k in _CONSTRAINTS if body.get(k) is not None), None)
+    if constrained is not None:
+        return NotResumed("response_format", f"it constrained its output ({constrained})")
     if body.get("logprobs") or body.get("top_logprobs") or body.get("n_probs"):
         return NotResumed("logprobs", "it asked for log-probabilities")
     if not chat:

@@ -59,7 +59,10 @@ request's next attempt, on another replica, ends some other way (an answer,
 a connect error, another kind of fault), or when no other attempt is made.
 When the next attempt fails the same way (the same ``suspect``), the request
 is poison: it gets its error at once, no further attempt is made, and
-neither replica's breaker counts it (``poisoned``). A connect error, or a
+neither replica's breaker counts it (``poisoned``). A connection closed
+(``closed``) is an engine's death, shared by every request in flight on it:
+whether this request caused it is judged by ``llmgw.router.poison`` (in flight
+at two engines' deaths, suspect at the first), not by two alike. A connect error, or a
 connect timeout, is never suspect: nothing was sent, so the request cannot
 have caused it.
 
@@ -181,5 +184,11 @@ def verdict(ended: int | Failure, *, started: bool = False) -> Verdict:
 def poisoned(first: Verdict, then: Verdict) -> bool:
     """Whether a request whose attempt ended in ``first`` and whose next, on
     another replica, ended in ``then`` failed the same way twice: the
-    request's fault, counted against neither replica."""
-    return first.suspect is not None and then.suspect is first.suspect
+    request's fault, counted against neither replica. A closed connection is
+    an engine's death, which other requests in flight share: who caused it is
+    judged by ``llmgw.router.poison``, not here."""
+    return (
+        first.suspect is not None
+        and first.suspect is not Suspect.CLOSED
+        and then.suspect is first.suspect
+    )

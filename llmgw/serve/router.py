@@ -30,6 +30,7 @@ from llmgw.http.client import ClientLimits, UpstreamPool
 from llmgw.http.metrics import metrics_app, registry_page
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
+from llmgw.router.guards import Limits
 from llmgw.router.keys import KeyRing, api_keys
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import HttpWatch, RoutingTable
@@ -60,6 +61,7 @@ def router_app(
         queue_timeout_s=config.queue_timeout_s,
         access_log=config.access_log,
         resume_streams=config.resume_streams,
+        limits=guard_limits(config),
     )
     return HttpServer(
         app,
@@ -72,6 +74,16 @@ def router_app(
         error_body=error_body,
         name="router",
         admit=app.admit,  # the key is checked from the head, before any body is kept
+    )
+
+
+def guard_limits(config: RouterConfig) -> Limits:
+    """What a request may ask of an engine (``llmgw.router.guards``), from the config."""
+    return Limits(
+        json_depth=config.max_json_depth,
+        grammar_depth=config.max_grammar_depth,
+        grammar_bytes=config.max_grammar_kb * 1024,
+        schema_bytes=config.max_schema_kb * 1024,
     )
 
 

@@ -80,8 +80,10 @@ def test_bench_agents_holds_a_small_fleet() -> None:
 def test_bench_abuse_runs_every_attack() -> None:
     text = run_tool("tools/bench_abuse.py", "--quick", timeout=180)
     rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1]}
-    assert {"nokey", "poison", "flood", "log"} <= set(rows), text
+    assert {"nokey", "poison", "flood", "log", "grammar"} <= set(rows), text
     assert "forged lines in the server's log: 0" in rows["log"], text
+    assert "the engine: alive" in rows["grammar"], text  # refused before it saw them
+    assert rows["grammar"].split()[2] == "0", text  # the good client failed nothing
 
 
 def test_bench_reload_runs() -> None:

@@ -570,6 +570,38 @@ async def test_retry_happens_only_once(nursery: trio.Nursery, make_pool: MakePoo
     assert pool.connections_opened == 2  # the reused one, then one fresh retry
 
 
+async def test_an_upstream_that_dies_under_a_reused_connection_is_a_reset(
+    make_pool: MakePool,
+) -> None:
+    """It answers once (kept alive), reads the next request, then dies: the
+    connection closes and its port refuses. That is the request's connection closed
+    without a response (the upstream may have died of it), not a refused connect."""
+    listener = trio.socket.socket()
+    await listener.bind((HOST, 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+
+    async def serve() -> None:
+        sock, _ = await listener.accept()
+        stream = trio.SocketStream(sock)
+        await read_raw_until(stream, b"\r\n\r\n")
+        await stream.send_all(ok(b"first"))
+        await read_raw_until(stream, b"\r\n\r\n")
+        listener.close()  # the process is gone: nothing listens any more
+        await stream.aclose()
+
+    pool = make_pool()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            response = await pool.request("GET", HOST, port, "/", [], b"")
+            assert await response.read() == b"first"
+            with pytest.raises(UpstreamReset) as info:
+                await pool.request("GET", HOST, port, "/", [], b"")
+    assert info.value.before_response
+    assert "connection closed without a response" in str(info.value)
+
+
 async def test_no_retry_once_response_bytes_arrived(
     nursery: trio.Nursery, make_pool: MakePool
 ) -> None:

@@ -150,6 +150,8 @@ def test_what_cannot_be_carried_on_says_why() -> None:
         b'{"model":"m","messages":[],"tools":[{"type":"function"}]}': "tools",
         b'{"model":"m","messages":[],"response_format":{"type":"json_object"}}': "response_format",
         b'{"model":"m","messages":[],"logprobs":true}': "logprobs",
+        b'{"model":"m","messages":[],"grammar":"root ::= x"}': "response_format",
+        b'{"model":"m","messages":[],"guided_json":{}}': "response_format",
         b"[1]": "request",
     }
     for body, label in cases.items():
@@ -336,6 +338,8 @@ async def test_a_whole_reply_cut_after_its_head_is_asked_again_of_another_replic
         ("small", "refused", "could not go on elsewhere: replica b refused the continuation"),
         ("alone", "no_replica", "could not go on elsewhere: no other Ready replica of m"),
         ("template", "refused", "Conversation roles must alternate"),
+        # a continuation would drop the grammar: a kept constraint, or an error event
+        ("grammar", "response_format", "it constrained its output (grammar)"),
     ],
 )
 async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why(
@@ -377,6 +381,7 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
                 temperature=0,
                 n=2 if case == "n" else 1,
                 stream=True,
+                extra_body={"grammar": "root ::= [a-z ]+"} if case == "grammar" else None,
             )
             async for chunk in stream:
                 read.append(chunk)

@@ -229,7 +229,8 @@ def test_only_a_retried_fault_is_suspect_and_a_failure_to_connect_never() -> Non
         (504, 504, True),
         (503, Failure.TIMEOUT, False),
         (Failure.TIMEOUT, Failure.TIMEOUT, True),
-        (Failure.UNANSWERED, Failure.UNANSWERED, True),
+        # an engine's death: judged by who was in flight (llmgw.router.poison)
+        (Failure.UNANSWERED, Failure.UNANSWERED, False),
         (Failure.UNANSWERED, Failure.TIMEOUT, False),
         (Failure.TIMEOUT, 200, False),  # another replica answered: the first one's fault
         (Failure.TIMEOUT, 500, False),

@@ -235,6 +235,10 @@ def _register(node: str = "n3") -> bytes:
     return encode(Register(node_id=node, inventory=Inventory()))
 
 
+# a MessagePack map {"type": "Heartbeat", "x": <what follows>}
+_HEARTBEAT_X = b"\x82\xa4type\xa9Heartbeat\xa1x"
+
+
 @pytest.mark.parametrize(
     ("frames", "code", "reason"),
     [
@@ -248,8 +252,18 @@ def _register(node: str = "n3") -> bytes:
         ([encode(Heartbeat(seq=1, sent_at=0))], CloseCode.OUT_OF_ORDER, "OutOfOrder"),
         ([_register(), _register()], CloseCode.OUT_OF_ORDER, "OutOfOrder"),
         (["text, not binary"], CloseCode.MALFORMED, "MalformedMessage"),
+        # a field nesting arrays 5,000 deep (the decoder's recursion: never a crash)
+        ([_HEARTBEAT_X + b"\x91" * 5000 + b"\xc0"], CloseCode.MALFORMED, "MalformedMessage"),
     ],
-    ids=["malformed", "unknown-tag", "too-large", "heartbeat-first", "register-twice", "text"],
+    ids=[
+        "malformed",
+        "unknown-tag",
+        "too-large",
+        "heartbeat-first",
+        "register-twice",
+        "text",
+        "deep",
+    ],
 )
 async def test_bad_messages_close_with_a_code_and_reason(
     pki: Pki, frames: list[bytes | str], code: CloseCode, reason: str
