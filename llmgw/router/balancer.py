@@ -216,11 +216,15 @@ def _has_work(endpoint: Endpoint, load: LoadSignals) -> bool:
     return endpoint.in_flight > 0 or (load.running or 0) > 0 or (load.waiting or 0) > 0
 
 
+_SILENT = "requests in flight and not a byte of them nor an answer to a metrics scrape"
+
+
 def note_heard(endpoint: Endpoint, now: float) -> None:
     """Keep when the replica was last heard from: a chunk relayed since the last
-    judgement, or a scrape it answered since. With nothing in flight its clock restarts."""
+    judgement, or a scrape it answered since. With nothing in flight its clock restarts,
+    unless it is held silent: that lasts until it is heard from."""
     if (
-        endpoint.in_flight == 0
+        (endpoint.in_flight == 0 and _SILENT not in endpoint.wedged)
         or endpoint.chunks != endpoint.chunks_heard
         or endpoint.heard_at is None
         or (endpoint.load_at is not None and endpoint.load_at > endpoint.heard_at)
@@ -236,16 +240,17 @@ def silent(endpoint: Endpoint, now: float, after_s: float) -> str:
     chunk of any of their bodies came back and no scrape of its metrics was answered
     (a stopped process, a hung host, a link that went dark). An engine that is merely
     slow still answers its metrics between its steps; one busy on a long prefill still
-    sends its streams' tokens or answers a scrape."""
-    if after_s <= 0 or endpoint.in_flight == 0 or endpoint.heard_at is None:
+    sends its streams' tokens or answers a scrape. Once found silent it stays so until
+    it is heard from again: moving its work elsewhere does not make it answer, and the
+    control plane restarts it only after it has been held wedged for a grace."""
+    if after_s <= 0 or endpoint.heard_at is None:
         return ""
     quiet = now - endpoint.heard_at
     if quiet < after_s:
         return ""
-    return (
-        f"{endpoint.in_flight} requests in flight and not a byte of them nor an answer "
-        f"to a metrics scrape for {quiet:.0f} s"
-    )
+    if endpoint.in_flight == 0:
+        return endpoint.wedged if _SILENT in endpoint.wedged else ""
+    return f"{endpoint.in_flight} {_SILENT} for {quiet:.0f} s"
 
 
 def wedged(

@@ -77,6 +77,25 @@ def test_work_and_nothing_heard_for_long_enough_is_silent() -> None:
     assert silent(ep, NOW + 125, 0) == ""  # silent_after_s = 0: never judged
 
 
+def test_a_silent_engine_stays_so_once_its_work_has_moved_until_it_is_heard() -> None:
+    """Its requests cut and carried on elsewhere, a stopped engine has nothing in flight
+    but has still answered nothing: it stays held wedged (so the control plane restarts
+    it after its grace), until a scrape is answered."""
+    ep = Endpoint(key="r", model="m", url="http://r")
+    note_heard(ep, NOW)
+    ep.in_flight = 3
+    note_heard(ep, NOW + 1)
+    ep.wedged = silent(ep, NOW + 9, 8)
+    assert ep.wedged.startswith("3 requests in flight and not a byte")
+    ep.in_flight = 0  # cut, and carried on elsewhere
+    for t in (10, 20, 60):
+        note_heard(ep, NOW + t)
+        assert silent(ep, NOW + t, 8) == ep.wedged
+    reading(ep, NOW + 61, 500)  # it answers a scrape again
+    note_heard(ep, NOW + 61)
+    assert silent(ep, NOW + 61, 8) == ""
+
+
 def test_an_idle_engine_is_never_wedged_and_its_clock_restarts() -> None:
     ep = Endpoint(key="r", model="m", url="http://r")
     reading(ep, NOW, 500, running=0)
