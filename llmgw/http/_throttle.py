@@ -17,14 +17,17 @@ WARN_INTERVAL_S = 10.0
 
 
 class Throttled:
-    """``warn`` logs ``message % args`` at most once per ``WARN_INTERVAL_S``."""
+    """``warn`` logs ``message % args`` at most once per ``WARN_INTERVAL_S``; ``count``
+    is every call (a metric's counter)."""
 
     def __init__(self, message: str) -> None:
         self.message = message
         self.last = -WARN_INTERVAL_S
         self.suppressed = 0
+        self.count = 0
 
     def warn(self, *args: object) -> None:
+        self.count += 1
         now = trio.current_time()
         if now - self.last < WARN_INTERVAL_S:
             self.suppressed += 1

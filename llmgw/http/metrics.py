@@ -15,10 +15,13 @@ only serves GET holds nothing for whoever can reach it.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from llmgw.http.server import HttpServer
 from llmgw.http.types import Request, Response
 
 _TEXT = [("content-type", "text/plain")]
@@ -120,3 +123,41 @@ def _engine_path(path: str) -> str | None:
     if len(parts) == 4 and parts[1] == "engines" and parts[3] == "metrics" and parts[2]:
         return parts[2]
     return None
+
+
+class _ListenersCollector(Collector):
+    def __init__(self, servers: Mapping[str, HttpServer]) -> None:
+        self._servers = servers
+
+    def collect(self) -> Iterable[Metric]:
+        connections = GaugeMetricFamily(
+            "llmgw_http_connections", "Connections open now", labels=["listener"]
+        )
+        limit = GaugeMetricFamily(
+            "llmgw_http_max_connections",
+            "Connections the listener takes (max_connections, as cut to the open-files limit)",
+            labels=["listener"],
+        )
+        bodies = GaugeMetricFamily(
+            "llmgw_http_body_bytes",
+            "Request body bytes held now (max_bodies_mb, shared per key and per address)",
+            labels=["listener"],
+        )
+        cuts = CounterMetricFamily(
+            "llmgw_http_cut",
+            "Connections and requests refused or cut so that one client cannot take what"
+            " others need, by reason",
+            labels=["listener", "reason"],
+        )
+        for name, server in self._servers.items():
+            connections.add_metric([name], server.open_connections)
+            limit.add_metric([name], server.limits.max_connections)
+            bodies.add_metric([name], server.body_bytes)
+            for reason, n in server.cuts().items():
+                cuts.add_metric([name, reason], n)
+        return [connections, limit, bodies, cuts]
+
+
+def watch_listeners(registry: CollectorRegistry, servers: Mapping[str, HttpServer]) -> None:
+    """Export what each of ``servers`` (by listener name) holds and has cut."""
+    registry.register(_ListenersCollector(dict(servers)))

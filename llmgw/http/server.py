@@ -192,6 +192,21 @@ class HttpServer:
         """Request body bytes held now, all connections together."""
         return self._shared.budget.used
 
+    def cuts(self) -> dict[str, int]:
+        """How many times, by reason, the server refused or cut a connection or a request
+        to keep one client from taking what others need."""
+        shared = self._shared
+        return {
+            "connection_limit": self._warn_busy.count,
+            "address_limit": self._warn_address.count,
+            "idle_closed": self._warn_evicted.count,
+            "reserved": shared.warn_reserve.count,
+            "bodies_full": shared.warn_full.count,
+            "body_dropped": shared.warn_dropped.count,
+            "body_too_slow": shared.warn_slow_body.count,
+            "reader_too_slow": shared.warn_slow_reader.count,
+        }
+
     @property
     def in_flight(self) -> int:
         """Requests whose handler is running or whose response is being written."""

@@ -25,7 +25,7 @@ from llmgw.config.errors import one_line
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, token_from_file
 from llmgw.http import HttpServer
 from llmgw.http.client import ClientLimits, UpstreamPool
-from llmgw.http.metrics import metrics_app, registry_page
+from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.keys import KeyRing, api_keys
@@ -160,6 +160,7 @@ async def serve(
     keys = KeyRing(api_keys(config.router))
     got = process_shares(config.router.max_connections)
     server = router_app(config.router, table, metrics, keys, got)
+    watch_listeners(metrics.registry, {"router": server})
     host, port = parse_hostport(config.router.listen, key="router.listen")
     # bound before any worker starts: a port held elsewhere is one line, from worker 0
     listeners = await open_listeners(

@@ -30,7 +30,7 @@ from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
-from llmgw.http.metrics import metrics_app, registry_page
+from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router.keys import KeyRing, api_keys
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
@@ -163,6 +163,7 @@ async def serve(
         control, token, fleet, routing, router[0].traffic if router else None, reload
     )
     admin = HttpServer(admin_api, limits=admin_limits(got), name="admin", admit=admin_api.admit)
+    watched = {"admin": admin} if router is None else {"router": router[1], "admin": admin}
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
     if not is_loopback(admin_host):  # only with admin.insecure_listen (see the schema)
@@ -223,6 +224,7 @@ async def serve(
                 got,
                 "metrics",
             )
+            watched["metrics"] = m_server
             m_listeners = await open_listeners(
                 "metrics.listen",
                 m_host,
@@ -235,6 +237,7 @@ async def serve(
                 ", ".join(f"http://{_show(x)}/metrics" for x in m_listeners),
                 " (token asked)" if metrics_token else "",
             )
+        watch_listeners(control.metrics.registry, watched)
         if router is not None:
             await nursery.start(router[0].run)
             r_host, r_port = parse_hostport(config.router.listen, key="router.listen")

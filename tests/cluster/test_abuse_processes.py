@@ -19,7 +19,7 @@ import trio
 
 from llmgw.router.keys import hash_key, new_key
 from tests.cluster.test_metrics_processes import metrics_server
-from tests.cluster.test_router_processes import routed
+from tests.cluster.test_router_processes import Samples, admin_metrics, routed
 from tests.conftest import Pki
 from tests.realparts import needs_server
 
@@ -290,23 +290,30 @@ async def test_a_metrics_listener_reads_no_body_before_its_token(tmp_path: Path,
         port = port_of(url)
         before = rss_mib(pid)
         peak = before
+        held = 0.0  # the listener's own count of body bytes held, at its peak
         answers: list[bytes] = []
-        with trio.fail_after(90):
-            async with trio.open_nursery() as attack:
-                for _ in range(250):
-                    attack.start_soon(
-                        stalled_body,
-                        port,
-                        "/metrics",
-                        "Authorization: Bearer wrong\r\n",
-                        MIB,
-                        answers,
-                    )
-                while len(answers) < 250:
-                    peak = max(peak, rss_mib(pid))
-                    await trio.sleep(0.05)
-        after = rss_mib(pid)
-        async with httpx.AsyncClient(timeout=5) as client:
+        admin = (tmp_path / "state" / "admin-token").read_text().strip()
+        async with httpx.AsyncClient(
+            timeout=5, headers={"authorization": f"Bearer {admin}"}
+        ) as client:
+            with trio.fail_after(90):
+                async with trio.open_nursery() as attack:
+                    for _ in range(250):
+                        attack.start_soon(
+                            stalled_body,
+                            port,
+                            "/metrics",
+                            "Authorization: Bearer wrong\r\n",
+                            MIB,
+                            answers,
+                        )
+                    while len(answers) < 250:
+                        peak = max(peak, rss_mib(pid))
+                        page = (await client.get(server.admin_url + "/metrics")).text
+                        samples = Samples.parse(page)
+                        held = max(held, samples("llmgw_http_body_bytes", listener="metrics"))
+                        await trio.sleep(0.05)
+            after = rss_mib(pid)
             ok = await client.get(url, headers={"authorization": "Bearer prom-secret"})
             assert ok.status_code == 200
     finally:
@@ -316,6 +323,8 @@ async def test_a_metrics_listener_reads_no_body_before_its_token(tmp_path: Path,
     # from the head: 401), the listener's few connections all taken (503, or closed
     # while it waited for its head); never a wait for the body
     assert set(statuses) <= {"401", "413", "503", "closed"} and statuses["413"] >= 20, statuses
+    assert samples("llmgw_http_max_connections", listener="metrics") == 64  # it is watched
+    assert held == 0
     assert peak - before < 16, f"RSS {before:.0f} -> {peak:.0f} MiB (after: {after:.0f})"
 
 
@@ -365,8 +374,14 @@ async def test_stalled_bodies_of_any_key_shut_no_other_client_out(tmp_path: Path
                             "127.0.0.6",
                         )
                 served_during = good.requests
+        await c.server.wait_log(r"under the floor of 8192 bytes/s", timeout=20)
+        samples = await admin_metrics(c)
     assert good.failures == []
     assert served_during >= 40
+    # what was cut, where the operator reads it
+    cut = {r: samples("llmgw_http_cut_total", listener="router", reason=r) for r in _CUTS}
+    assert cut["body_dropped"] >= 1 and cut["body_too_slow"] >= 1, cut
+    assert samples("llmgw_http_body_bytes", listener="router") < MIB
     # each stalled body was refused (503: over its key's share), dropped for the good
     # client (503), or cut by the minimum rate (408) once stalled; none waited for
     statuses = collections.Counter(status_of(a) for a in answers)
@@ -377,6 +392,9 @@ async def test_stalled_bodies_of_any_key_shut_no_other_client_out(tmp_path: Path
     assert "under the floor of 8192 bytes/s" in log
     assert "dropped a request body still arriving from 127.0.0." in log
     assert "status=403 key=elsewhere model=-" in log
+
+
+_CUTS = ("bodies_full", "body_dropped", "body_too_slow", "reader_too_slow", "idle_closed")
 
 
 async def test_idle_connections_shut_no_keyed_client_out_within_the_open_files_limit(
@@ -409,6 +427,7 @@ async def test_idle_connections_shut_no_keyed_client_out_within_the_open_files_l
                     fds = max(fds, open_fds(pid))
                     await trio.sleep(0.1)
                 served_during = good.requests - start
+            samples = await admin_metrics(c)
         for s in flood:
             s.close()
     assert good.failures == []
@@ -418,6 +437,8 @@ async def test_idle_connections_shut_no_keyed_client_out_within_the_open_files_l
     cut = re.search(r"router.max_connections 10000 cut to (\d+): the open-files limit is 300", log)
     assert cut is not None and int(cut[1]) < 150, log[-3000:]
     assert "closing idle connections that proved nobody" in log
+    assert samples("llmgw_http_cut_total", listener="router", reason="idle_closed") >= 100
+    assert samples("llmgw_http_max_connections", listener="router") == int(cut[1])
 
 
 async def test_a_stream_whose_client_stops_reading_is_cut_and_frees_its_engine(
@@ -454,10 +475,12 @@ async def test_a_stream_whose_client_stops_reading_is_cut_and_frees_its_engine(
             async with good_client(base, key) as good:
                 await trio.sleep(15)  # the stream is cut within 5 s of its buffers filling
                 served_during = good.requests
+            samples = await admin_metrics(c)
         finally:
             slow.close()
     assert good.failures == []
     assert served_during >= 50
     log = c.server.log()
     assert "its connection is cut and its request cancelled" in log
+    assert samples("llmgw_http_cut_total", listener="router", reason="reader_too_slow") == 1
     assert "end=client left" in log
