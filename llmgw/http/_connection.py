@@ -122,13 +122,13 @@ class Shared:
             " request cancelled"
         )
 
-    def victim(self) -> Connection | None:
-        """At the connection limit: the connection to close for a new one, the oldest
-        that proved nobody and waits for a request head; None when there is none."""
+    def victim(self, sparing: Connection | None = None) -> Connection | None:
+        """The connection to close for another: the oldest that proved nobody and waits
+        for a request head (``sparing`` aside); None when there is none."""
         for i, conn in enumerate(self.untrusted):
             if i >= _VICTIM_SCAN:
                 break
-            if conn.awaiting_head and not conn.evicted:
+            if conn.awaiting_head and not conn.evicted and conn is not sparing:
                 return conn
         return None
 
@@ -185,8 +185,10 @@ class Connection:
 
     # ----------------------------------------------------------------- fairness
     def _gate(self, request: Request) -> Response | None:
-        """After ``admit``: a request that proved someone trusts its connection; one that
-        proved nobody, while such connections fill all but the reserved ones, is a 503."""
+        """After ``admit``: a request that proved someone trusts its connection. One that
+        proved nobody, while such connections fill all but the reserved ones, takes the
+        place of an idle one of them (a health check during a flood of idle connections
+        is served), or, with none idle, is a 503."""
         if self.trusted:
             return None
         server = self.server
@@ -195,6 +197,10 @@ class Connection:
             server.untrusted.pop(self, None)
             return None
         if len(server.untrusted) > server.reserve_from:
+            victim = server.victim(self)
+            if victim is not None:
+                victim.evict()
+                return None
             server.warn_reserve.warn(server.name, server.reserve_from, self.client[0])
             content_type, body = server.reserve_answer
             return Response(503, [("content-type", content_type), ("connection", "close")], body)

@@ -15,7 +15,9 @@ for a request head is closed to make room; only when there is none is the new
 one refused with the 503. So idle connections, from however many addresses,
 cannot shut out a client that sends its request at once. And connections that
 prove nobody may hold all but ``reserved_connections``: past that, a request
-that proves nobody is answered 503 and its connection closed.
+that proves nobody takes the place of an idle such connection (so a health
+check is still served), or, with none idle, is answered 503 and its
+connection closed.
 
 The connection loop. A connection serves one request at a time:
 

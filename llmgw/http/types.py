@@ -140,7 +140,8 @@ class ServerLimits:
     reserved_connections: int = 0
     """Of ``max_connections``, how many only connections whose requests prove someone may
     use: past ``max_connections - reserved_connections`` connections that proved nobody,
-    a request that proves nobody is answered 503 and its connection closed."""
+    a request that proves nobody takes the place of an idle one of them, or, with none
+    idle, is answered 503 and its connection closed."""
     max_connections_per_address: int = 1_000
     """Open connections from one client IP address beyond this are answered 503 at
     once and closed, so that one address cannot hold every connection there is."""

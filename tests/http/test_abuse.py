@@ -393,16 +393,24 @@ async def test_the_reserved_connections_are_for_requests_with_a_key(
     start_server: StartServer,
 ) -> None:
     """Past max_connections - reserved_connections connections that proved nobody, a
-    request without a key is answered 503 and closed; one with a key is served."""
+    request without a key takes the place of an idle such connection, or, with none
+    idle, is answered 503 and closed; a request with a key is served."""
+    release = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        if request.path == "/open":
+            await release.wait()
+        return Response(200, body=b"ok")
+
     limits = ServerLimits(max_connections=5, reserved_connections=3)
-    server, port = await start_server(limits=limits, admit=keyed, error_body=error_body)
+    server, port = await start_server(handler, limits=limits, admit=keyed, error_body=error_body)
     with trio.fail_after(10):
-        kept = []
-        for _ in range(2):
+        busy = []
+        for _ in range(2):  # two requests without a key, held by the handler
             c = await RawClient.connect(port)
             await c.send(b"GET /open HTTP/1.1\r\nHost: t\r\n\r\n")
-            assert (await c.reply()).status == 200
-            kept.append(c)
+            busy.append(c)
+        await eventually(lambda: server.in_flight == 2)
         extra = await RawClient.connect(port)
         await extra.send(b"GET /open HTTP/1.1\r\nHost: t\r\n\r\n")
         refused = await extra.reply()
@@ -413,6 +421,15 @@ async def test_the_reserved_connections_are_for_requests_with_a_key(
         keyed_client = await RawClient.connect(port)
         await keyed_client.send(b"GET /x HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n")
         assert (await keyed_client.reply()).status == 200
-        for c in [*kept, keyed_client]:
+        # once the two are idle (kept alive), a request without a key takes the place
+        # of the older one
+        release.set()
+        for c in busy:
+            assert (await c.reply()).status == 200
+        late = await RawClient.connect(port)
+        await late.send(b"GET /open HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await late.reply()).status == 200
+        assert await busy[0].closed() == b""
+        for c in [*busy, keyed_client, late]:
             await c.aclose()
     await eventually(lambda: server.open_connections == 0)
