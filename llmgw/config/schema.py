@@ -124,9 +124,19 @@ class RouterConfig(_Section):
     listen: str = ""  # the OpenAI-compatible endpoint, e.g. "0.0.0.0:8000"; empty: none
     keys: list[KeyConfig] = []  # API keys; none: the endpoint asks for no key
     max_body_mb: float = 16.0  # one request's body; larger: 413
-    max_bodies_mb: float = 256.0  # bodies held at once, all clients together; past it: 503
-    max_connections: int = 10_000  # open at once, all clients; past it: 503
+    # bodies held at once, all clients together, shared fairly per key and per address:
+    # when full, a client within its share takes room from one over it; else 503
+    max_bodies_mb: float = 256.0
+    # a body must keep arriving this fast once its first 5 s are over (over each 5 s);
+    # slower: 408 (a stalled body holds memory for no one); 0: no floor
+    min_body_kib_per_s: float = 8.0
+    # open at once, all clients (cut to fit the open-files limit, said at start); at it,
+    # idle connections that showed no key make room; a tenth is kept for keyed requests
+    max_connections: int = 10_000
     max_connections_per_address: int = 1000  # open from one client IP; past it: 503
+    # a client that takes no bytes of its response this long is cut and its request
+    # cancelled (the engine frees its slot); keep it under silent_after_s
+    send_timeout_s: float = 5.0
     max_attempts: int = 3  # per request, retries included (only before the first byte)
     connect_timeout_s: float = 2.0  # to an engine; past it the next replica is tried
     first_byte_timeout_s: float = 120.0  # request sent -> head and first body byte (prefill)
@@ -178,6 +188,13 @@ class RouterConfig(_Section):
                 f"must be at least router.max_body_mb ({self.max_body_mb:g}), "
                 f"got {self.max_bodies_mb:g}",
             )
+        if self.min_body_kib_per_s < 0:
+            raise ConfigError(
+                "",
+                "router.min_body_kib_per_s",
+                f"must be 0 or more, got {self.min_body_kib_per_s:g}",
+            )
+        _positive("router.send_timeout_s", self.send_timeout_s, at_most=300)
         for key in ("wedged_after_s", "silent_after_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(

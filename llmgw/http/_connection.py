@@ -16,11 +16,13 @@ from typing import Any
 import trio
 
 from . import _wire
+from ._budget import BodyBudget
 from ._deadlines import SocketDeadlines
 from ._framing import BadResponse, Framed, frame_response
-from ._parsing import BodyBudget, Message, RequestParser
+from ._parsing import FULL, Message, RequestParser
+from ._throttle import Throttled
 from .logsafe import printable
-from .types import Admit, ErrorBody, Handler, ServerLimits, default_error_body
+from .types import Admit, ErrorBody, Handler, Request, Response, ServerLimits, default_error_body
 
 logger = logging.getLogger("llmgw.http")
 
@@ -29,10 +31,19 @@ _LARGE_BODY = 65536  # above this, head and body are sent separately rather than
 _LINGER_S = 2.0  # after a server-side close, how long to drain what the client still sends
 _LINGER_BYTES = 1024 * 1024
 _EARLY_BYTES = 256 * 1024  # pipelined bytes read while a handler runs, before watching pauses
+_VICTIM_SCAN = 64  # connections looked at, oldest first, for one to close at the limit
 
 
 class _Timeout(Exception):
     """A read deadline passed (or drain ended an idle wait)."""
+
+
+class _Interrupted(Exception):
+    """A read was ended from outside: the budget dropped the body being read."""
+
+
+class _TooSlow(Exception):
+    """A request body arrived slower than ``min_body_rate``."""
 
 
 class _PeerGone(Exception):
@@ -54,6 +65,14 @@ class Shared:
         "in_flight",
         "limits",
         "name",
+        "reserve_answer",
+        "reserve_from",
+        "untrusted",
+        "warn_dropped",
+        "warn_full",
+        "warn_reserve",
+        "warn_slow_body",
+        "warn_slow_reader",
     )
 
     def __init__(
@@ -74,6 +93,44 @@ class Shared:
         self.deadlines = deadlines  # waits for a kept-alive connection's next request
         self.draining = False
         self.in_flight = 0  # requests whose handler runs or whose response is being written
+        # Connections none of whose requests proved who sent them, oldest first: the
+        # ones closed to make room at the connection limit, and the ones kept out of
+        # the reserved connections.
+        self.untrusted: dict[Connection, None] = {}
+        self.reserve_from = limits.max_connections - limits.reserved_connections
+        content_type, body = self.error_body(
+            503, "the server keeps its last connections for requests with credentials; retry"
+        )
+        self.reserve_answer = (content_type, body)
+        self.warn_reserve = Throttled(
+            "%s: %d connections prove nobody, the most it lets in before its reserved"
+            " ones; refused a request from %s that proves nobody"
+        )
+        self.warn_slow_body = Throttled(
+            "%s: cut the request body from %s: %d bytes in the last %g s, under the floor"
+            " of %g bytes/s; it got a 408"
+        )
+        self.warn_dropped = Throttled(
+            "%s: dropped a request body still arriving from %s (%s): a client holding"
+            " less of the %d MiB for request bodies needed room; it got a 503"
+        )
+        self.warn_full = Throttled(
+            "%s: the %d MiB for request bodies is full; refused a body from %s (%s) with 503"
+        )
+        self.warn_slow_reader = Throttled(
+            "%s: %s took no response bytes for %g s; its connection is cut and its"
+            " request cancelled"
+        )
+
+    def victim(self, sparing: Connection | None = None) -> Connection | None:
+        """The connection to close for another: the oldest that proved nobody and waits
+        for a request head (``sparing`` aside); None when there is none."""
+        for i, conn in enumerate(self.untrusted):
+            if i >= _VICTIM_SCAN:
+                break
+            if conn.awaiting_head and not conn.evicted and conn is not sparing:
+                return conn
+        return None
 
     def error_body(self, status: int, message: str) -> tuple[str, bytes]:
         """The configured error body; the default one if it fails."""
@@ -93,8 +150,18 @@ class Connection:
         self.sock = sock
         self.client = client
         self.requests = RequestParser(
-            server.limits, server.name, client, server.admit, server.budget
+            server.limits,
+            server.name,
+            client,
+            server.admit,
+            server.budget,
+            self._gate,
+            self._interrupt,
         )
+        self.trusted = False  # one of its requests proved who sent it
+        self.awaiting_head = False  # reading a request head (or waiting for one)
+        self.evicted = False  # closed at the connection limit to make room
+        self.read_scope: trio.CancelScope | None = None  # a read for a head or a body
         self.waited = False  # the main task blocked since the last response
         # The wait for the next request's first byte (server.deadlines): its
         # deadline, and whether it passed (or drain() ended the wait).
@@ -116,6 +183,49 @@ class Connection:
         self.requests.dispose()
         self.early.clear()
 
+    # ----------------------------------------------------------------- fairness
+    def _gate(self, request: Request) -> Response | None:
+        """After ``admit``: a request that proved someone trusts its connection. One that
+        proved nobody, while such connections fill all but the reserved ones, takes the
+        place of an idle one of them (a health check during a flood of idle connections
+        is served), or, with none idle, is a 503."""
+        if self.trusted:
+            return None
+        server = self.server
+        if request.principal:
+            self.trusted = True
+            server.untrusted.pop(self, None)
+            return None
+        if len(server.untrusted) > server.reserve_from:
+            victim = server.victim(self)
+            if victim is not None:
+                victim.evict()
+                return None
+            server.warn_reserve.warn(server.name, server.reserve_from, self.client[0])
+            content_type, body = server.reserve_answer
+            return Response(503, [("content-type", content_type), ("connection", "close")], body)
+        return None
+
+    def evict(self) -> None:
+        """Close this idle connection to make room for a new one (it ends quietly)."""
+        self.evicted = True
+        self.server.untrusted.pop(self, None)
+        trio.lowlevel.notify_closing(self.sock)
+
+    def _interrupt(self) -> None:
+        """The budget dropped the body being read: wake the read to answer it."""
+        dropped = self.requests.dropped
+        request = dropped.request if dropped is not None else None
+        server = self.server
+        server.warn_dropped.warn(
+            server.name,
+            self.client[0],
+            f"key {request.principal}" if request is not None and request.principal else "no key",
+            server.budget.limit >> 20,
+        )
+        if self.read_scope is not None:
+            self.read_scope.cancel()
+
     # ------------------------------------------------------------------- reading
     async def _recv(self, deadline: float, *, idle: bool = False) -> bytes:
         """Next bytes from the client (b"" at EOF); `_Timeout` past `deadline`."""
@@ -126,6 +236,8 @@ class Connection:
             return data
         sock = self.sock
         while True:
+            if self.evicted:
+                return b""
             try:
                 return sock.recv(_RECV_SIZE)
             except BlockingIOError:
@@ -143,14 +255,29 @@ class Connection:
                     raise _Timeout
                 continue
             with trio.CancelScope(deadline=deadline) as scope:
-                await trio.lowlevel.wait_readable(sock)
+                self.read_scope = scope
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except trio.ClosedResourceError:
+                    return b""  # evicted
+                finally:
+                    self.read_scope = None
             if scope.cancelled_caught:
+                if self.requests.failure is not None:
+                    raise _Interrupted
                 raise _Timeout
 
     async def _read_head(self, first: bool) -> bool:
         """Read until the next request head is complete (or parsing failed).
 
         False: the connection ended quietly (EOF, idle timeout, drain)."""
+        self.awaiting_head = True
+        try:
+            return await self._read_head_bytes(first)
+        finally:
+            self.awaiting_head = False
+
+    async def _read_head_bytes(self, first: bool) -> bool:
         limits = self.limits
         requests = self.requests
         msgs = requests.msgs
@@ -173,14 +300,40 @@ class Connection:
         return True
 
     async def _read_body(self, msg: Message) -> bool:
-        """Read until `msg` is complete (or parsing failed). False at EOF."""
+        """Read until `msg` is complete (or parsing failed, or the budget dropped it).
+        False at EOF. `_TooSlow` when it arrives slower than ``min_body_rate``: each
+        ``body_rate_window_s`` after the first must bring its share."""
         requests = self.requests
-        deadline = trio.current_time() + self.limits.body_timeout_s
-        while not msg.done and requests.failure is None:
-            data = await self._recv(deadline)
-            if not data:
-                return False
-            requests.feed(data)
+        limits = self.limits
+        now = trio.current_time()
+        deadline = now + limits.body_timeout_s
+        rate = limits.min_body_rate
+        window = limits.body_rate_window_s
+        check_at = now + window if rate > 0 else deadline  # the first window is grace
+        counted: int | None = None  # bytes of the body when the current window began
+        try:
+            while not msg.done and requests.failure is None:
+                try:
+                    data = await self._recv(min(deadline, check_at))
+                except _Timeout:
+                    if trio.current_time() >= deadline:
+                        raise
+                    data = None  # a window ended with nothing more to read
+                if data is not None:
+                    if not data:
+                        return False
+                    requests.feed(data)
+                if rate > 0 and trio.current_time() >= check_at:
+                    if counted is not None and msg.body_len - counted < rate * window:
+                        server = self.server
+                        server.warn_slow_body.warn(
+                            server.name, self.client[0], msg.body_len - counted, window, rate
+                        )
+                        raise _TooSlow
+                    counted = msg.body_len
+                    check_at = min(deadline, check_at + window)
+        except _Interrupted:
+            pass  # dropped by the budget: requests.failure says what to answer
         return True
 
     # ------------------------------------------------------------------- writing
@@ -201,6 +354,10 @@ class Connection:
             with trio.move_on_after(self.limits.write_timeout_s) as scope:
                 await trio.lowlevel.wait_writable(sock)
             if scope.cancelled_caught:
+                server = self.server
+                server.warn_slow_reader.warn(
+                    server.name, self.client[0], self.limits.write_timeout_s
+                )
                 raise _PeerGone("write timed out")
             try:
                 sent = sock.send(view)
@@ -238,6 +395,15 @@ class Connection:
         """Answer a protocol error or timeout, then close (lingering)."""
         if status == 0:
             return
+        if message is FULL:
+            server = self.server
+            who = self.requests.refused
+            server.warn_full.warn(
+                server.name,
+                server.budget.limit >> 20,
+                self.client[0],
+                f"key {who}" if who else "no key",
+            )
         logger.debug(
             "%s: %d to %s:%d: %s", self.server.name, status, *self.client, printable(message)
         )
@@ -280,6 +446,13 @@ class Connection:
                         return
                 except _Timeout:
                     await self._send_error(408, "timed out reading the request body")
+                    return
+                except _TooSlow:
+                    await self._send_error(
+                        408,
+                        "the request body arrived too slowly (under"
+                        f" {self.limits.min_body_rate:g} bytes/s); send it faster or smaller",
+                    )
                     return
                 except _PeerGone:
                     return

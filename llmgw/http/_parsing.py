@@ -8,19 +8,23 @@ Memory a client can make the server hold is bounded before anything else:
 the head by ``max_header_bytes``; the body by ``admit``, which sees each
 head before any byte of its body is kept and may answer it there (a request
 without a good key never gets a byte of its body buffered); and every body
-held, all connections together, by one ``BodyBudget`` (``max_bodies_bytes``):
-a byte past it is a 503, and a request's bytes go back to it when its
-response is written or its connection ends.
+held, all connections together, by one ``BodyBudget`` (``max_bodies_bytes``,
+shared fairly per principal and per address: ``_budget.py``): a body that
+finds no room is a 503, one dropped for a client holding less is a 503 too,
+and a request's bytes go back to it when its response is written or its
+connection ends.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from urllib.parse import unquote
 
 import httptools
 
+from ._budget import BodyBudget, Holding
 from .types import Admit, Headers, Request, Response, ServerLimits
 
 logger = logging.getLogger("llmgw.http")
@@ -44,14 +48,15 @@ class _Answered(Exception):
     """Raised inside a parser callback: ``admit`` answered a request whose body is coming."""
 
 
-class BodyBudget:
-    """Request body bytes held now, all connections of one server together."""
+Gate = Callable[[Request], Response | None]
+"""Called after ``admit`` with each complete head: a ``Response`` overrides the
+verdict (the connection's reserve rule), None leaves it."""
 
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
+FULL = "the server holds too many request bodies now; retry shortly"
+DROPPED = (
+    "the server needed the memory your request body held for clients holding less"
+    " (its share is per key and per address); retry shortly"
+)
 
 
 class Message:
@@ -69,6 +74,7 @@ class Message:
         "head_bytes",
         "head_done",
         "headers",
+        "holding",
         "keep_alive",
         "method",
         "path",
@@ -85,6 +91,7 @@ class Message:
         self.headers: list[tuple[str, str]] = []
         self.body: list[bytes] = []
         self.body_len = 0
+        self.holding: Holding | None = None  # its bytes in the body budget
         self.head_bytes = 0
         self.head_done = False
         self.done = False
@@ -130,13 +137,19 @@ class RequestParser:
         client: tuple[str, int] = ("", 0),
         admit: Admit | None = None,
         budget: BodyBudget | None = None,
+        gate: Gate | None = None,
+        on_drop: Callable[[], None] | None = None,
     ) -> None:
         self.limits = limits
         self.name = name
         self.client = client
         self.admit = admit
+        self.gate = gate
+        self.on_drop = on_drop  # told when the budget dropped the body being read
         self.budget = budget or BodyBudget(limits.max_bodies_bytes)
-        self.held = 0  # body bytes of this connection's requests, charged to the budget
+        self.holdings: set[Holding] = set()  # this connection's, charged to the budget
+        self.dropped: Message | None = None  # a body the budget took back, while it arrived
+        self.refused = ""  # the principal of a body the full budget refused
         self.parser = httptools.HttpRequestParser(self)
         self.msgs: collections.deque[Message] = collections.deque()
         self.cur: Message | None = None  # the request the parser is inside, if any
@@ -153,19 +166,34 @@ class RequestParser:
 
     def release(self, msg: Message) -> None:
         """``msg``'s body is no longer held: give its bytes back to the budget."""
-        n = msg.body_len
-        if n:
-            msg.body_len = 0
-            self.held -= n
-            self.budget.used -= n
+        holding = msg.holding
+        if holding is not None:
+            msg.holding = None
+            self.holdings.discard(holding)
+            self.budget.release(holding)
 
     def dispose(self) -> None:
         """Drop buffered requests, give back every byte still charged, and break
         the parser <-> callbacks reference cycle."""
         self.msgs.clear()
-        self.budget.used -= self.held
-        self.held = 0
+        for holding in self.holdings:
+            self.budget.release(holding)
+        self.holdings.clear()
+        self.on_drop = None
         del self.parser
+
+    def _dropped(self, msg: Message) -> None:
+        """The budget took ``msg``'s bytes back for a client holding less: parsing is
+        over, and the connection answers 503 once woken."""
+        if self.failure is not None or msg.done:
+            return
+        msg.holding = None
+        msg.body = []
+        self.dropped = msg
+        self.failure = (503, DROPPED)
+        self.cur = None
+        if self.on_drop is not None:
+            self.on_drop()
 
     # httptools callbacks
     def on_message_begin(self) -> None:
@@ -245,32 +273,39 @@ class RequestParser:
         )
         msg.request = request
         admit = self.admit
-        if admit is not None:
-            verdict = admit(request)
-            if isinstance(verdict, Response):
-                msg.answer = verdict
-                if msg.chunked or msg.content_length:
-                    # A body is coming that nobody will read: answer, then close.
-                    msg.keep_alive = False
-                    msg.done = True
-                    self.cur = None
-                    raise _Answered
-            else:
-                request.admitted = verdict
+        verdict = admit(request) if admit is not None else None
+        if self.gate is not None:
+            verdict = self.gate(request) or verdict
+        if isinstance(verdict, Response):
+            msg.answer = verdict
+            if msg.chunked or msg.content_length:
+                # A body is coming that nobody will read: answer, then close.
+                msg.keep_alive = False
+                msg.done = True
+                self.cur = None
+                raise _Answered
+        else:
+            request.admitted = verdict
 
     def on_body(self, data: bytes) -> None:
         self.progress = True
         msg = self.cur
         assert msg is not None
         n = len(data)
-        msg.body_len += n  # charged to the budget even if refused: release() gives it back
-        self.held += n
-        budget = self.budget
-        budget.used += n
-        if msg.body_len > self.limits.max_body_bytes:
+        if msg.body_len + n > self.limits.max_body_bytes:
             raise _Reject(413, "request body too large")
-        if budget.used > budget.limit:
-            raise _Reject(503, "the server holds too many request bodies now; retry shortly")
+        holding = msg.holding
+        if holding is None:
+            request = msg.request
+            assert request is not None
+            holding = msg.holding = self.budget.hold(
+                request.principal, self.client[0], lambda: self._dropped(msg)
+            )
+            self.holdings.add(holding)
+        if not self.budget.charge(holding, n):
+            self.refused = holding.principal
+            raise _Reject(503, FULL)
+        msg.body_len += n
         msg.body.append(data)
 
     def on_chunk_header(self) -> None:
@@ -285,9 +320,13 @@ class RequestParser:
         assert msg is not None
         msg.done = True
         self.cur = None
+        if msg.holding is not None:
+            self.budget.done_reading(msg.holding)
 
     def feed(self, data: bytes) -> None:
         """Feed bytes to the parser; turn its errors into `self.failure`."""
+        if self.failure is not None:
+            return  # parsing is over (a dropped body: the rest of it is not wanted)
         self.progress = False
         try:
             self.parser.feed_data(data)

@@ -5,11 +5,19 @@ Theory of operation
 
 Accepting. One accept task per listener takes connections, sets TCP_NODELAY,
 detaches the socket from trio's wrapper and spawns one task per connection
-(``_connection.Connection.run``). Beyond ``max_connections``, or beyond
-``max_connections_per_address`` from one client IP address, a connection is
-answered with a canned 503 (in the server's error format) and closed on the
-spot, with no task spawned: one address holding connections open cannot
-shut every other client out.
+(``_connection.Connection.run``). Beyond ``max_connections_per_address`` from
+one client IP address, a connection is answered with a canned 503 (in the
+server's error format) and closed on the spot, with no task spawned: one
+address holding connections open cannot shut every other client out. At
+``max_connections``, the oldest connection that has proved nobody (no request
+on it carried credentials ``admit`` accepted: ``Request.principal``) and waits
+for a request head is closed to make room; only when there is none is the new
+one refused with the 503. So idle connections, from however many addresses,
+cannot shut out a client that sends its request at once. And connections that
+prove nobody may hold all but ``reserved_connections``: past that, a request
+that proves nobody takes the place of an idle such connection (so a health
+check is still served), or, with none idle, is answered 503 and its
+connection closed.
 
 The connection loop. A connection serves one request at a time:
 
@@ -26,10 +34,13 @@ The connection loop. A connection serves one request at a time:
    it from the head alone (a request without a good key); a body that was
    coming is then never read, and the connection closes after the answer.
    Otherwise answer ``Expect: 100-continue``, then read the body within
-   ``body_timeout_s``. Limits are enforced inside the parser callbacks
-   (431/413 as soon as a bound is crossed, Content-Length checked up front;
-   503 once the bodies held by all connections together would pass
-   ``max_bodies_bytes``).
+   ``body_timeout_s``, at ``min_body_rate`` or better once its first
+   ``body_rate_window_s`` are over (408). Limits are enforced inside the
+   parser callbacks (431/413 as soon as a bound is crossed, Content-Length
+   checked up front; 503 once the bodies held by all connections together
+   would pass ``max_bodies_bytes`` and no client holds more than its share:
+   ``_budget.py``; a body still arriving that the budget drops for a client
+   holding less wakes its connection, which answers 503).
 3. Run the handler, then write the response: head and a small body in one
    ``send``; a streamed body chunk by chunk as it is produced (chunked
    encoding, or close-delimited for an HTTP/1.0 client). A handler that
@@ -83,6 +94,7 @@ import trio
 from . import _wire
 from ._connection import Connection, Shared
 from ._deadlines import SocketDeadlines
+from ._throttle import Throttled
 from .types import Admit, ErrorBody, Handler, ServerLimits, default_error_body
 
 logger = logging.getLogger("llmgw.http")
@@ -108,29 +120,10 @@ _ACCEPT_SKIP = frozenset(
 # accept() errors that mean the process is out of resources for now.
 _ACCEPT_BACKOFF = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 _ACCEPT_BACKOFF_S = 0.1
-_WARN_INTERVAL_S = 10.0
 
 
 def _notify_closing(conn: Connection) -> None:
     trio.lowlevel.notify_closing(conn.sock)  # the connection's task closes it
-
-
-class _Throttled:
-    """A warning logged at most once per interval, with a count of the rest."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-        self.last = -_WARN_INTERVAL_S
-        self.suppressed = 0
-
-    def warn(self, *args: object) -> None:
-        now = trio.current_time()
-        if now - self.last < _WARN_INTERVAL_S:
-            self.suppressed += 1
-            return
-        logger.warning(self.message + " (%d more since last report)", *args, self.suppressed)
-        self.last = now
-        self.suppressed = 0
 
 
 class HttpServer:
@@ -173,11 +166,18 @@ class HttpServer:
             "too many connections from your address; close some and retry",
             keep_alive=False,
         )
-        self._warn_busy = _Throttled("%s: connection limit %d reached, refusing connections")
-        self._warn_address = _Throttled(
+        self._warn_busy = Throttled(
+            "%s: connection limit %d reached, and every connection has proved who sent it"
+            " or is busy; refusing connections"
+        )
+        self._warn_evicted = Throttled(
+            "%s: connection limit %d reached; closing idle connections that proved nobody"
+            " (the latest from %s) to let new ones in"
+        )
+        self._warn_address = Throttled(
             "%s: %s holds %d connections, the limit per address; refusing more from it"
         )
-        self._warn_accept = _Throttled("%s: accept failed: %s; backing off")
+        self._warn_accept = Throttled("%s: accept failed: %s; backing off")
 
     # ------------------------------------------------------------------ metrics
     @property
@@ -193,6 +193,21 @@ class HttpServer:
     def body_bytes(self) -> int:
         """Request body bytes held now, all connections together."""
         return self._shared.budget.used
+
+    def cuts(self) -> dict[str, int]:
+        """How many times, by reason, the server refused or cut a connection or a request
+        to keep one client from taking what others need."""
+        shared = self._shared
+        return {
+            "connection_limit": self._warn_busy.count,
+            "address_limit": self._warn_address.count,
+            "idle_closed": self._warn_evicted.count,
+            "reserved": shared.warn_reserve.count,
+            "bodies_full": shared.warn_full.count,
+            "body_dropped": shared.warn_dropped.count,
+            "body_too_slow": shared.warn_slow_body.count,
+            "reader_too_slow": shared.warn_slow_reader.count,
+        }
 
     @property
     def in_flight(self) -> int:
@@ -277,9 +292,13 @@ class HttpServer:
             sock = socket.socket(fileno=accepted.detach())
             sock.setblocking(False)
             if self._open >= limit:
-                self._warn_busy.warn(self.name, limit)
-                _refuse(sock, self._busy)
-                continue
+                victim = self._shared.victim()
+                if victim is None:
+                    self._warn_busy.warn(self.name, limit)
+                    _refuse(sock, self._busy)
+                    continue
+                self._warn_evicted.warn(self.name, limit, victim.client[0])
+                victim.evict()
             if isinstance(address, tuple):
                 client = (str(address[0]), int(address[1]))
             else:
@@ -305,6 +324,7 @@ class HttpServer:
     ) -> None:
         conn = Connection(self._shared, sock, client)
         self._connections.add(conn)
+        self._shared.untrusted[conn] = None
         try:
             async with trio.open_nursery() as nursery:
                 conn.nursery = nursery
@@ -314,6 +334,7 @@ class HttpServer:
             logger.exception("%s: connection from %s:%d failed", self.name, *client)
         finally:
             self._connections.discard(conn)
+            self._shared.untrusted.pop(conn, None)
             conn.dispose()
             self._open -= 1
             if host:

@@ -65,6 +65,11 @@ class Request:
     http_version: str
     admitted: object = None
     """What the server's ``admit`` returned for this request's head (None without one)."""
+    principal: str = ""
+    """Who the head proved it came from (an API key's name, a token's holder), set by
+    ``admit``; "" when it proved nobody. The server shares its body budget per
+    principal as well as per address, and keeps its last connections for requests
+    that prove someone (``ServerLimits.reserved_connections``)."""
 
 
 @attrs.define
@@ -89,8 +94,10 @@ Admit = Callable[[Request], object]
 kept (``request.body`` is still empty). A ``Response`` is the request's answer,
 given from its head alone: the handler does not run, and a body the client is
 sending is never read or kept (the connection closes after the answer). Anything
-else is kept as ``request.admitted`` for the handler. It runs inside the parser:
-it must not block, and what it raises is a 500."""
+else is kept as ``request.admitted`` for the handler. A head that proves who sent
+it should set ``request.principal``. It runs inside the parser: it must not block,
+and what it raises is a 500. A request that proves nobody may still be answered
+503 after ``admit`` when the server is down to its reserved connections."""
 
 ErrorBody = Callable[[int, str], tuple[str, bytes]]
 """(status, message) -> (content type, body) for responses the server makes itself."""
@@ -117,13 +124,28 @@ class ServerLimits:
     """From the complete head (or the 100 Continue) to the complete body -> 408."""
     keepalive_timeout_s: float = 75.0
     """Idle time between requests on a kept-alive connection -> closed quietly."""
+    min_body_rate: float = 0.0
+    """Bytes per second a request body must keep arriving at: each ``body_rate_window_s``
+    after the first must bring ``min_body_rate * body_rate_window_s`` bytes, or the
+    client gets 408 (a body stalled halfway holds its memory for no one). 0: no floor."""
+    body_rate_window_s: float = 5.0
+    """The grace before ``min_body_rate`` applies, and the window it is measured over."""
     write_timeout_s: float = 30.0
-    """Longest wait for the client to take more response bytes -> connection closed."""
+    """Longest wait for the client to take more response bytes -> connection closed (a
+    stream's upstream request is cancelled with it)."""
     max_connections: int = 10_000
-    """Open connections beyond this are answered 503 at once and closed."""
+    """Open connections beyond this: the oldest connection that has proved nobody
+    (``Request.principal``) and waits for a request head is closed to make room; with
+    none, the new one is answered 503 at once and closed."""
+    reserved_connections: int = 0
+    """Of ``max_connections``, how many only connections whose requests prove someone may
+    use: past ``max_connections - reserved_connections`` connections that proved nobody,
+    a request that proves nobody takes the place of an idle one of them, or, with none
+    idle, is answered 503 and its connection closed."""
     max_connections_per_address: int = 1_000
     """Open connections from one client IP address beyond this are answered 503 at
     once and closed, so that one address cannot hold every connection there is."""
     max_bodies_bytes: int = 256 * 1024 * 1024
     """Request body bytes held at once, all connections together (from the first byte
-    read until the response is written); a body that would take more -> 503."""
+    read until the response is written), shared fairly per principal and per address
+    (``_budget.py``); a body that finds no room -> 503."""

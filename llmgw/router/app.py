@@ -5,8 +5,11 @@ server calls before it keeps any byte of the body): the endpoint, the
 method and the API key (hashed keys, each optionally limited to some
 models). Everything that needs no body is answered there: a request without
 a good key gets its 401 with none of its body read, however much it sends,
-so a client without a key cannot make the server hold memory. Only then is
-the body read, and its JSON only for ``model`` and ``stream`` (the body is
+so a client without a key cannot make the server hold memory. A key limited
+to models none of which the table knows is answered 403 there too, its body
+unread: whatever model the body names, it could not be routed. Only then is
+the body read (its bytes shared fairly per key and per address, see
+``llmgw.http``), and its JSON only for ``model`` and ``stream`` (the body is
 forwarded as is), and for what engines are known to choke on (``guards``: JSON
 nested too deep, a grammar or schema too deep or too large), which is refused
 with a 400 that names the field and the limit. A model the table does not know is 404; one it knows that
@@ -110,7 +113,17 @@ class RouterApp:
         if path in ROUTES:
             if request.method != "POST":
                 return openai_error(405, f"{path} takes POST")
-            return self._key(request, record) or self._unauthorized()
+            key = self._key(request, record)
+            if key is None:
+                return self._unauthorized()
+            if key.models and not any(self.table.known(m) for m in key.models):
+                return openai_error(
+                    403,
+                    f"the API key {key.name!r} may use only models not served here"
+                    f" ({', '.join(sorted(key.models))})",
+                    code="model_not_allowed",
+                )
+            return key
         if path == "/healthz":
             return Response(200, [("content-type", "application/json")], b'{"status":"ok"}')
         if path == "/v1/models" and request.method == "GET":
@@ -153,6 +166,7 @@ class RouterApp:
         key = self.keys.check(request.headers.get("authorization"))
         if key is not None:
             record.key = key.name
+            request.principal = key.name  # the HTTP server shares its budgets per key
         return key
 
     def _not_allowed(self, key: ApiKey, model: str) -> Response:

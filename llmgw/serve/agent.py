@@ -24,9 +24,9 @@ from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.config import AgentConfig, ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.schema import resolve, token_from_file
-from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page
 from llmgw.serve import open_listeners
+from llmgw.serve.limits import metrics_server, process_shares
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.contexts import client_context
 
@@ -201,13 +201,14 @@ async def _serve(
         await nursery.start(stream.supervisor.run)
         if config.metrics.listen:
             host, port = parse_hostport(config.metrics.listen, key="metrics.listen")
-            server = HttpServer(
+            server = metrics_server(
                 metrics_app(
                     registry_page(stream.metrics.registry),
                     metrics_token,
                     engine=stream.supervisor.engine_metrics,
                 ),
-                name="agent-metrics",
+                process_shares(0),
+                "agent-metrics",
             )
             listeners = await open_listeners(
                 "metrics.listen", host, port, lambda: nursery.start(server.serve_tcp, host, port)

@@ -25,9 +25,9 @@ from llmgw.agent.discovery.address import route_address
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.schema import RouterConfig, StandaloneRouterConfig, token_from_file
-from llmgw.http import HttpServer, ServerLimits
+from llmgw.http import HttpServer
 from llmgw.http.client import ClientLimits, UpstreamPool
-from llmgw.http.metrics import metrics_app, registry_page
+from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.guards import Limits
@@ -35,16 +35,26 @@ from llmgw.router.keys import KeyRing, api_keys
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import HttpWatch, RoutingTable
 from llmgw.serve import open_listeners
+from llmgw.serve.limits import Shares, capped_line, metrics_server, process_shares, router_limits
 from llmgw.telemetry import daemon_registry
 
 log = logging.getLogger("llmgw.router")
 
 
 def router_app(
-    config: RouterConfig, table: RoutingTable, metrics: RouterMetrics, keys: KeyRing
+    config: RouterConfig,
+    table: RoutingTable,
+    metrics: RouterMetrics,
+    keys: KeyRing,
+    got: Shares | None = None,
 ) -> HttpServer:
     """The endpoint's HTTP server, as ``llmgw server`` and ``llmgw router`` both run it;
-    ``keys`` may be replaced while it serves."""
+    ``keys`` may be replaced while it serves. ``got``: the process's connection shares
+    (made here when not given); a cut ``max_connections`` is said in one line."""
+    if got is None:
+        got = process_shares(config.max_connections)
+    if line := capped_line("router.max_connections", config.max_connections, got):
+        log.warning("%s", line)
     pool = UpstreamPool(
         ClientLimits(
             connect_timeout_s=config.connect_timeout_s,
@@ -65,12 +75,7 @@ def router_app(
     )
     return HttpServer(
         app,
-        limits=ServerLimits(
-            max_body_bytes=int(config.max_body_mb * 2**20),
-            max_bodies_bytes=int(config.max_bodies_mb * 2**20),
-            max_connections=config.max_connections,
-            max_connections_per_address=config.max_connections_per_address,
-        ),
+        limits=router_limits(config, got),
         error_body=error_body,
         name="router",
         admit=app.admit,  # the key is checked from the head, before any body is kept
@@ -167,7 +172,9 @@ async def serve(
     )
     watch.wedged = table.wedged_ids
     keys = KeyRing(api_keys(config.router))
-    server = router_app(config.router, table, metrics, keys)
+    got = process_shares(config.router.max_connections)
+    server = router_app(config.router, table, metrics, keys, got)
+    watch_listeners(metrics.registry, {"router": server})
     host, port = parse_hostport(config.router.listen, key="router.listen")
     # bound before any worker starts: a port held elsewhere is one line, from worker 0
     listeners = await open_listeners(
@@ -204,7 +211,7 @@ async def serve(
             )
             # worker 0 tells the control plane where its metrics are, for discovery
             watch.metrics_address = await _serve_metrics(
-                nursery, config, metrics, worker, run_dir, metrics_token
+                nursery, config, metrics, worker, run_dir, metrics_token, got
             )
     finally:
         with trio.CancelScope(shield=True):
@@ -227,6 +234,7 @@ async def _serve_metrics(
     worker: int,
     run_dir: str,
     token: str,
+    got: Shares,
 ) -> str:
     """Worker 0: ``metrics_listen`` (asking for ``token``, if any), with every worker's
     metrics; returns where it listens ("" when nowhere). The others: their own, on a
@@ -243,7 +251,7 @@ async def _serve_metrics(
             return await worker_metrics.page(registry, pages)
 
         render = registry_page(registry) if pages is None else every_worker
-        app = HttpServer(metrics_app(render, token), name="router-metrics")
+        app = metrics_server(metrics_app(render, token), got, "router-metrics")
         listeners = await open_listeners(
             "metrics_listen", host, port, lambda: nursery.start(app.serve_tcp, host, port)
         )
@@ -263,7 +271,7 @@ async def _serve_metrics(
         return join_hostport(host, bound[1])
     elif run_dir:
         listeners = await nursery.start(
-            HttpServer(metrics_app(registry_page(registry)), name="router-metrics").serve_tcp,
+            metrics_server(metrics_app(registry_page(registry)), got, "router-metrics").serve_tcp,
             "127.0.0.1",
             0,
         )

@@ -31,11 +31,12 @@ from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
-from llmgw.http.metrics import metrics_app, registry_page
+from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router.keys import KeyRing, api_keys
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 from llmgw.serve import open_listeners
+from llmgw.serve.limits import admin_limits, metrics_server, process_shares
 from llmgw.serve.router import router_app
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.ca import CAError, describe_certificate
@@ -167,6 +168,7 @@ async def serve(
             ),
         )
     routing = fleet.routing if fleet is not None else RoutingPublisher()
+    got = process_shares(config.router.max_connections if config.router.listen else 0)
     router = None
     keys = None
     if config.router.listen:
@@ -180,12 +182,13 @@ async def serve(
             on_wedged=lambda ids: routing.report_wedged("in-process", ids, trio.current_time()),
         )
         keys = KeyRing(api_keys(config.router))
-        router = (table, router_app(config.router, table, metrics, keys))
+        router = (table, router_app(config.router, table, metrics, keys, got))
     reload = Reloader(fleet, keys, reread) if fleet is not None or keys is not None else None
     admin_api = AdminApi(
         control, token, fleet, routing, router[0].traffic if router else None, reload
     )
-    admin = HttpServer(admin_api, name="admin", admit=admin_api.admit)
+    admin = HttpServer(admin_api, limits=admin_limits(got), name="admin", admit=admin_api.admit)
+    watched = {"admin": admin} if router is None else {"router": router[1], "admin": admin}
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
     admin_host, admin_port = parse_hostport(config.admin.listen, key="admin.listen")
     if not is_loopback(admin_host):  # only with admin.insecure_listen (see the schema)
@@ -241,10 +244,12 @@ async def serve(
                     )
                 )
 
-            m_server = HttpServer(
+            m_server = metrics_server(
                 metrics_app(registry_page(control.metrics.registry), metrics_token, sd),
-                name="metrics",
+                got,
+                "metrics",
             )
+            watched["metrics"] = m_server
             m_listeners = await open_listeners(
                 "metrics.listen",
                 m_host,
@@ -259,6 +264,7 @@ async def serve(
                 " (token asked)" if metrics_token else "",
                 f"; service discovery names it {own[0]}" if own[0] != bound else "",
             )
+        watch_listeners(control.metrics.registry, watched)
         if router is not None:
             await nursery.start(router[0].run)
             r_host, r_port = parse_hostport(config.router.listen, key="router.listen")

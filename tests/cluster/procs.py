@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ class Daemon:
         self.workdir = workdir
         self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.nofile: int | None = None  # its open-files limit (soft and hard), if lowered
 
     def start(self) -> Daemon:
         log = self.log_path.open("ab")
@@ -41,9 +43,14 @@ class Daemon:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            preexec_fn=self._limit if self.nofile is not None else None,
         )
         log.close()
         return self
+
+    def _limit(self) -> None:
+        assert self.nofile is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

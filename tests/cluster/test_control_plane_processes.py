@@ -127,8 +127,10 @@ async def cluster(
     server_extra: str = "",
     settle_s: float = 2,
     log_level: str = "info",
+    server_nofile: int | None = None,
 ) -> AsyncIterator[Cluster]:
-    """A server with the tiny model in its catalog; agents are added by the test."""
+    """A server with the tiny model in its catalog; agents are added by the test.
+    ``server_nofile``: the server's open-files limit, when lowered."""
     model = tmp_path / "tiny.gguf"
     write_model(model, ends_after=ends_after, context_length=context)
     (tmp_path / "catalog.toml").write_text(catalog(model, replicas, context) + extra_catalog)
@@ -140,6 +142,7 @@ async def cluster(
         + server_extra
     )
     server = Server("server", ["server", "--config", "server.toml"], tmp_path)
+    server.nofile = server_nofile
     c = Cluster(tmp_path, pki, server)
     try:
         server.start()

@@ -46,6 +46,7 @@ async def routed(
     extra_keys: str = "",
     nodes: int | None = None,
     serves: str = "tiny",
+    server_nofile: int | None = None,
 ) -> AsyncIterator[tuple[Cluster, str, str]]:
     """A cluster with a router: ``replicas`` of the tiny model, on ``nodes`` agents (by
     default one, two for more than one replica), ready once ``serves`` is listed."""
@@ -66,6 +67,7 @@ async def routed(
         server_extra=router,
         settle_s=1,
         log_level="debug",  # whatever the router logs, keys must not be in it
+        server_nofile=server_nofile,
     ) as c:
         for i in range(nodes if nodes is not None else 1 + (replicas > 1)):
             c.agent(f"n{i + 1}")

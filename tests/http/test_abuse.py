@@ -28,6 +28,7 @@ def keyed(request: Request) -> object:
         return None
     if request.headers.get("authorization") != "Bearer k":
         return Response(401, [("content-type", "text/plain")], b"no key")
+    request.principal = "the key's name"
     return "the key's name"
 
 
@@ -204,10 +205,12 @@ async def test_one_address_cannot_take_every_connection(start_server: StartServe
 async def test_the_global_limit_answers_in_the_servers_error_format(
     start_server: StartServer,
 ) -> None:
-    _, port = await start_server(limits=ServerLimits(max_connections=1), error_body=error_body)
+    _, port = await start_server(
+        limits=ServerLimits(max_connections=1), error_body=error_body, admit=keyed
+    )
     with trio.fail_after(10):
         first = await RawClient.connect(port)
-        await first.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        await first.send(b"GET / HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n")
         assert (await first.reply()).status == 200
         raw = await (await RawClient.connect(port)).closed()
     assert raw.startswith(b"HTTP/1.1 503 ")
@@ -263,3 +266,170 @@ async def test_unix_socket_clients_have_no_address_to_cap(
             assert (await c.reply()).status == 200
         for c in clients:
             await c.aclose()
+
+
+def by_key(request: Request) -> object:
+    """An admit that takes any ``Bearer NAME`` as the key NAME (its principal)."""
+    scheme, _, name = (request.headers.get("authorization") or "").partition(" ")
+    if scheme == "Bearer" and name:
+        request.principal = name
+    return None
+
+
+async def stall_body(source: str, port: int, key: str, declared: int, sent: int) -> RawClient:
+    """A request whose body is declared ``declared`` bytes, of which ``sent`` are sent."""
+    c = await connect_from(source, port)
+    await c.send(
+        b"POST /x HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer %s\r\nContent-Length: %d\r\n\r\n"
+        % (key.encode(), declared)
+    )
+    await c.send(b"s" * sent)
+    return c
+
+
+async def test_a_key_over_its_share_of_the_body_budget_gives_way_to_one_within_it(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One key fills the budget with bodies it stalls, from two addresses: a body from
+    another key (within its share) takes room from the stalled ones, whose connections
+    are answered 503; the first key alone, over its share, gets no more."""
+    limits = ServerLimits(max_body_bytes=200_000, max_bodies_bytes=300_000)
+    server, port = await start_server(limits=limits, admit=by_key, error_body=error_body)
+    with trio.fail_after(10):
+        stalled = [
+            await stall_body(source, port, "greedy", 200_000, 150_000)
+            for source in ("127.0.0.2", "127.0.0.3")
+        ]
+        await eventually(lambda: server.body_bytes == 300_000)
+        # the same key, from a third address: over its share, refused
+        more = await stall_body("127.0.0.4", port, "greedy", 20_000, 20_000)
+        assert (await more.reply()).status == 503
+        # another key: served, its body in room taken from the greedy key's
+        async with httpx.AsyncClient(timeout=5) as client:
+            r = await client.post(
+                f"http://127.0.0.1:{port}/x",
+                content=b"g" * 100_000,
+                headers={"authorization": "Bearer good"},
+            )
+        assert r.status_code == 200 and len(r.content) == 100_000
+        answers = []
+        for c in stalled:
+            with trio.move_on_after(0.5):
+                answers.append((await c.reply()).status)
+        assert answers == [503]  # the one dropped; the other still holds its body
+        for c in [*stalled, more]:
+            await c.aclose()
+        await eventually(lambda: server.open_connections == 0)
+    assert server.body_bytes == 0
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("dropped a request body still arriving from 127.0.0." in m for m in logged)
+    assert any("(key greedy)" in m and "is full" in m for m in logged)
+
+
+async def test_a_stalled_body_is_cut_by_the_minimum_rate(
+    start_server: StartServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A body that stops arriving is answered 408 once a window after the first brings
+    less than the floor; one that keeps arriving at the floor or above is served."""
+    limits = ServerLimits(min_body_rate=2_000, body_rate_window_s=0.3, body_timeout_s=10)
+    server, port = await start_server(limits=limits)
+    with trio.fail_after(10):
+        c = await RawClient.connect(port)
+        start = trio.current_time()
+        await c.send(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n")
+        await c.send(b"x" * 50_000)  # then nothing
+        reply = await c.reply()
+        took = trio.current_time() - start
+        assert reply.status == 408
+        assert b"arrived too slowly" in reply.body
+        assert 0.5 < took < 2.0, took  # the grace, then one window with nothing
+        await c.aclose()
+        # a trickle above the floor: 1,500 bytes every 0.1 s
+        c = await RawClient.connect(port)
+        await c.send(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 30000\r\n\r\n")
+        for _ in range(20):
+            await c.send(b"y" * 1_500)
+            await trio.sleep(0.1)
+        reply = await c.reply()
+        assert (reply.status, len(reply.body)) == (200, 30_000)
+        await c.aclose()
+    await eventually(lambda: server.open_connections == 0)
+    assert server.body_bytes == 0
+    assert any("under the floor of 2000 bytes/s" in r.getMessage() for r in caplog.records)
+
+
+async def test_idle_connections_that_proved_nobody_make_room_for_new_ones(
+    start_server: StartServer,
+) -> None:
+    """At the limit, idle connections from many addresses that proved nobody do not shut
+    a new client out: the oldest of them is closed for it; one that proved someone stays."""
+    limits = ServerLimits(max_connections=6, max_connections_per_address=6)
+    server, port = await start_server(limits=limits, admit=keyed)
+    with trio.fail_after(10):
+        keeper = await RawClient.connect(port)
+        await keeper.send(b"GET /x HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n")
+        assert (await keeper.reply()).status == 200
+        idle = [await connect_from(f"127.0.0.{2 + i % 3}", port) for i in range(5)]
+        await eventually(lambda: server.open_connections == 6)
+        newcomers = []
+        for _ in range(3):  # each new client (kept connected) closes the oldest idle one
+            c = await connect_from("127.0.0.9", port)
+            await c.send(b"GET /x HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n")
+            assert (await c.reply()).status == 200
+            newcomers.append(c)
+        for c in idle[:3]:
+            assert await c.closed() == b""  # closed quietly, oldest first
+        assert server.open_connections == 6
+        # the ones that proved someone are still served on their connections
+        for c in [keeper, *newcomers]:
+            await c.send(b"GET /x HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n")
+            assert (await c.reply()).status == 200
+        for c in [keeper, *newcomers, *idle]:
+            await c.aclose()
+    await eventually(lambda: server.open_connections == 0)
+
+
+async def test_the_reserved_connections_are_for_requests_with_a_key(
+    start_server: StartServer,
+) -> None:
+    """Past max_connections - reserved_connections connections that proved nobody, a
+    request without a key takes the place of an idle such connection, or, with none
+    idle, is answered 503 and closed; a request with a key is served."""
+    release = trio.Event()
+
+    async def handler(request: Request) -> Response:
+        if request.path == "/open":
+            await release.wait()
+        return Response(200, body=b"ok")
+
+    limits = ServerLimits(max_connections=5, reserved_connections=3)
+    server, port = await start_server(handler, limits=limits, admit=keyed, error_body=error_body)
+    with trio.fail_after(10):
+        busy = []
+        for _ in range(2):  # two requests without a key, held by the handler
+            c = await RawClient.connect(port)
+            await c.send(b"GET /open HTTP/1.1\r\nHost: t\r\n\r\n")
+            busy.append(c)
+        await eventually(lambda: server.in_flight == 2)
+        extra = await RawClient.connect(port)
+        await extra.send(b"GET /open HTTP/1.1\r\nHost: t\r\n\r\n")
+        refused = await extra.reply()
+        assert refused.status == 503
+        assert "last connections for requests with credentials" in refused.body.decode()
+        await extra.closed()
+        await extra.aclose()
+        keyed_client = await RawClient.connect(port)
+        await keyed_client.send(b"GET /x HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer k\r\n\r\n")
+        assert (await keyed_client.reply()).status == 200
+        # once the two are idle (kept alive), a request without a key takes the place
+        # of the older one
+        release.set()
+        for c in busy:
+            assert (await c.reply()).status == 200
+        late = await RawClient.connect(port)
+        await late.send(b"GET /open HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await late.reply()).status == 200
+        assert await busy[0].closed() == b""
+        for c in [*busy, keyed_client, late]:
+            await c.aclose()
+    await eventually(lambda: server.open_connections == 0)

@@ -467,8 +467,15 @@ async def test_drain_finishes_in_flight_closes_idle_and_stops_accepting() -> Non
     assert server.open_connections == 0
 
 
+def trusting(request: Request) -> None:
+    """An admit for which every request proves who sent it."""
+    request.principal = "someone"
+
+
 async def test_connections_beyond_the_limit_are_refused(start_server: StartServer) -> None:
-    server, port = await start_server(limits=ServerLimits(max_connections=1))
+    """At the limit, with no idle connection that proved nobody to close, a new one
+    gets a 503 and is closed."""
+    server, port = await start_server(limits=ServerLimits(max_connections=1), admit=trusting)
     with trio.fail_after(10):
         first = await RawClient.connect(port)
         await first.send(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
