@@ -89,7 +89,9 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
         table = RoutingTable(scrape_s=0.2, silent_after_s=silent_after_s)
         table.apply(llama_routes(("a", url_a)))  # the stream starts on a
         await nursery.start(table.run)
-        pool = UpstreamPool(ClientLimits(idle_timeout_s=2.0))
+        # as by default, the stream's own idle timeout is well past the silence limit:
+        # with both at 2 s, which finds the stopped engine first would be a race
+        pool = UpstreamPool(ClientLimits(idle_timeout_s=10.0 if silent_after_s else 2.0))
         app, client = await front(nursery, table, pool)
 
         async def run(kill_after: int | None) -> tuple[str, set[tuple[str, int, str]], list]:
@@ -377,7 +379,9 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
             stream = await client.chat.completions.create(
                 model="m",
                 messages=TWO_USERS if case == "template" else MESSAGES,
-                max_tokens=400,
+                # far past KILL_AT, so that the engine is still at it when a client slowed
+                # by a busy machine has read that many (and within a's slots' 1024 each)
+                max_tokens=900,
                 temperature=0,
                 n=2 if case == "n" else 1,
                 stream=True,
