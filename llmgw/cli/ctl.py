@@ -163,6 +163,8 @@ def _state(node: NodeView) -> str:
         return f"{node.state},draining"
     if node.cordoned:
         return f"{node.state},cordoned"
+    if node.awaited:
+        return f"{node.state},awaited"  # known from before a restart, not back yet
     return node.state
 
 
@@ -189,7 +191,7 @@ def render_nodes(nodes: list[NodeView], now: float, server_version: str = "") ->
         rows.append(
             [
                 n.node_id,
-                n.address,
+                n.address or "-",
                 _state(n),
                 str(n.shards),
                 _ago(n.last_seen, now),
@@ -207,7 +209,8 @@ def render_nodes(nodes: list[NodeView], now: float, server_version: str = "") ->
         lines.extend(f"warning: {p}" for p in problems)
     versions: dict[str, list[str]] = {}
     for n in nodes:
-        versions.setdefault(n.version or "unknown", []).append(n.node_id)
+        if not n.awaited:  # not back since the control plane started: nothing said yet
+            versions.setdefault(n.version or "unknown", []).append(n.node_id)
     if len(versions) > 1 or (server_version and versions and server_version not in versions):
         lines.append("")
         lines.append(

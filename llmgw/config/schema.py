@@ -106,7 +106,9 @@ class ReconcileConfig(_Section):
     )
     retry_base_s: float = 5.0  # failed placements and replicas are retried with backoff from here
     retry_cap_s: float = 300.0  # the longest wait between two tries (crash loops)
-    settle_s: float = 15.0  # after a start, agents re-register before anything is placed
+    # after a start, agents re-register before anything is placed; nodes known from
+    # before (state_dir/nodes.json) are waited for until back or Lost (lost_after_s)
+    settle_s: float = 15.0
     # a replica a router holds wedged (router.wedged_after_s) this much longer is failed
     # and replaced: its engine restarted
     wedged_grace_s: float = 60.0
@@ -301,7 +303,9 @@ class BackoffConfig(_Section):
     """How the agent waits between attempts to reach the control plane."""
 
     initial_s: float = 0.5  # the first wait before dialling again
-    max_s: float = 30.0  # the longest wait (exponential, full jitter)
+    # the longest wait (exponential, full jitter); for a minute after a stream that
+    # worked ends, at most 2 s (a restarted control plane is back within moments)
+    max_s: float = 30.0
 
 
 class AgentConfig(_Section):

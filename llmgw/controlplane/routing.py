@@ -24,11 +24,18 @@ _ROUTED = (ReplicaState.READY, ReplicaState.DRAINING)
 
 
 def build_snapshot(
-    catalog: Catalog, replicas: Iterable[Replica], nodes: Mapping[str, Node]
+    catalog: Catalog,
+    replicas: Iterable[Replica],
+    nodes: Mapping[str, Node],
+    *,
+    settled: bool = True,
+    heard: Iterable[str] = (),
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
     each Ready or Draining replica at its head shard's node address (a Ready one
-    that is unhealthy as not ready)."""
+    that is unhealthy as not ready); ``settled`` and ``heard``: whether the control
+    plane has been up for its lost-node timeout, and if not, the nodes it has heard
+    from since it started (``llmgw.routing.carried``)."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     for name, entry in catalog.models.items():
@@ -61,9 +68,10 @@ def build_snapshot(
                 ready=replica.state is ReplicaState.READY and replica.healthy,
                 draining=replica.state is ReplicaState.DRAINING,
                 engine_key=head.engine_key,
+                node=head.node_id,
             )
         )
-    return versioned(models, routes)
+    return versioned(models, routes, settled=settled, heard=heard)
 
 
 class RoutingPublisher:
