@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pathlib
 import re
 
 import pytest
@@ -198,3 +199,16 @@ def test_write_sets_the_profile_routing_and_keeps_the_rest_as_it_was() -> None:
         CtlError, match=re.escape("catalog.toml has no profile 'a100' of model 'm'")
     ):
         with_routing(CATALOG, "m", "a100", rec, "catalog.toml")
+
+
+def test_ctl_bench_finds_the_endpoint_llmgw_init_set_up_beside_the_server(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``llmgw init`` runs the endpoint as ``llmgw router`` (router.toml beside
+    server.toml): ``ctl bench --config server.toml`` measures through it."""
+    from llmgw.cli.bench import _router_url
+    from llmgw.cli.ctl import Target
+    from llmgw.cli.init import init
+
+    init(dir_=tmp_path, name=["localhost"], endpoint_listen="0.0.0.0:8123")
+    assert _router_url(Target(config=tmp_path / "server.toml")) == "http://127.0.0.1:8123/v1"
