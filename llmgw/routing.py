@@ -42,6 +42,14 @@ class Route(msgspec.Struct, kw_only=True):
     node: str = ""
 
 
+class RouterKey(msgspec.Struct, kw_only=True):
+    """An API key as the control plane's config lists it: its hash, never the key."""
+
+    name: str
+    sha256: str
+    models: list[str] = []  # empty: every model
+
+
 class ModelRouting(msgspec.Struct, kw_only=True):
     target_waiting: float | None = None
     kv_ceiling: float | None = None
@@ -58,6 +66,9 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # the nodes that have registered with that control plane since it started, while
     # it is not settled (empty once it is)
     heard: list[str] = []
+    # the API keys of the control plane's config ([[router.keys]]), which standalone
+    # routers accept besides their own; empty from one that lists none (or is older)
+    keys: list[RouterKey] = []
 
 
 def versioned(
@@ -66,6 +77,7 @@ def versioned(
     *,
     settled: bool = True,
     heard: Iterable[str] = (),
+    keys: Iterable[RouterKey] = (),
 ) -> Snapshot:
     """A snapshot whose version is the hash of what it says (routes in key order)."""
     snap = Snapshot(
@@ -73,6 +85,7 @@ def versioned(
         routes=sorted(routes, key=lambda r: r.key),
         settled=settled,
         heard=[] if settled else sorted(heard),
+        keys=sorted(keys, key=lambda k: (k.name, k.sha256)),
     )
     snap.version = hashlib.sha256(msgspec.json.encode(snap)).hexdigest()[:16]
     return snap

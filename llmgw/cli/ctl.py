@@ -672,6 +672,9 @@ def key(name: str, *, models: list[str] | None = None) -> int:
     secret = new_key()
     allowed = ", ".join(f'"{m}"' for m in models or [])
     print(f"key: {secret}")
-    print("\n# add to the server's config (the key itself is not stored):")
+    print(
+        "\n# add to the server's config (the key itself is not stored), then llmgw ctl"
+        " reload:\n# every llmgw router that follows the server takes it within moments"
+    )
     print(f'[[router.keys]]\nname = "{name}"\nsha256 = "{hash_key(secret)}"\nmodels = [{allowed}]')
     return 0

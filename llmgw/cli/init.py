@@ -106,7 +106,7 @@ def _owner(name: str | None) -> pwd.struct_passwd | None:
         _fail(f"--owner {name}: no such user; create it (packaging/llmgw.sysusers.conf) first")
 
 
-def server_toml(*, state_dir: str, stream_listen: str) -> str:
+def server_toml(*, state_dir: str, stream_listen: str, key_hash: str) -> str:
     return f"""\
 # llmgw server: the control plane, written by llmgw init. Relative paths are
 # resolved against this file's folder. Every key: docs/configuration.md.
@@ -132,10 +132,18 @@ token_file = "admin-token"        # llmgw ctl --config this file reads it; so do
 # [metrics]
 # listen = "0.0.0.0:9465"
 # token_file = "metrics-token"
+
+# The API keys of the endpoint: every llmgw router following this server takes them
+# (hashes only) within moments of llmgw ctl reload. llmgw ctl key NAME makes another
+# key and prints its lines.
+[[router.keys]]
+name = "first"
+sha256 = {_q(key_hash)}
+models = []                       # empty: every model
 """
 
 
-def router_toml(*, key_hash: str, endpoint_listen: str) -> str:
+def router_toml(*, endpoint_listen: str) -> str:
     return f"""\
 # llmgw router: the OpenAI-compatible endpoint, written by llmgw init; the
 # llmgw-router unit runs it. A process of its own, so that a restart or an upgrade
@@ -151,12 +159,8 @@ log_level = "info"
 
 [router]
 listen = {_q(endpoint_listen)}
-
-# llmgw ctl key NAME makes another key and prints its lines; SIGHUP reads them again
-[[router.keys]]
-name = "first"
-sha256 = {_q(key_hash)}
-models = []                       # empty: every model
+# The API keys are the server's ([[router.keys]] in server.toml), followed with its
+# routing; keys listed here as well are this router's own (SIGHUP reads them again).
 """
 
 
@@ -289,16 +293,17 @@ def init(
         plan.write(catalog, CATALOG, 0o644)
 
     config = dir_ / "server.toml"
+    api_key = ""
     if not plan.exists(config, "the server's config"):
-        text = server_toml(state_dir=state_dir, stream_listen=stream_listen)
-        plan.write(config, text, 0o600)  # it names the admin token file
+        api_key = new_key()
+        text = server_toml(
+            state_dir=state_dir, stream_listen=stream_listen, key_hash=hash_key(api_key)
+        )
+        plan.write(config, text, 0o600)  # it names the admin token file and a key's hash
 
     router = dir_ / "router.toml"
-    api_key = ""
     if not plan.exists(router, "the router's config"):
-        api_key = new_key()
-        text = router_toml(key_hash=hash_key(api_key), endpoint_listen=endpoint_listen)
-        plan.write(router, text, 0o600)  # it names the admin token file and a key's hash
+        plan.write(router, router_toml(endpoint_listen=endpoint_listen), 0o600)
 
     plan.give([pki / "server-key.pem", token, config, router], user)
     plan.show()

@@ -124,7 +124,10 @@ class RouterConfig(_Section):
     """The OpenAI-compatible endpoint: keys, limits and timeouts."""
 
     listen: str = ""  # the OpenAI-compatible endpoint, e.g. "0.0.0.0:8000"; empty: none
-    keys: list[KeyConfig] = []  # API keys; none: the endpoint asks for no key
+    # API keys, as hashes (`llmgw ctl key NAME`). The server's go to every standalone
+    # router with its routing (`llmgw ctl reload` after a change); a standalone router
+    # takes those and its own. With none at all, every request is refused (401)
+    keys: list[KeyConfig] = []
     max_body_mb: float = 16.0  # one request's body; larger: 413
     max_bodies_mb: float = 256.0  # bodies held at once, all clients together; past it: 503
     max_connections: int = 10_000  # open at once, all clients; past it: 503
@@ -402,8 +405,6 @@ class StandaloneRouterConfig(_Section):
             raise ConfigError(
                 "", "router.listen", "several workers share one port: give a fixed port"
             )
-        if not self.router.keys:
-            raise ConfigError("", "router.keys", "no API keys: make one with `llmgw ctl key NAME`")
         self.router.validate()
         if self.metrics_listen:
             metrics = parse_hostport(self.metrics_listen, key="metrics_listen")

@@ -326,6 +326,7 @@ class FleetManager:
                 nodes,
                 settled=self.settled(),
                 heard=[n for n, node in nodes.items() if not node.awaited],
+                keys=self.routing.keys,
             )
         )
 

@@ -18,7 +18,7 @@ from llmgw.addr import url_host
 from llmgw.controlplane.catalog import Catalog, routing_for
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
-from llmgw.routing import ModelRouting, Route, Snapshot, versioned
+from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
 
 _ROUTED = (ReplicaState.READY, ReplicaState.DRAINING)
 
@@ -30,12 +30,14 @@ def build_snapshot(
     *,
     settled: bool = True,
     heard: Iterable[str] = (),
+    keys: Iterable[RouterKey] = (),
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
     each Ready or Draining replica at its head shard's node address (a Ready one
     that is unhealthy as not ready); ``settled`` and ``heard``: whether the control
     plane has been up for its lost-node timeout, and if not, the nodes it has heard
-    from since it started (``llmgw.routing.carried``)."""
+    from since it started (``llmgw.routing.carried``); ``keys``: the API keys of
+    the control plane's config, for standalone routers."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     for name, entry in catalog.models.items():
@@ -71,7 +73,7 @@ def build_snapshot(
                 node=head.node_id,
             )
         )
-    return versioned(models, routes, settled=settled, heard=heard)
+    return versioned(models, routes, settled=settled, heard=heard, keys=keys)
 
 
 class RoutingPublisher:
@@ -84,6 +86,8 @@ class RoutingPublisher:
 
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         self.snapshot = snapshot or versioned({}, [])
+        # the API keys every snapshot carries (hashes: the config's [[router.keys]])
+        self.keys: list[RouterKey] = list(self.snapshot.keys)
         self.body = msgspec.json.encode(self.snapshot)  # what every watcher is sent
         self._changed = trio.Event()
         # standalone routers' metrics listeners ("host:port") -> when last heard from
@@ -140,6 +144,15 @@ class RoutingPublisher:
         self._changed.set()
         self._changed = trio.Event()
         return True
+
+    def set_keys(self, keys: list[RouterKey]) -> bool:
+        """Carry ``keys`` from now on (in this snapshot and every one after); True when
+        that changed what routers are sent."""
+        self.keys = list(keys)
+        s = self.snapshot
+        return self.publish(
+            versioned(s.models, s.routes, settled=s.settled, heard=s.heard, keys=self.keys)
+        )
 
     @property
     def watchers(self) -> int:

@@ -32,7 +32,7 @@ from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.load import read_load
 from llmgw.router.balancer import Admission, Endpoint, note_heard, note_progress, silent, wedged
-from llmgw.routing import Snapshot, TrafficView, carried
+from llmgw.routing import RouterKey, Snapshot, TrafficView, carried
 
 log = logging.getLogger("llmgw.router")
 
@@ -57,6 +57,7 @@ class RoutingTable:
         wedged_after_s: float = 30.0,
         silent_after_s: float = 6.0,
         on_wedged: Callable[[frozenset[str]], None] = lambda _: None,
+        on_keys: Callable[[list[RouterKey]], None] = lambda _: None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
         self.on_gone = on_gone  # told the replicas that left the table, once each
@@ -64,6 +65,9 @@ class RoutingTable:
         self.wedged_after_s = wedged_after_s
         self.silent_after_s = silent_after_s
         self.on_wedged = on_wedged  # told the replicas held wedged, after every judgement
+        # told the control plane's API keys when they change (a standalone router's ring)
+        self.on_keys = on_keys
+        self._keys: list[RouterKey] | None = None
         self.version = ""
         self.carried: frozenset[str] = frozenset()  # routes kept that the snapshot lacks
         self.endpoints: dict[str, list[Endpoint]] = {}
@@ -119,6 +123,9 @@ class RoutingTable:
         self._known = frozenset(snap.models)
         self.endpoints = table
         self.version = snap.version
+        if snap.keys != self._keys:
+            self._keys = list(snap.keys)
+            self.on_keys(self._keys)
 
     def _say_carried(self, keep: frozenset[str], listed: set[str], snap: Snapshot) -> None:
         """One line when the routes kept for nodes not heard from change."""

@@ -28,9 +28,10 @@ from llmgw.http.client import ClientLimits, UpstreamPool
 from llmgw.http.metrics import metrics_app, registry_page
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
-from llmgw.router.keys import KeyRing, api_keys
+from llmgw.router.keys import KeyRing, api_keys, followed
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import HttpWatch, RoutingTable
+from llmgw.routing import RouterKey
 from llmgw.serve import open_listeners
 from llmgw.telemetry import daemon_registry
 
@@ -95,6 +96,28 @@ async def reuseport_listeners(host: str, port: int) -> list[trio.SocketListener]
     return listeners
 
 
+NO_KEYS = (
+    "no API keys, neither in this router's config nor in the control plane's: every "
+    "request is refused (401); add one with llmgw ctl key NAME to the server's config "
+    "and llmgw ctl reload"
+)
+
+
+def _follow_keys(keys: KeyRing, worker: int) -> Callable[[list[RouterKey]], None]:
+    """What the routing table calls with the control plane's keys when they change:
+    take them besides the router's own, and say so in one line (worker 0's)."""
+
+    def follow(published: list[RouterKey]) -> None:
+        said = keys.follow(followed(published))
+        if said is None or worker:
+            return
+        log.info("keys from the control plane: %s", said)
+        if not keys:
+            log.warning("%s", NO_KEYS)
+
+    return follow
+
+
 def admin_token(config: StandaloneRouterConfig, base: Path) -> str:
     if config.admin_token:
         return config.admin_token
@@ -125,6 +148,8 @@ async def _reload_keys_on_sighup(
                 log.debug("the reload failed here", exc_info=True)
                 continue
             log.info("%skeys reloaded: %s", who, keys.replace(api_keys(config.router)))
+            if not keys:
+                log.warning("%s%s", who, NO_KEYS)
 
 
 async def serve(
@@ -145,14 +170,15 @@ async def serve(
     )
     watch = HttpWatch(config.admin_url, token)
     metrics = RouterMetrics(daemon_registry("router"))
+    keys = KeyRing(api_keys(config.router))
     table = RoutingTable(
         watch,
         on_gone=metrics.forget,
         wedged_after_s=config.router.wedged_after_s,
         silent_after_s=config.router.silent_after_s,
+        on_keys=_follow_keys(keys, worker),
     )
     watch.wedged = table.wedged_ids
-    keys = KeyRing(api_keys(config.router))
     server = router_app(config.router, table, metrics, keys)
     host, port = parse_hostport(config.router.listen, key="router.listen")
     # bound before any worker starts: a port held elsewhere is one line, from worker 0

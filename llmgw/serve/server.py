@@ -31,7 +31,7 @@ from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page
-from llmgw.router.keys import KeyRing, api_keys
+from llmgw.router.keys import KeyRing, api_keys, published
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 from llmgw.serve import open_listeners
@@ -142,6 +142,8 @@ async def serve(
             ),
         )
     routing = fleet.routing if fleet is not None else RoutingPublisher()
+    # the API keys of [[router.keys]] go to standalone routers with the routing, as hashes
+    routing.set_keys(published(api_keys(config.router)))
     router = None
     keys = None
     if config.router.listen:
@@ -156,7 +158,7 @@ async def serve(
         )
         keys = KeyRing(api_keys(config.router))
         router = (table, router_app(config.router, table, metrics, keys))
-    reload = Reloader(fleet, keys, reread) if fleet is not None or keys is not None else None
+    reload = Reloader(fleet, keys, reread, routing)
     admin_api = AdminApi(
         control, token, fleet, routing, router[0].traffic if router else None, reload
     )

@@ -21,8 +21,9 @@ from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import HttpServer, Request, Response
+from llmgw.router.keys import ApiKey, KeyRing, followed, hash_key, published
 from llmgw.router.table import HttpWatch, RoutingTable
-from llmgw.routing import ModelRouting, Route, Snapshot, versioned
+from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
 
 TOKEN = "s3cret-token"
 
@@ -252,3 +253,31 @@ class _OldSnapshot(msgspec.Struct, kw_only=True):
     version: str = ""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
+
+
+def test_a_standalone_router_takes_the_control_planes_keys_besides_its_own() -> None:
+    """What the routing carries (hashes) joins the router's own keys; a key in both is
+    limited as the router's own file says; one the control plane drops is refused."""
+    own = ApiKey("edge", hash_key("k-edge"), frozenset({"m"}))
+    ring = KeyRing([own])
+    seen: list[list[RouterKey]] = []
+    table = RoutingTable(on_keys=seen.append)
+    cp = [
+        ApiKey("team", hash_key("k-team")),
+        ApiKey("edge-too", hash_key("k-edge")),  # the same key, every model
+    ]
+    table.apply(versioned({"m": ModelRouting()}, [], keys=published(cp)))
+    assert [[k.name for k in keys] for keys in seen] == [["edge-too", "team"]]
+    assert ring.follow(followed(seen[-1])) == "2 keys (added edge-too, team)"
+    assert ring.follow(followed(seen[-1])) is None  # nothing new: nothing said
+    team = ring.check("Bearer k-team")
+    assert team is not None and team.name == "team"
+    assert ring.check("Bearer k-edge") == own  # its own file says last
+    table.apply(versioned({"m": ModelRouting()}, [], keys=published(cp[1:])))
+    assert len(seen) == 2
+    assert ring.follow(followed(seen[-1])) == "1 key (removed team)"
+    assert ring.check("Bearer k-team") is None
+    table.apply(
+        versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:1"), keys=published(cp[1:]))
+    )
+    assert len(seen) == 2  # told only when the keys change
