@@ -545,3 +545,33 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         took = await router.stop(signal.SIGTERM)
         held.close()
         assert took < 2.0
+
+
+async def test_every_worker_of_a_standalone_router_logs_at_the_level_asked(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """`llmgw router --log-level debug` over a config that says info: every worker logs
+    at debug (the routing polls each worker makes, under its own router id, show),
+    not only the first."""
+    from tests.cluster.procs import Daemon
+
+    async with routed(tmp_path, pki) as (c, _, _):
+        held = reserved_port()
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            'workers = 2\nlog_level = "info"\n'
+            f'[router]\nlisten = "127.0.0.1:{held.getsockname()[1]}"\n'
+        )
+        args = ["router", "--config", "router.toml", "--log-level", "debug"]
+        router = Daemon("router", args, tmp_path).start()
+        c.agents["router"] = router  # killed with the rest
+        await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+        polls = r"HTTP Request: GET \S+/v1/routing\?\S*router=(\w+)"
+        with trio.move_on_after(10):
+            while len(set(re.findall(polls, router.log()))) < 2:
+                await trio.sleep(0.1)
+        workers = set(re.findall(polls, router.log()))
+        assert len(workers) == 2, f"{len(workers)} of 2 workers log at debug:\n{router.log()}"
+        await router.stop(signal.SIGTERM)
+        held.close()
