@@ -8,12 +8,13 @@ planes (or one restarted) that see the same fleet give the same version, and
 a router that already holds it is not woken for nothing.
 
 A control plane that has just started knows only the nodes that have come
-back to it. Until it has been up for its lost-node timeout, a node it has not
-heard from may still come back with engines that serve, so its snapshot is
-not ``settled`` and says which nodes it has ``heard`` from: a router keeps
-the routes it holds to any other node (``carried``) rather than take their
-absence for news. A route goes once the control plane has a reason: the node
-came back without it, or the timeout is over (the node is then Lost).
+back to it. Until it has been up for its lost-node timeout (or its settle
+time, if longer), a node it has not heard from may still come back with
+engines that serve, so its snapshot is not ``settled`` and says which nodes
+it has ``heard`` from: a router keeps the routes it holds to any other node
+(``carried``) rather than take their absence for news. A route goes once the
+control plane has a reason: the node came back without it, or the timeout is
+over (the node is then Lost).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
     models: dict[str, ModelRouting] = {}  # every model the catalog knows
     routes: list[Route] = []
     # False while the control plane that built it has been up for less than its
-    # lost-node timeout: a node not in ``heard`` may still come back with what it runs
+    # lost-node timeout (or settle time, if longer): a node not in ``heard`` may still
+    # come back with what it runs
     # (True from a control plane that does not say: routes absent are gone)
     settled: bool = True
     # the nodes that have registered with that control plane since it started, while

@@ -298,10 +298,12 @@ class FleetManager:
             )
 
     def settled(self) -> bool:
-        """Whether this control plane has been up for its lost-node timeout: any node
-        it has not heard from since it started is Lost by now, so a route it does not
-        publish is gone (``llmgw.routing.carried``)."""
-        return self._clock() - self._started >= self.control.policy.lost_after
+        """Whether this control plane has been up for its lost-node timeout (and its
+        settle time, if that is longer): any node it has not heard from since it
+        started is Lost by now, so a route it does not publish is gone
+        (``llmgw.routing.carried``)."""
+        wait = max(self.control.policy.lost_after, self.reconciler.timing.settle_s)
+        return self._clock() - self._started >= wait
 
     def _follow_drains(self) -> None:
         """A draining node is drained once no shard is left there; one line when it becomes so."""

@@ -104,3 +104,28 @@ def test_a_list_that_cannot_be_read_is_said_and_nothing_is_awaited(
     assert "cannot read" in caplog.text and "placed a second time" in caplog.text
     assert KnownNodes(None).load() == []  # no state dir: nothing kept
     KnownNodes(None).save(["n1"])
+
+
+def test_routers_keep_their_routes_for_the_settle_time_when_it_is_the_longer(
+    tmp_path: Path,
+) -> None:
+    """Routers once kept their whole table for the settle time (the control plane
+    answered them 503): a control plane whose settle time outlasts its lost-node
+    timeout still tells them to keep the routes of nodes not back until it is over."""
+    clock = Clock()
+    control = ControlPlane(
+        policy=LivenessPolicy(unreachable_after=2, lost_after=6),
+        heartbeat_interval=0.5,
+        clock=clock,
+        wall=clock,
+    )
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    fleet = FleetManager(
+        control, catalog, state_dir=tmp_path, timing=Timing(settle_s=15), clock=clock
+    )
+    clock.now += 14.9
+    fleet.reconcile_once()
+    assert not fleet.routing.snapshot.settled
+    clock.now += 0.1
+    fleet.reconcile_once()
+    assert fleet.routing.snapshot.settled
