@@ -107,11 +107,15 @@ def _follow_keys(keys: KeyRing, worker: int) -> Callable[[list[RouterKey]], None
     """What the routing table calls with the control plane's keys when they change:
     take them besides the router's own, and say so in one line (worker 0's)."""
 
+    first = [True]  # the first snapshot: said even when it brings no key
+
     def follow(published: list[RouterKey]) -> None:
         said = keys.follow(followed(published))
-        if said is None or worker:
+        was_first, first[0] = first[0], False
+        if worker or (said is None and not was_first):
             return
-        log.info("keys from the control plane: %s", said)
+        if said is not None:
+            log.info("keys from the control plane: %s", said)
         if not keys:
             log.warning("%s", NO_KEYS)
 

@@ -205,6 +205,36 @@ async def test_a_key_reloaded_on_the_server_reaches_every_standalone_router_work
     print(f"a reloaded key reached the router in {took:.2f} s at most")
 
 
+async def test_a_router_with_no_key_anywhere_refuses_every_request_and_says_so(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A standalone router with no key of its own, following a server with none: it is
+    never an open endpoint; it says what to do, and a key added on the server lets
+    clients in."""
+    async with cluster(tmp_path, pki) as c:
+        held = reserved_port()
+        port = held.getsockname()[1]
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            f'[router]\nlisten = "127.0.0.1:{port}"\n'
+        )
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
+        c.agents["router"] = router  # killed with the rest
+        base = f"http://127.0.0.1:{port}/v1"
+        await router.wait_log(r"no API keys, neither in this router's config nor in the control")
+        key = new_key()
+        assert (await chat(base, key)).status_code == 401
+        config = tmp_path / "server.toml"
+        config.write_text(config.read_text() + key_entry("first", key))
+        await c.server.ctl("reload")
+        await router.wait_log(r"keys from the control plane: 1 key \(added first\)")
+        assert (await chat(base, key)).status_code != 401  # in: tiny has no replica yet
+        assert router.log().count("no API keys") == 1
+        await router.stop(signal.SIGTERM)
+        held.close()
+
+
 TYPO = """
 [models.typo]
 replicas = 0
