@@ -433,6 +433,9 @@ async def test_the_default_install_serves_through_a_server_restart(tmp_path: Pat
         assert ok > 20
         assert identity(pid) == engine  # the engine served on, never restarted
     finally:
+        if router.returncode() is None and router.proc is not None:
+            with trio.move_on_after(5):  # SIGTERM: its first worker stops the other
+                await router.stop(signal.SIGTERM)
         for d in daemons:
             d.kill()
         for record in (tmp_path / "agent-state" / "shards").glob("*.json"):

@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from llmgw.router.keys import hash_key, new_key
 from tests.cluster.procs import Daemon
 from tests.cluster.test_control_plane_processes import cluster
-from tests.cluster.test_router_processes import reserved_port, routed
+from tests.cluster.test_router_processes import reserved_port, routed, stopped_with_sigterm
 from tests.conftest import Pki
 from tests.realparts import needs_server
 
@@ -172,35 +172,34 @@ async def test_a_key_reloaded_on_the_server_reaches_every_standalone_router_work
             "workers = 2\n"
             f'[router]\nlisten = "127.0.0.1:{port}"\n' + key_entry("edge", edge)
         )
-        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
-        c.agents["router"] = router  # killed with the rest
-        base = f"http://127.0.0.1:{port}/v1"
-        await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
-        for _ in range(4):  # connections land on both workers: its own key, and the server's
-            assert (await chat(base, edge)).status_code == 200
-            assert (await chat(base, key)).status_code == 200
-        await router.wait_log(r"keys from the control plane: 1 key \(added tester\)")
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path)
+        async with stopped_with_sigterm(router.start()):
+            base = f"http://127.0.0.1:{port}/v1"
+            await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+            for _ in range(4):  # connections land on both workers: its own key, and the server's
+                assert (await chat(base, edge)).status_code == 200
+                assert (await chat(base, key)).status_code == 200
+            await router.wait_log(r"keys from the control plane: 1 key \(added tester\)")
 
-        added = new_key()
-        assert (await chat(base, added)).status_code == 401
-        config = tmp_path / "server.toml"
-        before = config.read_text()
-        config.write_text(before + key_entry("added", added, ["tiny"]))
-        out = (await c.server.ctl("reload")).stdout.decode()
-        assert "keys reloaded: 2 keys (added added)" in out, out
-        took = await _status_within(base, added, 200, within=1.0)
-        for _ in range(6):  # every worker has it
-            assert (await chat(base, added)).status_code == 200
-        await router.wait_log(r"keys from the control plane: 2 keys \(added added\)")
-
-        config.write_text(before)  # removed on the server: refused by every worker
-        await c.server.ctl("reload")
-        took = max(took, await _status_within(base, added, 401, within=1.0))
-        for _ in range(6):
+            added = new_key()
             assert (await chat(base, added)).status_code == 401
-            assert (await chat(base, edge)).status_code == 200  # its own stays
-        assert added not in router.log() and hash_key(added) not in router.log()
-        await router.stop(signal.SIGTERM)
+            config = tmp_path / "server.toml"
+            before = config.read_text()
+            config.write_text(before + key_entry("added", added, ["tiny"]))
+            out = (await c.server.ctl("reload")).stdout.decode()
+            assert "keys reloaded: 2 keys (added added)" in out, out
+            took = await _status_within(base, added, 200, within=1.0)
+            for _ in range(6):  # every worker has it
+                assert (await chat(base, added)).status_code == 200
+            await router.wait_log(r"keys from the control plane: 2 keys \(added added\)")
+
+            config.write_text(before)  # removed on the server: refused by every worker
+            await c.server.ctl("reload")
+            took = max(took, await _status_within(base, added, 401, within=1.0))
+            for _ in range(6):
+                assert (await chat(base, added)).status_code == 401
+                assert (await chat(base, edge)).status_code == 200  # its own stays
+            assert added not in router.log() and hash_key(added) not in router.log()
         held.close()
     print(f"a reloaded key reached the router in {took:.2f} s at most")
 
@@ -219,19 +218,20 @@ async def test_a_router_with_no_key_anywhere_refuses_every_request_and_says_so(
             'admin_token_file = "state/admin-token"\n'
             f'[router]\nlisten = "127.0.0.1:{port}"\n'
         )
-        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
-        c.agents["router"] = router  # killed with the rest
-        base = f"http://127.0.0.1:{port}/v1"
-        await router.wait_log(r"no API keys, neither in this router's config nor in the control")
-        key = new_key()
-        assert (await chat(base, key)).status_code == 401
-        config = tmp_path / "server.toml"
-        config.write_text(config.read_text() + key_entry("first", key))
-        await c.server.ctl("reload")
-        await router.wait_log(r"keys from the control plane: 1 key \(added first\)")
-        assert (await chat(base, key)).status_code != 401  # in: tiny has no replica yet
-        assert router.log().count("no API keys") == 1
-        await router.stop(signal.SIGTERM)
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path)
+        async with stopped_with_sigterm(router.start()):
+            base = f"http://127.0.0.1:{port}/v1"
+            await router.wait_log(
+                r"no API keys, neither in this router's config nor in the control"
+            )
+            key = new_key()
+            assert (await chat(base, key)).status_code == 401
+            config = tmp_path / "server.toml"
+            config.write_text(config.read_text() + key_entry("first", key))
+            await c.server.ctl("reload")
+            await router.wait_log(r"keys from the control plane: 1 key \(added first\)")
+            assert (await chat(base, key)).status_code != 401  # in: tiny has no replica yet
+            assert router.log().count("no API keys") == 1
         held.close()
 
 

@@ -137,6 +137,9 @@ async def fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[tuple[Cluster, Daemon
             yield c, router, traffic
             traffic.stop()
     finally:
+        if router.returncode() is None and router.proc is not None:
+            with trio.move_on_after(5):  # SIGTERM: its first worker stops the other
+                await router.stop(signal.SIGTERM)
         for d in [server, *c.agents.values()]:
             d.kill()
         for record in tmp_path.glob("agent-*/shards/*.json"):
