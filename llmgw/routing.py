@@ -6,11 +6,21 @@ publishes it; routers only consume it, in process or over the admin API's
 other. A snapshot's ``version`` is a hash of its content, so two control
 planes (or one restarted) that see the same fleet give the same version, and
 a router that already holds it is not woken for nothing.
+
+A control plane that has just started knows only the nodes that have come
+back to it. Until it has been up for its lost-node timeout (or its settle
+time, if longer), a node it has not heard from may still come back with
+engines that serve, so its snapshot is not ``settled`` and says which nodes
+it has ``heard`` from: a router keeps the routes it holds to any other node
+(``carried``) rather than take their absence for news. A route goes once the
+control plane has a reason: the node came back without it, or the timeout is
+over (the node is then Lost).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import msgspec
 
@@ -29,6 +39,16 @@ class Route(msgspec.Struct, kw_only=True):
     # the engine's own key (``Authorization: Bearer``), "" for none; a secret: the
     # snapshot goes only to routers, never to an operator's screen
     engine_key: str = ""
+    # the node its engine runs on (the head shard's); "" for a static endpoint
+    node: str = ""
+
+
+class RouterKey(msgspec.Struct, kw_only=True):
+    """An API key as the control plane's config lists it: its hash, never the key."""
+
+    name: str
+    sha256: str
+    models: list[str] = []  # empty: every model
 
 
 class ModelRouting(msgspec.Struct, kw_only=True):
@@ -40,13 +60,52 @@ class Snapshot(msgspec.Struct, kw_only=True):
     version: str = ""
     models: dict[str, ModelRouting] = {}  # every model the catalog knows
     routes: list[Route] = []
+    # False while the control plane that built it has been up for less than its
+    # lost-node timeout (or settle time, if longer): a node not in ``heard`` may still
+    # come back with what it runs
+    # (True from a control plane that does not say: routes absent are gone)
+    settled: bool = True
+    # the nodes that have registered with that control plane since it started, while
+    # it is not settled (empty once it is)
+    heard: list[str] = []
+    # the API keys of the control plane's config ([[router.keys]]), which standalone
+    # routers accept besides their own; empty from one that lists none (or is older)
+    keys: list[RouterKey] = []
 
 
-def versioned(models: dict[str, ModelRouting], routes: list[Route]) -> Snapshot:
+def versioned(
+    models: dict[str, ModelRouting],
+    routes: list[Route],
+    *,
+    settled: bool = True,
+    heard: Iterable[str] = (),
+    keys: Iterable[RouterKey] = (),
+) -> Snapshot:
     """A snapshot whose version is the hash of what it says (routes in key order)."""
-    snap = Snapshot(models=models, routes=sorted(routes, key=lambda r: r.key))
+    snap = Snapshot(
+        models=models,
+        routes=sorted(routes, key=lambda r: r.key),
+        settled=settled,
+        heard=[] if settled else sorted(heard),
+        keys=sorted(keys, key=lambda k: (k.name, k.sha256)),
+    )
     snap.version = hashlib.sha256(msgspec.json.encode(snap)).hexdigest()[:16]
     return snap
+
+
+def carried(snap: Snapshot, held: Iterable[tuple[str, str, str]]) -> set[str]:
+    """Which of the routes a router holds, ``(key, model, node)`` each, it keeps though
+    ``snap`` lists them not: those on a node the control plane has not heard from since
+    it started, while it is not settled, of a model it still knows."""
+    if snap.settled:
+        return set()
+    listed = {r.key for r in snap.routes}
+    heard = set(snap.heard)
+    return {
+        key
+        for key, model, node in held
+        if key not in listed and node and node not in heard and model in snap.models
+    }
 
 
 class TrafficView(msgspec.Struct, kw_only=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pathlib
 import re
 
 import pytest
@@ -254,3 +255,16 @@ def test_the_plot_as_svg_needs_nothing() -> None:
     assert len(list(root.iter("{http://www.w3.org/2000/svg}polyline"))) == 3
     # a run interrupted before its first level still draws
     ElementTree.fromstring(svg(a_run([])))
+
+
+def test_ctl_bench_finds_the_endpoint_llmgw_init_set_up_beside_the_server(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``llmgw init`` runs the endpoint as ``llmgw router`` (router.toml beside
+    server.toml): ``ctl bench --config server.toml`` measures through it."""
+    from llmgw.cli.bench import _router_url
+    from llmgw.cli.ctl import Target
+    from llmgw.cli.init import init
+
+    init(dir_=tmp_path, name=["localhost"], endpoint_listen="0.0.0.0:8123")
+    assert _router_url(Target(config=tmp_path / "server.toml")) == "http://127.0.0.1:8123/v1"

@@ -4,8 +4,11 @@ Each node is a network namespace with its own address on a bridge and its own
 hostname (a UTS namespace), so each agent has its own node id and address. The
 control plane runs in a namespace of its own; a standalone router (``llmgw
 router``, as production runs it) runs on the host and listens on the bridge's
-host address. Everything created is recorded in ``DIR/lab.json`` as it is made,
-so ``down`` removes exactly that, even after a half-finished ``up``.
+host address (with ``routers=2``, a second one on the next port). Everything
+created is recorded in ``DIR/lab.json`` as it is made, so ``down`` removes
+exactly that, even after a half-finished ``up``. Each daemon runs this
+checkout's llmgw, or a single file given (``program``), which ``replace``
+changes for one daemon at a time: an upgrade, as an operator makes it.
 
 Used by ``tools/lab`` (people) and ``tests/lab`` (tests): the same code. Root only.
 """
@@ -31,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from llmgw.agent.discovery.engines import find_llama_server
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
 from tools import labwire
@@ -115,6 +119,8 @@ class Lab:
         unreachable_after_s: float = 2.0,
         lost_after_s: float = 30.0,
         gpus: bool = False,
+        routers: int = 1,
+        program: list[str] | None = None,
     ) -> None:
         if not NAME_RE.fullmatch(name):
             raise LabError(f"lab name {name!r}: use 1-5 characters a-z, 0-9 (it names links)")
@@ -131,6 +137,11 @@ class Lab:
         if gpus and nodes < 2:
             raise LabError("--gpus serves a model over two nodes: make at least 2")
         self.gpus = gpus
+        if not 1 <= routers <= 9:
+            raise LabError(f"{routers} routers: the lab runs 1 to 9")
+        self.routers = ["router"] + [f"router{i}" for i in range(2, routers + 1)]
+        # what runs every daemon: this checkout's llmgw, or a single file (tools/build)
+        self.program = program or [sys.executable, "-m", "llmgw"]
         self.state: dict[str, Any] = {}
         self._popens: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -143,7 +154,12 @@ class Lab:
             state = json.loads(record.read_text())
         except FileNotFoundError:
             raise LabError(f"no lab at {dir} (no lab.json): give the --dir of `up`") from None
-        lab = cls(dir, name=state["name"], nodes=max(2, len(state.get("nodes", {}))))
+        lab = cls(
+            dir,
+            name=state["name"],
+            nodes=max(2, len(state.get("nodes", {}))),
+            routers=len(state.get("routers", ["router"])),
+        )
         lab.gpus = bool(state.get("gpus"))
         lab.state = state
         return lab
@@ -163,6 +179,11 @@ class Lab:
     @property
     def base_url(self) -> str:
         return str(self.state["base_url"])
+
+    @property
+    def base_urls(self) -> list[str]:
+        """Every router's base URL, the first one's first."""
+        return [str(u) for u in self.state.get("base_urls", [self.state["base_url"]])]
 
     @property
     def key(self) -> str:
@@ -208,6 +229,8 @@ class Lab:
             "procs": {},
             "nodes": {},
             "gpus": self.gpus,
+            "routers": self.routers,
+            "programs": {},
         }
         self._save()
         try:
@@ -311,18 +334,19 @@ insecure_listen = true
 """
         )
         host_ip = self.state["host_ip"]
-        (d / "router.toml").write_text(
-            f"""# the lab's standalone router, on the host: routes on without the control plane
+        for i, router in enumerate(self.routers):
+            (d / f"{router}.toml").write_text(
+                f"""# the lab's standalone router, on the host: routes on without the control plane
 admin_url = "http://{cp_ip}:{ADMIN_PORT}"
 admin_token_file = "state/admin-token"
 workers = 1
 [router]
-listen = "{host_ip}:{ROUTER_PORT}"
+listen = "{host_ip}:{ROUTER_PORT + i}"
 [[router.keys]]
 name = "lab"
 sha256 = "{hash_key(key)}"
 """
-        )
+            )
         for node in self.node_names:
             (d / f"agent-{node}.toml").write_text(
                 f'control_plane = ["{cp_ip}:{STREAM_PORT}"]\nstate_dir = "agent-{node}"\n'
@@ -345,6 +369,9 @@ sha256 = "{hash_key(key)}"
                 )
         self.state["key"] = key
         self.state["base_url"] = f"http://{host_ip}:{ROUTER_PORT}/v1"
+        self.state["base_urls"] = [
+            f"http://{host_ip}:{ROUTER_PORT + i}/v1" for i in range(len(self.routers))
+        ]
         self.state["admin_url"] = f"http://{cp_ip}:{ADMIN_PORT}"
         self._save()
 
@@ -368,10 +395,10 @@ sha256 = "{hash_key(key)}"
         )
 
     def _argv(self, who: str) -> tuple[list[str], str | None]:
-        """The command that runs ``who`` (cp, router or a node) and its namespace."""
-        llmgw = [sys.executable, "-m", "llmgw"]
-        if who == "router":
-            return [*llmgw, "router", "--config", "router.toml"], None
+        """The command that runs ``who`` (cp, a router or a node) and its namespace."""
+        llmgw = list(self.state.get("programs", {}).get(who, self.program))
+        if who in self.routers:
+            return [*llmgw, "router", "--config", f"{who}.toml"], None
         if who == "cp":
             return [*llmgw, "server", "--config", "server.toml"], self.state["cp"]["ns"]
         ns = self._node(who)["ns"]
@@ -382,9 +409,15 @@ sha256 = "{hash_key(key)}"
         if ns is not None:  # its own network, and its own hostname: the node id
             argv = ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
                     f'hostname {who} && exec "$@"', "sh", *argv]  # fmt: skip
-        env = None
+        env = dict(os.environ, PEX_ROOT=str(self.dir / "pex"))  # where a single file unpacks
+        if who in self.node_names:
+            # llama-server on the agent's PATH: a single file does not carry the Python
+            # package it may come from here, and discovery looks on PATH first
+            llama = find_llama_server()
+            if llama is not None:
+                env["PATH"] = f"{Path(llama).parent}:{env['PATH']}"
         if self.gpus and who in self.node_names:  # its vLLM and Ray stand-ins
-            env = {**os.environ, "PATH": f"{self.dir / f'bin-{who}'}:{os.environ['PATH']}"}
+            env["PATH"] = f"{self.dir / f'bin-{who}'}:{env['PATH']}"
         log = open(self.dir / f"{who}.log", "ab")  # noqa: SIM115 - the child keeps it
         with log:
             p = subprocess.Popen(
@@ -411,8 +444,9 @@ sha256 = "{hash_key(key)}"
             self._start(node)
         self._wait(lambda: self._ready_nodes() >= len(self.node_names), "every agent", deadline)
         self._wait(lambda: self._serving() >= (2 if self.gpus else 1), "the models", deadline)
-        self._start("router")
-        self._wait(lambda: _served(self.base_url, self.key), "the router to route", deadline)
+        for router, base_url in zip(self.routers, self.base_urls, strict=True):
+            self._start(router)
+            self._wait(lambda u=base_url: _served(u, self.key), f"{router} to route", deadline)
 
     def _wait(self, done: Callable[[], bool], what: str, deadline: float) -> None:
         while not done():
@@ -578,14 +612,18 @@ sha256 = "{hash_key(key)}"
                 self._reap(pid, 10)
         return pids
 
-    def restart(self, who: str) -> int:
-        """Stop ``who`` (TERM, then KILL after 10 s) and start it again, same config."""
+    def restart(self, who: str, program: list[str] | None = None) -> int:
+        """Stop ``who`` (TERM, then KILL after 10 s) and start it again, same config;
+        ``program``: run by that from now on (another llmgw: an upgrade)."""
         pid = self.state["procs"].get(who)
         if pid is None:
             raise LabError(
                 f"no {who!r} in this lab: cp, router, or a node ({', '.join(self.state['nodes'])})"
             )
         self._stop(pid)
+        if program is not None:
+            self.state.setdefault("programs", {})[who] = list(program)
+            self._save()
         return self._start(who)
 
     def fill_disk(self, node: str, *, free: bool = False) -> None:
@@ -636,8 +674,9 @@ sha256 = "{hash_key(key)}"
         with contextlib.suppress(labwire.WireError, OSError):  # a TAP left is a link below
             labwire.restore_all(self.state)
         procs: dict[str, int] = self.state.get("procs", {})
-        # the router and the agents first, the control plane last; in parallel, TERM then KILL
-        order = [w for w in ("router", *self.state.get("nodes", {}), "cp") if w in procs]
+        # the routers and the agents first, the control plane last; in parallel, TERM then KILL
+        routers = self.state.get("routers", ["router"])
+        order = [w for w in (*routers, *self.state.get("nodes", {}), "cp") if w in procs]
         threads = [threading.Thread(target=self._stop, args=(procs[w],)) for w in order]
         for t in threads:
             t.start()
@@ -685,7 +724,7 @@ def _banner(lab: Lab) -> str:
     nodes = ", ".join(f"{n} {e['ip']}" for n, e in lab.state["nodes"].items())
     return (
         f"lab {lab.name} is up: control plane {lab.state['cp']['ip']}, nodes {nodes}"
-        f"\n  base URL: {base}\n  API key:  {key}"
+        f"\n  base URL: {', '.join(lab.base_urls)}\n  API key:  {key}"
         f"\n  curl {base}/chat/completions -H 'authorization: Bearer {key}' "
         """-H 'content-type: application/json' """
         """-d '{"model":"tiny","messages":[{"role":"user","content":"hi"}]}'"""
@@ -714,6 +753,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--lost-after", type=float, default=30.0, metavar="S")
     up.add_argument("--gpus", action="store_true",
                     help="a fake H200 per node, vLLM and Ray stand-ins, and a model over 2 nodes")  # fmt: skip
+    up.add_argument("--routers", type=int, default=1, metavar="N",
+                    help="standalone routers on the host, on ports 8000, 8001, ... (1)")  # fmt: skip
+    up.add_argument("--pyz", type=Path, metavar="FILE",
+                    help="run every daemon from this single file (tools/build) instead")  # fmt: skip
     verb("down", "stop everything and remove every namespace, link and mount")
     p = verb("partition", "cut a node off: link down, or --drop every packet")
     p.add_argument("node")
@@ -727,7 +770,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("who", nargs="+", metavar="cp|router|NODE|engine NODE")
     p.add_argument("--signal", default="KILL", help="9, KILL, TERM, STOP, CONT (KILL)")
     p.add_argument("--shard", default="", help="with engine: only shards whose id starts so")
-    verb("restart", "stop and start cp, router or NODE's agent").add_argument("who")
+    p = verb("restart", "stop and start cp, a router or NODE's agent")
+    p.add_argument("who")
+    p.add_argument("--pyz", type=Path, metavar="FILE",
+                   help="from now on run it from this single file: an upgrade")  # fmt: skip
     p = verb("fill-disk", "fill a --small-disk node's state dir (--free: empty it)")
     p.add_argument("node")
     p.add_argument("--free", action="store_true")
@@ -755,7 +801,8 @@ def main(argv: list[str] | None = None) -> int:
             pids = lab.kill(who[-1], args.signal, engine=engine, shard=args.shard)
             print(f"sent {args.signal} to {' '.join(map(str, pids))}")
         elif args.verb == "restart":
-            print(f"{args.who} restarted: pid {lab.restart(args.who)}")
+            program = [sys.executable, str(args.pyz.resolve())] if args.pyz else None
+            print(f"{args.who} restarted: pid {lab.restart(args.who, program)}")
         elif args.verb == "fill-disk":
             lab.fill_disk(args.node, free=args.free)
         elif args.verb == "status":
@@ -768,8 +815,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _up(args: argparse.Namespace, d: Path) -> int:
+    program = [sys.executable, str(args.pyz.resolve())] if args.pyz else None
     lab = Lab(d, name=args.name, nodes=args.n, small_disk=tuple(args.small_disk),
-              lost_after_s=args.lost_after, gpus=args.gpus)  # fmt: skip
+              lost_after_s=args.lost_after, gpus=args.gpus, routers=args.routers,
+              program=program)  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

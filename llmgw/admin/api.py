@@ -276,7 +276,10 @@ class AdminApi:
                 return error(400, "wedged must be at most 1,000 replica ids, comma-separated")
             routing.report_wedged(router, wedged, trio.current_time())
         fleet = self.fleet
-        if since and fleet is not None and routing.snapshot.version != since:
+        # a router that says it carries (``llmgw.routing.carried``) keeps the routes of
+        # nodes not heard from yet by itself, and takes the table at once
+        carries = params.get("carry", [""])[0] == "1"
+        if since and fleet is not None and routing.snapshot.version != since and not carries:
             # A router that holds a table keeps it while agents come back to a control
             # plane that just started: until they have, its table lacks their replicas,
             # and a router that took it would refuse every request for them.

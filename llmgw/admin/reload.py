@@ -20,8 +20,9 @@ from llmgw.config import ConfigError, ServerConfig
 from llmgw.config.errors import one_line
 from llmgw.controlplane.catalog import Catalog
 from llmgw.controlplane.fleet import FleetManager
+from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.engines import adapters
-from llmgw.router.keys import KeyRing, api_keys
+from llmgw.router.keys import KeyRing, api_keys, changes, followed, published
 
 log = logging.getLogger("llmgw.server")
 
@@ -87,13 +88,16 @@ class Reloader:
 
     The config file is read first and the catalog next; either one bad changes
     nothing (the old keys and catalog stay) and says why. The keys are
-    replaced last, in the ring the in-process router reads: the next request
-    is checked against them. Other changes to the config need a restart.
+    replaced last, in the ring the in-process router reads (the next request
+    is checked against them) and in the routing every standalone router
+    follows (they take them within moments). Other changes to the config need
+    a restart.
     """
 
     fleet: FleetManager | None
     keys: KeyRing | None  # the in-process router's, if it runs
     reread: Callable[[], ServerConfig] | None  # the config file, read again
+    routing: RoutingPublisher | None = None  # what standalone routers follow
     # one reload at a time: files are read off the event loop, and two reloads
     # overlapping could swap in the older file last
     _lock: trio.Lock = attrs.field(factory=trio.Lock, init=False)
@@ -104,7 +108,7 @@ class Reloader:
 
     async def _reload(self) -> Reloaded:
         config = None
-        if self.keys is not None and self.reread is not None:
+        if (self.keys is not None or self.routing is not None) and self.reread is not None:
             try:
                 config = await trio.to_thread.run_sync(self.reread, abandon_on_cancel=True)
             except ConfigError as exc:
@@ -115,8 +119,14 @@ class Reloader:
                 parts.append(await self.fleet.reload())
             except ConfigError as exc:
                 raise NotReloaded(f"catalog not reloaded, nothing changed: {exc}") from None
-        if self.keys is not None and config is not None:
-            parts.append("keys reloaded: " + self.keys.replace(api_keys(config.router)))
+        if config is not None:
+            keys = api_keys(config.router)
+            before = followed(self.routing.keys) if self.routing is not None else []
+            said = self.keys.replace(keys) if self.keys is not None else changes(before, keys)
+            if self.routing is not None:
+                self.routing.set_keys(published(keys))
+            if self.keys is not None or keys or before:  # no keys, no endpoint: no word
+                parts.append("keys reloaded: " + said)
         what = "; ".join(parts) or "nothing to reload"
         warnings = []
         if self.fleet is not None:

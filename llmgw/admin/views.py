@@ -44,6 +44,8 @@ class NodeView(msgspec.Struct, kw_only=True):
     drained: bool = False  # draining, and nothing of the control plane's runs there
     version: str = ""  # its agent's, as said at registration: "0.1.0 (build 1a2b3c4d5e6f)"
     problems: list[str] = []  # what its agent finds wrong with it: "state dir ... is full"
+    # known from before the control plane started, not back since (Lost lost_after later)
+    awaited: bool = False
 
 
 def _gpu(g: Gpu) -> GpuView:
@@ -100,6 +102,7 @@ def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
         weights_dirs=list(inv.weights_dirs),
         version=node.agent_version,
         problems=list(inv.problems),
+        awaited=node.awaited,
     )
 
 

@@ -17,7 +17,9 @@ control-plane certificate without the address dialed (with the names it
 holds, read over a second handshake that checks the CA only), or from another
 CA. The backoff is reset only when a registration was accepted, so an agent
 the control plane keeps refusing backs off to the ceiling instead of
-hammering it.
+hammering it; after a registered stream ends it stays within a couple of
+seconds for a minute (``Backoff.lost``), so a restarted control plane hears
+from every node within seconds.
 
 What the supervisor killed (a stray, an engine that outlived its stop grace)
 goes up on a heartbeat sent at once for it; a kill made while no session is
@@ -121,9 +123,10 @@ class AgentStream:
             host, port = addresses[i % len(addresses)]
             i += 1
             registered = await self.session(host, port)
+            now = trio.current_time()
             if registered:
-                self.backoff.reset()
-            delay = self.backoff.next_delay()
+                self.backoff.lost(now)  # most likely back within moments: look soon
+            delay = self.backoff.next_delay(now)
             # the attempt's end was said in one line already; this is detail
             log.debug("reconnecting in %.2f s (attempt %d)", delay, self.backoff.attempt)
             await trio.sleep(delay)

@@ -180,10 +180,12 @@ def router(
     except ConfigError as exc:
         return fail("llmgw router", str(exc))
     setup_logging(cfg.log_level)
+    # what the other workers are started with: the same file and everything said on
+    # this command line (--log-level, --workers, --set), as overrides
     argv = (
         ["router"]
         + (["--config", str(config)] if config else [])
-        + [a for o in (set_ or []) for a in ("--set", o)]
+        + [a for o in overrides for a in ("--set", o)]
     )
 
     def reread() -> StandaloneRouterConfig:  # SIGHUP: the keys, from the same file

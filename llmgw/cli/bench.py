@@ -27,7 +27,7 @@ from llmgw.cli.defaults import not_found
 from llmgw.cli.shed import shed_warnings
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.loader import read_text
-from llmgw.config.schema import resolve
+from llmgw.config.schema import StandaloneRouterConfig, resolve
 from llmgw.files import write_atomic
 
 bench_app = cyclopts.App(
@@ -563,8 +563,12 @@ def _router_url(target: Target) -> str:
     config, _ = target.server_config()
     if config is not None:
         cfg, _ = load_config(ServerConfig, config)
-        if cfg.router.listen:
-            host, port = parse_hostport(cfg.router.listen, key="router.listen")
+        listen = cfg.router.listen
+        beside = config.parent / "router.toml"  # the standalone router llmgw init sets up
+        if not listen and beside.exists():
+            listen = load_config(StandaloneRouterConfig, beside)[0].router.listen
+        if listen:
+            host, port = parse_hostport(listen, key="router.listen")
             if host in ("0.0.0.0", "::", ""):
                 host = "127.0.0.1"
             return f"http://{url_host(host)}:{port}/v1"

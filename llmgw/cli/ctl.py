@@ -184,6 +184,8 @@ def _state(node: NodeView) -> str:
         return f"{node.state},draining"
     if node.cordoned:
         return f"{node.state},cordoned"
+    if node.awaited:
+        return f"{node.state},awaited"  # known from before a restart, not back yet
     return node.state
 
 
@@ -210,7 +212,7 @@ def render_nodes(nodes: list[NodeView], now: float, server_version: str = "") ->
         rows.append(
             [
                 n.node_id,
-                n.address,
+                n.address or "-",
                 _state(n),
                 str(n.shards),
                 _ago(n.last_seen, now),
@@ -228,7 +230,8 @@ def render_nodes(nodes: list[NodeView], now: float, server_version: str = "") ->
         lines.extend(f"warning: {p}" for p in problems)
     versions: dict[str, list[str]] = {}
     for n in nodes:
-        versions.setdefault(n.version or "unknown", []).append(n.node_id)
+        if not n.awaited:  # not back since the control plane started: nothing said yet
+            versions.setdefault(n.version or "unknown", []).append(n.node_id)
     if len(versions) > 1 or (server_version and versions and server_version not in versions):
         lines.append("")
         lines.append(
@@ -718,6 +721,9 @@ def key(name: str, *, models: list[str] | None = None) -> int:
     secret = new_key()
     allowed = ", ".join(f'"{m}"' for m in models or [])
     print(f"key: {secret}")
-    print("\n# add to the server's config (the key itself is not stored):")
+    print(
+        "\n# add to the server's config (the key itself is not stored), then llmgw ctl"
+        " reload:\n# every llmgw router that follows the server takes it within moments"
+    )
     print(f'[[router.keys]]\nname = "{name}"\nsha256 = "{hash_key(secret)}"\nmodels = [{allowed}]')
     return 0

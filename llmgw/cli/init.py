@@ -1,9 +1,11 @@
 """``llmgw init``: everything a control-plane host needs, written once.
 
 It writes, under ``--dir``: the CA and the server's certificate (``pki/``),
-``server.toml`` with the catalog and the OpenAI-compatible endpoint switched
-on, an example ``catalog.toml``, the admin token and an API key's hash. Then
-it prints the next commands.
+``server.toml`` with the catalog switched on, ``router.toml`` for the
+OpenAI-compatible endpoint as a process of its own (``llmgw router``, the
+``llmgw-router`` unit: a restart or an upgrade of the server cuts no client),
+an example ``catalog.toml``, the admin token and an API key's hash. Then it
+prints the next commands.
 
 Running it again never overwrites anything: each file that exists is named,
 one line each, and kept; only what is missing is written (a server
@@ -43,6 +45,7 @@ __all__ = ["init"]
 
 PROG = "llmgw init"
 STREAM_PORT = 7443
+ADMIN_LISTEN = "127.0.0.1:7444"  # the server's admin API, which the router follows
 SERVICE_USER = "llmgw"  # the user the systemd units run as
 
 CATALOG = """\
@@ -104,12 +107,14 @@ def _owner(name: str | None) -> pwd.struct_passwd | None:
         _fail(f"--owner {name}: no such user; create it (packaging/llmgw.sysusers.conf) first")
 
 
-def server_toml(*, state_dir: str, key_hash: str, stream_listen: str, endpoint_listen: str) -> str:
+def server_toml(*, state_dir: str, stream_listen: str, key_hash: str) -> str:
     return f"""\
 # llmgw server: the control plane, written by llmgw init. Relative paths are
 # resolved against this file's folder. Every key: docs/configuration.md.
+# The OpenAI-compatible endpoint is not in this process: llmgw router serves it
+# (router.toml, the llmgw-router unit), so a restart of this server cuts no client.
 
-state_dir = {_q(state_dir)}         # operator intent (cordons, drains)
+state_dir = {_q(state_dir)}         # operator intent (cordons, drains), known nodes
 catalog = "catalog.toml"          # the models to run; llmgw ctl reload after a change
 log_level = "info"
 
@@ -120,8 +125,8 @@ cert = "pki/server.pem"           # holds every name and address agents dial
 key = "pki/server-key.pem"
 
 [admin]
-listen = "127.0.0.1:7444"         # management API and /metrics; loopback (ssh -L)
-token_file = "admin-token"        # llmgw ctl --config this file reads it
+listen = {_q(ADMIN_LISTEN)}         # management API and /metrics; loopback (ssh -L)
+token_file = "admin-token"        # llmgw ctl --config this file reads it; so does the router
 
 # Prometheus's own listener, with a read-only token of its own; its /sd lists every
 # agent, engine and router to scrape (packaging/prometheus.yml):
@@ -129,14 +134,34 @@ token_file = "admin-token"        # llmgw ctl --config this file reads it
 # listen = "0.0.0.0:9465"
 # token_file = "metrics-token"
 
-[router]                          # the OpenAI-compatible endpoint
-listen = {_q(endpoint_listen)}
-
-# llmgw ctl key NAME makes another key and prints its lines
+# The API keys of the endpoint: every llmgw router following this server takes them
+# (hashes only) within moments of llmgw ctl reload. llmgw ctl key NAME makes another
+# key and prints its lines.
 [[router.keys]]
 name = "first"
 sha256 = {_q(key_hash)}
 models = []                       # empty: every model
+"""
+
+
+def router_toml(*, endpoint_listen: str) -> str:
+    return f"""\
+# llmgw router: the OpenAI-compatible endpoint, written by llmgw init; the
+# llmgw-router unit runs it. A process of its own, so that a restart or an upgrade
+# of the server cuts no client: it follows the server's routing over the admin API
+# and routes on with the table it has while the server is away. Relative paths are
+# resolved against this file's folder. Every key: docs/configuration.md.
+
+admin_url = "http://{ADMIN_LISTEN}"  # the server's management API ([admin] listen)
+admin_token_file = "admin-token"     # the server's admin token
+workers = 2                          # processes sharing the port (SO_REUSEPORT)
+log_level = "info"
+# metrics_listen = "127.0.0.1:9464"  # Prometheus /metrics of every worker
+
+[router]
+listen = {_q(endpoint_listen)}
+# The API keys are the server's ([[router.keys]] in server.toml), followed with its
+# routing; keys listed here as well are this router's own (SIGHUP reads them again).
 """
 
 
@@ -193,8 +218,9 @@ def init(
     owner: str | None = None,
 ) -> None:
     """Set up a control-plane host: the CA, the server's certificate, server.toml (with
-    the catalog and the OpenAI-compatible endpoint on), an example catalog, the admin
-    token and an API key. Run again, it writes only what is missing.
+    the catalog on), router.toml (the OpenAI-compatible endpoint, a process of its
+    own), an example catalog, the admin token and an API key. Run again, it writes
+    only what is missing.
 
     Parameters
     ----------
@@ -209,11 +235,12 @@ def init(
     stream_listen
         Where agents dial in, HOST:PORT ([agent_stream] listen).
     endpoint_listen
-        The OpenAI-compatible endpoint, HOST:PORT ([router] listen).
+        The OpenAI-compatible endpoint, HOST:PORT ([router] listen in router.toml).
     owner
-        The user the server runs as, given the files it reads that are 0600 (its key,
-        the admin token, server.toml). Default: llmgw, when init runs as root and
-        that user exists (packaging/llmgw.sysusers.conf); the CA's key stays root's.
+        The user the server and the router run as, given the files they read that are
+        0600 (the server's key, the admin token, server.toml, router.toml). Default:
+        llmgw, when init runs as root and that user exists
+        (packaging/llmgw.sysusers.conf); the CA's key stays root's.
     """
     hosts = [*(name or []), *(address or [])]
     if not hosts:
@@ -271,14 +298,15 @@ def init(
     if not plan.exists(config, "the server's config"):
         api_key = new_key()
         text = server_toml(
-            state_dir=state_dir,
-            key_hash=hash_key(api_key),
-            stream_listen=stream_listen,
-            endpoint_listen=endpoint_listen,
+            state_dir=state_dir, stream_listen=stream_listen, key_hash=hash_key(api_key)
         )
         plan.write(config, text, 0o600)  # it names the admin token file and a key's hash
 
-    plan.give([pki / "server-key.pem", token, config], user)
+    router = dir_ / "router.toml"
+    if not plan.exists(router, "the router's config"):
+        plan.write(router, router_toml(endpoint_listen=endpoint_listen), 0o600)
+
+    plan.give([pki / "server-key.pem", token, config, router], user)
     plan.show()
     if not plan.wrote:
         print(f"nothing written: {dir_} is already set up")
@@ -286,7 +314,14 @@ def init(
         print(f"\nAPI key for the endpoint (shown this once; give it to clients): {api_key}")
     if config not in plan.wrote:  # kept: where agents dial is what that file says
         try:
-            stream_listen = load_config(ServerConfig, config)[0].agent_stream.listen
+            kept = load_config(ServerConfig, config)[0]
+            stream_listen = kept.agent_stream.listen
+            if kept.router.listen:
+                print(
+                    f"note: {config} runs the endpoint inside the server ([router] listen ="
+                    f" {_q(kept.router.listen)}), which every restart of the server cuts:"
+                    f" remove that line, and run llmgw router (--config {router}) instead"
+                )
         except ConfigError:
             pass  # a file that does not load: the server says why when it starts
     port = stream_listen.rsplit(":", 1)[-1]
@@ -297,7 +332,9 @@ def init(
     print(
         f"""
 Next:
-  llmgw server --config {config}          # or: systemctl enable --now llmgw-server
+  systemctl enable --now llmgw-server llmgw-router
+                                           # or: llmgw server --config {config}
+                                           #  and llmgw router --config {router}
   llmgw ctl onboard NODE --config {config} --server {dial} --out NODE.tar
                                            # one bundle per node: its certificate and agent.toml
   # on the node, with the bundle in /etc/llmgw (see the bundle's INSTALL.txt):

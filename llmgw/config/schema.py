@@ -106,7 +106,9 @@ class ReconcileConfig(_Section):
     )
     retry_base_s: float = 5.0  # failed placements and replicas are retried with backoff from here
     retry_cap_s: float = 300.0  # the longest wait between two tries (crash loops)
-    settle_s: float = 15.0  # after a start, agents re-register before anything is placed
+    # after a start, agents re-register before anything is placed; nodes known from
+    # before (state_dir/nodes.json) are waited for until back or Lost (lost_after_s)
+    settle_s: float = 15.0
     # a replica a router holds wedged (router.wedged_after_s) this much longer is failed
     # and replaced: its engine restarted
     wedged_grace_s: float = 60.0
@@ -122,7 +124,10 @@ class RouterConfig(_Section):
     """The OpenAI-compatible endpoint: keys, limits and timeouts."""
 
     listen: str = ""  # the OpenAI-compatible endpoint, e.g. "0.0.0.0:8000"; empty: none
-    keys: list[KeyConfig] = []  # API keys; none: the endpoint asks for no key
+    # API keys, as hashes (`llmgw ctl key NAME`). The server's go to every standalone
+    # router with its routing (`llmgw ctl reload` after a change); a standalone router
+    # takes those and its own. With none at all, every request is refused (401)
+    keys: list[KeyConfig] = []
     max_body_mb: float = 16.0  # one request's body; larger: 413
     # bodies held at once, all clients together, shared fairly per key and per address:
     # when full, a client within its share takes room from one over it; else 503
@@ -341,7 +346,9 @@ class BackoffConfig(_Section):
     """How the agent waits between attempts to reach the control plane."""
 
     initial_s: float = 0.5  # the first wait before dialling again
-    max_s: float = 30.0  # the longest wait (exponential, full jitter)
+    # the longest wait (exponential, full jitter); for a minute after a stream that
+    # worked ends, at most 2 s (a restarted control plane is back within moments)
+    max_s: float = 30.0
 
 
 class AgentConfig(_Section):
@@ -438,8 +445,6 @@ class StandaloneRouterConfig(_Section):
             raise ConfigError(
                 "", "router.listen", "several workers share one port: give a fixed port"
             )
-        if not self.router.keys:
-            raise ConfigError("", "router.keys", "no API keys: make one with `llmgw ctl key NAME`")
         self.router.validate()
         if self.metrics_listen:
             metrics = parse_hostport(self.metrics_listen, key="metrics_listen")

@@ -32,6 +32,8 @@ from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.fabrics import missing_weights
 from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
 from llmgw.controlplane.intent import IntentStore
+from llmgw.controlplane.known import KnownNodes
+from llmgw.controlplane.nodes import NodeState, awaited
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.plan import Command, Drain, Plan, Refusal, ReplicaFailed, Start, Stop
 from llmgw.controlplane.probe import Prober, url_of
@@ -97,6 +99,19 @@ class FleetManager:
         self.reconciler.draining = set(saved.draining)
         self.drained: set[str] = set()  # draining nodes where nothing runs, as of the last pass
         self._clock = clock
+        self._started = clock()
+        # the nodes from before this start: awaited until they are back or Lost
+        self.known = KnownNodes(state_dir)
+        expected = control.nodes.expect(self.known.load(), now=self._started, wall=time.time())
+        self._awaited = awaited(control.nodes.nodes.values())
+        if expected:
+            log.info(
+                "expecting %d nodes from before this start (%s): nothing is placed until "
+                "each is back or Lost (at most %g s), and routers keep their routes there",
+                len(expected),
+                _some(expected),
+                control.policy.lost_after,
+            )
         self._plans: list[Plan] = []
         self._outboxes: dict[str, deque[Command]] = {}  # node -> commands not yet sent
         self._wake = trio.Event()
@@ -182,12 +197,15 @@ class FleetManager:
 
     def settling_s(self) -> float:
         """How much longer agents have to come back after this control plane started
-        (the reconciler's ``settle_s``, from its first pass); 0 once they have had it.
-        Until then its fleet is what the agents back so far have said, not what runs."""
+        (the reconciler's ``settle_s``, from its first pass, and while a node from
+        before is awaited, at most until it is Lost); 0 once they have had it. Until
+        then its fleet is what the agents back so far have said, not what runs."""
         r = self.reconciler
-        if r.started_at is None:
-            return r.timing.settle_s
-        return max(0.0, r.started_at + r.timing.settle_s - self._clock())
+        now = self._clock()
+        left = r.timing.settle_s if r.started_at is None else r.started_at + r.timing.settle_s - now
+        if self._awaited and awaited(self.control.nodes.nodes.values()):
+            left = max(left, self._started + self.control.policy.lost_after - now)
+        return max(0.0, left)
 
     def unplaceable(self) -> dict[str, tuple[str, float]]:
         """Catalog models below their count whose last placement failed: placement's
@@ -327,7 +345,31 @@ class FleetManager:
             log.warning("cannot place %s: %s", model, failure.why)
         self._plans.append(plan)
         self._follow_drains()
+        self._follow_known()
         self.publish_routing()
+
+    def _follow_known(self) -> None:
+        """Keep the list of nodes that are not Lost, and say once when the last node
+        awaited since this start is back or Lost."""
+        nodes = self.control.nodes.nodes
+        self.known.save(n for n, node in nodes.items() if node.state is not NodeState.LOST)
+        if not self._awaited:
+            return
+        self._awaited = awaited(nodes.values())
+        if not self._awaited:
+            lost = sorted(n for n, node in nodes.items() if node.awaited)
+            log.info(
+                "every node from before this start is back%s: placement goes on",
+                f" or Lost ({_some(lost)})" if lost else "",
+            )
+
+    def settled(self) -> bool:
+        """Whether this control plane has been up for its lost-node timeout (and its
+        settle time, if that is longer): any node it has not heard from since it
+        started is Lost by now, so a route it does not publish is gone
+        (``llmgw.routing.carried``)."""
+        wait = max(self.control.policy.lost_after, self.reconciler.timing.settle_s)
+        return self._clock() - self._started >= wait
 
     def _follow_drains(self) -> None:
         """A draining node is drained once no shard is left there; one line when it becomes so."""
@@ -344,8 +386,16 @@ class FleetManager:
     def publish_routing(self) -> None:
         """Give routers the fleet as this pass left it; wakes them only on a change."""
         r = self.reconciler
+        nodes = self.control.nodes.nodes
         self.routing.publish(
-            build_snapshot(r.catalog, r.replicas.values(), self.control.nodes.nodes)
+            build_snapshot(
+                r.catalog,
+                r.replicas.values(),
+                nodes,
+                settled=self.settled(),
+                heard=[n for n, node in nodes.items() if not node.awaited],
+                keys=self.routing.keys,
+            )
         )
 
     def _queue(self, plan: Plan) -> None:
@@ -396,6 +446,12 @@ class FleetManager:
             key = (r.model, state)
             counts[key] = counts.get(key, 0) + 1
         return counts
+
+
+def _some(names: list[str], most: int = 10) -> str:
+    """Names for a log line, the first ``most`` of them."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def _message(command: Command) -> StartShard | StopShard | DrainShard:

@@ -7,6 +7,11 @@ or not). Both bounds are finite, so no node stays in limbo. The stream layer
 calls ``register``/``heartbeat``/``disconnected``; a periodic ``sweep`` moves
 silent nodes along. Each returns the changes it made, for logs and metrics.
 
+A control plane that restarts knows, from its state directory, which nodes
+were in its fleet before (``expect``): each is in the table from the start,
+Unreachable and ``awaited`` until it registers, and Lost once silent for
+``lost_after`` counted from that start, as any other node.
+
 ``now`` is a monotonic clock (trio's); ``wall`` is the wall clock, kept only
 for display ("last seen 3 s ago" must survive a reader on another machine).
 """
@@ -57,6 +62,8 @@ class Node:
     last_heartbeat_seq: int = -1
     agent_version: str = ""  # as its agent said at registration ("0.1.0 (build …)")
     metrics_address: str = ""  # its agent's metrics listener, as said at registration
+    # known from before this control plane started, and not registered with it since
+    awaited: bool = False
 
     @property
     def metrics_target(self) -> str:
@@ -87,6 +94,12 @@ def liveness(node: Node, now: float, policy: LivenessPolicy) -> tuple[NodeState,
             f"no heartbeat for {silent:.1f} s (unreachable after {policy.unreachable_after:g} s)",
         )
     return NodeState.READY, "heartbeating"
+
+
+def awaited(nodes: Iterable[Node]) -> list[str]:
+    """The nodes known from before this control plane started that have neither come
+    back nor been declared Lost: until then, what they run is not known."""
+    return sorted(n.node_id for n in nodes if n.awaited and n.state is not NodeState.LOST)
 
 
 def inventory_changes(old: Inventory, new: Inventory) -> list[str]:
@@ -157,7 +170,8 @@ class NodeTable:
             if inventory.busy_ports:
                 news.append(_busy_words(inventory.busy_ports))
             return [Change(node_id, None, NodeState.READY, "registered")], news
-        news = inventory_changes(node.inventory, inventory)
+        # a node known from before has no inventory here yet: nothing to compare
+        news = [] if node.awaited else inventory_changes(node.inventory, inventory)
         node.inventory = inventory
         node.peer = peer
         node.connection = connection
@@ -166,7 +180,31 @@ class NodeTable:
         node.last_seen_wall = wall
         node.registered_at_wall = wall
         node.last_heartbeat_seq = -1
+        node.awaited = False
         return self._set(node, NodeState.READY, "registered"), news
+
+    def expect(self, node_ids: Iterable[str], *, now: float, wall: float) -> list[str]:
+        """Nodes known from before a restart: in the table, Unreachable and awaited,
+        silent from ``now`` on (Lost ``lost_after`` later unless they register).
+        Returns those added (a node already in the table is left as it is)."""
+        added = []
+        for node_id in node_ids:
+            if node_id in self.nodes:
+                continue
+            self.nodes[node_id] = Node(
+                node_id=node_id,
+                inventory=Inventory(),
+                peer="",
+                connection=0,
+                connected=False,
+                state=NodeState.UNREACHABLE,
+                last_seen=now,
+                last_seen_wall=wall,
+                registered_at_wall=0.0,
+                awaited=True,
+            )
+            added.append(node_id)
+        return added
 
     def heartbeat(
         self, node_id: str, connection: int, hb: Heartbeat, *, now: float, wall: float

@@ -70,7 +70,7 @@ from llmgw.controlplane import claims
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Catalog, Model, Profile
 from llmgw.controlplane.memory import Needs
-from llmgw.controlplane.nodes import Node, NodeState
+from llmgw.controlplane.nodes import Node, NodeState, awaited
 from llmgw.controlplane.placement import (
     Decision,
     NodeFacts,
@@ -107,8 +107,9 @@ class Timing:
     # placing costs a few ms per replica at 1,000 nodes: a pass stays short, and
     # the next pass (a second later) places more
     max_placements_per_pass: int = 8
-    # after a (re)start, agents get this long to re-register before anything is placed:
-    # a replica placed in the meantime would double one that is already serving
+    # after a (re)start, agents get this long to re-register before anything is placed
+    # (and nodes known from before, until they are back or Lost): a replica placed in
+    # the meantime would double one that is already serving
     settle_s: float = 15.0
     # a replica the routers hold wedged (work, no progress) this long is failed and
     # replaced: its engine is restarted
@@ -296,7 +297,7 @@ class Reconciler:
             if replica.state in (R.FAILED, R.STOPPING):
                 self._clean_up(replica, nodes, now, plan)
             self._send_starts(replica, plan)
-        if now - self.started_at < t.settle_s:
+        if now - self.started_at < t.settle_s or awaited(nodes.values()):
             return plan  # agents are still coming back: they say what runs first
         by_model: dict[str, list[Replica]] = {}
         for replica in self.replicas.values():

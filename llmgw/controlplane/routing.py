@@ -18,17 +18,26 @@ from llmgw.addr import url_host
 from llmgw.controlplane.catalog import Catalog, routing_for
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
-from llmgw.routing import ModelRouting, Route, Snapshot, versioned
+from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
 
 _ROUTED = (ReplicaState.READY, ReplicaState.DRAINING)
 
 
 def build_snapshot(
-    catalog: Catalog, replicas: Iterable[Replica], nodes: Mapping[str, Node]
+    catalog: Catalog,
+    replicas: Iterable[Replica],
+    nodes: Mapping[str, Node],
+    *,
+    settled: bool = True,
+    heard: Iterable[str] = (),
+    keys: Iterable[RouterKey] = (),
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
     each Ready or Draining replica at its head shard's node address (a Ready one
-    that is unhealthy, or not yet verified, as not ready)."""
+    that is unhealthy, or not yet verified, as not ready); ``settled`` and ``heard``:
+    whether the control plane has been up for its lost-node timeout, and if not, the
+    nodes it has heard from since it started (``llmgw.routing.carried``); ``keys``:
+    the API keys of the control plane's config, for standalone routers."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     for name, entry in catalog.models.items():
@@ -62,9 +71,10 @@ def build_snapshot(
                 ready=replica.state is ReplicaState.READY and replica.healthy and replica.verified,
                 draining=replica.state is ReplicaState.DRAINING,
                 engine_key=head.engine_key,
+                node=head.node_id,
             )
         )
-    return versioned(models, routes)
+    return versioned(models, routes, settled=settled, heard=heard, keys=keys)
 
 
 def engine_url(node: Node, host: str, port: int) -> str:
@@ -83,6 +93,8 @@ class RoutingPublisher:
 
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         self.snapshot = snapshot or versioned({}, [])
+        # the API keys every snapshot carries (hashes: the config's [[router.keys]])
+        self.keys: list[RouterKey] = list(self.snapshot.keys)
         self.body = msgspec.json.encode(self.snapshot)  # what every watcher is sent
         self._changed = trio.Event()
         # standalone routers' metrics listeners ("host:port") -> when last heard from
@@ -139,6 +151,15 @@ class RoutingPublisher:
         self._changed.set()
         self._changed = trio.Event()
         return True
+
+    def set_keys(self, keys: list[RouterKey]) -> bool:
+        """Carry ``keys`` from now on (in this snapshot and every one after); True when
+        that changed what routers are sent."""
+        self.keys = list(keys)
+        s = self.snapshot
+        return self.publish(
+            versioned(s.models, s.routes, settled=s.settled, heard=s.heard, keys=self.keys)
+        )
 
     @property
     def watchers(self) -> int:

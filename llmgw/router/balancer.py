@@ -80,6 +80,7 @@ class Endpoint:
     # the engine serving it, as a profile names it ("llama.cpp", "vllm", ...): what it
     # scrapes and how a stream broken elsewhere is carried on there; "": unknown
     engine: str = ""
+    node: str = ""  # the node it runs on, as the control plane said; "": static
     weight: float = attrs.field(default=1.0, validator=positive)  # relative share
     ready: bool = True  # Ready in the control plane's table
     draining: bool = False  # no new requests; in-flight ones finish

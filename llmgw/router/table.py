@@ -7,7 +7,12 @@ in a standalone ``llmgw router`` ``HttpWatch`` over ``GET /v1/routing`` (a
 long poll that answers on the change). Nothing polls on a timer. Endpoints
 keep their identity across snapshots, so each keeps its in-flight count,
 breaker and load signals. A Draining replica stays in the table (its
-in-flight requests finish) but takes no new request.
+in-flight requests finish) but takes no new request. A control plane that
+has just started does not know yet what the nodes it has not heard from run:
+the routes held to those stay (``llmgw.routing.carried``) until it has heard
+from their node or settled. While the control plane cannot be reached at all,
+the table stays as it is; either way each endpoint's breaker and wedge
+judgement go on protecting clients.
 
 Engine gauges are scraped once a second, every endpoint at once, each scrape
 bounded by the next beat: one dead replica ages nobody's gauges but its own.
@@ -27,7 +32,7 @@ from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.load import read_load
 from llmgw.router.balancer import Admission, Endpoint, note_heard, note_progress, silent, wedged
-from llmgw.routing import Snapshot, TrafficView
+from llmgw.routing import RouterKey, Snapshot, TrafficView, carried
 
 log = logging.getLogger("llmgw.router")
 
@@ -52,6 +57,7 @@ class RoutingTable:
         wedged_after_s: float = 30.0,
         silent_after_s: float = 6.0,
         on_wedged: Callable[[frozenset[str]], None] = lambda _: None,
+        on_keys: Callable[[list[RouterKey]], None] = lambda _: None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
         self.on_gone = on_gone  # told the replicas that left the table, once each
@@ -59,7 +65,11 @@ class RoutingTable:
         self.wedged_after_s = wedged_after_s
         self.silent_after_s = silent_after_s
         self.on_wedged = on_wedged  # told the replicas held wedged, after every judgement
+        # told the control plane's API keys when they change (a standalone router's ring)
+        self.on_keys = on_keys
+        self._keys: list[RouterKey] | None = None
         self.version = ""
+        self.carried: frozenset[str] = frozenset()  # routes kept that the snapshot lacks
         self.endpoints: dict[str, list[Endpoint]] = {}
         self.admission: dict[str, Admission] = {}
         self._known: frozenset[str] = frozenset()
@@ -91,8 +101,16 @@ class RoutingTable:
             ep.draining = route.draining
             ep.engine_key = route.engine_key
             ep.engine = route.engine
+            ep.node = route.node
             table.setdefault(route.model, []).append(ep)
             seen.add(route.key)
+        held = [ep for eps in self.endpoints.values() for ep in eps]
+        keep = carried(snap, ((ep.key, ep.model, ep.node) for ep in held))
+        for ep in held:
+            if ep.key in keep:
+                table.setdefault(ep.model, []).append(ep)
+                seen.add(ep.key)
+        self._say_carried(frozenset(keep), seen, snap)
         gone = [k for k in self._by_key if k not in seen and self._by_key[k].in_flight == 0]
         for key in gone:
             del self._by_key[key]
@@ -105,6 +123,31 @@ class RoutingTable:
         self._known = frozenset(snap.models)
         self.endpoints = table
         self.version = snap.version
+        if snap.keys != self._keys:
+            self._keys = list(snap.keys)
+            self.on_keys(self._keys)
+
+    def _say_carried(self, keep: frozenset[str], listed: set[str], snap: Snapshot) -> None:
+        """One line when the routes kept for nodes not heard from change."""
+        if keep == self.carried:
+            return
+        if keep - self.carried:
+            log.info(
+                "keeping %d routes the control plane does not list yet, to nodes it has "
+                "not heard from since it started (%s): they serve until it has",
+                len(keep),
+                ", ".join(sorted({ep.node for ep in self._by_key.values() if ep.key in keep})),
+            )
+        dropped = sorted(self.carried - keep - listed)
+        if dropped:
+            log.info(
+                "dropped the routes kept for %s: %s",
+                ", ".join(dropped),
+                "the control plane has been up for its lost-node timeout"
+                if snap.settled
+                else "their node came back without them",
+            )
+        self.carried = keep
 
     def traffic(self, now: float) -> dict[str, TrafficView]:
         """This router's view of each replica it routes to, by replica id."""
@@ -211,8 +254,13 @@ class HttpWatch:
     engines keep serving, so the router keeps routing.
     """
 
+    # while the control plane cannot be reached, asked again at least this often: a
+    # restarted one is followed within seconds
+    RETRY_CAP_S = 2.0
+
     def __init__(self, admin_url: str, token: str, *, poll_s: float = 25.0) -> None:
         self.url = admin_url.rstrip("/") + "/v1/routing"
+        self._lost_at: float | None = None  # since when it cannot be followed
         self.poll_s = poll_s
         # where this router serves its metrics, told to the control plane with every
         # poll so that its service discovery lists it ("": none)
@@ -235,6 +283,7 @@ class HttpWatch:
                         "wait": str(self.poll_s),
                         "router": self.router_id,
                         "wedged": ",".join(sorted(self.wedged())),
+                        "carry": "1",  # it keeps what a control plane just started lacks
                     }
                     | ({"metrics": self.metrics_address} if self.metrics_address else {}),
                     headers=self._headers,
@@ -242,12 +291,23 @@ class HttpWatch:
                 r.raise_for_status()
                 snap = msgspec.json.decode(r.content, type=Snapshot)
             except (httpx.HTTPError, msgspec.DecodeError) as exc:
-                log.warning(
-                    "cannot follow the control plane's routing (%s); keeping the table", exc
-                )
+                if self._lost_at is None:
+                    self._lost_at = trio.current_time()
+                    log.warning(
+                        "cannot follow the control plane's routing (%s); routing on with "
+                        "the table as it is, and asking again every %g s at most",
+                        exc,
+                        self.RETRY_CAP_S,
+                    )
                 await trio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                delay = min(delay * 2, self.RETRY_CAP_S)
                 continue
+            if self._lost_at is not None:
+                log.info(
+                    "following the control plane's routing again, after %.1f s",
+                    trio.current_time() - self._lost_at,
+                )
+                self._lost_at = None
             if snap.version != since:
                 log.info("routing table now version %s: %d routes", snap.version, len(snap.routes))
             return snap

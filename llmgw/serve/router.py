@@ -31,9 +31,10 @@ from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.guards import Limits
-from llmgw.router.keys import KeyRing, api_keys
+from llmgw.router.keys import KeyRing, api_keys, followed
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import HttpWatch, RoutingTable
+from llmgw.routing import RouterKey
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import Shares, capped_line, metrics_server, process_shares, router_limits
 from llmgw.telemetry import daemon_registry
@@ -114,6 +115,32 @@ async def reuseport_listeners(host: str, port: int) -> list[trio.SocketListener]
     return listeners
 
 
+NO_KEYS = (
+    "no API keys, neither in this router's config nor in the control plane's: every "
+    "request is refused (401); add one with llmgw ctl key NAME to the server's config "
+    "and llmgw ctl reload"
+)
+
+
+def _follow_keys(keys: KeyRing, worker: int) -> Callable[[list[RouterKey]], None]:
+    """What the routing table calls with the control plane's keys when they change:
+    take them besides the router's own, and say so in one line (worker 0's)."""
+
+    first = [True]  # the first snapshot: said even when it brings no key
+
+    def follow(published: list[RouterKey]) -> None:
+        said = keys.follow(followed(published))
+        was_first, first[0] = first[0], False
+        if worker or (said is None and not was_first):
+            return
+        if said is not None:
+            log.info("keys from the control plane: %s", said)
+        if not keys:
+            log.warning("%s", NO_KEYS)
+
+    return follow
+
+
 def admin_token(config: StandaloneRouterConfig, base: Path) -> str:
     if config.admin_token:
         return config.admin_token
@@ -144,6 +171,8 @@ async def _reload_keys_on_sighup(
                 log.debug("the reload failed here", exc_info=True)
                 continue
             log.info("%skeys reloaded: %s", who, keys.replace(api_keys(config.router)))
+            if not keys:
+                log.warning("%s%s", who, NO_KEYS)
 
 
 async def serve(
@@ -164,14 +193,15 @@ async def serve(
     )
     watch = HttpWatch(config.admin_url, token)
     metrics = RouterMetrics(daemon_registry("router"))
+    keys = KeyRing(api_keys(config.router))
     table = RoutingTable(
         watch,
         on_gone=metrics.forget,
         wedged_after_s=config.router.wedged_after_s,
         silent_after_s=config.router.silent_after_s,
+        on_keys=_follow_keys(keys, worker),
     )
     watch.wedged = table.wedged_ids
-    keys = KeyRing(api_keys(config.router))
     got = process_shares(config.router.max_connections)
     server = router_app(config.router, table, metrics, keys, got)
     watch_listeners(metrics.registry, {"router": server})

@@ -32,7 +32,7 @@ from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
-from llmgw.router.keys import KeyRing, api_keys
+from llmgw.router.keys import KeyRing, api_keys, published
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
 from llmgw.serve import open_listeners
@@ -169,6 +169,8 @@ async def serve(
         )
     routing = fleet.routing if fleet is not None else RoutingPublisher()
     got = process_shares(config.router.max_connections if config.router.listen else 0)
+    # the API keys of [[router.keys]] go to standalone routers with the routing, as hashes
+    routing.set_keys(published(api_keys(config.router)))
     router = None
     keys = None
     if config.router.listen:
@@ -183,7 +185,7 @@ async def serve(
         )
         keys = KeyRing(api_keys(config.router))
         router = (table, router_app(config.router, table, metrics, keys, got))
-    reload = Reloader(fleet, keys, reread) if fleet is not None or keys is not None else None
+    reload = Reloader(fleet, keys, reread, routing)
     admin_api = AdminApi(
         control, token, fleet, routing, router[0].traffic if router else None, reload
     )

@@ -44,3 +44,30 @@ def test_full_jitter_spreads_a_fleet() -> None:
         buckets[min(int(d), 15)] += 1
     assert max(buckets) < 120  # roughly uniform: 62.5 per one-second bucket
     assert min(delays) < 1 and max(delays) > 15
+
+
+def test_after_a_stream_that_worked_the_ceiling_stays_low_for_a_minute() -> None:
+    """A control plane that restarts is noticed within seconds however long it was
+    away, jittered all the same; a minute on, the ceiling grows as before."""
+    b = Backoff(0.5, 30, random.Random(3))
+    for _ in range(8):
+        b.next_delay(0.0)
+    assert b.ceiling(0.0) == 30  # an agent never let in backs off to the cap
+    b.lost(100.0)
+    ceilings, delays = [], []
+    now = 100.0
+    while now < 160.0:
+        ceilings.append(b.ceiling(now))
+        delays.append(b.next_delay(now))
+        now += delays[-1] + 0.1  # the failed attempt's own time
+    assert ceilings[:3] == [0.5, 1, 2] and max(ceilings) == 2
+    assert all(0 <= d <= 2 for d in delays) and len(set(delays)) == len(delays)
+    assert b.ceiling(now) == 30  # past the minute: as before
+    b.reset()
+    assert b.ceiling(now) == 0.5
+
+
+def test_a_first_delay_longer_than_the_quick_cap_is_kept() -> None:
+    b = Backoff(5, 30, random.Random(1))
+    b.lost(0.0)
+    assert b.ceiling(1.0) == 5

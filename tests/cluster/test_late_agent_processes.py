@@ -1,7 +1,8 @@
-"""An agent that comes back after the settle time of a restarted control plane: real
-processes. The control plane places a replacement for the replica it has not heard of
-yet; when the late agent registers with the engine that serves, two copies count for
-one wanted, and the one that serves must stay."""
+"""An agent that comes back after a restarted control plane declared its node Lost (the
+lost-node timeout, counted from the control plane's start): real processes. Until then
+the control plane waits for the node; then it places a replacement for the replica it
+has not heard of; when the late agent registers with the engine that serves, two
+copies count for one wanted, and the one that serves must stay."""
 
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ async def test_a_late_agent_keeps_its_serving_engine_and_the_replacement_goes(
         c.agent("n2")
         await c.server.wait_node("n2", "Ready")
 
-        # the control plane restarts, and n1's agent stays away past the settle time
+        # the control plane restarts, and n1's agent stays away until n1 is Lost
         await c.agents["n1"].stop(signal.SIGKILL)  # its engine keeps serving
         await c.restart_server()
-        # a replacement is placed on n2 once the settle time is over; it comes up there
+        await c.server.wait_log(r"node n1 is Lost \(was Unreachable\)", timeout=30)
+        # a replacement is placed on n2 once n1 is Lost; it comes up there
         [replacement] = await c.wait_ready(1, timeout=60)
         assert replacement["shards"][0]["node_id"] == "n2"
 

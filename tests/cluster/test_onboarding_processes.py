@@ -5,18 +5,27 @@ one whose certificate names another host."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
+import re
+import signal
 import stat
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import openai
 import pytest
 import trio
 
+from llmgw.agent.procs import identity
 from tests.cluster.procs import Daemon, Server
+from tests.cluster.test_control_plane_processes import BASE
+from tests.ports import own_port
+from tests.realparts import LLAMA_SERVER, needs_server
+from tools.tinymodel import write_model
 
 LLMGW = [sys.executable, "-m", "llmgw"]
 
@@ -50,11 +59,13 @@ def test_init_writes_everything_once_and_never_overwrites(tmp_path: Path) -> Non
         "admin-token": 0o600,
         "catalog.toml": 0o644,
         "server.toml": 0o600,
+        "router.toml": 0o600,
     }
     for name, want in written.items():
         assert mode(etc / name) == want, name
         assert f"wrote {etc / name} ({want:04o})" in first.stdout
     assert "API key for the endpoint" in first.stdout
+    assert "systemctl enable --now llmgw-server llmgw-router" in first.stdout
     assert "llmgw ctl onboard NODE" in first.stdout
     before = {name: (etc / name).read_bytes() for name in written}
 
@@ -81,7 +92,7 @@ def test_init_gives_the_files_the_server_reads_to_its_user(tmp_path: Path) -> No
     nobody = pwd.getpwnam("nobody")
     made = llmgw("init", "--dir", str(tmp_path), "--name", "localhost", "--owner", "nobody")
     assert made.returncode == 0, made.stderr
-    for name in ("pki/server-key.pem", "admin-token", "server.toml"):
+    for name in ("pki/server-key.pem", "admin-token", "server.toml", "router.toml"):
         assert f"wrote {tmp_path / name} (0600, owner nobody)" in made.stdout
         assert os.stat(tmp_path / name).st_uid == nobody.pw_uid, name
     assert os.stat(tmp_path / "pki" / "ca-key.pem").st_uid == 0  # never leaves root
@@ -123,8 +134,6 @@ def start_server(tmp: Path) -> Server:
             'agent_stream.listen="127.0.0.1:0"',
             "--set",
             'admin.listen="127.0.0.1:0"',
-            "--set",
-            'router.listen="127.0.0.1:0"',
             "--set",
             "liveness.heartbeat_interval_s=0.2",
         ],
@@ -307,3 +316,133 @@ async def check_agent(
     return subprocess.CompletedProcess(
         args, result.returncode, result.stdout.decode(), result.stderr.decode()
     )
+
+
+def _tiny_catalog(tmp: Path) -> None:
+    """What an operator puts in init's catalog: the tiny model, on any node."""
+    model = tmp / "tiny.gguf"
+    write_model(model, ends_after=4, context_length=512)
+    (tmp / "etc" / "catalog.toml").write_text(
+        f"""
+[models.tiny]
+replicas = 1
+[[models.tiny.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+min_memory_gb = 1
+model_path = "{model}"
+settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
+startup_timeout_s = 60
+"""
+    )
+
+
+@needs_server
+async def test_the_default_install_serves_through_a_server_restart(tmp_path: Path) -> None:
+    """What ``llmgw init`` writes, run as its units run it (``llmgw server`` and
+    ``llmgw router``, ports moved to free ones), with one node from a bundle: the
+    server restarted (SIGTERM, then kill -9) under the openai client's traffic fails
+    no request, and the engine is not restarted."""
+    made = init(tmp_path, "localhost", "127.0.0.1")
+    assert made.returncode == 0, made.stderr
+    key = re.search(r"API key for the endpoint .*: (\S+)", made.stdout)
+    assert key is not None, made.stdout
+    _tiny_catalog(tmp_path)
+    etc = tmp_path / "etc"
+    stream, admin, endpoint = own_port(), own_port(), own_port()
+    server = InitServer(
+        "server",
+        [
+            "server", "--config", str(etc / "server.toml"),
+            "--set", f'agent_stream.listen="127.0.0.1:{stream}"',
+            "--set", f'admin.listen="127.0.0.1:{admin}"',
+            "--set", "liveness.heartbeat_interval_s=0.2",
+            "--set", "reconcile.settle_s=1",
+        ],
+        tmp_path,
+    )  # fmt: skip
+    router = Daemon(
+        "router",
+        [
+            "router", "--config", str(etc / "router.toml"),
+            "--set", f'admin_url="http://127.0.0.1:{admin}"',
+            "--set", f'router.listen="127.0.0.1:{endpoint}"',
+        ],
+        tmp_path,
+    )  # fmt: skip
+    daemons = [server, router]
+    try:
+        server.start()
+        await server.ready()
+        bundle = tmp_path / "n1"
+        config = str(etc / "server.toml")
+        dial = f"127.0.0.1:{stream}"
+        made = llmgw(
+            "ctl", "onboard", "n1", "--config", config, "--server", dial, "--out", str(bundle)
+        )
+        assert made.returncode == 0, made.stderr
+        low = BASE + 10
+        agent = Daemon(
+            "agent",
+            [
+                "agent", *agent_args(bundle, tmp_path),
+                "--set", "inventory.memory_gb=8",
+                "--set", f'engines.llama_server="{LLAMA_SERVER}"',
+                "--set", f"engines.port_range=[{low}, {low + 9}]",
+            ],
+            tmp_path,
+        )  # fmt: skip
+        daemons.append(agent.start())
+        router.start()
+        await router.wait_log(r"router with 2 process\(es\) serving on")
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{endpoint}/v1", api_key=key[1], max_retries=0
+        )
+        with trio.fail_after(90):
+            while "tiny" not in [m.id for m in (await client.models.list()).data]:
+                await trio.sleep(0.2)
+        [record] = (tmp_path / "agent-state" / "shards").glob("*.json")
+        pid = json.loads(record.read_text())["pid"]
+        engine = identity(pid)
+        ok, failed = 0, []
+        stop = trio.Event()
+
+        async def traffic() -> None:
+            nonlocal ok
+            while not stop.is_set():
+                try:
+                    await client.chat.completions.create(
+                        model="tiny",
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=4,
+                        timeout=15,
+                    )
+                    ok += 1
+                except openai.APIError as exc:
+                    failed.append(repr(exc))
+                await trio.sleep(0.02)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(traffic)
+            for restart, sig in enumerate((signal.SIGTERM, signal.SIGKILL), start=2):
+                await trio.sleep(1)
+                await server.stop(sig)
+                server.start()
+                await server.ready(count=restart)
+                await server.wait_node("n1", "Ready")
+            await trio.sleep(2)
+            stop.set()
+        assert failed == [], f"{len(failed)} of {ok + len(failed)} failed: {failed[:5]}"
+        assert ok > 20
+        assert identity(pid) == engine  # the engine served on, never restarted
+    finally:
+        if router.returncode() is None and router.proc is not None:
+            with trio.move_on_after(5):  # SIGTERM: its first worker stops the other
+                await router.stop(signal.SIGTERM)
+        for d in daemons:
+            d.kill()
+        for record in (tmp_path / "agent-state" / "shards").glob("*.json"):
+            try:
+                os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, ValueError, KeyError):
+                pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import re
 import resource
@@ -90,6 +91,40 @@ async def test_agent_reconnects_by_itself_after_a_server_restart(
     await server.ready(count=2)
     await server.wait_node("n1", "Ready")
     await agent.wait_log(r"registered with control plane .* as node n1", count=2)
+
+
+async def test_an_agent_notices_a_control_plane_back_from_a_long_outage_within_seconds(
+    cluster: list[Daemon], tmp_path: Path, pki: Pki
+) -> None:
+    """After a stream that worked ends, the agent's reconnect delays stay within 2 s
+    for a minute, jittered, however long the control plane is away: a restarted one
+    hears from its nodes before its settle time, not up to a backoff cap later. (Its
+    first delay is short here, so that an exponential backoff would have grown well
+    past that within the outage.)"""
+    server = await start_server(cluster, tmp_path, pki)
+    config = write_agent_config(tmp_path, pki, "n1", server.stream_port)
+    config.write_text(
+        config.read_text().replace("initial_s = 0.1\nmax_s = 0.5", "initial_s = 0.05\nmax_s = 30")
+    )
+    agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
+    cluster.append(agent.start())
+    await agent.wait_log(r"registered with control plane .* as node n1")
+    port = server.stream_port
+    await server.stop(signal.SIGKILL)
+    await trio.sleep(8)  # the outage
+    write_server_config(tmp_path, pki, stream_port=port)
+    server.start()
+    await server.ready(count=2)
+    back = await agent.wait_log(r"(\S+ \S+) \S+ \S+ registered with control plane", count=2)
+    listening = await server.wait_log(r"(\S+ \S+) \S+ \S+ agent stream listening", count=2)
+    took = _logged_at(back[1]) - _logged_at(listening[1])
+    delays = [float(d) for d in re.findall(r"reconnecting in ([\d.]+) s", agent.log())]
+    assert len(delays) >= 5 and max(delays) <= 2.0, delays
+    assert took < 4.0, f"registered {took:.1f} s after the control plane was back"
+
+
+def _logged_at(stamp: str) -> float:
+    return dt.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
 async def test_agent_reconnects_after_its_connection_is_severed(

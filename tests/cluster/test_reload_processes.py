@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from llmgw.router.keys import hash_key, new_key
 from tests.cluster.procs import Daemon
 from tests.cluster.test_control_plane_processes import cluster
-from tests.cluster.test_router_processes import reserved_port, routed
+from tests.cluster.test_router_processes import reserved_port, routed, stopped_with_sigterm
 from tests.conftest import Pki
 from tests.realparts import needs_server
 
@@ -140,6 +140,98 @@ async def test_sighup_reloads_the_keys_of_every_standalone_router_worker(
         assert "Traceback" not in router.log()
         assert len(re.findall("keys not reloaded", router.log())) == 2
         await router.stop(signal.SIGTERM)
+        held.close()
+
+
+async def _status_within(base: str, key: str, status: int, within: float) -> float:
+    """Seconds until a chat with ``key`` through ``base`` answers ``status``; fails
+    past ``within``."""
+    start = trio.current_time()
+    while True:
+        got = (await chat(base, key)).status_code
+        took = trio.current_time() - start
+        if got == status:
+            return took
+        assert took < within, f"still {got} after {took:.2f} s, not {status}"
+        await trio.sleep(0.02)
+
+
+async def test_a_key_reloaded_on_the_server_reaches_every_standalone_router_worker(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """One place to add a key: the server's config and ``ctl reload``. A standalone
+    router takes the control plane's keys (hashes, with the routing) besides its own,
+    a new one within a second and a removed one likewise."""
+    edge = new_key()
+    async with routed(tmp_path, pki) as (c, _, key):  # the server's config holds "tester"
+        held = reserved_port()
+        port = held.getsockname()[1]
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            "workers = 2\n"
+            f'[router]\nlisten = "127.0.0.1:{port}"\n' + key_entry("edge", edge)
+        )
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path)
+        async with stopped_with_sigterm(router.start()):
+            base = f"http://127.0.0.1:{port}/v1"
+            await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+            for _ in range(4):  # connections land on both workers: its own key, and the server's
+                assert (await chat(base, edge)).status_code == 200
+                assert (await chat(base, key)).status_code == 200
+            await router.wait_log(r"keys from the control plane: 1 key \(added tester\)")
+
+            added = new_key()
+            assert (await chat(base, added)).status_code == 401
+            config = tmp_path / "server.toml"
+            before = config.read_text()
+            config.write_text(before + key_entry("added", added, ["tiny"]))
+            out = (await c.server.ctl("reload")).stdout.decode()
+            assert "keys reloaded: 2 keys (added added)" in out, out
+            took = await _status_within(base, added, 200, within=1.0)
+            for _ in range(6):  # every worker has it
+                assert (await chat(base, added)).status_code == 200
+            await router.wait_log(r"keys from the control plane: 2 keys \(added added\)")
+
+            config.write_text(before)  # removed on the server: refused by every worker
+            await c.server.ctl("reload")
+            took = max(took, await _status_within(base, added, 401, within=1.0))
+            for _ in range(6):
+                assert (await chat(base, added)).status_code == 401
+                assert (await chat(base, edge)).status_code == 200  # its own stays
+            assert added not in router.log() and hash_key(added) not in router.log()
+        held.close()
+    print(f"a reloaded key reached the router in {took:.2f} s at most")
+
+
+async def test_a_router_with_no_key_anywhere_refuses_every_request_and_says_so(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A standalone router with no key of its own, following a server with none: it is
+    never an open endpoint; it says what to do, and a key added on the server lets
+    clients in."""
+    async with cluster(tmp_path, pki) as c:
+        held = reserved_port()
+        port = held.getsockname()[1]
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            f'[router]\nlisten = "127.0.0.1:{port}"\n'
+        )
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path)
+        async with stopped_with_sigterm(router.start()):
+            base = f"http://127.0.0.1:{port}/v1"
+            await router.wait_log(
+                r"no API keys, neither in this router's config nor in the control"
+            )
+            key = new_key()
+            assert (await chat(base, key)).status_code == 401
+            config = tmp_path / "server.toml"
+            config.write_text(config.read_text() + key_entry("first", key))
+            await c.server.ctl("reload")
+            await router.wait_log(r"keys from the control plane: 1 key \(added first\)")
+            assert (await chat(base, key)).status_code != 401  # in: tiny has no replica yet
+            assert router.log().count("no API keys") == 1
         held.close()
 
 

@@ -17,11 +17,24 @@ import pytest
 import trio
 
 from llmgw.router.keys import hash_key, new_key
+from tests.cluster.procs import Daemon
 from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_key, engine_pid
 from tests.conftest import Pki
 from tests.realparts import needs_server
 
 pytestmark = needs_server
+
+
+@asynccontextmanager
+async def stopped_with_sigterm(router: Daemon) -> AsyncIterator[Daemon]:
+    """A standalone router stopped with SIGTERM at the end, failed test or not: its
+    first worker stops the others (a SIGKILL to it would leave them running)."""
+    try:
+        yield router
+    finally:
+        if router.returncode() is None:
+            with trio.move_on_after(5):
+                await router.stop(signal.SIGTERM)
 
 
 def reserved_port() -> socket.socket:
@@ -547,3 +560,29 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         took = await router.stop(signal.SIGTERM)
         held.close()
         assert took < 2.0
+
+
+async def test_every_worker_of_a_standalone_router_logs_at_the_level_asked(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """`llmgw router --log-level debug` over a config that says info: every worker logs
+    at debug (the routing polls each worker makes, under its own router id, show),
+    not only the first."""
+    async with routed(tmp_path, pki) as (c, _, _):
+        held = reserved_port()
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{c.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            'workers = 2\nlog_level = "info"\n'
+            f'[router]\nlisten = "127.0.0.1:{held.getsockname()[1]}"\n'
+        )
+        args = ["router", "--config", "router.toml", "--log-level", "debug"]
+        async with stopped_with_sigterm(Daemon("router", args, tmp_path).start()) as router:
+            await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+            polls = r"HTTP Request: GET \S+/v1/routing\?\S*router=(\w+)"
+            with trio.move_on_after(10):
+                while len(set(re.findall(polls, router.log()))) < 2:
+                    await trio.sleep(0.1)
+            workers = set(re.findall(polls, router.log()))
+            assert len(workers) == 2, f"{len(workers)} of 2 workers log at debug:\n{router.log()}"
+        held.close()

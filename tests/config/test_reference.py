@@ -34,7 +34,7 @@ def test_the_reference_names_every_key_of_every_file() -> None:
 
 def test_the_examples_load_and_hold_what_a_first_install_needs() -> None:
     server, _ = load_config(ServerConfig, PACKAGING / "server.example.toml")
-    assert server.catalog and server.router.listen
+    assert server.catalog and server.router.keys and not server.router.listen
     agent, _ = load_config(AgentConfig, PACKAGING / "agent.example.toml")
     assert agent.weights.dirs and agent.metrics.listen and agent.control_plane
     raw = tomllib.loads((PACKAGING / "agent.example.toml").read_text())

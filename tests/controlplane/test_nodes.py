@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable
+from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable, awaited
 from llmgw.protocol.messages import Engine, Heartbeat, Inventory, Memory
 
 POLICY = LivenessPolicy(unreachable_after=15, lost_after=60)
@@ -117,3 +117,24 @@ def test_state_always_matches_the_definition(steps: list[tuple[str, float]]) -> 
         elif node.state is not NodeState.LOST:
             expect_ready = connected and silent < 15
             assert (node.state is NodeState.READY) == expect_ready
+
+
+def test_a_node_known_from_before_is_awaited_until_it_registers_or_is_lost() -> None:
+    """Lost once silent for lost_after counted from this start, as any node; its
+    registration is no news about an inventory this table never had."""
+    t = table_with("n2")
+    assert t.expect(["n1", "n2"], now=10, wall=10) == ["n1"]  # n2 is here already
+    assert t.nodes["n1"].state is NodeState.UNREACHABLE and t.nodes["n1"].awaited
+    assert awaited(t.nodes.values()) == ["n1"]
+    assert not t.nodes["n2"].awaited
+    changes, news = t.register(
+        "n1", Inventory(engines=[Engine(name="llama.cpp")]), peer="p", connection=2, now=20, wall=20
+    )
+    assert [(c.old, c.new) for c in changes] == [(NodeState.UNREACHABLE, NodeState.READY)]
+    assert news == [] and awaited(t.nodes.values()) == []
+    t = NodeTable(POLICY)
+    t.expect(["n1"], now=10, wall=10)
+    assert t.sweep(69) == []
+    [change] = t.sweep(70)
+    assert change.new is NodeState.LOST and "silent for 60 s" in change.why
+    assert awaited(t.nodes.values()) == []  # Lost: not awaited any more

@@ -7,7 +7,7 @@ import pytest
 
 from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, parse_catalog
-from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
+from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable
 from llmgw.controlplane.plan import Drain, Plan, Stop
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import ReplicaState
@@ -143,6 +143,29 @@ def test_nothing_is_placed_until_agents_had_time_to_come_back() -> None:
     assert rec.reconcile(nodes.nodes, now=100).start == []
     assert rec.reconcile(nodes.nodes, now=109).start == []
     assert len(rec.reconcile(nodes.nodes, now=110).start) == 1
+
+
+def test_nothing_is_placed_while_a_node_from_before_is_neither_back_nor_lost() -> None:
+    """A node known from before the restart may come back any time until it is Lost
+    (lost_after from this start), with the engine that serves: placing before would
+    double it. Its coming back, or its loss, lets placement go on."""
+    tiny = catalog("\n".join(CATALOG.splitlines()[:8]))
+    for comes_back in (True, False):
+        nodes = fleet("n2")
+        nodes.expect(["n1", "n2"], now=100, wall=100)  # n2 is back already
+        rec = reconciler(tiny, Timing(settle_s=10))
+        assert rec.reconcile(nodes.nodes, now=100).start == []
+        assert rec.reconcile(nodes.nodes, now=150).start == []  # past the settle time
+        if comes_back:
+            nodes.register("n1", Inventory(), peer="p", connection=9, now=151, wall=151)
+            [start] = rec.reconcile(nodes.nodes, now=151).start
+        else:
+            assert rec.reconcile(nodes.nodes, now=159.9).start == []
+            nodes.heartbeat("n2", 0, Heartbeat(seq=1, sent_at=0), now=159, wall=159)
+            nodes.sweep(160)  # 60 s from this start: Lost
+            assert nodes.nodes["n1"].state is NodeState.LOST
+            [start] = rec.reconcile(nodes.nodes, now=160).start
+            assert start.node == "n2"
 
 
 def test_a_placed_replica_loses_to_the_one_the_agent_reports() -> None:

@@ -58,3 +58,27 @@ async def test_a_router_holding_a_table_keeps_it_while_agents_come_back(pki: Pki
                 r = await client.get(url, params={"since": BEFORE, "wait": "10"}, headers=auth)
             assert r.status_code == 200
             nursery.cancel_scope.cancel()
+
+
+async def test_a_router_that_keeps_routes_of_nodes_not_back_takes_the_table_at_once(
+    pki: Pki,
+) -> None:
+    """A router that says it carries (it keeps the routes of nodes the control plane
+    has not heard from yet, ``llmgw.routing.carried``) needs no settling: it is
+    answered at once, with a snapshot that says so."""
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    async with control_plane(pki, heartbeat=0.5, unreachable_after=30, lost_after=60) as plane:
+        fleet = FleetManager(plane.control, catalog, timing=Timing(settle_s=SETTLE_S))
+        admin = HttpServer(AdminApi(plane.control, "t0ken", fleet))
+        auth = {"authorization": "Bearer t0ken"}
+        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=10) as client:
+            listeners = await nursery.start(admin.serve_tcp, "127.0.0.1", 0)
+            url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1/routing"
+            await nursery.start(fleet.run)
+            with trio.fail_after(1):
+                r = await client.get(
+                    url, params={"since": BEFORE, "wait": "10", "carry": "1"}, headers=auth
+                )
+            assert r.status_code == 200
+            assert r.json()["settled"] is False and r.json()["heard"] == []
+            nursery.cancel_scope.cancel()

@@ -23,22 +23,16 @@ import trio
 
 from llmgw.cli.onboard import install_txt
 from llmgw.version import describe
+from tests.builds import build, built
 from tests.ports import own_port
 from tests.privateroot import needs_root, run_private
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build(out: Path, *, host: bool, root: Path = ROOT) -> Path:
-    args = [str(root / "tools" / "build"), "-o", str(out)] + (["--host"] if host else [])
-    result = subprocess.run(args, cwd=root, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"tools/build failed:\n{result.stdout}\n{result.stderr}"
-    return out
-
-
 @pytest.fixture(scope="session")
 def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("build") / "llmgw.pyz", host=True)
+    return built(tmp_path_factory)  # once a session, shared with the upgrade test
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import msgspec
 import trio
 import trio.lowlevel
 import trio.testing
@@ -20,8 +21,9 @@ from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import HttpServer, Request, Response
+from llmgw.router.keys import ApiKey, KeyRing, followed, hash_key, published
 from llmgw.router.table import HttpWatch, RoutingTable
-from llmgw.routing import ModelRouting, Route, versioned
+from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
 
 TOKEN = "s3cret-token"
 
@@ -182,3 +184,100 @@ async def test_one_dead_replica_ages_no_other_replicas_gauges(nursery: trio.Nurs
     assert all(ep.load is None for ep in table.endpoints["m"][:-1])
     for sock in dead:
         sock.close()
+
+
+def _on(node: str, key: str, url: str, model: str = "m") -> Route:
+    return Route(key=key, model=model, url=url, node=node)
+
+
+def test_routes_to_nodes_a_new_control_plane_has_not_heard_from_stay_until_it_has() -> None:
+    """A restarted control plane lists only what the nodes back so far run: a router
+    keeps its routes to the others until their node comes back without them, or the
+    control plane has been up for its lost-node timeout."""
+    models = {"m": ModelRouting(), "gone": ModelRouting()}
+    before = [
+        _on("n1", "m-1", "http://127.0.0.1:1"),
+        _on("n2", "m-2", "http://127.0.0.1:2"),
+        _on("n3", "gone-1", "http://127.0.0.1:3", model="gone"),
+    ]
+    table = RoutingTable(initial=versioned(models, before))
+    kept = table.endpoints["m"][1]
+    kept.in_flight = 2  # its own state goes on with it
+    # n1 is back with its replica; n2 and n3 are not: their routes stay
+    restarted = {"m": ModelRouting(), "gone": ModelRouting()}
+    table.apply(versioned(restarted, before[:1], settled=False, heard=["n1"]))
+    assert [e.key for e in table.endpoints["m"]] == ["m-1", "m-2"]
+    assert table.endpoints["m"][1] is kept and kept.in_flight == 2
+    assert table.carried == {"m-2", "gone-1"}
+    # a model that left the catalog meanwhile is not kept for
+    table.apply(versioned({"m": ModelRouting()}, before[:1], settled=False, heard=["n1"]))
+    assert "gone" not in table.endpoints and table.carried == {"m-2"}
+    # n2 came back without it: gone
+    table.apply(versioned(restarted, before[:1], settled=False, heard=["n1", "n2"]))
+    assert [e.key for e in table.endpoints["m"]] == ["m-1"]
+    # and a node never back is dropped once the control plane has settled
+    table = RoutingTable(initial=versioned(models, before))
+    table.apply(versioned(models, before[:1], settled=False, heard=["n1"]))
+    assert len(table.endpoints["m"]) == 2
+    table.apply(versioned(models, before[:1]))
+    assert [e.key for e in table.endpoints["m"]] == ["m-1"] and table.carried == frozenset()
+
+
+def test_a_settled_control_plane_or_one_that_says_nothing_is_taken_at_its_word() -> None:
+    """Outside a restart, or from a control plane older than ``settled``, a route that
+    is not listed is gone, as it always was; and a route is never carried twice:
+    one the table dropped is not brought back."""
+    before = [_on("n1", "m-1", "http://127.0.0.1:1"), _on("n2", "m-2", "http://127.0.0.1:2")]
+    table = RoutingTable(initial=versioned({"m": ModelRouting()}, before))
+    table.apply(Snapshot(version="old", models={"m": ModelRouting()}, routes=before[:1]))
+    assert [e.key for e in table.endpoints["m"]] == ["m-1"]
+    table.apply(versioned({"m": ModelRouting()}, before[:1], settled=False, heard=[]))
+    assert [e.key for e in table.endpoints["m"]] == ["m-1"]
+    # a static endpoint names no node: never kept past its snapshot
+    static = Route(key="http://s", model="m", url="http://s")
+    table = RoutingTable(initial=versioned({"m": ModelRouting()}, [static]))
+    table.apply(versioned({"m": ModelRouting()}, [], settled=False, heard=[]))
+    assert table.endpoints == {}
+
+
+def test_a_snapshot_says_settled_and_heard_only_while_it_matters() -> None:
+    settled = versioned({"m": ModelRouting()}, [], heard=["n1"])
+    assert settled.settled and settled.heard == []  # nothing to say once settled
+    young = versioned({"m": ModelRouting()}, [], settled=False, heard=["n2", "n1"])
+    assert young.heard == ["n1", "n2"] and young.version != settled.version
+    # an older router's decoder, which knows neither field, reads it as before
+    assert msgspec.json.decode(msgspec.json.encode(young), type=_OldSnapshot).routes == []
+
+
+class _OldSnapshot(msgspec.Struct, kw_only=True):
+    version: str = ""
+    models: dict[str, ModelRouting] = {}
+    routes: list[Route] = []
+
+
+def test_a_standalone_router_takes_the_control_planes_keys_besides_its_own() -> None:
+    """What the routing carries (hashes) joins the router's own keys; a key in both is
+    limited as the router's own file says; one the control plane drops is refused."""
+    own = ApiKey("edge", hash_key("k-edge"), frozenset({"m"}))
+    ring = KeyRing([own])
+    seen: list[list[RouterKey]] = []
+    table = RoutingTable(on_keys=seen.append)
+    cp = [
+        ApiKey("team", hash_key("k-team")),
+        ApiKey("edge-too", hash_key("k-edge")),  # the same key, every model
+    ]
+    table.apply(versioned({"m": ModelRouting()}, [], keys=published(cp)))
+    assert [[k.name for k in keys] for keys in seen] == [["edge-too", "team"]]
+    assert ring.follow(followed(seen[-1])) == "2 keys (added edge-too, team)"
+    assert ring.follow(followed(seen[-1])) is None  # nothing new: nothing said
+    team = ring.check("Bearer k-team")
+    assert team is not None and team.name == "team"
+    assert ring.check("Bearer k-edge") == own  # its own file says last
+    table.apply(versioned({"m": ModelRouting()}, [], keys=published(cp[1:])))
+    assert len(seen) == 2
+    assert ring.follow(followed(seen[-1])) == "1 key (removed team)"
+    assert ring.check("Bearer k-team") is None
+    table.apply(
+        versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:1"), keys=published(cp[1:]))
+    )
+    assert len(seen) == 2  # told only when the keys change
