@@ -28,6 +28,11 @@ from tools.tinymodel import write_model
 
 MESSAGES = [{"role": r, "content": c} for r, c in PROMPT]
 LONG = 1500  # tokens: long enough to kill the engine well before its end
+# For a fault timed by what the client has read, the engine must still be at work when
+# a client slowed by a busy machine has read that much: the tiny model makes thousands
+# of tokens a second, and no more than the context its file declares (512 by default,
+# whatever llama-server's -c says). 2,000 tokens in a 4,096 context take it about 2 s.
+LONGER, LONGER_CONTEXT = 2000, 4096
 KILL_AT = 240  # chunks: past what a 256-token context holds with the prompt
 # a ChatML template that insists on alternating roles, as some models' templates do
 TWO_USERS = [{"role": "user", "content": "Hello,"}, {"role": "user", "content": "how are you?"}]
@@ -80,11 +85,11 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
     on from the other replica, with the same id, created time and model throughout,
     and its text is byte for byte an unbroken greedy run's; the metrics count one
     stream resumed."""
-    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=LONGER_CONTEXT)
     procs: list[trio.Process] = []
     async with (
-        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
-        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
+        llama_server(model, tmp_path, context=LONGER_CONTEXT, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, context=LONGER_CONTEXT, name="b", procs=procs) as url_b,
     ):
         table = RoutingTable(scrape_s=0.2, silent_after_s=silent_after_s)
         table.apply(llama_routes(("a", url_a)))  # the stream starts on a
@@ -101,7 +106,7 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
             stream = await client.chat.completions.create(
                 model="m",
                 messages=MESSAGES,
-                max_tokens=LONG,
+                max_tokens=LONGER,
                 temperature=0,
                 stream=True,  # type: ignore[arg-type]
             )
@@ -354,17 +359,19 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
     cannot render (two user messages in a row, which its chat template refuses, as
     some models' do, where the first replica's renders them);
     one with no other replica. The metric counts it by why."""
-    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=LONGER_CONTEXT)
     procs: list[trio.Process] = []
     template = tmp_path / "alternate.jinja"
     template.write_text(ALTERNATE)
     b_args = ("--jinja", "--chat-template-file", str(template)) if case == "template" else ()
     async with (
-        llama_server(model, tmp_path, context=2048, name="a", procs=procs, parallel=2) as url_a,
+        llama_server(
+            model, tmp_path, context=LONGER_CONTEXT, name="a", procs=procs, parallel=2
+        ) as url_a,
         llama_server(
             model,
             tmp_path,
-            context=256 if case == "small" else 2048,
+            context=256 if case == "small" else LONGER_CONTEXT,
             name="b",
             procs=procs,
             args=b_args,
@@ -379,9 +386,8 @@ async def test_a_stream_that_cannot_go_on_ends_with_an_error_event_that_says_why
             stream = await client.chat.completions.create(
                 model="m",
                 messages=TWO_USERS if case == "template" else MESSAGES,
-                # far past KILL_AT, so that the engine is still at it when a client slowed
-                # by a busy machine has read that many (and within a's slots' 1024 each)
-                max_tokens=900,
+                # far past KILL_AT (see LONGER), within a's slots' 2,048 each
+                max_tokens=1800,
                 temperature=0,
                 n=2 if case == "n" else 1,
                 stream=True,
