@@ -90,7 +90,8 @@ class Proc:
 
 
 def catalog_of(size: int) -> str:
-    """A catalog of about ``size`` bytes: models that want no replica."""
+    """Catalog entries of models that want no replica (one per ~105 bytes), at least
+    ``size`` bytes of them."""
     parts: list[str] = []
     total = 0
     i = 0
