@@ -489,18 +489,19 @@ def attack_poison(port: int, key: str, waves: int, burst: int) -> str:
     )
 
 
-def attack_flood(port: int, key: str, conns: int, hold_s: float) -> str:
-    """``conns`` idle connections from 127.0.0.2, held for ``hold_s``; one request
-    from 127.0.0.3 meanwhile."""
+def open_idle(port: int, sources: list[str], within_s: float) -> tuple[list[socket.socket], int]:
+    """A connection to ``port`` from each of ``sources`` in turn (2 s to connect each),
+    as many as ``within_s`` allows, left idle and non-blocking: them, and how many
+    could not connect."""
     socks: list[socket.socket] = []
     failed = 0
-    deadline = time.monotonic() + 30
-    for _ in range(conns):
+    deadline = time.monotonic() + within_s
+    for source in sources:
         if time.monotonic() > deadline:
             break
         s = socket.socket()
         try:
-            s.bind(("127.0.0.2", 0))
+            s.bind((source, 0))
             s.settimeout(2)
             s.connect(("127.0.0.1", port))
         except OSError:
@@ -509,6 +510,13 @@ def attack_flood(port: int, key: str, conns: int, hold_s: float) -> str:
             continue
         s.setblocking(False)
         socks.append(s)
+    return socks, failed
+
+
+def attack_flood(port: int, key: str, conns: int, hold_s: float) -> str:
+    """``conns`` idle connections from 127.0.0.2, held for ``hold_s``; one request
+    from 127.0.0.3 meanwhile."""
+    socks, failed = open_idle(port, ["127.0.0.2"] * conns, within_s=30)
     time.sleep(min(1.0, hold_s))
     refused = 0
     for s in socks:
@@ -689,23 +697,8 @@ def attack_metrics_listener(procs: Procs, conns: int) -> str:
 def attack_connections(port: int, addresses: int, per_address: int, hold_s: float) -> str:
     """``addresses`` x ``per_address`` idle connections (from 127.0.0.10 on), held for
     ``hold_s``; the good client keeps asking meanwhile."""
-    socks: list[socket.socket] = []
-    failed = 0
-    deadline = time.monotonic() + 60
-    for i in range(addresses * per_address):
-        if time.monotonic() > deadline:
-            break
-        s = socket.socket()
-        try:
-            s.bind((f"127.0.0.{10 + i % addresses}", 0))
-            s.settimeout(2)
-            s.connect(("127.0.0.1", port))
-        except OSError:
-            failed += 1
-            s.close()
-            continue
-        s.setblocking(False)
-        socks.append(s)
+    sources = [f"127.0.0.{10 + i % addresses}" for i in range(addresses * per_address)]
+    socks, failed = open_idle(port, sources, within_s=60)
     time.sleep(hold_s)
     closed = refused = 0
     for s in socks:

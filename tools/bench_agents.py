@@ -69,7 +69,7 @@ from typing import Any
 
 import httpx
 import trio
-from benchlib import cpu_seconds, percentile
+from benchlib import Failed, LlmgwProc, cpu_seconds, percentile
 from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import wrap_client_stream
 
@@ -374,56 +374,6 @@ def proc_mem(pid: int) -> dict[str, int]:
     return out
 
 
-class Failed(Exception):
-    """The benchmark cannot go on; the message says why."""
-
-
-class ServerProc:
-    def __init__(self, workdir: Path, cfg: Path) -> None:
-        self.workdir = workdir
-        self.log_path = workdir / "server.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llmgw", "server", "--config", str(cfg)],
-                cwd=workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                start_new_session=True,  # Ctrl-C reaches us only; we stop it
-                preexec_fn=_pdeathsig,
-            )
-        self.pid = self.proc.pid
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_log(self, pattern: str, timeout: float) -> re.Match[str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = rx.search(self.log())
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise Failed(f"server: no {pattern!r} in its log (exit {self.proc.poll()}):\n{self.log()}")
-
-    def alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise Failed(f"the server exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 class WorkerProc:
     def __init__(self, idx: int, workdir: Path) -> None:
         self.idx = idx
@@ -617,12 +567,18 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"llmgw-bench-{n}-"))
     profiles: dict[str, dict[str, Any]] = {}
     res: dict[str, Any] = {"n": n, "workdir": str(workdir), "py_spy": profiles}
-    server: ServerProc | None = None
+    server: LlmgwProc | None = None
     fleet: Fleet | None = None
     admin: Admin | None = None
     try:
         cfg = write_config(workdir, pki, p.heartbeat, p.unreachable, p.lost)
-        server = ServerProc(workdir, cfg)
+        server = LlmgwProc(
+            "server",
+            ["server", "--config", str(cfg)],
+            workdir,
+            preexec_fn=_pdeathsig,
+            grace_s=10,
+        )
         m = server.wait_log(r"agent stream listening on 127\.0\.0\.1:(\d+)", 30)
         port = int(m.group(1))
         url = server.wait_log(r"admin API listening on (http://\S+)", 30).group(1)
@@ -778,7 +734,7 @@ def silent_agent(
     p: Params,
     fleet: Fleet,
     admin: Admin,
-    server: ServerProc,
+    server: LlmgwProc,
     workdir: Path,
     profiles: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:

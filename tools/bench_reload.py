@@ -25,10 +25,6 @@ here are stopped on exit.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,56 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw.controlplane.catalog import MAX_CATALOG_BYTES
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
+from tools.benchlib import Failed, LlmgwProc
 
 HOST = "127.0.0.1"
 NODES = ("b1", "b2")
 
 
-class Failed(Exception):
-    """The benchmark cannot go on; the message says why."""
-
-
-class Proc:
-    def __init__(self, name: str, args: list[str], workdir: Path) -> None:
-        self.log_path = workdir / f"{name}.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llmgw", *args],
-                cwd=workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                start_new_session=True,
-            )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_log(self, pattern: str, timeout: float = 20) -> re.Match[str]:
-        rx = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = rx.search(self.log())
-            if m:
-                return m
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise Failed(f"no {pattern!r} in {self.log_path.name}:\n{self.log()[-3000:]}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 def catalog_of(size: int) -> str:
-    """A catalog of about ``size`` bytes: models that want no replica."""
+    """Catalog entries of models that want no replica (one per ~105 bytes), at least
+    ``size`` bytes of them."""
     parts: list[str] = []
     total = 0
     i = 0
@@ -190,16 +145,16 @@ def run(sizes: list[float], after: float) -> None:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-reload-") as tmp:
         d = Path(tmp)
         write_fleet(d)
-        procs: list[Proc] = []
+        procs: list[LlmgwProc] = []
         try:
-            server = Proc("server", ["server", "--config", "server.toml"], d)
+            server = LlmgwProc("server", ["server", "--config", "server.toml"], d)
             procs.append(server)
             port = int(server.wait_log(r"agent stream listening on [\d.]+:(\d+)")[1])
             admin = server.wait_log(r"admin API listening on (http://\S+)")[1]
             token = (d / "state" / "admin-token").read_text().strip()
             for node in NODES:
                 config = agent_config(d, node, port)
-                procs.append(Proc(f"agent-{node}", ["agent", "--config", config.name], d))
+                procs.append(LlmgwProc(f"agent-{node}", ["agent", "--config", config.name], d))
             headers = {"authorization": f"Bearer {token}"}
             with httpx.Client(timeout=120, headers=headers) as client:
                 deadline = time.monotonic() + 30

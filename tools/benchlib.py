@@ -1,15 +1,23 @@
-"""What the benchmarks under ``tools/`` share: process CPU, percentiles, ports.
+"""What the benchmarks under ``tools/`` share: process CPU, percentiles, ports, and
+the ``llmgw`` daemons they start.
 
 Standard library only: ``bench_router.py``'s load generator imports it from
 another virtualenv. The scripts run as ``python tools/NAME.py``, so this is
-imported as ``benchlib``.
+imported as ``benchlib`` (or as ``tools.benchlib`` by a script that tests import
+too: one name in one script, or ``Failed`` is two classes).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -77,3 +85,71 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class Failed(Exception):
+    """The benchmark cannot go on; the message says why."""
+
+
+class LlmgwProc:
+    """``python -m llmgw ARGS``, run in ``workdir`` in a session of its own (Ctrl-C
+    reaches the benchmark only, which stops it), its output in ``workdir/NAME.log``."""
+
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        workdir: Path,
+        *,
+        preexec_fn: Callable[[], None] | None = None,
+        grace_s: float = 5,
+    ) -> None:
+        self.name = name
+        self.grace_s = grace_s
+        self.log_path = workdir / f"{name}.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "llmgw", *args],
+                cwd=workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                start_new_session=True,
+                preexec_fn=preexec_fn,
+            )
+        self.pid = self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 20) -> re.Match[str]:
+        """The first match of ``pattern`` in its log, within ``timeout`` s and while it
+        runs; else ``Failed``, with the end of its log."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = rx.search(self.log())
+            if m:
+                return m
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise Failed(
+            f"{self.name}: no {pattern!r} in its log (exit {self.proc.poll()}):\n"
+            + self.log()[-3000:]
+        )
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise Failed(f"the {self.name} exited ({self.proc.returncode}):\n{self.log()[-3000:]}")
+
+    def stop(self) -> None:
+        """SIGTERM, and SIGKILL ``grace_s`` later if it is still there."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)

@@ -470,6 +470,19 @@ sha256 = "{hash_key(key)}"
         replicas: list[dict[str, Any]] = r.json()["replicas"]
         return replicas
 
+    def set_replicas(self, replicas: int) -> None:
+        """Every model of the catalog the lab starts with (one replica each) wanting
+        ``replicas``, and the catalog reloaded, as ``ctl reload`` does."""
+        catalog = self.dir / "catalog.toml"
+        catalog.write_text(catalog.read_text().replace("replicas = 1", f"replicas = {replicas}"))
+        r = httpx.post(
+            self.admin_url + "/v1/catalog/reload",
+            headers={"authorization": f"Bearer {self.admin_token()}"},
+            timeout=10,
+        )
+        if r.status_code != 200:
+            raise LabError(f"the catalog was not reloaded ({r.status_code}): {r.text}")
+
     def _serving(self) -> int:
         """How many models have a Ready replica."""
         try:

@@ -41,7 +41,7 @@ from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
-from llmgw.http import Request, Response
+from llmgw.http import Request, Response, admission
 from llmgw.routing import TrafficView
 from llmgw.version import describe
 
@@ -112,10 +112,9 @@ class AdminApi:
         return True
 
     async def __call__(self, request: Request) -> Response:
-        if request.admitted is None:  # a server without our admit: judge the head now
-            answer = self.admit(request)
-            if isinstance(answer, Response):
-                return answer
+        answer = admission(request, self.admit)
+        if isinstance(answer, Response):
+            return answer
         route = self._routes.get((request.method, request.path))
         arg = ""
         if route is None:

@@ -175,11 +175,6 @@ def router(
     from llmgw.config.schema import StandaloneRouterConfig
     from llmgw.serve import router as daemon
 
-    try:
-        cfg, base = load_config(StandaloneRouterConfig, config, overrides)
-    except ConfigError as exc:
-        return fail("llmgw router", str(exc))
-    setup_logging(cfg.log_level)
     # what the other workers are started with: the same file and everything said on
     # this command line (--log-level, --workers, --set), as overrides
     argv = (
@@ -191,10 +186,12 @@ def router(
     def reread() -> StandaloneRouterConfig:  # SIGHUP: the keys, from the same file
         return load_config(StandaloneRouterConfig, config, overrides)[0]
 
-    return run_daemon(
+    return _start(
         "llmgw router",
-        lambda: daemon.serve(cfg, base, argv, worker, run_dir, reread),
-        OPERATOR_ERRORS,
+        StandaloneRouterConfig,
+        config,
+        overrides,
+        lambda cfg, base: daemon.serve(cfg, base, argv, worker, run_dir, reread),
     )
 
 

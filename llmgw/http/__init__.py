@@ -10,6 +10,7 @@ from .types import (
     Request,
     Response,
     ServerLimits,
+    admission,
     default_error_body,
 )
 
@@ -22,6 +23,7 @@ __all__ = [
     "Request",
     "Response",
     "ServerLimits",
+    "admission",
     "default_error_body",
     "printable",
 ]

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from llmgw.http.server import HttpServer
-from llmgw.http.types import Request, Response
+from llmgw.http.types import Request, Response, admission
 
 _TEXT = [("content-type", "text/plain")]
 
@@ -80,13 +80,10 @@ class MetricsApp:
         return shard or ""
 
     async def __call__(self, request: Request) -> Response:
-        shard = request.admitted
-        if shard is None:  # a server without our admit: judge the head now
-            verdict = self.admit(request)
-            if isinstance(verdict, Response):
-                return verdict
-            shard = verdict
-        if shard and isinstance(shard, str) and self.engine is not None:
+        shard = admission(request, self.admit)
+        if isinstance(shard, Response):
+            return shard
+        if shard and self.engine is not None:
             page = await self.engine(shard)
             if page is None:
                 return Response(404, _TEXT, b"no Ready engine of that shard here\n")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Sequence
-from typing import overload
+from typing import TypeVar, cast, overload
 
 import attrs
 
@@ -98,6 +98,18 @@ else is kept as ``request.admitted`` for the handler. A head that proves who sen
 it should set ``request.principal``. It runs inside the parser: it must not block,
 and what it raises is a 500. A request that proves nobody may still be answered
 503 after ``admit`` when the server is down to its reserved connections."""
+
+T = TypeVar("T")
+
+
+def admission(request: Request, admit: Callable[[Request], T]) -> T:
+    """What ``admit`` made of ``request``'s head, for its handler: what the server kept
+    (a server given ``admit`` calls it before it reads the body, and answers a
+    ``Response`` itself), or, from a server that was not given it, its verdict now."""
+    if request.admitted is None:
+        return admit(request)
+    return cast(T, request.admitted)
+
 
 ErrorBody = Callable[[int, str], tuple[str, bytes]]
 """(status, message) -> (content type, body) for responses the server makes itself."""

@@ -28,12 +28,10 @@ stops counting the request.
 
 from __future__ import annotations
 
-from typing import cast
-
 import msgspec
 import trio
 
-from llmgw.http import Request, Response
+from llmgw.http import Request, Response, admission
 from llmgw.http.client import UpstreamPool
 from llmgw.router import guards
 from llmgw.router.balancer import RetryBudget
@@ -91,12 +89,10 @@ class RouterApp:
         return record, verdict
 
     async def __call__(self, request: Request) -> Response:
-        admitted = request.admitted
-        if admitted is None:  # a server without our admit: judge the head now
-            admitted = self.admit(request)
-            if isinstance(admitted, Response):
-                return admitted
-        record, key = cast(tuple[Record, ApiKey], admitted)
+        admitted = admission(request, self.admit)
+        if isinstance(admitted, Response):
+            return admitted
+        record, key = admitted
         try:
             response = await self._route(request, record, key)
         except trio.Cancelled:

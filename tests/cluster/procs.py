@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 from llmgw.agent.procs import identity, terminate_group
@@ -182,6 +183,16 @@ class Server(Daemon):
         if check and result.returncode != 0:
             raise AssertionError(f"ctl {args} failed: {result.stderr.decode()}")
         return result
+
+    async def metrics(self) -> str:
+        """The control plane's metrics page, as its admin API serves it (to the admin
+        token)."""
+        token = (self.workdir / "state" / "admin-token").read_text().strip()
+        async with httpx.AsyncClient(timeout=5) as client:
+            response = await client.get(
+                f"{self.admin_url}/metrics", headers={"authorization": f"Bearer {token}"}
+            )
+        return response.text
 
     async def nodes(self) -> dict[str, Any]:
         result = await self.ctl("nodes", "--json")

@@ -82,25 +82,38 @@ def port_of(base: str) -> int:
     return int(base.rsplit(":", 1)[1].split("/")[0])
 
 
-async def send_body_and_stall(port: int, size: int, held: list[trio.SocketStream]) -> None:
-    """A request with no key that declares ``size`` bytes of body and sends them all,
-    as fast as the server takes them; the connection is then held open, silent."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    held.append(stream)
+async def send_body(
+    stream: trio.SocketStream,
+    size: int,
+    sending: int,
+    path: str = "/v1/chat/completions",
+    headers: str = "",
+) -> None:
+    """A request head declaring ``size`` bytes of JSON body (``headers``: more lines of
+    it, each ending in CRLF), then ``sending`` bytes of that body, as fast as the
+    server takes them; a server that answers and closes meanwhile ends it."""
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: t\r\n{headers}"
         f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
     ).encode()
     chunk = b"x" * (256 * 1024)
     try:
         await stream.send_all(head)
         sent = 0
-        while sent < size:
-            piece = chunk[: size - sent]
+        while sent < sending:
+            piece = chunk[: sending - sent]
             await stream.send_all(piece)
             sent += len(piece)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the server answered and closed: nothing of the body was wanted
+
+
+async def send_body_and_stall(port: int, size: int, held: list[trio.SocketStream]) -> None:
+    """A request with no key that declares ``size`` bytes of body and sends them all,
+    as fast as the server takes them; the connection is then held open, silent."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    held.append(stream)
+    await send_body(stream, size, size)
 
 
 async def test_bodies_of_requests_without_a_key_are_never_held(tmp_path: Path, pki: Pki) -> None:
@@ -246,20 +259,7 @@ async def stalled_body(
         await sock.bind((source, 0))
     await sock.connect(("127.0.0.1", port))
     stream = trio.SocketStream(sock)
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: t\r\n{headers}"
-        f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
-    ).encode()
-    chunk = b"x" * (256 * 1024)
-    try:
-        await stream.send_all(head)
-        sent = 0
-        while sent < size - 1:
-            piece = chunk[: size - 1 - sent]
-            await stream.send_all(piece)
-            sent += len(piece)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
-        pass  # answered and closed: nothing of the body was wanted
+    await send_body(stream, size, size - 1, path, headers)
     data = b""
     with trio.move_on_after(wait_s) as waited:
         try:

@@ -433,13 +433,7 @@ async def test_operator_surface_reload_cordon_survives_restart_and_metrics(
         nodes_table = (await c.server.ctl("nodes")).stdout.decode()
         assert "Ready,cordoned" in nodes_table
 
-        async with httpx.AsyncClient(timeout=5) as client:
-            token = (tmp_path / "state" / "admin-token").read_text().strip()
-            metrics = (
-                await client.get(
-                    f"{c.server.admin_url}/metrics", headers={"authorization": f"Bearer {token}"}
-                )
-            ).text
+        metrics = await c.server.metrics()
         for name in (
             'llmgw_replicas{model="tiny",state="Ready"}',
             'llmgw_nodes{state="Ready"}',

@@ -6,7 +6,6 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
 import trio
 
 from tests.agent.discovery.test_gpus import FAKE
@@ -181,13 +180,7 @@ async def test_ctl_status_shows_what_each_fabric_holds(tmp_path: Path, pki: Pki)
         listed = (await server.ctl("models")).stdout.decode()
         row = next(line for line in listed.splitlines() if line.startswith("absent "))
         assert "no node reports its weights" in row, listed
-        token = (tmp_path / "state" / "admin-token").read_text().strip()
-        async with httpx.AsyncClient(timeout=5) as client:
-            metrics = (
-                await client.get(
-                    server.admin_url + "/metrics", headers={"authorization": f"Bearer {token}"}
-                )
-            ).text
+        metrics = await server.metrics()
         assert 'llmgw_model_problems{model="absent",reason="weights"} 1.0' in metrics, metrics
         assert 'llmgw_model_problems{model="tiny-llama",reason="weights"}' not in metrics
     finally:

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from tests.cluster.test_control_plane_processes import Cluster, cluster
@@ -113,13 +112,7 @@ async def test_a_failed_engine_stays_visible_and_an_unplaceable_model_says_why(
         leaked = [x for x in written if x in log]
         assert not leaked, f"the engine's output is in the server's log: {leaked[:3]}"
 
-        async with httpx.AsyncClient(timeout=5) as client:
-            token = (tmp_path / "state" / "admin-token").read_text().strip()
-            metrics = (
-                await client.get(
-                    f"{c.server.admin_url}/metrics", headers={"authorization": f"Bearer {token}"}
-                )
-            ).text
+        metrics = await c.server.metrics()
         assert 'llmgw_replica_failures_total{model="broken",node="n1"}' in metrics, metrics
         assert 'llmgw_model_problems{model="toobig",reason="memory"} 1.0' in metrics, metrics
         assert 'llmgw_model_problems{model="tiny"' not in metrics, metrics

@@ -106,15 +106,6 @@ async def test_a_refused_agent_kills_nothing_on_its_engine_ports(
         assert "n2" not in await server.nodes()
 
 
-async def metrics(server: Server) -> str:
-    token = (server.workdir / "state" / "admin-token").read_text().strip()
-    async with httpx.AsyncClient(timeout=5) as client:
-        response = await client.get(
-            f"{server.admin_url}/metrics", headers={"authorization": f"Bearer {token}"}
-        )
-    return response.text
-
-
 async def test_a_stray_the_agent_kills_is_logged_by_the_control_plane_with_why(
     cluster: list[Daemon], tmp_path: Path, pki: Pki
 ) -> None:
@@ -154,7 +145,7 @@ async def test_a_stray_the_agent_kills_is_logged_by_the_control_plane_with_why(
     for log in (server.log(), agent.log()):
         assert "\nWARNING forged" not in log and "\x1b" not in log
     assert server.log().count(f"killed pid {stray.pid} ") == 1  # reported once
-    assert 'llmgw_agent_kills_total{node="n1",reason_kind="stray"} 1.0' in await metrics(server)
+    assert 'llmgw_agent_kills_total{node="n1",reason_kind="stray"} 1.0' in await server.metrics()
 
 
 @needs_server

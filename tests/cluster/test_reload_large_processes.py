@@ -13,28 +13,11 @@ import trio
 from tests.cluster.test_control_plane_processes import cluster
 from tests.conftest import Pki
 from tests.realparts import needs_server
+from tools.bench_reload import catalog_of
 
 pytestmark = needs_server
 
 MAX_CATALOG_BYTES = 4 << 20  # the documented bound (catalog.MAX_CATALOG_BYTES)
-
-
-def many_models(at_least: int) -> str:
-    """Catalog entries wanting no replica, at least ``at_least`` bytes of them."""
-    parts: list[str] = []
-    size = 0
-    i = 0
-    while size < at_least:
-        entry = (
-            f"[models.m{i:06d}]\nreplicas = 0\n[[models.m{i:06d}.profiles]]\n"
-            f'name = "cpu"\nengine = "llama.cpp"\nmin_memory_gb = 4\n'
-            f'model_path = "/var/lib/llmgw-weights/model-{i:06d}.gguf"\n'
-            "settings = { context = 4096, parallel = 2 }\n"
-        )
-        parts.append(entry)
-        size += len(entry)
-        i += 1
-    return "".join(parts)
 
 
 async def test_a_catalog_over_the_bound_is_refused_in_one_line_and_the_old_one_stays(
@@ -44,7 +27,7 @@ async def test_a_catalog_over_the_bound_is_refused_in_one_line_and_the_old_one_s
         c.agent("n1")
         [replica] = await c.wait_ready(1)
         catalog = tmp_path / "catalog.toml"
-        catalog.write_text(catalog.read_text() + many_models(MAX_CATALOG_BYTES))
+        catalog.write_text(catalog.read_text() + catalog_of(MAX_CATALOG_BYTES))
         size = catalog.stat().st_size
         assert size > MAX_CATALOG_BYTES
         done = await c.server.ctl("reload", check=False)
@@ -72,7 +55,7 @@ async def test_a_large_catalog_is_read_off_the_loop_and_nodes_stay_ready(
         await c.wait_ready(1)
         await c.server.wait_node("n2", "Ready")
         catalog = tmp_path / "catalog.toml"
-        catalog.write_text(catalog.read_text() + many_models(MAX_CATALOG_BYTES - 200_000))
+        catalog.write_text(catalog.read_text() + catalog_of(MAX_CATALOG_BYTES - 200_000))
         assert catalog.stat().st_size <= MAX_CATALOG_BYTES
         with trio.fail_after(60):
             done = await c.server.ctl("reload")

@@ -120,14 +120,7 @@ class Samples(dict[tuple[str, frozenset[tuple[str, str]]], float]):
 
 
 async def admin_metrics(c: Cluster) -> Samples:
-    token = (c.tmp / "state" / "admin-token").read_text().strip()
-    async with httpx.AsyncClient(timeout=5) as client:
-        text = (
-            await client.get(
-                c.server.admin_url + "/metrics", headers={"authorization": f"Bearer {token}"}
-            )
-        ).text
-    return Samples.parse(text)
+    return Samples.parse(await c.server.metrics())
 
 
 async def test_the_openai_client_chats_completes_streams_and_lists(

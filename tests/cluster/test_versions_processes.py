@@ -45,17 +45,8 @@ async def test_ctl_nodes_shows_each_agents_build_and_warns_about_a_mixed_fleet(
         # every daemon's metrics say which build it runs, carry its process, and no
         # _created series
         m = await n1.wait_log(r"agent metrics on (http://\S+/metrics)")
-        token = (tmp_path / "state" / "admin-token").read_text().strip()
         async with httpx.AsyncClient(timeout=5) as client:
-            pages = {
-                "agent": (await client.get(m.group(1))).text,
-                "server": (
-                    await client.get(
-                        server.admin_url + "/metrics",
-                        headers={"authorization": f"Bearer {token}"},
-                    )
-                ).text,
-            }
+            pages = {"agent": (await client.get(m.group(1))).text, "server": await server.metrics()}
         for role, page in pages.items():
             info = re.search(rf"^llmgw_build_info\{{(.*role=\"{role}\".*)\}} 1\.0$", page, re.M)
             assert info and f'version="{VERSION}"' in info.group(1), page

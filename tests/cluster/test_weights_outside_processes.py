@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-
 from tests.agent.discovery.test_weights import write_gguf
 from tests.cluster.procs import Daemon, Server, write_agent_config, write_server_config
 from tests.conftest import Pki
@@ -64,13 +62,7 @@ async def test_weights_outside_every_weights_dir_are_no_problem(tmp_path: Path, 
         assert "no node reports its weights" in rows["absent"], listed
         assert "no node reports its weights" not in rows["outside"], listed
         assert "no node reports its weights" not in rows["named-apart"], listed
-        token = (tmp_path / "state" / "admin-token").read_text().strip()
-        async with httpx.AsyncClient(timeout=5) as client:
-            metrics = (
-                await client.get(
-                    server.admin_url + "/metrics", headers={"authorization": f"Bearer {token}"}
-                )
-            ).text
+        metrics = await server.metrics()
         assert 'llmgw_model_problems{model="absent",reason="weights"} 1.0' in metrics, metrics
         assert 'model="outside",reason="weights"' not in metrics, metrics
         assert 'model="named-apart",reason="weights"' not in metrics, metrics

@@ -8,40 +8,19 @@ import msgspec
 
 from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import parse_catalog
-from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
+from llmgw.controlplane.nodes import NodeTable
 from llmgw.controlplane.plan import Plan
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.routing import build_snapshot
-from llmgw.protocol.messages import Engine, Inventory, Memory, ShardReport, ShardSpec, ShardStatus
-
-CATALOG = """
-[models.tiny]
-replicas = 1
-[[models.tiny.profiles]]
-name = "cpu"
-engine = "llama.cpp"
-model_path = "/models/tiny.gguf"
-startup_timeout_s = 60
-"""
+from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
+from tests.controlplane.parts import TINY, fleet
 
 KEY = b"k" * 32
 
 
-def nodes(*names: str) -> NodeTable:
-    t = NodeTable(LivenessPolicy(15, 60))
-    for i, name in enumerate(names):
-        inv = Inventory(
-            address=f"10.0.0.{i + 1}",
-            memory=Memory(total_bytes=64 << 30),
-            engines=[Engine(name="llama.cpp", version="b1")],
-        )
-        t.register(name, inv, peer=f"10.0.0.{i + 1}:1", connection=i, now=0, wall=0)
-    return t
-
-
 def reconciler(run: str = "a") -> Reconciler:
-    rec = Reconciler(parse_catalog(CATALOG, "c.toml"), Timing(settle_s=0), ids=ReplicaIds(run))
+    rec = Reconciler(parse_catalog(TINY, "c.toml"), Timing(settle_s=0), ids=ReplicaIds(run))
     rec.sealer = claims.Sealer(KEY)  # as the fleet's key outlives a restart
     return rec
 
@@ -65,7 +44,7 @@ def routed(rec: Reconciler, table: NodeTable) -> list[tuple[str, bool]]:
 
 
 def test_a_placement_names_its_node_and_is_sealed_for_it_only() -> None:
-    rec, table = reconciler(), nodes("n1", "n2")
+    rec, table = reconciler(), fleet("n1", "n2")
     spec = serving(rec, table)
     assert spec.node_id == "n1" and spec.seal
     assert rec.sealer.placed(spec, "n1")
@@ -76,7 +55,7 @@ def test_a_placement_names_its_node_and_is_sealed_for_it_only() -> None:
 
 
 def test_another_nodes_shard_reported_is_refused_and_moves_nothing() -> None:
-    rec, table = reconciler(), nodes("n1", "n2", "n3")
+    rec, table = reconciler(), fleet("n1", "n2", "n3")
     spec = serving(rec, table)
     before = routed(rec, table)
     assert before == [(f"http://10.0.0.1:{spec.port}", True)]
@@ -110,7 +89,7 @@ def test_another_nodes_shard_reported_is_refused_and_moves_nothing() -> None:
 def test_a_refused_copy_with_the_same_pid_is_left_alone() -> None:
     """Two agents given one state directory both see the same engine under its id:
     stopping "the liar's copy" would stop the engine that serves."""
-    rec, table = reconciler(), nodes("n1", "n2")
+    rec, table = reconciler(), fleet("n1", "n2")
     spec = serving(rec, table)
     plan = rec.registered("n2", [ShardReport(spec=spec, state="ready", pid=100)], now=2)
     [refusal] = plan.refused
@@ -119,7 +98,7 @@ def test_a_refused_copy_with_the_same_pid_is_left_alone() -> None:
 
 
 def test_after_a_restart_what_was_placed_beats_a_claim_told_first() -> None:
-    first, table = reconciler("a"), nodes("n1", "n2")
+    first, table = reconciler("a"), fleet("n1", "n2")
     spec = serving(first, table)
     restarted = reconciler("b")
     # the liar registers first, its copy unsealed and naming itself
@@ -135,7 +114,7 @@ def test_after_a_restart_what_was_placed_beats_a_claim_told_first() -> None:
 
 
 def test_an_adopted_engine_is_routed_once_probed_and_failed_if_it_never_answers() -> None:
-    first, table = reconciler("a"), nodes("n1")
+    first, table = reconciler("a"), fleet("n1")
     spec = serving(first, table)
     restarted = reconciler("b")
     report = ShardReport(spec=spec, state="ready", pid=100, engine_key="k1")
@@ -176,7 +155,7 @@ def test_an_adopted_engine_is_routed_once_probed_and_failed_if_it_never_answers(
 
 
 def test_a_made_up_replica_is_the_extra_not_the_one_that_serves() -> None:
-    rec, table = reconciler(), nodes("n1", "n2")
+    rec, table = reconciler(), fleet("n1", "n2")
     spec = serving(rec, table)
     made_up = ShardSpec(
         shard_id="tiny-x-1-0",

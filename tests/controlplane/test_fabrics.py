@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from llmgw.controlplane.fabrics import describe_copies, fleet_status, missing_weights
-from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
 from llmgw.protocol.messages import Inventory, WeightCopy
+from tests.controlplane.parts import node_table
 
 NFS = WeightCopy(
     model="llama-8b",
@@ -19,15 +19,8 @@ def local(model: str, storage: str = "local", path: str = "") -> WeightCopy:
     return WeightCopy(model=model, path=path or f"/data/{model}", storage=storage)  # type: ignore[arg-type]
 
 
-def table(nodes: dict[str, Inventory]) -> NodeTable:
-    t = NodeTable(LivenessPolicy(15, 60))
-    for i, (node, inv) in enumerate(nodes.items()):
-        t.register(node, inv, peer="p", connection=i, now=0, wall=0)
-    return t
-
-
 def test_one_filer_seen_from_many_nodes_counts_once_and_local_copies_count_per_node() -> None:
-    t = table(
+    t = node_table(
         {
             f"n{i}": Inventory(
                 fabric="ib-a", weights=[NFS, local("qwen-14b")], weights_scanned=True
@@ -44,7 +37,7 @@ def test_one_filer_seen_from_many_nodes_counts_once_and_local_copies_count_per_n
 
 
 def test_a_model_in_one_fabric_only_is_said_plainly() -> None:
-    t = table(
+    t = node_table(
         {
             "a1": Inventory(fabric="ib-a", weights=[NFS], weights_scanned=True),
             "b1": Inventory(fabric="ib-b", weights=[local("qwen-14b")], weights_scanned=True),
@@ -60,27 +53,27 @@ def test_a_model_in_one_fabric_only_is_said_plainly() -> None:
 
 
 def test_unclassified_storage_is_never_counted_as_shared() -> None:
-    t = table({"n1": Inventory(weights=[local("m", storage="unknown")], weights_scanned=True)})
+    t = node_table({"n1": Inventory(weights=[local("m", storage="unknown")], weights_scanned=True)})
     [model] = fleet_status(t.nodes.values()).fabrics[0].models
     assert model.shared == []
     assert model.local_nodes == ["n1"]
 
 
 def test_nodes_never_asked_to_look_are_named_not_counted_as_empty() -> None:
-    t = table({"n1": Inventory(), "n2": Inventory(weights_scanned=True)})
+    t = node_table({"n1": Inventory(), "n2": Inventory(weights_scanned=True)})
     status = fleet_status(t.nodes.values())
     assert status.nodes_not_scanning == ["n1"]
     assert status.fabrics[0].nodes == ["n1", "n2"]
 
 
 def test_lost_nodes_hold_nothing() -> None:
-    t = table({"n1": Inventory(fabric="ib-a", weights=[local("m")], weights_scanned=True)})
+    t = node_table({"n1": Inventory(fabric="ib-a", weights=[local("m")], weights_scanned=True)})
     t.sweep(61)
     assert fleet_status(t.nodes.values()).fabrics == []
 
 
 def test_a_catalog_model_no_node_holds_is_warned_about_only_when_nodes_look() -> None:
-    looking = table({"n1": Inventory(weights=[local("qwen-14b")], weights_scanned=True)})
+    looking = node_table({"n1": Inventory(weights=[local("qwen-14b")], weights_scanned=True)})
     wanted = [("qwen", [("qwen-14b", "")]), ("llama", [("llama-8b", ""), ("llama-8b-q4", "")])]
     missing = missing_weights(looking.nodes.values(), wanted)
     assert list(missing) == ["llama"]
@@ -88,13 +81,13 @@ def test_a_catalog_model_no_node_holds_is_warned_about_only_when_nodes_look() ->
         "no node reports the weights of llama (llama-8b, llama-8b-q4)"
     )
     # a node never asked to look is no evidence that the weights are missing
-    blind = table({"n1": Inventory(weights_scanned=False)})
+    blind = node_table({"n1": Inventory(weights_scanned=False)})
     assert missing_weights(blind.nodes.values(), wanted) == {}
 
 
 def test_a_model_path_nobody_looks_in_is_no_evidence_and_one_found_there_is_held() -> None:
     dirs = ["/var/lib/llmgw-weights", "/models/"]
-    t = table(
+    t = node_table(
         {
             "n1": Inventory(
                 weights=[local("qwen2.5-0.5b-q4", path="/models/qwen2.5-0.5b-q4.gguf")],
@@ -116,5 +109,5 @@ def test_a_model_path_nobody_looks_in_is_no_evidence_and_one_found_there_is_held
     named_apart = [("qwen", [("qwen", "/models/qwen2.5-0.5b-q4.gguf")])]
     assert missing_weights(nodes, named_apart) == {}
     # an agent that does not say where it looks: nothing is known about paths
-    old = table({"n1": Inventory(weights_scanned=True)})
+    old = node_table({"n1": Inventory(weights_scanned=True)})
     assert missing_weights(old.nodes.values(), inside) == {}

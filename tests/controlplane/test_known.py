@@ -16,15 +16,7 @@ from llmgw.controlplane.nodes import LivenessPolicy, NodeState
 from llmgw.controlplane.reconciler import Timing
 from llmgw.controlplane.service import ControlPlane
 from llmgw.protocol.messages import Engine, Inventory
-
-CATALOG = """
-[models.tiny]
-replicas = 1
-[[models.tiny.profiles]]
-name = "cpu"
-engine = "llama.cpp"
-model_path = "/models/tiny.gguf"
-"""
+from tests.controlplane.parts import TINY
 
 
 class Clock:
@@ -35,15 +27,25 @@ class Clock:
         return self.now
 
 
-def _fleet(state: Path, clock: Clock) -> FleetManager:
+def _fleet(
+    state: Path,
+    clock: Clock,
+    *,
+    heartbeat: float = 5,
+    unreachable_after: float = 15,
+    lost_after: float = 60,
+    settle_s: float = 5,
+) -> FleetManager:
     control = ControlPlane(
-        policy=LivenessPolicy(unreachable_after=15, lost_after=60),
-        heartbeat_interval=5,
+        policy=LivenessPolicy(unreachable_after=unreachable_after, lost_after=lost_after),
+        heartbeat_interval=heartbeat,
         clock=clock,
         wall=clock,
     )
-    catalog = parse_catalog(CATALOG, "catalog.toml")
-    return FleetManager(control, catalog, state_dir=state, timing=Timing(settle_s=5), clock=clock)
+    catalog = parse_catalog(TINY, "catalog.toml")
+    return FleetManager(
+        control, catalog, state_dir=state, timing=Timing(settle_s=settle_s), clock=clock
+    )
 
 
 def _register(fleet: FleetManager, node: str, now: float) -> None:
@@ -113,16 +115,7 @@ def test_routers_keep_their_routes_for_the_settle_time_when_it_is_the_longer(
     answered them 503): a control plane whose settle time outlasts its lost-node
     timeout still tells them to keep the routes of nodes not back until it is over."""
     clock = Clock()
-    control = ControlPlane(
-        policy=LivenessPolicy(unreachable_after=2, lost_after=6),
-        heartbeat_interval=0.5,
-        clock=clock,
-        wall=clock,
-    )
-    catalog = parse_catalog(CATALOG, "catalog.toml")
-    fleet = FleetManager(
-        control, catalog, state_dir=tmp_path, timing=Timing(settle_s=15), clock=clock
-    )
+    fleet = _fleet(tmp_path, clock, heartbeat=0.5, unreachable_after=2, lost_after=6, settle_s=15)
     clock.now += 14.9
     fleet.reconcile_once()
     assert not fleet.routing.snapshot.settled

@@ -7,7 +7,7 @@ import pytest
 
 from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, parse_catalog
-from llmgw.controlplane.nodes import LivenessPolicy, NodeState, NodeTable
+from llmgw.controlplane.nodes import NodeState, NodeTable
 from llmgw.controlplane.plan import Drain, Plan, Stop
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import ReplicaState
@@ -21,16 +21,9 @@ from llmgw.protocol.messages import (
     ShardReport,
     ShardStatus,
 )
+from tests.controlplane.parts import TINY, fleet, node_table
 
-CATALOG = """
-[models.tiny]
-replicas = 1
-[[models.tiny.profiles]]
-name = "cpu"
-engine = "llama.cpp"
-model_path = "/models/tiny.gguf"
-startup_timeout_s = 60
-
+BIG = """
 [models.big]
 replicas = 1
 [[models.big.profiles]]
@@ -40,6 +33,7 @@ gpus = 1
 min_memory_gb = 24
 startup_timeout_s = 60
 """
+CATALOG = TINY + BIG
 
 
 NOW = Timing(settle_s=0)  # these tests are not about the settle time after a start
@@ -47,18 +41,6 @@ NOW = Timing(settle_s=0)  # these tests are not about the settle time after a st
 
 def catalog(text: str = CATALOG) -> Catalog:
     return parse_catalog(text, "catalog.toml")
-
-
-def fleet(*names: str, gpus: int = 0, memory_gb: int = 64) -> NodeTable:
-    t = NodeTable(LivenessPolicy(15, 60))
-    for i, name in enumerate(names):
-        inv = Inventory(
-            memory=Memory(total_bytes=memory_gb << 30),
-            gpus=[Gpu(index=g, name="H100") for g in range(gpus)],
-            engines=[Engine(name="llama.cpp", version="b1"), Engine(name="vllm", version="0.11")],
-        )
-        t.register(name, inv, peer=f"10.0.0.{i}:1", connection=i, now=0, wall=0)
-    return t
 
 
 def reconciler(cat: Catalog, timing: Timing = NOW, *, run: str = "t") -> Reconciler:
@@ -118,11 +100,7 @@ def test_starting_past_its_timeout_fails_releases_gpus_and_stops_counting() -> N
 
 def test_what_an_agent_reports_is_adopted_after_a_control_plane_restart() -> None:
     nodes = fleet("n1")
-    first = reconciler(
-        catalog(
-            "[models.tiny]\nreplicas = 1\n" + CATALOG.split("\n", 3)[3].split("[models.big]")[0]
-        ),
-    )
+    first = reconciler(catalog(TINY))
     plan = first.reconcile(nodes.nodes, now=0)
     reports = report(plan)
     # a new control plane: no replicas until the agent says what runs
@@ -139,7 +117,7 @@ def test_nothing_is_placed_until_agents_had_time_to_come_back() -> None:
     """After a restart a replica placed before its agent re-registers would double one
     that already serves; agents get the settle time to say what runs."""
     nodes = fleet("n1")
-    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])), Timing(settle_s=10))
+    rec = reconciler(catalog(TINY), Timing(settle_s=10))
     assert rec.reconcile(nodes.nodes, now=100).start == []
     assert rec.reconcile(nodes.nodes, now=109).start == []
     assert len(rec.reconcile(nodes.nodes, now=110).start) == 1
@@ -149,7 +127,7 @@ def test_nothing_is_placed_while_a_node_from_before_is_neither_back_nor_lost() -
     """A node known from before the restart may come back any time until it is Lost
     (lost_after from this start), with the engine that serves: placing before would
     double it. Its coming back, or its loss, lets placement go on."""
-    tiny = catalog("\n".join(CATALOG.splitlines()[:8]))
+    tiny = catalog(TINY)
     for comes_back in (True, False):
         nodes = fleet("n2")
         nodes.expect(["n1", "n2"], now=100, wall=100)  # n2 is back already
@@ -172,7 +150,7 @@ def test_a_placed_replica_loses_to_the_one_the_agent_reports() -> None:
     """The seed's story: a restarted control plane placed before its agent reconnected,
     under the same replica id, on another port; the agent's engine is the real one."""
     nodes = fleet("n1")
-    cat = catalog("\n".join(CATALOG.splitlines()[:8]))
+    cat = catalog(TINY)
     running = reconciler(cat, run="r1")
     real = report(running.reconcile(nodes.nodes, now=0))["n1"][0]
     restarted = reconciler(cat, run="r1")  # the same id sequence: the collision the seed hit
@@ -199,7 +177,7 @@ def test_a_late_agents_serving_replica_stays_and_the_replacement_goes(replacemen
     agent that runs the serving engine registers after that. One replica is wanted and
     two count: the one placed since goes, loading or already up, never the engine that
     served all along."""
-    cat = catalog("\n".join(CATALOG.splitlines()[:8]))
+    cat = catalog(TINY)
     serving = report(reconciler(cat, run="r1").reconcile(fleet("n1").nodes, now=0))["n1"]
     restarted = reconciler(cat, Timing(settle_s=15), run="r2")
     only_n2 = fleet("n2")
@@ -226,7 +204,7 @@ def rec_ports(rec: Reconciler) -> set[int]:
 
 def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
     nodes = fleet("n1", "n2")
-    cat = catalog("\n".join(CATALOG.splitlines()[:8]))
+    cat = catalog(TINY)
     rec = reconciler(cat)
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
@@ -240,7 +218,6 @@ def test_shards_the_node_does_not_report_are_let_go_and_replaced() -> None:
     assert len(replacement) == 1
 
 
-TINY = "\n".join(CATALOG.splitlines()[:8])
 OTHER = (
     '[models.other]\nreplicas = 0\n[[models.other.profiles]]\nname = "p"\n'
     'engine = "llama.cpp"\nmodel_path = "/m.gguf"\n'
@@ -357,11 +334,10 @@ def test_a_rollout_whose_new_replica_fails_keeps_the_old_one_serving() -> None:
 
 def test_a_rollout_with_no_room_beside_the_old_one_replaces_it_after_the_grace() -> None:
     nodes = fleet("n1", gpus=1)
-    big = "\n".join(CATALOG.splitlines()[9:])
-    rec = reconciler(catalog(big), Timing(settle_s=0, drain_grace_s=30))
+    rec = reconciler(catalog(BIG), Timing(settle_s=0, drain_grace_s=30))
     first = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, first, now=1)
-    rec.set_catalog(changed(big, "gpus = 1", 'gpus = 1\nengine_args = ["--x"]'))
+    rec.set_catalog(changed(BIG, "gpus = 1", 'gpus = 1\nengine_args = ["--x"]'))
     step = rec.reconcile(nodes.nodes, now=2)
     assert step.start == [] and step.drain == []
     assert step.placement_failures["big"].kind == "gpus"
@@ -454,7 +430,7 @@ def test_failures_the_reconciler_decides_are_in_the_plan() -> None:
 
 def test_a_lost_node_has_its_replicas_replaced_elsewhere() -> None:
     nodes = fleet("n1", "n2")
-    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = reconciler(catalog(TINY))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     [first] = [s.node for s in plan.start]
@@ -469,7 +445,7 @@ def test_a_lost_node_has_its_replicas_replaced_elsewhere() -> None:
 
 def test_drain_is_a_rolling_move() -> None:
     nodes = fleet("n1", "n2")
-    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = reconciler(catalog(TINY))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     [(old_node, old)] = [(s.node, s.spec) for s in plan.start]
@@ -485,7 +461,7 @@ def test_drain_is_a_rolling_move() -> None:
 
 def test_a_drained_node_is_empty_at_once_without_waiting_on_the_grace() -> None:
     nodes = fleet("n1", "n2")
-    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = reconciler(catalog(TINY))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     [(old_node, old)] = [(s.node, s.spec) for s in plan.start]
@@ -509,9 +485,7 @@ def test_a_drained_node_is_empty_at_once_without_waiting_on_the_grace() -> None:
 
 def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
     nodes = fleet("n1")
-    rec = reconciler(
-        catalog("\n".join(CATALOG.splitlines()[:8])), Timing(drain_grace_s=30, settle_s=0)
-    )
+    rec = reconciler(catalog(TINY), Timing(drain_grace_s=30, settle_s=0))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     rec.draining.add("n1")
@@ -526,7 +500,7 @@ def test_draining_the_only_node_that_can_host_a_model_still_finishes() -> None:
 
 def test_above_its_count_the_newest_extra_is_drained() -> None:
     nodes = fleet("n1", "n2")
-    two = "\n".join(CATALOG.splitlines()[:8]).replace("replicas = 1", "replicas = 2")
+    two = TINY.replace("replicas = 1", "replicas = 2")
     rec = reconciler(catalog(two))
     plan = rec.reconcile(nodes.nodes, now=0)
     assert len(plan.start) == 2
@@ -548,7 +522,7 @@ def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
 
 def test_an_unhealthy_ready_replica_stays_ready_but_is_not_routed_until_it_answers() -> None:
     nodes = fleet("n1")
-    rec = reconciler(catalog("\n".join(CATALOG.splitlines()[:8])))
+    rec = reconciler(catalog(TINY))
     plan = rec.reconcile(nodes.nodes, now=0)
     ready_all(rec, plan, now=1)
     [start] = plan.start
@@ -596,17 +570,18 @@ startup_timeout_s = 60
 
 
 def ray_fleet() -> NodeTable:
-    t = NodeTable(LivenessPolicy(15, 60))
-    for i, name in enumerate(("n1", "n2")):
-        inv = Inventory(
-            memory=Memory(total_bytes=64 << 30),
-            gpus=[Gpu(index=0, name="H200")],
-            engines=[Engine(name="vllm", version="0.11"), Engine(name="ray", version="2.49")],
-            address=f"10.9.0.{i + 1}",
-            fabric="ib-a",
-        )
-        t.register(name, inv, peer=f"10.0.0.{i}:1", connection=i, now=0, wall=0)
-    return t
+    return node_table(
+        {
+            name: Inventory(
+                memory=Memory(total_bytes=64 << 30),
+                gpus=[Gpu(index=0, name="H200")],
+                engines=[Engine(name="vllm", version="0.11"), Engine(name="ray", version="2.49")],
+                address=f"10.9.0.{i + 1}",
+                fabric="ib-a",
+            )
+            for i, name in enumerate(("n1", "n2"))
+        }
+    )
 
 
 def status(rec: Reconciler, node: str, shard_id: str, state: str, now: float) -> Plan:

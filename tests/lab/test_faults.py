@@ -71,14 +71,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     )
     try:
         lab.up(timeout=90)
-        catalog = lab.dir / "catalog.toml"
-        catalog.write_text(catalog.read_text().replace("replicas = 1", f"replicas = {REPLICAS}"))
-        r = httpx.post(
-            lab.admin_url + "/v1/catalog/reload",
-            headers={"authorization": f"Bearer {lab.admin_token()}"},
-            timeout=10,
-        )
-        assert r.status_code == 200, r.text
+        lab.set_replicas(REPLICAS)
         _whole(lab)
         assert sorted(_replica_nodes(lab).values()) == ["n1", "n2"]
         yield lab

@@ -157,14 +157,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path]) -> I
     )
     try:
         lab.up(timeout=180)
-        catalog = lab.dir / "catalog.toml"
-        catalog.write_text(catalog.read_text().replace("replicas = 1", "replicas = 2"))
-        r = httpx.post(
-            lab.admin_url + "/v1/catalog/reload",
-            headers={"authorization": f"Bearer {lab.admin_token()}"},
-            timeout=10,
-        )
-        assert r.status_code == 200, r.text
+        lab.set_replicas(2)
         _whole(lab)
         yield lab
     finally:

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -139,6 +141,42 @@ def test_bodies_are_remembered_for_a_while_and_so_many() -> None:
     assert memory.since(b"2", 23) == 21 and memory.since(b"3", 23) == 22
 
 
+@asynccontextmanager
+async def three_engines(
+    tmp_path: Path, procs: list[trio.Process]
+) -> AsyncIterator[tuple[str, str, str]]:
+    """llama-servers a, b and c (their processes in ``procs``, in that order) on a model
+    that never ends an answer: their URLs."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    async with (
+        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
+        llama_server(model, tmp_path, context=2048, name="c", procs=procs) as url_c,
+    ):
+        yield url_a, url_b, url_c
+
+
+async def fail_a_then_b(
+    table: RoutingTable,
+    urls: tuple[str, str, str],
+    procs: list[trio.Process],
+    begun: trio.Event,
+    a_gets: int,
+) -> None:
+    """Once the stream has begun on a (routed alone): b is routed beside it and a is sent
+    ``a_gets``; once b has carried the stream on for 10 tokens, c is routed too and b is
+    killed."""
+    url_a, url_b, url_c = urls
+    await begun.wait()
+    table.apply(llama_routes(("a", url_a), ("b", url_b)))  # b, the only other
+    procs[0].send_signal(a_gets)
+    async with httpx.AsyncClient(timeout=2) as http:
+        while await decoded(http, url_b) < 10:  # b carries it on now
+            await trio.sleep(0.01)
+    table.apply(llama_routes(("a", url_a), ("b", url_b), ("c", url_c)))
+    procs[1].send_signal(signal.SIGKILL)
+
+
 @needs_server
 async def test_a_stream_alone_on_two_engines_that_die_goes_to_no_third(
     tmp_path: Path, nursery: trio.Nursery
@@ -147,31 +185,18 @@ async def test_a_stream_alone_on_two_engines_that_die_goes_to_no_third(
     goes on from a second replica; that one dying under it too makes it poison: it
     ends with an error event that says so, and the third replica is never asked to
     carry it on. (Without the rule it was carried on by the third.)"""
-    model = write_model(tmp_path / "never.gguf", ends_after=None)
     procs: list[trio.Process] = []
-    async with (
-        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
-        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
-        llama_server(model, tmp_path, context=2048, name="c", procs=procs) as url_c,
-    ):
+    async with three_engines(tmp_path, procs) as (url_a, url_b, url_c):
         table = RoutingTable(scrape_s=60)
         table.apply(llama_routes(("a", url_a)))  # the stream starts on a
         app, client = await front(nursery, table)
         text: list[str] = []
         begun = trio.Event()
 
-        async def kill_a_then_b() -> None:
-            await begun.wait()
-            table.apply(llama_routes(("a", url_a), ("b", url_b)))  # b, the only other
-            procs[0].send_signal(signal.SIGKILL)
-            async with httpx.AsyncClient(timeout=2) as http:
-                while await decoded(http, url_b) < 10:  # b carries it on now
-                    await trio.sleep(0.01)
-            table.apply(llama_routes(("a", url_a), ("b", url_b), ("c", url_c)))
-            procs[1].send_signal(signal.SIGKILL)
-
         with trio.fail_after(60):
-            nursery.start_soon(kill_a_then_b)
+            nursery.start_soon(
+                fail_a_then_b, table, (url_a, url_b, url_c), procs, begun, signal.SIGKILL
+            )
             stream = await client.chat.completions.create(
                 model="m", messages=MESSAGES, max_tokens=LONG, stream=True
             )
@@ -197,33 +222,20 @@ async def test_a_stream_cut_from_a_stopped_engine_is_not_taken_for_its_death(
     """A stream alone on an engine that is stopped (SIGSTOP: found silent, its
     streams cut and carried on) was not in flight at a death: when the engine that
     carries it on is then killed, it goes on from a third and ends whole."""
-    model = write_model(tmp_path / "never.gguf", ends_after=None)
     procs: list[trio.Process] = []
-    async with (
-        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
-        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
-        llama_server(model, tmp_path, context=2048, name="c", procs=procs) as url_c,
-    ):
+    async with three_engines(tmp_path, procs) as (url_a, url_b, url_c):
         table = RoutingTable(scrape_s=0.2, silent_after_s=1.0)
         table.apply(llama_routes(("a", url_a)))  # the stream starts on a
         await nursery.start(table.run)
         app, client = await front(nursery, table)
         begun = trio.Event()
 
-        async def stop_a_then_kill_b() -> None:
-            await begun.wait()
-            table.apply(llama_routes(("a", url_a), ("b", url_b)))
-            procs[0].send_signal(signal.SIGSTOP)
-            async with httpx.AsyncClient(timeout=2) as http:
-                while await decoded(http, url_b) < 10:  # b carries it on now
-                    await trio.sleep(0.01)
-            table.apply(llama_routes(("a", url_a), ("b", url_b), ("c", url_c)))
-            procs[1].send_signal(signal.SIGKILL)
-
         finishes = []
         try:
             with trio.fail_after(60):
-                nursery.start_soon(stop_a_then_kill_b)
+                nursery.start_soon(
+                    fail_a_then_b, table, (url_a, url_b, url_c), procs, begun, signal.SIGSTOP
+                )
                 stream = await client.chat.completions.create(
                     model="m", messages=MESSAGES, max_tokens=LONG, stream=True
                 )
