@@ -20,7 +20,7 @@ from tests.engines.test_tinymodel import llama_server
 from tests.realparts import needs_server
 from tests.router.gateway import gateway
 from tests.router.test_guards import HI, deep_grammar
-from tests.router.test_resume import LONG, MESSAGES, front, llama_routes
+from tests.router.test_resume import LONGER, LONGER_CONTEXT, MESSAGES, front, llama_routes
 from tools.bench_failover import decoded
 from tools.tinymodel import write_model
 
@@ -147,11 +147,11 @@ async def three_engines(
 ) -> AsyncIterator[tuple[str, str, str]]:
     """llama-servers a, b and c (their processes in ``procs``, in that order) on a model
     that never ends an answer: their URLs."""
-    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=LONGER_CONTEXT)
     async with (
-        llama_server(model, tmp_path, context=2048, name="a", procs=procs) as url_a,
-        llama_server(model, tmp_path, context=2048, name="b", procs=procs) as url_b,
-        llama_server(model, tmp_path, context=2048, name="c", procs=procs) as url_c,
+        llama_server(model, tmp_path, context=LONGER_CONTEXT, name="a", procs=procs) as url_a,
+        llama_server(model, tmp_path, context=LONGER_CONTEXT, name="b", procs=procs) as url_b,
+        llama_server(model, tmp_path, context=LONGER_CONTEXT, name="c", procs=procs) as url_c,
     ):
         yield url_a, url_b, url_c
 
@@ -198,7 +198,7 @@ async def test_a_stream_alone_on_two_engines_that_die_goes_to_no_third(
                 fail_a_then_b, table, (url_a, url_b, url_c), procs, begun, signal.SIGKILL
             )
             stream = await client.chat.completions.create(
-                model="m", messages=MESSAGES, max_tokens=LONG, stream=True
+                model="m", messages=MESSAGES, max_tokens=LONGER, stream=True
             )
             with pytest.raises(openai.APIError) as info:  # noqa: PT012
                 async for chunk in stream:
@@ -237,7 +237,7 @@ async def test_a_stream_cut_from_a_stopped_engine_is_not_taken_for_its_death(
                     fail_a_then_b, table, (url_a, url_b, url_c), procs, begun, signal.SIGSTOP
                 )
                 stream = await client.chat.completions.create(
-                    model="m", messages=MESSAGES, max_tokens=LONG, stream=True
+                    model="m", messages=MESSAGES, max_tokens=LONGER, stream=True
                 )
                 async for chunk in stream:
                     begun.set()
