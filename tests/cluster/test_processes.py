@@ -106,7 +106,8 @@ async def test_an_agent_notices_a_control_plane_back_from_a_long_outage_within_s
     config.write_text(
         config.read_text().replace("initial_s = 0.1\nmax_s = 0.5", "initial_s = 0.05\nmax_s = 30")
     )
-    agent = Daemon("agent-n1", ["agent", "--config", config.name], tmp_path)
+    # each delay is logged at debug (each failed attempt is one line already)
+    agent = Daemon("agent-n1", ["agent", "--config", config.name, "--log-level", "debug"], tmp_path)
     cluster.append(agent.start())
     await agent.wait_log(r"registered with control plane .* as node n1")
     port = server.stream_port

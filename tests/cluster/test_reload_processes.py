@@ -259,7 +259,7 @@ async def test_ctl_reload_warns_about_unknown_settings_and_models_no_node_can_ho
     tmp_path: Path, pki: Pki
 ) -> None:
     async with cluster(tmp_path, pki, extra_catalog=TYPO) as c:
-        known = "context, gpu_layers, parallel, served_model_name, threads, threads_batch"
+        known = "context, embeddings, gpu_layers, parallel, pooling, served_model_name, threads, threads_batch"
         bad_settings = [
             f"model typo, profile cpu: llama.cpp does not know the setting {name!r}"
             f" (it knows {known})"
