@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -302,8 +303,11 @@ async def test_installed_as_install_txt_says_llmgw_is_on_path_and_ctl_finds_the_
     try:
         await wait_log(server, server_log, r"admin API listening on")
         install, link, ctl = steps
+        dist = tmp_path / "dist"  # where the file lies under the name INSTALL.txt gives it
+        dist.mkdir()
+        shutil.copy(pyz, dist / "llmgw.pyz")
         script = f"""
-cd {shlex.quote(str(pyz.parent))}
+cd {shlex.quote(str(dist))}
 {install} && {link} || exit 9
 mkdir -p /etc/llmgw && cp {shlex.quote(str(tmp_path / "server.toml"))} /etc/llmgw/ || exit 9
 cd /
