@@ -41,6 +41,19 @@ class Route(msgspec.Struct, kw_only=True):
     engine_key: str = ""
     # the node its engine runs on (the head shard's); "" for a static endpoint
     node: str = ""
+    # learned from its node's report and not probed yet (not ready): no news to a router
+    # that already routes to it there, which keeps it as it was (``kept_ready``)
+    verifying: bool = False
+
+
+def kept_ready(route: Route, url: str, engine_key: str, ready: bool) -> bool:
+    """Whether a router that holds a route (at ``url``, with ``engine_key``, ``ready`` or
+    not) takes it as ready now: as ``route`` says, except that a replica being checked
+    after its node reported it (a restarted control plane adopting what serves) stays
+    as it was where it is the same engine; one the router never routed to waits."""
+    if route.verifying and route.url == url and route.engine_key == engine_key:
+        return ready
+    return route.ready
 
 
 class RouterKey(msgspec.Struct, kw_only=True):

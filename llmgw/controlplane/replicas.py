@@ -140,6 +140,12 @@ class Replica:
         return all(s.verified for s in self.shards)
 
     @property
+    def verifying(self) -> bool:
+        """Not verified only because a shard learned from a report is not probed yet."""
+        unverified = [s for s in self.shards if not s.verified]
+        return bool(unverified) and not any(s.unverified_why for s in unverified)
+
+    @property
     def counts(self) -> bool:
         """Counts towards the model's desired replicas."""
         return self.state in COUNTS and not self.leaving

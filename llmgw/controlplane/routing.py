@@ -69,6 +69,9 @@ def build_snapshot(
                 # an engine that answers no health check takes no new request, nor one
                 # not yet found to be what its node reported (``claims``)
                 ready=replica.state is ReplicaState.READY and replica.healthy and replica.verified,
+                verifying=replica.state is ReplicaState.READY
+                and replica.healthy
+                and replica.verifying,
                 draining=replica.state is ReplicaState.DRAINING,
                 engine_key=head.engine_key,
                 node=head.node_id,

@@ -32,7 +32,7 @@ from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.load import read_load
 from llmgw.router.balancer import Admission, Endpoint, note_heard, note_progress, silent, wedged
-from llmgw.routing import RouterKey, Snapshot, TrafficView, carried
+from llmgw.routing import RouterKey, Snapshot, TrafficView, carried, kept_ready
 
 log = logging.getLogger("llmgw.router")
 
@@ -89,15 +89,15 @@ class RoutingTable:
             ep = self._by_key.get(route.key)
             if ep is None or ep.url != route.url:
                 ep = self._by_key[route.key] = Endpoint(
-                    key=route.key, model=route.model, url=route.url
+                    key=route.key, model=route.model, url=route.url, ready=False
                 )
+            ep.ready = kept_ready(route, ep.url, ep.engine_key, ep.ready)
             ep.weight = route.weight
             ep.admission = (
                 Admission(target_waiting=route.target_waiting, kv_ceiling=route.kv_ceiling)
                 if route.target_waiting is not None or route.kv_ceiling is not None
                 else None
             )
-            ep.ready = route.ready
             ep.draining = route.draining
             ep.engine_key = route.engine_key
             ep.engine = route.engine

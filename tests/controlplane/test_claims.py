@@ -14,6 +14,7 @@ from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.routing import build_snapshot
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
+from llmgw.router.table import RoutingTable
 from tests.controlplane.parts import TINY, fleet
 
 KEY = b"k" * 32
@@ -176,3 +177,41 @@ def test_a_made_up_replica_is_the_extra_not_the_one_that_serves() -> None:
     plan = rec.reconcile(table.nodes, now=7)
     assert [(d.node, d.shard_id) for d in plan.drain] == [("n2", "tiny-x-1-0")]
     assert rec.replicas[spec.replica_id].state is ReplicaState.READY
+
+
+def test_a_router_that_routes_to_an_adopted_engine_goes_on_while_it_is_probed() -> None:
+    """A restarted control plane adopts what an agent reports and probes it before
+    routing to it: to a router that already routes there (the same engine, at the same
+    address with the same key) that is no news, and it goes on; a router that never did
+    waits for the probe; one that fails takes it out everywhere."""
+    first, table = reconciler("a"), fleet("n1")
+    spec = serving(first, table)
+    before = build_snapshot(first.catalog, first.replicas.values(), table.nodes)
+    holding, fresh = RoutingTable(initial=before), RoutingTable()
+    assert [e.ready for e in holding.endpoints["tiny"]] == [True]
+    restarted = reconciler("b")
+    report = ShardReport(spec=spec, state="ready", pid=100, engine_key="k1")
+    restarted.registered("n1", [report], now=10)
+    probing = build_snapshot(restarted.catalog, restarted.replicas.values(), table.nodes)
+    [route] = probing.routes
+    assert route.verifying and not route.ready
+    holding.apply(probing)
+    fresh.apply(probing)
+    assert [e.ready for e in holding.endpoints["tiny"]] == [True]  # no news: it goes on
+    assert [e.ready for e in fresh.endpoints["tiny"]] == [False]  # never routed: waits
+    [claim] = claims.due(restarted.replicas.values())
+    claims.checked(restarted.replicas.values(), claim, "refuses its key (401)", 10.1)
+    failed = build_snapshot(restarted.catalog, restarted.replicas.values(), table.nodes)
+    assert not failed.routes[0].verifying
+    holding.apply(failed)
+    assert [e.ready for e in holding.endpoints["tiny"]] == [False]
+    claims.checked(restarted.replicas.values(), claim, "", 11)
+    holding.apply(build_snapshot(restarted.catalog, restarted.replicas.values(), table.nodes))
+    assert [e.ready for e in holding.endpoints["tiny"]] == [True]
+    # the same replica id at another address is another engine: it waits for its probe
+    moved = ShardReport(
+        spec=msgspec.structs.replace(spec, port=spec.port + 1), state="ready", engine_key="k1"
+    )
+    restarted.registered("n1", [moved], now=30)
+    holding.apply(build_snapshot(restarted.catalog, restarted.replicas.values(), table.nodes))
+    assert [e.ready for e in holding.endpoints["tiny"]] == [False]
