@@ -474,10 +474,16 @@ async def test_write_warns_when_admission_would_shed_what_the_replica_served(
         run = json.loads(out.read_text())
         rec = run["recommendation"]
         assert run["capacity"] == 3 and run["levels"][-1]["slots"] == 1, run["levels"]
-        # the scenario: the queue of two behind the one slot went unseen
-        assert rec["target_waiting"] < 2, run["levels"]
         text = wrote.stdout.decode()
-        [warning] = [line for line in text.splitlines() if line.startswith("warning: ")]
+        warnings = [line for line in text.splitlines() if line.startswith("warning: ")]
+        if rec["target_waiting"] >= 2:
+            # a machine busy enough to stretch the milliseconds of queueing into a
+            # sample saw the queue: the recommendation takes it, and there is nothing
+            # to warn of (tests/test_bench.py holds the rule on fixed samples)
+            assert warnings == [] and run["warnings"] == [], text
+            return
+        # the scenario: the queue of two behind the one slot went unseen
+        [warning] = warnings
         assert warning.startswith(
             f"warning: target_waiting = {rec['target_waiting']}, kv_ceiling = "
         ), warning

@@ -264,9 +264,12 @@ async def test_a_client_that_disconnects_mid_stream_stops_the_engine(
                 },
             ) as r,
         ):
+            assert r.status_code == 200, (await r.aread()).decode()
             async for _ in r.aiter_bytes():
                 break  # the first bytes arrived: the engine is generating
-            assert (await gauges())["llamacpp:requests_processing"] == 1.0
+            with trio.fail_after(5):  # as its gauge says, once it has been read again
+                while (await gauges())["llamacpp:requests_processing"] != 1.0:
+                    await trio.sleep(0.05)
         # the client is gone: the router closed the upstream, the engine stopped
         with trio.fail_after(5):
             while (now := await gauges())["llamacpp:requests_processing"] != 0.0:
