@@ -29,6 +29,10 @@ class Route(msgspec.Struct, kw_only=True):
     # the engine's own key (``Authorization: Bearer``), "" for none; a secret: the
     # snapshot goes only to routers, never to an operator's screen
     engine_key: str = ""
+    # how requests are steered to what it holds: "prefix", "session" or "off"
+    affinity: str = "prefix"
+    # tokens of prompts it can keep (KV cache and prompt cache); None: not known
+    cache_tokens: int | None = None
 
 
 class ModelRouting(msgspec.Struct, kw_only=True):
@@ -59,3 +63,10 @@ class TrafficView(msgspec.Struct, kw_only=True):
     kv_usage: float | None = None
     load_age_s: float | None = None  # since that scrape; None: never scraped
     wedged: str = ""  # why the router holds it wedged (work, no progress); "" if not
+    # the share of prompt tokens its engine reported reused from its cache, and the
+    # share this router estimated it would (None: no reading yet)
+    cache_hit_rate: float | None = None
+    estimated_hit_rate: float | None = None
+    # the share of the requests that preferred it that went elsewhere, as it was
+    # past its load bound (None: none preferred it)
+    affinity_overruled: float | None = None

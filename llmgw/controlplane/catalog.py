@@ -25,7 +25,7 @@ import math
 import posixpath
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -44,6 +44,8 @@ MAX_STOP_GRACE_S = 3600.0  # as [engines] stop_grace_s
 MAX_CATALOG_BYTES = 4 << 20
 
 SettingValue = str | int | float | bool
+# how the router steers a model's requests to what its replicas hold (llmgw.router.affinity)
+Affinity = Literal["off", "prefix", "session"]
 
 
 class _Entry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -58,6 +60,9 @@ class Routing(_Entry, frozen=True):
     weight: float = 1.0
     target_waiting: int | None = None  # queued requests per replica worth routing away from
     kv_ceiling: float | None = None  # KV-cache usage in (0, 1] past which a replica is avoided
+    # to the replica holding the most of the prompt, within a load bound ("prefix"), by
+    # the client's session hint alone ("session"), or by load alone ("off")
+    affinity: Affinity = "prefix"
 
 
 class ProfileRouting(_Entry, frozen=True):
@@ -67,6 +72,7 @@ class ProfileRouting(_Entry, frozen=True):
     weight: float | None = None  # this profile's replicas' share (> 0); unset: the model's
     target_waiting: int | None = None  # queued requests worth routing away from; unset: the model's
     kv_ceiling: float | None = None  # KV-cache usage in (0, 1] to avoid; unset: the model's
+    affinity: Affinity | None = None  # off, prefix or session; unset: the model's
 
 
 class Profile(_Entry, frozen=True):
@@ -244,6 +250,7 @@ def routing_for(model: Model, profile: str) -> Routing:
         weight=own.weight if own.weight is not None else r.weight,
         target_waiting=own.target_waiting if own.target_waiting is not None else r.target_waiting,
         kv_ceiling=own.kv_ceiling if own.kv_ceiling is not None else r.kv_ceiling,
+        affinity=own.affinity if own.affinity is not None else r.affinity,
     )
 
 

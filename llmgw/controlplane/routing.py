@@ -16,6 +16,7 @@ import trio
 
 from llmgw.addr import url_host
 from llmgw.controlplane.catalog import Catalog, routing_for
+from llmgw.controlplane.memory import Needs, cache_tokens
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.routing import ModelRouting, Route, Snapshot, versioned
@@ -31,12 +32,19 @@ def build_snapshot(
     that is unhealthy, or not yet verified, as not ready)."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
+    needs = Needs(lambda: [n.inventory for n in nodes.values()])
     for name, entry in catalog.models.items():
         models[name] = ModelRouting(
             target_waiting=entry.routing.target_waiting, kv_ceiling=entry.routing.kv_ceiling
         )
         routes.extend(
-            Route(key=url, model=name, url=url.rstrip("/"), engine=entry.static_engine)
+            Route(
+                key=url,
+                model=name,
+                url=url.rstrip("/"),
+                engine=entry.static_engine,
+                affinity=entry.routing.affinity,
+            )
             for url in entry.static_endpoints
         )
     for replica in replicas:
@@ -48,6 +56,12 @@ def build_snapshot(
             continue
         model = catalog.models.get(replica.model)
         own = routing_for(model, replica.profile) if model is not None else None
+        profile = model.profile(replica.profile) if model is not None else None
+        holds = (
+            cache_tokens(profile, needs.weights(model, profile))
+            if model is not None and profile is not None and profile.engine == "llama.cpp"
+            else None
+        )
         routes.append(
             Route(
                 key=replica.replica_id,
@@ -62,6 +76,8 @@ def build_snapshot(
                 ready=replica.state is ReplicaState.READY and replica.healthy and replica.verified,
                 draining=replica.state is ReplicaState.DRAINING,
                 engine_key=head.engine_key,
+                affinity=own.affinity if own is not None else "prefix",
+                cache_tokens=holds,
             )
         )
     return versioned(models, routes)

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import trio
 
+from llmgw.engines.base import REUSE_MARKERS, prompt_reuse
 from llmgw.http.client import UpstreamError, UpstreamReset, UpstreamResponse
 from llmgw.router import attempt
 from llmgw.router.attempt import Lease
@@ -167,10 +168,19 @@ class Relay:
             self._text_events += n
         elif _COMPLETION_TEXT in chunk:
             self._text_events += chunk.count(_COMPLETION_TEXT) - chunk.count(_EMPTY_COMPLETION)
-        elif _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
-            self._usage = int(found[1])  # a usage event carries no text
+        else:
+            if _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
+                self._usage = int(found[1])  # a usage event carries no text
+            self._reuse(chunk)  # what the engine reused comes with no text either
         if _DONE in chunk[-16:]:  # the last event: done on the replica
             self._lease.finish(trio.current_time(), self._outcome)
+
+    def _reuse(self, data: bytes) -> None:
+        """Note what the engine said it reused of the prompt, when ``data`` says it."""
+        if REUSE_MARKERS[0] in data or REUSE_MARKERS[1] in data:
+            found = prompt_reuse(data)
+            if found is not None:
+                self._record.reused(*found)
 
     async def _next_events(self) -> bytes:
         """The events ready for the client, read from upstream (and its successors)."""
@@ -218,6 +228,8 @@ class Relay:
                 self._lease.finish(now, self._outcome)  # done on the replica
                 self._out.append(_DONE + _END)
                 continue
+            if not self._translating:
+                self._reuse(event)
             try:
                 shown = (
                     transcript.translate(event) if self._translating else transcript.observe(event)
