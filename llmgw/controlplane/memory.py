@@ -119,11 +119,13 @@ def need(profile: Profile, weights: WeightCopy | None) -> Need:
 
 
 def _cache_mib(profile: Profile, said: dict[str, str]) -> int:
-    """The prompt cache's MiB: the profile's setting (the adapter passes it), else what
-    its arguments or environment say (a shard placed before the setting existed)."""
-    return _int(
-        profile.settings.get("cache_ram_mib"), _int(said.get("cache_ram"), PROMPT_CACHE_MIB)
-    )
+    """The prompt cache's MiB: the profile's setting, which the adapter always writes on
+    the command line (so that llama-server's environment no longer sets it), else what
+    the arguments of a shard placed before the setting existed say."""
+    setting = profile.settings.get("cache_ram_mib")
+    if setting is not None:
+        return _int(setting, PROMPT_CACHE_MIB)
+    return _int(said.get("cache_ram_argv"), PROMPT_CACHE_MIB)
 
 
 def _kv_per_token(said: dict[str, str], weights: WeightCopy | None) -> float | None:
@@ -227,6 +229,8 @@ def _llama_flags(profile: Profile) -> dict[str, str]:
             out[name] = value
         elif i + 1 < len(args):
             out[name] = args[i + 1]
+        if name == "cache_ram" and name in out:
+            out["cache_ram_argv"] = out[name]
     return out
 
 
