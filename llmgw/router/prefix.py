@@ -21,7 +21,8 @@ of text:
   ``affinity``): the prompt's leading bytes up to the end of its first turn (the
   leading system messages and the first message after them), at most
   ``ANCHOR_BYTES``. A conversation's turns share it; so do the users behind one
-  long system prompt (which fills the anchor); requests with neither spread.
+  system prompt that fills it (a prefix worth keeping in one place; a shorter one
+  is cheap to compute again wherever it lands); requests with neither spread.
   The *spill* key, the whole first turn, orders the other replicas for a request
   whose first choice is over its load bound, so that a conversation spilled once
   spills to the same place next turn. A session hint (OpenAI's ``user``, or an
@@ -56,7 +57,7 @@ MODES: tuple[Mode, ...] = ("off", "prefix", "session")
 
 BLOCK_BYTES = 512  # about 128 tokens of English: the estimate's grain
 MAX_BYTES = 256 * 1024  # a prompt is read this far (an estimate needs no more)
-ANCHOR_BYTES = 4096  # the anchor's longest reach, about 1,000 tokens
+ANCHOR_BYTES = 1024  # the anchor's longest reach, about 250 tokens of English
 # what one index entry costs (an int key in an OrderedDict, measured on CPython 3.11)
 ENTRY_BYTES = 120
 MAX_BLOCKS = 1 << 16  # one replica's index at most (32 MiB of prompt text, 7.5 MiB)
