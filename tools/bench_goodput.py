@@ -83,19 +83,19 @@ _WORDS = ("river", "stone", "lantern", "harbor", "meadow", "copper", "thistle", 
 
 @dataclass
 class Sizes:
-    conversations: int = 8
+    conversations: int = 6
     turns: int = 4
-    doc_chars: int = 1100  # about 800 tokens of this model: 1.6 s of prefill on one thread
-    think_s: float = 0.5
-    conversation_rate: float = 1.0  # conversations starting per second
+    doc_chars: int = 1100  # about 800 tokens of this model: 2-3 s of prefill on one thread
+    think_s: float = 1.0
+    conversation_rate: float = 0.5  # conversations starting per second
     systems: int = 8
     system_chars: int = 1100
     requests: int = 32  # of the shared workload
-    request_rate: float = 2.0  # per second: more than round robin's misses can take
-    unique: int = 24  # requests of the unique workload, at a rate the replicas can take
-    unique_rate: float = 0.7
+    request_rate: float = 1.0  # per second: more than round robin's misses can take
+    unique: int = 16  # requests of the unique workload, at a rate the replicas can take
+    unique_rate: float = 0.35
     max_tokens: int = 16
-    slo_s: float = 3.0
+    slo_s: float = 4.0
 
 
 QUICK = Sizes(
@@ -197,7 +197,7 @@ def engines(procs: br.Procs, model: Path, n: int, cache_ram_mib: int) -> list[st
         argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", "0",
                 "-t", "1", "-tb", "1", "-np", str(SLOTS), "-c", str(SLOT_CONTEXT * SLOTS),
                 "--metrics", "--slots", "--cache-prompt", "--cache-ram", str(cache_ram_mib),
-                "--slot-prompt-similarity", SIMILARITY]  # fmt: skip
+                "--slot-prompt-similarity", SIMILARITY, "--alias", "m"]  # fmt: skip
         procs.start(f"engine-{i}", argv, core=None)
     urls = []
     for i in range(n):
@@ -228,7 +228,8 @@ def catalog(policy: str, urls: list[str]) -> str:
 def start_smg(procs: br.Procs, smg: str, urls: list[str]) -> tuple[int, int]:
     port = free_port()
     argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-            "--worker-urls", *urls, "--log-level", "warn"]  # fmt: skip
+            "--worker-urls", *urls, "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port())]  # fmt: skip
     p = procs.start("smg", argv, core=None)
     br.wait_until(procs, "smg", lambda: br.http_get(f"http://127.0.0.1:{port}/health") == 200, 60)
     return p.pid, port

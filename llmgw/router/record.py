@@ -110,15 +110,19 @@ class Record:
         """Every replica was above its admission thresholds: the answer is a 429."""
         self.metrics.sheds.labels(self.model).inc()
 
-    def affinity(self, replica: str, index: PrefixIndex, key: PromptKey, pick: Pick) -> None:
+    def affinity(
+        self, replica: str, index: PrefixIndex, key: PromptKey, pick: Pick, *, first: bool
+    ) -> None:
         """The request goes to ``replica`` as affinity chose (``pick``), its prompt
-        recorded in that replica's ``index``."""
-        preferred = pick.preferred
-        outcome = "overruled" if pick.overruled else "kept"
-        self.metrics.affinity.labels(self.model, preferred.key, outcome).inc()
-        preferred.prefix.preferred += 1
-        if pick.overruled:
-            preferred.prefix.overruled += 1
+        recorded in that replica's ``index``; ``first``: its first attempt (a retry's
+        choice, among the replicas it has not tried, is not counted again)."""
+        if first:
+            preferred = pick.preferred
+            outcome = "overruled" if pick.overruled else "kept"
+            self.metrics.affinity.labels(self.model, preferred.key, outcome).inc()
+            preferred.prefix.preferred += 1
+            if pick.overruled:
+                preferred.prefix.overruled += 1
         self.estimate = (replica, index, key, pick.held)
 
     def reused(self, cached: int, prompt: int) -> None:

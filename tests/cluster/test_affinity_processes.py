@@ -202,6 +202,21 @@ async def test_a_conversation_stays_on_one_replica_and_an_eviction_is_noticed(
         table = (await c.server.ctl("replicas")).stdout.decode()
         assert "cache hits" in table and "router estimated" in table
 
+        # a session hint keeps a client's different prompts together: OpenAI's user
+        # field, or the x-session-id header (which wins)
+        for hint in ({"user": "carol"}, {"extra_headers": {"x-session-id": "s-42"}}):
+            where = set()
+            for seed in range(20, 24):
+                reply = await client.chat.completions.create(
+                    model="chat",
+                    messages=conversation(seed, 1)[0],  # type: ignore[arg-type]
+                    max_tokens=4,
+                    **hint,  # type: ignore[arg-type]
+                )
+                assert reply.choices[0].message.content
+                where.add((await log.next())[0])
+            assert len(where) == 1, (hint, where)
+
 
 async def test_a_conversation_moves_when_its_replica_is_loaded_past_its_bound(
     tmp_path: Path, pki: Pki
