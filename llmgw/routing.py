@@ -29,8 +29,10 @@ class Route(msgspec.Struct, kw_only=True):
     # the engine's own key (``Authorization: Bearer``), "" for none; a secret: the
     # snapshot goes only to routers, never to an operator's screen
     engine_key: str = ""
-    # how requests are steered to what it holds: "prefix", "session" or "off"
+    # how requests are steered to what it holds: "prefix", "session" or "off"; and how
+    # far past its share of the load it still takes what it holds
     affinity: str = "prefix"
+    affinity_bound: float = 1.5
     # tokens of prompts it can keep (KV cache and prompt cache); None: not known
     cache_tokens: int | None = None
 

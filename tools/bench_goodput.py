@@ -22,7 +22,8 @@ Policies, on the same replicas and the same workload:
 - ``rr``: round robin (llmgw's router, one model per replica, the client takes
   them in turn);
 - ``load``: llmgw's router by load alone (``routing.affinity = "off"``);
-- ``prefix``: llmgw's router by what replicas hold (``affinity = "prefix"``);
+- ``prefix``: llmgw's router by what replicas hold (``affinity = "prefix"``, its
+  load bound ``--bound`` when given);
 - ``smg``: opt-in (``--smg PATH``, the ``smg`` executable of a venv of its own:
   ``python -m venv V && V/bin/pip install smg``), SGLang's gateway with its
   ``cache_aware`` policy pointed at the same engines.
@@ -211,7 +212,7 @@ def engines(procs: br.Procs, model: Path, n: int, cache_ram_mib: int) -> list[st
     return urls
 
 
-def catalog(policy: str, urls: list[str]) -> str:
+def catalog(policy: str, urls: list[str], bound: float | None = None) -> str:
     if policy == "rr":  # one model per replica: the client takes them in turn
         return "".join(
             f'[models.rr{i}]\nstatic_endpoints = ["{u}"]\nstatic_engine = "llama.cpp"\n'
@@ -219,9 +220,10 @@ def catalog(policy: str, urls: list[str]) -> str:
         )
     quoted = ", ".join(f'"{u}"' for u in urls)
     affinity = "prefix" if policy == "prefix" else "off"
+    bounded = "" if bound is None else f", affinity_bound = {bound}"
     return (
         f'[models.m]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n'
-        f'routing = {{ affinity = "{affinity}" }}\n'
+        f'routing = {{ affinity = "{affinity}"{bounded} }}\n'
     )
 
 
@@ -334,7 +336,9 @@ def run(
             pid, port = start_smg(procs, args.smg, urls)
             key, models = "none", ["m"]
         else:
-            pid, port, key = br.start_llmgw(procs, 0, None, catalog=catalog(policy, urls))
+            pid, port, key = br.start_llmgw(
+                procs, 0, None, catalog=catalog(policy, urls, args.bound)
+            )
             models = [f"rr{i}" for i in range(len(urls))] if policy == "rr" else ["m"]
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         # what the router spends with no request (reading the engines' gauges), to take
@@ -519,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-ram-mib", type=int, default=16,
                         help="each engine's prompt cache (--cache-ram), default 16")  # fmt: skip
     parser.add_argument("--slo", type=float, help="the TTFT SLO in seconds")
+    parser.add_argument("--bound", type=float,
+                        help="prefix: routing.affinity_bound (default: the router's)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir)")

@@ -44,6 +44,7 @@ def build_snapshot(
                 url=url.rstrip("/"),
                 engine=entry.static_engine,
                 affinity=entry.routing.affinity,
+                affinity_bound=entry.routing.affinity_bound,
             )
             for url in entry.static_endpoints
         )
@@ -77,6 +78,7 @@ def build_snapshot(
                 draining=replica.state is ReplicaState.DRAINING,
                 engine_key=head.engine_key,
                 affinity=own.affinity if own is not None else "prefix",
+                affinity_bound=own.affinity_bound if own is not None else 1.5,
                 cache_tokens=holds,
             )
         )

@@ -113,6 +113,8 @@ class Endpoint:
     # how its model's requests are steered to what it holds ("off": by load alone), and
     # what this router sent it (``llmgw.router.affinity``)
     affinity: Mode = "prefix"
+    # how far past its share of the load it still takes what it holds (affinity.BOUND)
+    affinity_bound: float = 1.5
     prefix: PrefixIndex = attrs.Factory(PrefixIndex)
 
     def start(self, now: float) -> None:

@@ -96,6 +96,7 @@ class RoutingTable:
             ep.engine_key = route.engine_key
             ep.engine = route.engine
             ep.affinity = _mode(route.affinity)
+            ep.affinity_bound = max(1.0, route.affinity_bound)
             table.setdefault(route.model, []).append(ep)
             seen.add(route.key)
         # each replica's index is bounded by what it holds, and all of them by the

@@ -11,6 +11,7 @@ affinity existed (a property test against a frozen copy of it).
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -258,7 +259,14 @@ def test_the_load_bound_keeps_a_hot_prompt_from_taking_everything() -> None:
         choice = send(endpoints, key)
         choice.endpoint.start(NOW)  # type: ignore[union-attr]
     loads = sorted(e.in_flight for e in endpoints)
-    assert sum(loads) == 40 and loads[-1] <= 1.25 * 40 / 4 + 1, loads
+    assert sum(loads) == 40 and loads[-1] <= math.ceil(1.5 * 40 / 4), loads
+    # a tighter bound, tighter loads
+    for e in endpoints:
+        e.in_flight, e.affinity_bound = 0, 1.0
+    for i in range(40):
+        key = prompt_key(body([system, {"role": "user", "content": f"q{i}"}]), "prefix")
+        send(endpoints, key).endpoint.start(NOW)  # type: ignore[arg-type, union-attr]
+    assert sorted(e.in_flight for e in endpoints) == [10, 10, 10, 10]
 
 
 def test_a_session_hint_pulls_a_users_requests_together() -> None:
