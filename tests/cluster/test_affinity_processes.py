@@ -234,11 +234,12 @@ async def test_a_conversation_moves_when_its_replica_is_loaded_past_its_bound(
         }
         long = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000}
         async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=120) as raw:
-            # three long requests straight to the home engine: one runs, two wait
-            for _ in range(3):
+            # six long requests straight to the home engine: one runs, five wait; past
+            # its bound (1.5 x half of the work) while at least three of them are there
+            for _ in range(6):
                 nursery.start_soon(lambda: raw.post(engine, json=long, headers=auth))
             with trio.fail_after(15):  # until the router's gauges of it show them
-                while ((await traffic(c))[home]["traffic"].get("waiting") or 0) < 2:
+                while ((await traffic(c))[home]["traffic"].get("waiting") or 0) < 4:
                     await trio.sleep(0.2)
             await ask(client, turns[1])
             moved, cached, _ = await log.next()
