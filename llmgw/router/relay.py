@@ -50,6 +50,7 @@ _USAGE = b'"completion_tokens"'
 _TEXT, _EMPTY_TEXT = b'content":"', b'content":""'  # chat: content, reasoning_content
 _COMPLETION_TEXT, _EMPTY_COMPLETION = b'"text":"', b'"text":""'
 _DONE = b"data: [DONE]"
+_TIMINGS, _CACHED = REUSE_MARKERS
 _END = b"\n\n"
 
 # A continuation of a broken stream: the new replica's response and its lease, the
@@ -168,16 +169,18 @@ class Relay:
             self._text_events += n
         elif _COMPLETION_TEXT in chunk:
             self._text_events += chunk.count(_COMPLETION_TEXT) - chunk.count(_EMPTY_COMPLETION)
-        else:
-            if _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
-                self._usage = int(found[1])  # a usage event carries no text
-            self._reuse(chunk)  # what the engine reused comes with no text either
+        elif _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
+            self._usage = int(found[1])  # a usage event carries no text
+        # what the engine reused: llama.cpp's last event (which may come in one read with
+        # the last token's), or a usage event (no text)
+        if _TIMINGS in chunk or (not n and _CACHED in chunk):
+            self._reuse(chunk)
         if _DONE in chunk[-16:]:  # the last event: done on the replica
             self._lease.finish(trio.current_time(), self._outcome)
 
     def _reuse(self, data: bytes) -> None:
         """Note what the engine said it reused of the prompt, when ``data`` says it."""
-        if REUSE_MARKERS[0] in data or REUSE_MARKERS[1] in data:
+        if _TIMINGS in data or _CACHED in data:
             found = prompt_reuse(data)
             if found is not None:
                 self._record.reused(*found)
