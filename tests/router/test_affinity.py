@@ -472,3 +472,23 @@ def test_affinity_only_reorders_the_replicas_the_balancer_allows(
     assert chosen.breaker.state is not BreakerState.OPEN
     load = fresh_load(chosen, NOW, 5.0)
     assert not above_thresholds(load, chosen.admission or admission, chosen)
+
+
+def test_new_work_is_spread_by_load_and_only_what_is_held_stays_past_its_share() -> None:
+    """A first turn goes to its first choice only while that is as little loaded as the
+    rest; a later turn stays with the replica that holds it up to its bound."""
+    endpoints = fleet(2)
+    first = conversation(3, 2)
+    key = prompt_key(body(first[0]), "prefix")
+    assert key is not None
+    top = choose(endpoints, NOW, admission=OPEN, key=key).endpoint
+    assert top is not None
+    top.in_flight = 1  # one more than the other: a new conversation goes there
+    spilled = send(endpoints, key)
+    assert spilled.endpoint is not top and spilled.affinity is not None
+    assert spilled.affinity.overruled
+    # its next turn is known where the first went, which may take it past an even share
+    spilled.endpoint.in_flight = 1  # type: ignore[union-attr]
+    top.in_flight = 0
+    later = send(endpoints, prompt_key(body(first[1]), "prefix"))  # type: ignore[arg-type]
+    assert later.endpoint is spilled.endpoint and not later.affinity.overruled  # type: ignore[union-attr]
