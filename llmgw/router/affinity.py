@@ -11,7 +11,9 @@ before.
 The order of preference, from the request's ``PromptKey``:
 
 1. a replica this router knows holds the prompt's whole first turn (it has seen
-   this conversation): the one holding the most of the prompt first;
+   this conversation): the one holding the most of the prompt first, and of those
+   holding as much, the one it was sent to last (where the latest turn went, and
+   its reply, which blocks of 512 bytes do not tell apart);
 2. the anchor's rendezvous winner: the same in every router process, warm or
    cold, for every request of a conversation (or of one long system prompt, or
    of one session);
@@ -31,17 +33,22 @@ engine's own queue where its gauges are fresh (other routers' traffic
 included), else this router's count. ``bound`` is:
 
 - the replica's ``affinity_bound`` (the catalog's ``routing.affinity_bound``,
-  1.5 unless set) when this router knows it holds some of the prompt, or the
-  request is routed by its session hint alone. A cache hit saves a whole
+  1.5 unless set) when the request is a later turn of a conversation (which
+  every router tells from the request alone, so that a router that has not
+  seen the earlier turns keeps to the first choice as the one that has), when
+  this router knows the replica holds some of the prompt, or when the request
+  is routed by its session hint alone. A cache hit saves a whole
   prefill, and waiting behind one more request costs a share of a step, so the
   default leans to the cache: on two replicas a bound of 1.25 already sends a
   third request away from a replica holding two while the other holds none,
   and ``tools/bench_goodput.py``'s multi-turn workload reused 54% of its prompt
   tokens at 1.25 against 74% at 1.5 (an oracle's: 73%).
-- 1 when it knows of nothing there: a new conversation, or a prompt nothing
-  else shares, goes to its first choice only while that is no busier than its
-  share, so new work is spread by load, and only what a replica is known to
-  hold keeps it there past its share. Rendezvous alone places few keys
+- 1 otherwise: a new conversation, or a prompt nothing else shares, goes to its
+  first choice only while that is no busier than its share, so new work is
+  spread by load, and only what a replica holds keeps it there past its share.
+  (A first turn moved by load is where a warm router sends the next turns; a
+  router that did not see it sends them to the first choice once, and from then
+  on to whichever of the two it knows holds the most.) Rendezvous alone places few keys
   unevenly (six conversations on two replicas go 5-1 or worse about one time in
   five), and the bound then moved their later turns off the replica that held
   them: a run of the benchmark reused 39% of the multi-turn prompt tokens
@@ -100,8 +107,7 @@ def pick(
         weights += ep.weight
     preferred = ranked[0][1][1]
     for held, (value, ep, load) in ranked:
-        # a session hint alone (no prompt read) is the client's word that it is warm
-        bound = ep.affinity_bound if held or not key.blocks else 1.0
+        bound = ep.affinity_bound if held or key.later or not key.blocks else 1.0
         cap = math.ceil(bound * ep.weight * (total + 1) / weights - 1e-9)
         if value * ep.weight + 1 <= cap:
             overruled = ep is not preferred
@@ -128,7 +134,7 @@ def _order(
     seen = max(1, key.turn_blocks)
     known = sorted(
         (i for i in range(len(entries)) if held[i] >= seen),
-        key=lambda i: (-held[i], -anchor[i]),
+        key=lambda i: (-held[i], -entries[i][1].prefix.last_sent(blocks, held[i]), -anchor[i]),
     )
     first = known or [top]
     rest = [i for i in range(len(entries)) if i not in first]

@@ -44,6 +44,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import zlib
 from collections import OrderedDict
@@ -83,7 +84,9 @@ class _Request(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(_Request)
+_STAMPS = itertools.count(1)  # one clock for every index of this process
 _SYSTEM = frozenset({"system", "developer"})
+_REPLIES = frozenset({"assistant", "tool", "function"})
 
 
 @attrs.frozen
@@ -98,6 +101,9 @@ class PromptKey:
     # has seen this conversation (not merely a system prompt it shares)
     turn_blocks: int
     session: bool = False  # the anchor is a client's session hint
+    # a later turn of a conversation (an assistant or tool message in it): what its
+    # earlier turns left in some replica's cache, every router can tell from the request
+    later: bool = False
 
 
 def prompt_key(body: bytes, mode: Mode, session: str | None = None) -> PromptKey | None:
@@ -127,6 +133,7 @@ def prompt_key(body: bytes, mode: Mode, session: str | None = None) -> PromptKey
         view = memoryview(text)
         anchor = _digest(view[: min(turn, ANCHOR_BYTES)])
         spill = anchor if turn <= ANCHOR_BYTES else _digest(view[:turn])
+    messages = request.messages or ()
     return PromptKey(
         blocks=chain(text),
         size=len(text),
@@ -134,6 +141,7 @@ def prompt_key(body: bytes, mode: Mode, session: str | None = None) -> PromptKey
         spill=spill,
         turn_blocks=turn // BLOCK_BYTES,
         session=hint is not None,
+        later=any(m.role in _REPLIES for m in messages),
     )
 
 
@@ -230,7 +238,8 @@ class PrefixIndex:
     cached_tokens: int = 0
     estimated_tokens: int = 0
     evicted: int = 0
-    _keys: OrderedDict[int, None] = attrs.field(factory=OrderedDict, init=False)
+    # block key -> when it was last sent there (``_STAMPS``), least recently first
+    _keys: OrderedDict[int, int] = attrs.field(factory=OrderedDict, init=False)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -245,14 +254,19 @@ class PrefixIndex:
             n += 1
         return n
 
+    def last_sent(self, blocks: tuple[int, ...], held: int) -> int:
+        """When the deepest of the ``held`` leading blocks was last sent here (0: never):
+        of two replicas that hold as much of a prompt, the one its conversation's
+        latest turn went to (and the reply to it, which no index sees) is the later."""
+        return self._keys.get(blocks[held - 1], 0) if held else 0
+
     def record(self, blocks: tuple[int, ...]) -> None:
         """The replica was sent a prompt of these blocks: it holds them now."""
         keys = self._keys
+        stamp = next(_STAMPS)
         for key in reversed(blocks):  # the head last: the most recently used
-            if key in keys:
-                keys.move_to_end(key)
-            else:
-                keys[key] = None
+            keys[key] = stamp
+            keys.move_to_end(key)
         self._evict()
 
     def resize(self, limit: int) -> None:

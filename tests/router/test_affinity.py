@@ -492,3 +492,21 @@ def test_new_work_is_spread_by_load_and_only_what_is_held_stays_past_its_share()
     top.in_flight = 0
     later = send(endpoints, prompt_key(body(first[1]), "prefix"))  # type: ignore[arg-type]
     assert later.endpoint is spilled.endpoint and not later.affinity.overruled  # type: ignore[union-attr]
+
+
+def test_a_cold_router_keeps_a_later_turn_on_its_first_choice_as_a_warm_one_does() -> None:
+    """A later turn (it carries an assistant message) stays with its first choice past an
+    even share on a router that never saw the conversation too: both agree."""
+    warm, cold = fleet(2), fleet(2)
+    turns = conversation(4, 2)
+    first = prompt_key(body(turns[0]), "prefix")
+    later = prompt_key(body(turns[1]), "prefix")
+    assert first is not None and later is not None and later.later and not first.later
+    home = send(warm, first).endpoint
+    assert home is not None
+    for fleet_ in (warm, cold):
+        [ep_] = [e for e in fleet_ if e.key == home.key]
+        ep_.in_flight = 1  # the engine still says the first turn runs
+    a, b = send(warm, later), send(cold, later)
+    assert a.endpoint is not None and b.endpoint is not None
+    assert a.endpoint.key == b.endpoint.key == home.key
