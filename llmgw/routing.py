@@ -44,6 +44,12 @@ class Route(msgspec.Struct, kw_only=True):
     # learned from its node's report and not probed yet (not ready): no news to a router
     # that already routes to it there, which keeps it as it was (``kept_ready``)
     verifying: bool = False
+    # how requests are steered to what it holds: "prefix", "session" or "off"; and how
+    # far past its share of the load it still takes what it holds
+    affinity: str = "prefix"
+    affinity_bound: float = 1.5
+    # tokens of prompts it can keep (KV cache and prompt cache); None: not known
+    cache_tokens: int | None = None
 
 
 def kept_ready(route: Route, url: str, engine_key: str, ready: bool) -> bool:
@@ -131,3 +137,10 @@ class TrafficView(msgspec.Struct, kw_only=True):
     kv_usage: float | None = None
     load_age_s: float | None = None  # since that scrape; None: never scraped
     wedged: str = ""  # why the router holds it wedged (work, no progress); "" if not
+    # the share of prompt tokens its engine reported reused from its cache, and the
+    # share this router estimated it would (None: no reading yet)
+    cache_hit_rate: float | None = None
+    estimated_hit_rate: float | None = None
+    # the share of the requests that preferred it that went elsewhere, as it was
+    # past its load bound (None: none preferred it)
+    affinity_overruled: float | None = None

@@ -100,6 +100,8 @@ def _type(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type(a) for a in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(f'"{a}"' for a in typing.get_args(annotation))
     if origin is list:
         (arg,) = typing.get_args(annotation)
         return f"list of {_type(arg)}"

@@ -357,6 +357,13 @@ def render_traffic(t: dict[str, Any] | None) -> str:
         words.extend(gauges)
         if t["load_age_s"] > 5:
             words.append(f"gauges {t['load_age_s']:.0f}s old")
+    if t.get("cache_hit_rate") is not None:
+        cached = f"cache hits {t['cache_hit_rate']:.0%}"
+        if t.get("estimated_hit_rate") is not None:
+            cached += f" (router estimated {t['estimated_hit_rate']:.0%})"
+        words.append(cached)
+    if t.get("affinity_overruled") is not None:
+        words.append(f"affinity overruled by load {t['affinity_overruled']:.0%}")
     return ", ".join(words)
 
 

@@ -25,7 +25,7 @@ import math
 import posixpath
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -44,6 +44,8 @@ MAX_STOP_GRACE_S = 3600.0  # as [engines] stop_grace_s
 MAX_CATALOG_BYTES = 4 << 20
 
 SettingValue = str | int | float | bool
+# how the router steers a model's requests to what its replicas hold (llmgw.router.affinity)
+Affinity = Literal["off", "prefix", "session"]
 
 
 class _Entry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -58,6 +60,12 @@ class Routing(_Entry, frozen=True):
     weight: float = 1.0
     target_waiting: int | None = None  # queued requests per replica worth routing away from
     kv_ceiling: float | None = None  # KV-cache usage in (0, 1] past which a replica is avoided
+    # to the replica holding the most of the prompt, within a load bound ("prefix"), by
+    # the client's session hint alone ("session"), or by load alone ("off")
+    affinity: Affinity = "prefix"
+    # a replica takes a request for what it holds while its load stays within this many
+    # times its share of the model's (at least 1; higher: more cache hits, less balance)
+    affinity_bound: float = 1.5
 
 
 class ProfileRouting(_Entry, frozen=True):
@@ -67,6 +75,8 @@ class ProfileRouting(_Entry, frozen=True):
     weight: float | None = None  # this profile's replicas' share (> 0); unset: the model's
     target_waiting: int | None = None  # queued requests worth routing away from; unset: the model's
     kv_ceiling: float | None = None  # KV-cache usage in (0, 1] to avoid; unset: the model's
+    affinity: Affinity | None = None  # off, prefix or session; unset: the model's
+    affinity_bound: float | None = None  # at least 1; unset: the model's
 
 
 class Profile(_Entry, frozen=True):
@@ -230,6 +240,9 @@ def _check_routing(key: str, r: Routing | ProfileRouting) -> None:
         _at_least(f"{key}.target_waiting", r.target_waiting, 0)
     if r.kv_ceiling is not None and not 0 < r.kv_ceiling <= 1:
         raise ConfigError("", f"{key}.kv_ceiling", f"must be in (0, 1], got {r.kv_ceiling}")
+    bound = r.affinity_bound
+    if bound is not None and not (math.isfinite(bound) and bound >= 1):
+        raise ConfigError("", f"{key}.affinity_bound", f"must be at least 1, got {bound}")
 
 
 def routing_for(model: Model, profile: str) -> Routing:
@@ -244,6 +257,8 @@ def routing_for(model: Model, profile: str) -> Routing:
         weight=own.weight if own.weight is not None else r.weight,
         target_waiting=own.target_waiting if own.target_waiting is not None else r.target_waiting,
         kv_ceiling=own.kv_ceiling if own.kv_ceiling is not None else r.kv_ceiling,
+        affinity=own.affinity if own.affinity is not None else r.affinity,
+        affinity_bound=own.affinity_bound if own.affinity_bound is not None else r.affinity_bound,
     )
 
 
@@ -413,6 +428,8 @@ def _explain(message: str, raw: dict[str, Any]) -> tuple[str, str]:
     missing = re.match(r"Object missing required field `([^`]*)`", problem)
     if missing:
         return f"{where}.{missing.group(1)}", "required, but missing"
+    if where.endswith(".affinity") and problem.startswith("Invalid enum value"):
+        return where, f"{problem[len('Invalid enum value ') :]} is not one of off, prefix, session"
     problem = problem.replace("Expected", "expected", 1).replace("`object`", "`table`")
     return where, problem
 

@@ -15,8 +15,9 @@ Otherwise, for llama.cpp, it is estimated from what llama-server will hold:
   the context per slot) times the bytes a token takes in every layer, from the
   GGUF's attention shape and the cache types (``--cache-type-k``/``-v``, f16
   by default);
-- the prompt cache: ``--cache-ram`` MiB (llama-server's default is 8192 per
-  process; -1 is no limit, which cannot be counted; 0 turns it off).
+- the prompt cache: ``--cache-ram`` MiB, the profile's ``cache_ram_mib`` setting
+  (which the adapter always passes; llama-server's default is 8192 per process;
+  -1 is no limit, which cannot be counted; 0 turns it off).
 
 Which memory: a shard on the CPU holds all three in host memory. One with GPUs
 and its layers offloaded (the default with GPUs) holds the weights and the KV
@@ -117,26 +118,60 @@ def need(profile: Profile, weights: WeightCopy | None) -> Need:
     return estimate
 
 
+def _cache_mib(profile: Profile, said: dict[str, str]) -> int:
+    """The prompt cache's MiB: the profile's setting, which the adapter always writes on
+    the command line (so that llama-server's environment no longer sets it), else what
+    the arguments of a shard placed before the setting existed say."""
+    setting = profile.settings.get("cache_ram_mib")
+    if setting is not None:
+        return _int(setting, PROMPT_CACHE_MIB)
+    return _int(said.get("cache_ram_argv"), PROMPT_CACHE_MIB)
+
+
+def _kv_per_token(said: dict[str, str], weights: WeightCopy | None) -> float | None:
+    """Bytes one token takes in the KV cache, every layer; None: not known."""
+    type_k = said.get("type_k", "f16").lower()
+    type_v = said.get("type_v", "f16").lower()
+    if (
+        weights is None
+        or weights.kv_k_per_token is None
+        or weights.kv_v_per_token is None
+        or type_k not in KV_TYPE_BYTES
+        or type_v not in KV_TYPE_BYTES
+    ):
+        return None
+    return (
+        weights.kv_k_per_token * KV_TYPE_BYTES[type_k]
+        + weights.kv_v_per_token * KV_TYPE_BYTES[type_v]
+    )
+
+
+def cache_tokens(profile: Profile, weights: WeightCopy | None) -> int | None:
+    """Tokens of prompts a llama.cpp replica of ``profile`` can keep: its context (its
+    slots) and what its prompt cache holds; None when not known (another engine, the
+    model's shape not reported, a prompt cache without a limit)."""
+    if profile.engine != "llama.cpp":
+        return None
+    said = _llama_flags(profile)
+    per_token = _kv_per_token(said, weights)
+    cache_mib = _cache_mib(profile, said)
+    if per_token is None or per_token <= 0 or cache_mib < 0:
+        return None
+    context = _int(profile.settings.get("context"), DEFAULT_CONTEXT)
+    return context + int(cache_mib * MIB / per_token)
+
+
 def _llama(profile: Profile, weights: WeightCopy | None) -> Need:
     said = _llama_flags(profile)
-    cache_mib = _int(said.get("cache_ram"), PROMPT_CACHE_MIB)
+    cache_mib = _cache_mib(profile, said)
     type_k = said.get("type_k", "f16").lower()
     type_v = said.get("type_v", "f16").lower()
     s = profile.settings
     context = _int(s.get("context"), DEFAULT_CONTEXT)
     size = weights.size_bytes if weights is not None else None
     kv: float | None = None
-    if (
-        weights is not None
-        and weights.kv_k_per_token is not None
-        and weights.kv_v_per_token is not None
-        and type_k in KV_TYPE_BYTES
-        and type_v in KV_TYPE_BYTES
-    ):
-        per_token = (
-            weights.kv_k_per_token * KV_TYPE_BYTES[type_k]
-            + weights.kv_v_per_token * KV_TYPE_BYTES[type_v]
-        )
+    per_token = _kv_per_token(said, weights)
+    if per_token is not None:
         kv = context * per_token
     # how much of the model is on the cards: all, none, or a share of the layers
     layers = weights.layers if weights is not None else None
@@ -194,6 +229,8 @@ def _llama_flags(profile: Profile) -> dict[str, str]:
             out[name] = value
         elif i + 1 < len(args):
             out[name] = args[i + 1]
+        if name == "cache_ram" and name in out:
+            out["cache_ram_argv"] = out[name]
     return out
 
 

@@ -16,6 +16,7 @@ import trio
 
 from llmgw.addr import url_host
 from llmgw.controlplane.catalog import Catalog, routing_for
+from llmgw.controlplane.memory import Needs, cache_tokens
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
@@ -40,12 +41,20 @@ def build_snapshot(
     the API keys of the control plane's config, for standalone routers."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
+    needs = Needs(lambda: [n.inventory for n in nodes.values()])
     for name, entry in catalog.models.items():
         models[name] = ModelRouting(
             target_waiting=entry.routing.target_waiting, kv_ceiling=entry.routing.kv_ceiling
         )
         routes.extend(
-            Route(key=url, model=name, url=url.rstrip("/"), engine=entry.static_engine)
+            Route(
+                key=url,
+                model=name,
+                url=url.rstrip("/"),
+                engine=entry.static_engine,
+                affinity=entry.routing.affinity,
+                affinity_bound=entry.routing.affinity_bound,
+            )
             for url in entry.static_endpoints
         )
     for replica in replicas:
@@ -57,6 +66,12 @@ def build_snapshot(
             continue
         model = catalog.models.get(replica.model)
         own = routing_for(model, replica.profile) if model is not None else None
+        profile = model.profile(replica.profile) if model is not None else None
+        holds = (
+            cache_tokens(profile, needs.weights(model, profile))
+            if model is not None and profile is not None and profile.engine == "llama.cpp"
+            else None
+        )
         routes.append(
             Route(
                 key=replica.replica_id,
@@ -75,6 +90,9 @@ def build_snapshot(
                 draining=replica.state is ReplicaState.DRAINING,
                 engine_key=head.engine_key,
                 node=head.node_id,
+                affinity=own.affinity if own is not None else "prefix",
+                affinity_bound=own.affinity_bound if own is not None else 1.5,
+                cache_tokens=holds,
             )
         )
     return versioned(models, routes, settled=settled, heard=heard, keys=keys)

@@ -10,6 +10,7 @@ the running.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -47,6 +48,11 @@ class LoadSignals:
     # a counter that grows while the engine generates (llama.cpp: decode calls; vLLM:
     # generated tokens): flat while it has requests in flight, the engine is wedged
     progress: float | None = None
+    # prompt tokens it reused from its cache, and prompt tokens in all, since it started
+    # (counters; llama.cpp: prompt_tokens_cached_total and prompt_tokens_total; vLLM:
+    # prefix_cache_hits and prefix_cache_queries)
+    cache_hits: float | None = None
+    cache_queries: float | None = None
 
 
 class ProfileError(ValueError):
@@ -155,3 +161,29 @@ def sample_values(text: str) -> dict[str, float]:
     except (ValueError, TypeError, IndexError):
         return {}
     return out
+
+
+# What an engine says it reused of one request's prompt, in the reply (a whole one, or
+# a stream's last events): llama.cpp's ``timings`` (``cache_n`` tokens reused,
+# ``prompt_n`` computed), in every reply and in a stream's last chunk; else OpenAI's
+# ``usage`` (``prompt_tokens``, ``prompt_tokens_details.cached_tokens``), which vLLM
+# gives with ``--enable-prompt-tokens-details`` (and in a stream only with
+# ``stream_options.include_usage``).
+REUSE_MARKERS = (b'"timings"', b'"cached_tokens"')
+_CACHE_N = re.compile(rb'"cache_n":\s*(\d+)')
+_PROMPT_N = re.compile(rb'"prompt_n":\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+
+
+def prompt_reuse(data: bytes) -> tuple[int, int] | None:
+    """(tokens reused from the cache, prompt tokens in all) as the reply says, or None."""
+    if b'"timings"' in data:
+        cached, computed = _CACHE_N.search(data), _PROMPT_N.search(data)
+        if cached is not None and computed is not None:
+            return int(cached[1]), int(cached[1]) + int(computed[1])
+    if b'"cached_tokens"' in data:
+        cached, prompt = _CACHED_TOKENS.search(data), _PROMPT_TOKENS.search(data)
+        if cached is not None and prompt is not None:
+            return int(cached[1]), int(prompt[1])
+    return None

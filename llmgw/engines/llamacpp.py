@@ -10,6 +10,19 @@ end). llama-server has no KV-usage gauge; its
 (``n_ctx``), whether it is busy, and how many tokens its request holds (prompt
 and generated): KV usage is the busy slots' tokens over every slot's context.
 
+Prompts are cached, explicitly (``--cache-prompt``): a request whose prompt begins
+as one the server holds (in a slot, or in its host-memory prompt cache) computes
+only the rest, and the router sends a conversation's turns and the users of one
+system prompt to the same replica for that (``llmgw.router.affinity``). The
+prompt cache is ``--cache-ram``: the profile's ``cache_ram_mib`` (llama-server's
+own default, 8192, when unset, always written out so that the memory counted for
+the replica, ``llmgw.controlplane.memory``, is what the server takes; 0 turns it
+off). ``slot_prompt_similarity`` is how much of a slot's prompt a request must
+share to be given that slot (``--slot-prompt-similarity``; see ``SIMILARITY``).
+Each reply says what it reused (``timings.cache_n`` of ``cache_n + prompt_n``),
+and ``/metrics`` the totals (``prompt_tokens_cached_total``,
+``prompt_tokens_total``).
+
 An embedding model's profile sets ``embeddings = true`` (``--embeddings``: the
 server answers ``/v1/embeddings``; without it, it answers 501) and, for a
 model whose GGUF does not say how to pool its tokens into one vector,
@@ -46,8 +59,20 @@ SETTINGS = frozenset(
         "served_model_name",
         "embeddings",
         "pooling",
+        "cache_ram_mib",
+        "slot_prompt_similarity",
     }
 )
+
+CACHE_RAM_MIB = 8192  # llama-server's own --cache-ram default
+# --slot-prompt-similarity: a request takes the idle slot with the longest common
+# prefix, if that prefix is more than this share of the request's prompt, else the
+# least recently used slot. llama-server's default (0.1) hands a slot holding one
+# conversation to a request of another that shares only a short system prompt with
+# it; the router sends each conversation's turns back to the replica that holds it,
+# so a slot goes to a request that shares most of its own prompt with it, and the
+# others take the least recently used one.
+SIMILARITY = 0.5
 
 # llama-server's --pooling; "none" gives a vector per token, which /v1/embeddings
 # refuses ("not OAI compatible"), so it is not offered. Unset: the model's own
@@ -76,6 +101,10 @@ MANAGED = {
     "--embedding": "embeddings",
     "--embeddings": "embeddings",
     "--pooling": "pooling",
+    "--cache-ram": "cache_ram_mib",
+    "-cram": "cache_ram_mib",
+    "--slot-prompt-similarity": "slot_prompt_similarity",
+    "-sps": "slot_prompt_similarity",
 }
 
 ALL_LAYERS = 999
@@ -150,6 +179,12 @@ class LlamaCppAdapter:
         name = spec.settings.get("served_model_name", spec.model)
         if not isinstance(name, str) or not name:
             problems.append(f"served_model_name must be a non-empty string, got {name!r}")
+        int_setting(spec, "cache_ram_mib", CACHE_RAM_MIB, problems, minimum=-1)
+        similarity = spec.settings.get("slot_prompt_similarity", SIMILARITY)
+        if isinstance(similarity, bool) or not isinstance(similarity, int | float):
+            problems.append(f"slot_prompt_similarity must be a number, got {similarity!r}")
+        elif not 0 <= similarity <= 1:
+            problems.append(f"slot_prompt_similarity must be in [0, 1], got {similarity:g}")
         embeddings = spec.settings.get("embeddings", False)
         if not isinstance(embeddings, bool):
             problems.append(f"embeddings must be true or false, got {embeddings!r}")
@@ -176,6 +211,9 @@ class LlamaCppAdapter:
             "--alias", str(s.get("served_model_name", spec.model)),
             "--metrics",
             "--slots",
+            "--cache-prompt",
+            "--cache-ram", str(s.get("cache_ram_mib", CACHE_RAM_MIB)),
+            "--slot-prompt-similarity", str(s.get("slot_prompt_similarity", SIMILARITY)),
         ]  # fmt: skip
         if "threads" in s:
             argv += ["--threads", str(s["threads"])]
@@ -196,12 +234,17 @@ class LlamaCppAdapter:
 
     def parse_metrics(self, text: str) -> LoadSignals:
         values = sample_values(text)
+        cached = values.get("llamacpp:prompt_tokens_cached_total")
+        computed = values.get("llamacpp:prompt_tokens_total")
         return LoadSignals(
             waiting=values.get("llamacpp:requests_deferred"),
             running=values.get("llamacpp:requests_processing"),
             kv_usage=None,
             # per decode step; tokens_predicted_total grows only as requests end
             progress=values.get("llamacpp:n_decode_total"),
+            cache_hits=cached,
+            # prompt_tokens_total counts what it computed, not what it reused
+            cache_queries=None if cached is None or computed is None else cached + computed,
         )
 
     usage_path: str | None = "/slots"

@@ -21,6 +21,12 @@ Settings (``spec.settings``):
 - ``embeddings``: true for an embedding model: ``--runner pooling --convert
   embed`` (vLLM 0.10.1 and later; ``--task embed`` before), so that it answers
   ``/v1/embeddings`` (a model that pools natively is left as it is).
+- ``prefix_caching``: true (the default) turns on vLLM's automatic prefix caching
+  (``--enable-prefix-caching``; false: ``--no-enable-prefix-caching``), which the
+  router's affinity routing feeds (``llmgw.router.affinity``). Replies then say
+  what they reused (``--enable-prompt-tokens-details``: ``usage.
+  prompt_tokens_details.cached_tokens``), and the metrics the totals
+  (``vllm:prefix_cache_hits``, ``vllm:prefix_cache_queries``, in tokens).
 - ``ray_port`` (``vllm-ray``): the Ray head's port, default 6379.
 - ``node_ip`` (``vllm-ray``): this node's address as Ray should advertise
   it. The agent fills it with the address it discovered; when it is
@@ -78,6 +84,7 @@ _COMMON_SETTINGS = frozenset(
         "max_model_len",
         "served_model_name",
         "embeddings",
+        "prefix_caching",
     }
 )
 VLLM_SETTINGS = _COMMON_SETTINGS
@@ -101,6 +108,8 @@ _MANAGED_FLAGS = {
     "--runner": "embeddings setting",
     "--convert": "embeddings setting",
     "--task": "embeddings setting",
+    "--enable-prefix-caching": "prefix_caching setting",
+    "--no-enable-prefix-caching": "prefix_caching setting",
 }
 
 METRIC_WAITING = "vllm:num_requests_waiting"
@@ -108,6 +117,8 @@ METRIC_RUNNING = "vllm:num_requests_running"
 METRIC_KV = "vllm:kv_cache_usage_perc"
 METRIC_KV_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM renamed it
 METRIC_PROGRESS = "vllm:generation_tokens_total"  # counted every engine step
+METRIC_CACHE_HITS = "vllm:prefix_cache_hits_total"  # prompt tokens found cached
+METRIC_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # prompt tokens looked up
 
 
 def _normal_flag(arg: str) -> str:
@@ -146,6 +157,7 @@ class _Plan:
     ray_port: int
     node_ip: str
     embeddings: bool = False
+    prefix_caching: bool = True
 
 
 def _string_setting(spec: ShardSpec, key: str, default: str, problems: list[str]) -> str:
@@ -185,6 +197,10 @@ class _VllmBase:
         if not isinstance(embeddings, bool):
             problems.append(f"embeddings must be true or false, got {embeddings!r}")
             embeddings = False
+        prefix_caching = spec.settings.get("prefix_caching", True)
+        if not isinstance(prefix_caching, bool):
+            problems.append(f"prefix_caching must be true or false, got {prefix_caching!r}")
+            prefix_caching = True
         ray_port = 6379
         node_ip = ""
         if self.multi_node:
@@ -203,6 +219,7 @@ class _VllmBase:
             ray_port=ray_port,
             node_ip=node_ip,
             embeddings=embeddings,
+            prefix_caching=prefix_caching,
         )
 
     def validate(self, spec: ShardSpec) -> list[str]:
@@ -267,6 +284,10 @@ class _VllmBase:
         argv += ["--served-model-name", *names]
         if plan.embeddings:
             argv += ["--runner", "pooling", "--convert", "embed"]
+        elif plan.prefix_caching:
+            argv += ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+        else:
+            argv.append("--no-enable-prefix-caching")
         if self.multi_node:
             argv += ["--distributed-executor-backend", "ray"]
         return argv + list(spec.engine_args)
@@ -294,6 +315,8 @@ class _VllmBase:
             running=values.get(METRIC_RUNNING),
             kv_usage=kv,
             progress=values.get(METRIC_PROGRESS),
+            cache_hits=values.get(METRIC_CACHE_HITS),
+            cache_queries=values.get(METRIC_CACHE_QUERIES),
         )
 
 

@@ -44,7 +44,10 @@ from typing import Protocol
 import attrs
 
 from llmgw.engines.base import LoadSignals
+from llmgw.router.affinity import Pick
+from llmgw.router.affinity import pick as prefer
 from llmgw.router.breaker import Breaker, BreakerState, Outcome
+from llmgw.router.prefix import Mode, PrefixIndex, PromptKey
 from llmgw.router.validators import non_negative, optional_non_negative, positive
 
 
@@ -109,6 +112,12 @@ class Endpoint:
     # the engine's own key, sent as ``Authorization: Bearer`` in place of the client's
     # (which is the gateway's key, not the engine's); "" sends none. Never shown.
     engine_key: str = attrs.field(default="", repr=False)
+    # how its model's requests are steered to what it holds ("off": by load alone), and
+    # what this router sent it (``llmgw.router.affinity``)
+    affinity: Mode = "prefix"
+    # how far past its share of the load it still takes what it holds (affinity.BOUND)
+    affinity_bound: float = 1.5
+    prefix: PrefixIndex = attrs.Factory(PrefixIndex)
 
     def start(self, now: float) -> None:
         """A request was sent to it: count it, and tell the breaker."""
@@ -146,6 +155,8 @@ class Choice:
     shed: bool = False
     retry_after_s: float = 1.0
     panic: bool = False
+    # how affinity placed it (None: by load alone)
+    affinity: Pick | None = None
 
 
 def fresh_load(endpoint: Endpoint, now: float, stale_after_s: float) -> LoadSignals | None:
@@ -358,6 +369,7 @@ def choose(
     exclude: frozenset[str] = frozenset(),
     model: str | None = None,
     rng_value: float | None = None,
+    key: PromptKey | None = None,
 ) -> Choice:
     """Pick the replica for one request (or one retry of it).
 
@@ -374,6 +386,11 @@ def choose(
 
     ``model``: when given, only endpoints serving it are considered (and it
     names the model in the reason); otherwise the endpoints' own model.
+
+    ``key``: the request's prompt, when its model routes by affinity: among the
+    admissible replicas, ``affinity.pick`` decides (the one holding the most of
+    it, within a load bound) in place of the least score; None, or no candidate
+    routing by affinity, and the choice is by load alone, as described above.
 
     Calling this may move a breaker from open to half-open (its cool-down is
     over); it does not count the request: call ``Endpoint.start`` on the
@@ -413,6 +430,11 @@ def choose(
         admissible.append((score(endpoint, load), endpoint, load))
 
     if admissible:
+        if key is not None:
+            found = prefer(admissible, key)
+            if found is not None:
+                why = f"{found.why}: {_describe(found.endpoint, found.load, now, found.value)}"
+                return Choice(found.endpoint, why, affinity=found)
         best = min(s for s, _, _ in admissible)
         tied = sorted(
             (entry for entry in admissible if entry[0] <= best + 1e-9),

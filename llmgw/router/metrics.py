@@ -17,6 +17,7 @@ from llmgw.router.breaker import BreakerState
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+_SIGNALS = ("waiting", "running", "kv_usage", "slots", "progress", "cache_hits", "cache_queries")
 
 
 class _EndpointsCollector(Collector):
@@ -43,9 +44,17 @@ class _EndpointsCollector(Collector):
         )
         load = GaugeMetricFamily(
             "llmgw_router_load",
-            "The load signals the router sees per replica (engine gauges as last scraped)",
+            "The load signals the router sees per replica (engine gauges as last scraped; "
+            "cache_hits and cache_queries: the engine's own counts of prompt tokens reused "
+            "from its cache and looked up, since it started)",
             labels=["model", "replica", "signal"],
         )
+        blocks = GaugeMetricFamily(
+            "llmgw_router_prefix_index_blocks",
+            "Blocks of prompt (512 bytes each) the router remembers sending to the replica",
+            labels=["model", "replica"],
+        )
+        held = 0
         for ep in self._endpoints():
             state = ep.breaker.state
             value = (
@@ -58,8 +67,10 @@ class _EndpointsCollector(Collector):
             breaker.add_metric([ep.model, ep.key], value)
             in_flight.add_metric([ep.model, ep.key], ep.in_flight)
             wedged.add_metric([ep.model, ep.key], 1.0 if ep.wedged else 0.0)
+            blocks.add_metric([ep.model, ep.key], len(ep.prefix))
+            held += ep.prefix.bytes
             if ep.load is not None:
-                for name in ("waiting", "running", "kv_usage", "slots", "progress"):
+                for name in _SIGNALS:
                     v = getattr(ep.load, name)
                     if v is not None:
                         load.add_metric([ep.model, ep.key, name], v)
@@ -67,6 +78,12 @@ class _EndpointsCollector(Collector):
         yield in_flight
         yield wedged
         yield load
+        yield blocks
+        yield GaugeMetricFamily(
+            "llmgw_router_prefix_index_bytes",
+            "Memory the router's prefix indexes take, about (bounded: 60 MiB at most)",
+            value=held,
+        )
 
 
 class RouterMetrics:
@@ -159,6 +176,41 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.affinity = Counter(
+            "llmgw_router_affinity",
+            "Requests whose prompt preferred the replica (the one holding the most of it, "
+            "or its first by rendezvous), by whether it took them (kept) or was past its "
+            "load bound and another did (overruled)",
+            ["model", "replica", "outcome"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "llmgw_router_prompt_tokens",
+            "Prompt tokens of the replies that said what they reused from the engine's "
+            "cache, by the replica that answered",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "llmgw_router_prompt_tokens_cached",
+            "Of those, the tokens the engine said it reused from its cache",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.estimated_tokens = Counter(
+            "llmgw_router_prompt_tokens_estimated",
+            "Of those, the tokens the router estimated the replica held before it sent them",
+            ["model", "replica"],
+            registry=r,
+        )
+        self.evicted = Counter(
+            "llmgw_router_prefix_evicted",
+            "Replies that reused much less of the prompt than the router estimated the "
+            "replica held: it had evicted it (the router then remembers less of it)",
+            ["model", "replica"],
+            registry=r,
+        )
+
         self.panic = Gauge(
             "llmgw_router_panic",
             "1 while every replica of the model is refused by its breaker and requests "
@@ -177,7 +229,15 @@ class RouterMetrics:
         """Replicas that left the routing table: their series go too (a fleet that
         replaces replicas for months would otherwise keep every one it ever had)."""
         for replica in replicas:
-            for counter in (self.requests, self.upstream_errors):
+            for counter in (
+                self.requests,
+                self.upstream_errors,
+                self.affinity,
+                self.prompt_tokens,
+                self.cached_tokens,
+                self.estimated_tokens,
+                self.evicted,
+            ):
                 counter.remove_by_labels({"replica": replica})
 
     def watch(self, endpoints: Callable[[], Iterable[Endpoint]]) -> None:

@@ -25,6 +25,13 @@ replica whose engine has a key of its own gets that one. An engine that
 refuses it (401) has failed, as one that answers 502 has, and the request
 may go to another replica: the client's key was good.
 
+A chat or a completion of a model that routes by affinity has its prompt read
+first (``prefix.prompt_key``): the balancer then prefers the replica holding the
+most of it, within a load bound (``affinity``), and the prompt is recorded in the
+index of the replica it is sent to. What the engine says it reused (a reply's
+``timings`` or ``usage``) is noted on the record, which checks the index's
+estimate against it.
+
 When every replica's breaker refuses, the balancer picks the least bad one
 (panic); the model's entering and leaving panic is logged once each, and
 counted in ``llmgw_router_panic`` and ``llmgw_router_panic_routed``.
@@ -54,6 +61,7 @@ import logging
 import msgspec
 import trio
 
+from llmgw.engines.base import prompt_reuse
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
 from llmgw.router import attempt, poison, resume
@@ -61,6 +69,7 @@ from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
+from llmgw.router.prefix import prompt_key
 from llmgw.router.record import Record
 from llmgw.router.relay import Continuation, Relay
 from llmgw.router.render import Refused, render, said
@@ -168,13 +177,22 @@ class Proxy:
         chat = _STREAMED.get(request.path)
         if stream and chat is not None:
             plan = resume.plan(request.body, chat) if self.resume_streams else _OFF
+        mode = self.table.affinity.get(model, "off")
+        key = None
+        if chat is not None and mode != "off":
+            key = prompt_key(request.body, mode, request.headers.get("x-session-id"))
         failed: _Failed | None = None
         held: Endpoint | None = None  # where ``failed``, a suspect fault, waits to be settled
         attempts = 0
         while True:
             now = trio.current_time()
             choice = choose(
-                endpoints, now, admission=admission, exclude=frozenset(tried), model=model
+                endpoints,
+                now,
+                admission=admission,
+                exclude=frozenset(tried),
+                model=model,
+                key=key,
             )
             ep = choice.endpoint
             if ep is None:
@@ -201,6 +219,10 @@ class Proxy:
                 self._calm(model, record)
             attempts += 1
             tried.add(ep.key)
+            if key is not None and choice.affinity is not None:
+                record.affinity(ep.key, ep.prefix, key, choice.affinity, first=attempts == 1)
+                if key.blocks:
+                    ep.prefix.record(key.blocks)
             lease = Lease(ep, now)
             try:
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
@@ -352,6 +374,9 @@ class Proxy:
             return _fault(lease, record, exc, started=True)
         lease.finish(trio.current_time(), judged.outcome)
         record.tokens = _completion_tokens(data)
+        reuse = prompt_reuse(data)
+        if reuse is not None:
+            record.reused(*reuse)
         return Response(status, out_headers, data)
 
     async def carry_on(

@@ -30,9 +30,11 @@ from typing import Literal
 
 from llmgw.addr import join_hostport
 from llmgw.http import Request, printable
+from llmgw.router.affinity import Pick
 from llmgw.router.breaker import Outcome
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.poison import Crashes
+from llmgw.router.prefix import PrefixIndex, PromptKey, Reading
 
 access_log = logging.getLogger("llmgw.router.access")
 
@@ -52,11 +54,14 @@ class Record:
 
     __slots__ = (
         "arrived",
+        "cached",
         "crashes",
         "done",
+        "estimate",
         "key",
         "metrics",
         "model",
+        "prompt_tokens",
         "replica",
         "request",
         "started",
@@ -79,6 +84,13 @@ class Record:
         self.tokens = 0
         self.done = False
         self.crashes: Crashes | None = None  # the engine deaths it was in flight at
+        # what the engine said it reused of the prompt, and the prompt's tokens (None:
+        # it did not say)
+        self.cached: int | None = None
+        self.prompt_tokens = 0
+        # the replica last sent the request, its index, the prompt's key and the blocks
+        # the index said it held: what the engine's word is checked against
+        self.estimate: tuple[str, PrefixIndex, PromptKey, int] | None = None
 
     def died(self, replica: str, *, answered: bool, alone: bool) -> bool:
         """``replica``'s engine died with the request in flight on it (see
@@ -111,6 +123,38 @@ class Record:
     def shed(self) -> None:
         """Every replica was above its admission thresholds: the answer is a 429."""
         self.metrics.sheds.labels(self.model).inc()
+
+    def affinity(
+        self, replica: str, index: PrefixIndex, key: PromptKey, pick: Pick, *, first: bool
+    ) -> None:
+        """The request goes to ``replica`` as affinity chose (``pick``), its prompt
+        recorded in that replica's ``index``; ``first``: its first attempt (a retry's
+        choice, among the replicas it has not tried, is not counted again)."""
+        if first:
+            preferred = pick.preferred
+            outcome = "overruled" if pick.overruled else "kept"
+            self.metrics.affinity.labels(self.model, preferred.key, outcome).inc()
+            preferred.prefix.preferred += 1
+            if pick.overruled:
+                preferred.prefix.overruled += 1
+        self.estimate = (replica, index, key, pick.held)
+
+    def reused(self, cached: int, prompt: int) -> None:
+        """The engine said it reused ``cached`` of the prompt's ``prompt`` tokens."""
+        self.cached, self.prompt_tokens = cached, prompt
+        replica = self.replica
+        m = self.metrics
+        m.prompt_tokens.labels(self.model, replica).inc(prompt)
+        m.cached_tokens.labels(self.model, replica).inc(cached)
+        estimate = self.estimate
+        if estimate is None or estimate[0] != replica:
+            return
+        _, index, key, held = estimate
+        evicted = index.evicted
+        tokens = index.observe(held, len(key.blocks), Reading(cached, prompt), key.size)
+        m.estimated_tokens.labels(self.model, replica).inc(tokens)
+        if index.evicted != evicted:
+            m.evicted.labels(self.model, replica).inc()
 
     def resumed(self, gap: float) -> None:
         """A broken stream went on from another replica; the client waited ``gap``."""
@@ -162,8 +206,10 @@ class Record:
         request = self.request
         client = join_hostport(*request.client)
         ttft = "-" if self.ttft is None else f"{self.ttft:.3f}s"
+        cached = "-" if self.cached is None else f"{self.cached}/{self.prompt_tokens}"
         access_log.info(
-            "%s %s %s status=%d key=%s model=%s replica=%s time=%.3fs ttft=%s tokens=%d end=%s",
+            "%s %s %s status=%d key=%s model=%s replica=%s time=%.3fs ttft=%s tokens=%d "
+            "cached=%s end=%s",
             client,
             request.method,
             printable(request.path, field=True),
@@ -174,5 +220,6 @@ class Record:
             now - self.arrived,
             ttft,
             self.tokens,
+            cached,
             ended,
         )

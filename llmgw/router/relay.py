@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import trio
 
+from llmgw.engines.base import REUSE_MARKERS, prompt_reuse
 from llmgw.http.client import UpstreamError, UpstreamReset, UpstreamResponse
 from llmgw.router import attempt
 from llmgw.router.attempt import Lease
@@ -49,6 +50,7 @@ _USAGE = b'"completion_tokens"'
 _TEXT, _EMPTY_TEXT = b'content":"', b'content":""'  # chat: content, reasoning_content
 _COMPLETION_TEXT, _EMPTY_COMPLETION = b'"text":"', b'"text":""'
 _DONE = b"data: [DONE]"
+_TIMINGS, _CACHED = REUSE_MARKERS
 _END = b"\n\n"
 
 # A continuation of a broken stream: the new replica's response and its lease, the
@@ -169,8 +171,19 @@ class Relay:
             self._text_events += chunk.count(_COMPLETION_TEXT) - chunk.count(_EMPTY_COMPLETION)
         elif _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
             self._usage = int(found[1])  # a usage event carries no text
+        # what the engine reused: llama.cpp's last event (which may come in one read with
+        # the last token's), or a usage event (no text)
+        if _TIMINGS in chunk or (not n and _CACHED in chunk):
+            self._reuse(chunk)
         if _DONE in chunk[-16:]:  # the last event: done on the replica
             self._lease.finish(trio.current_time(), self._outcome)
+
+    def _reuse(self, data: bytes) -> None:
+        """Note what the engine said it reused of the prompt, when ``data`` says it."""
+        if _TIMINGS in data or _CACHED in data:
+            found = prompt_reuse(data)
+            if found is not None:
+                self._record.reused(*found)
 
     async def _next_events(self) -> bytes:
         """The events ready for the client, read from upstream (and its successors)."""
@@ -218,6 +231,8 @@ class Relay:
                 self._lease.finish(now, self._outcome)  # done on the replica
                 self._out.append(_DONE + _END)
                 continue
+            if not self._translating:
+                self._reuse(event)
             try:
                 shown = (
                     transcript.translate(event) if self._translating else transcript.observe(event)

@@ -32,6 +32,7 @@ from llmgw.engines import adapters
 from llmgw.engines.base import EngineAdapter
 from llmgw.engines.load import read_load
 from llmgw.router.balancer import Admission, Endpoint, note_heard, note_progress, silent, wedged
+from llmgw.router.prefix import MODES, ROUTER_BLOCKS, Mode, blocks_for
 from llmgw.routing import RouterKey, Snapshot, TrafficView, carried, kept_ready
 
 log = logging.getLogger("llmgw.router")
@@ -72,6 +73,9 @@ class RoutingTable:
         self.carried: frozenset[str] = frozenset()  # routes kept that the snapshot lacks
         self.endpoints: dict[str, list[Endpoint]] = {}
         self.admission: dict[str, Admission] = {}
+        # how each model's requests are read for affinity: "prefix" if a replica of it
+        # routes by prefix, else "session" if one does by session, else "off"
+        self.affinity: dict[str, Mode] = {}
         self._known: frozenset[str] = frozenset()
         self._by_key: dict[str, Endpoint] = {}
         if initial is not None:
@@ -102,8 +106,15 @@ class RoutingTable:
             ep.engine_key = route.engine_key
             ep.engine = route.engine
             ep.node = route.node
+            ep.affinity = _mode(route.affinity)
+            ep.affinity_bound = max(1.0, route.affinity_bound)
             table.setdefault(route.model, []).append(ep)
             seen.add(route.key)
+        # each replica's index is bounded by what it holds, and all of them by the
+        # router's budget (``llmgw_router_prefix_index_bytes``)
+        share = ROUTER_BLOCKS // max(1, len(snap.routes))
+        for route in snap.routes:
+            self._by_key[route.key].prefix.resize(min(share, blocks_for(route.cache_tokens)))
         held = [ep for eps in self.endpoints.values() for ep in eps]
         keep = carried(snap, ((ep.key, ep.model, ep.node) for ep in held))
         for ep in held:
@@ -120,6 +131,7 @@ class RoutingTable:
             m: Admission(target_waiting=r.target_waiting, kv_ceiling=r.kv_ceiling)
             for m, r in snap.models.items()
         }
+        self.affinity = {m: _strongest(eps) for m, eps in table.items()}
         self._known = frozenset(snap.models)
         self.endpoints = table
         self.version = snap.version
@@ -211,6 +223,20 @@ class RoutingTable:
         return frozenset(ep.key for ep in self._by_key.values() if ep.wedged)
 
 
+def _mode(said: str) -> Mode:
+    """A route's affinity; one this router does not know (a newer control plane's) is
+    taken for "prefix", the default."""
+    for mode in MODES:
+        if said == mode:
+            return mode
+    return "prefix"
+
+
+def _strongest(eps: list[Endpoint]) -> Mode:
+    modes = {ep.affinity for ep in eps}
+    return "prefix" if "prefix" in modes else "session" if "session" in modes else "off"
+
+
 async def _scrape(
     client: httpx.AsyncClient, ep: Endpoint, adapter: EngineAdapter, deadline: float
 ) -> None:
@@ -234,7 +260,18 @@ def engine_auth(ep: Endpoint) -> dict[str, str]:
 
 def traffic_view(ep: Endpoint, now: float) -> TrafficView:
     load = ep.load
+    seen = ep.prefix
+    engine_rate = None
+    if load is not None and load.cache_hits is not None and load.cache_queries:
+        engine_rate = load.cache_hits / load.cache_queries  # the engine's own, all routers'
+    elif seen.prompt_tokens:
+        engine_rate = seen.cached_tokens / seen.prompt_tokens  # its replies to this router
     return TrafficView(
+        cache_hit_rate=engine_rate,
+        estimated_hit_rate=seen.estimated_tokens / seen.prompt_tokens
+        if seen.prompt_tokens
+        else None,
+        affinity_overruled=seen.overruled / seen.preferred if seen.preferred else None,
         in_flight=ep.in_flight,
         breaker=ep.breaker.state.value,
         waiting=load.waiting if load else None,

@@ -93,3 +93,17 @@ def test_bench_reload_runs() -> None:
     text = run_tool("tools/bench_reload.py", "--mib=0.1,4.5", "--after=0.5")
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0.1"], ["4.5"])]
     assert [r[3] for r in rows] == ["200", "400"], text
+
+
+@needs_server
+def test_bench_goodput_runs_every_workload_and_policy() -> None:
+    text = run_tool("tools/bench_goodput.py", "--quick", timeout=300)
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (
+        ["multiturn"], ["shared"], ["unique"])]  # fmt: skip
+    assert [(r[0], r[1]) for r in rows] == [
+        (w, p) for w in ("multiturn", "shared", "unique") for p in ("rr", "load", "prefix")
+    ], text
+    answered = [r[2].split("/") for r in rows]  # every request answered: "ok/requests"
+    assert all(ok == total for ok, total in answered), text
+    assert "goal: unique: TTFT p95 within 5% of load-only:" in text
+    assert "choice: shared: by load" in text

@@ -394,3 +394,32 @@ def test_a_profile_weighs_its_replicas_apart_over_its_models_routing() -> None:
         ConfigError, match=r"models\.m\.profiles\[h200\]\.routing\.weight: must be greater than 0"
     ):
         parse(TWO_PROFILES.replace("weight = 8.0", "weight = 0.0"))
+
+
+def test_affinity_and_its_load_bound_by_model_and_by_profile() -> None:
+    from llmgw.controlplane.catalog import routing_for
+
+    text = TWO_PROFILES.replace(
+        "target_waiting = 4\n", 'target_waiting = 4\naffinity = "session"\n'
+    )
+    text = text.replace("weight = 8.0\n", 'weight = 8.0\naffinity = "off"\naffinity_bound = 2.0\n')
+    model = parse(text).models["m"]
+    assert (routing_for(model, "h200").affinity, routing_for(model, "h200").affinity_bound) == (
+        "off",
+        2.0,
+    )
+    assert (routing_for(model, "cpu").affinity, routing_for(model, "cpu").affinity_bound) == (
+        "session",
+        1.5,
+    )
+    assert parse(TWO_PROFILES).models["m"].routing.affinity == "prefix"  # the default
+    with pytest.raises(
+        ConfigError,
+        match=r"models\.m\.routing\.affinity: 'sticky' is not one of off, prefix, session",
+    ):
+        parse(text.replace('affinity = "session"', 'affinity = "sticky"'))
+    with pytest.raises(
+        ConfigError,
+        match=r"models\.m\.profiles\[h200\]\.routing\.affinity_bound: must be at least 1, got 0.5",
+    ):
+        parse(text.replace("affinity_bound = 2.0", "affinity_bound = 0.5"))

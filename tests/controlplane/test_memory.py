@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from llmgw.controlplane.catalog import Model, Profile
-from llmgw.controlplane.memory import GIB, MIB, Needs, need
+from llmgw.controlplane.memory import GIB, MIB, Needs, cache_tokens, need
 from llmgw.protocol.messages import Inventory, ShardSpec, WeightCopy
 
 # an 8B model at Q4: 4.6 GiB, 32 layers x 8 KV heads x 128 per token for K and for V
@@ -46,6 +46,9 @@ def test_a_cpu_llama_holds_weights_kv_and_the_default_prompt_cache_on_the_host()
 
 
 def test_cache_flags_and_environment_are_read_as_llama_server_reads_them() -> None:
+    """The prompt cache is the profile's cache_ram_mib, which the adapter writes on the
+    command line (so the environment no longer sets it); a shard placed with
+    --cache-ram in its arguments, before the setting, is counted by those."""
     p = llama(
         settings={"context": 4096},
         engine_args=["-ctk", "q8_0", "--cache-type-v=q4_0", "--cache-ram", "1024"],
@@ -54,10 +57,20 @@ def test_cache_flags_and_environment_are_read_as_llama_server_reads_them() -> No
     n = need(p, LLAMA_8B)
     kv = 4096 * 32 * 8 * 128 * (34 / 32 + 18 / 32)
     assert n.host == int(int(4.6 * GIB) + kv + 1024 * MIB)
-    off = need(llama(env={"LLAMA_ARG_CACHE_RAM": "0"}), LLAMA_8B)
+    off = need(llama(settings={"cache_ram_mib": 0}), LLAMA_8B)
     assert "prompt cache" not in off.words
-    unbounded = need(llama(engine_args=["-cram", "-1"]), LLAMA_8B)
+    said = need(llama(settings={"cache_ram_mib": 512}, env={"LLAMA_ARG_CACHE_RAM": "0"}), LLAMA_8B)
+    assert said.host == int(4.6 * GIB) + 4096 * KV_PER_TOKEN_F16 + 512 * MIB
+    unbounded = need(llama(settings={"cache_ram_mib": -1}), LLAMA_8B)
     assert "not counted: the prompt cache (--cache-ram -1: no limit)" in unbounded.words
+
+
+def test_what_a_replica_can_keep_of_prompts_sizes_the_routers_index() -> None:
+    """Its context (the slots) and what its prompt cache holds, in tokens."""
+    p = llama(settings={"context": 4096, "cache_ram_mib": 1024})
+    assert cache_tokens(p, LLAMA_8B) == 4096 + 1024 * MIB // KV_PER_TOKEN_F16
+    assert cache_tokens(p, None) is None  # its shape not reported
+    assert cache_tokens(llama(settings={"cache_ram_mib": -1}), LLAMA_8B) is None
 
 
 def test_offloaded_to_gpus_only_the_prompt_cache_is_host_memory() -> None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from llmgw.engines.base import LoadSignals
+from llmgw.engines.base import LoadSignals, prompt_reuse
 from llmgw.engines.llamacpp import LLAMA_CPP
 from llmgw.engines.load import read_load
 from llmgw.protocol.messages import ShardSpec
@@ -55,6 +55,9 @@ def test_command_line_from_a_cpu_profile(model: Path) -> None:
         "--alias", "tiny",
         "--metrics",
         "--slots",
+        "--cache-prompt",
+        "--cache-ram", "8192",
+        "--slot-prompt-similarity", "0.5",
         "--threads", "1",
         "--threads-batch", "1",
     ]  # fmt: skip
@@ -81,7 +84,7 @@ def test_an_embedding_profile_starts_the_server_for_embeddings(model: Path) -> N
     assert LLAMA_CPP.validate(pooled) == []
     assert LLAMA_CPP.launch(pooled, BIN).argv[-3:] == ["--embeddings", "--pooling", "mean"]
     own = spec(model, settings={"embeddings": True})
-    assert LLAMA_CPP.launch(own, BIN).argv[-2:] == ["--slots", "--embeddings"]
+    assert LLAMA_CPP.launch(own, BIN).argv[-2:] == ["0.5", "--embeddings"]
     plain = spec(model, settings={"embeddings": False})
     assert "--embeddings" not in LLAMA_CPP.launch(plain, BIN).argv
 
@@ -122,6 +125,15 @@ def test_a_good_spec_has_no_problems(model: Path) -> None:
             {"engine_args": ["--embeddings"]},
             "engine_args sets --embeddings, which comes from the profile's embeddings",
         ),
+        (
+            {"engine_args": ["--cache-ram", "0"]},
+            "engine_args sets --cache-ram, which comes from the profile's cache_ram_mib",
+        ),
+        ({"settings": {"cache_ram_mib": -2}}, "cache_ram_mib must be at least -1, got -2"),
+        (
+            {"settings": {"slot_prompt_similarity": 1.5}},
+            "slot_prompt_similarity must be in [0, 1], got 1.5",
+        ),
     ],
 )
 def test_refusals_name_the_problem(model: Path, kw: dict[str, object], problem: str) -> None:
@@ -153,9 +165,14 @@ def test_load_signals_from_llama_server_metrics() -> None:
         "# HELP llamacpp:n_decode_total Total number of llama_decode() calls\n"
         "# TYPE llamacpp:n_decode_total counter\n"
         "llamacpp:n_decode_total 1301\n"
+        "# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused.\n"
+        "# TYPE llamacpp:prompt_tokens_cached_total counter\n"
+        "llamacpp:prompt_tokens_cached_total 360\n"
     )
     load = LLAMA_CPP.parse_metrics(text)
     assert (load.running, load.waiting, load.kv_usage, load.progress) == (2.0, 5.0, None, 1301)
+    # prompt_tokens_total counts what it computed: looked up is both
+    assert (load.cache_hits, load.cache_queries) == (360.0, 480.0)
     assert LLAMA_CPP.parse_metrics("not prometheus {{{") == LLAMA_CPP.parse_metrics("")
 
 
@@ -231,3 +248,56 @@ async def test_a_running_llama_server_reads_as_filling_while_a_request_runs(
     assert 0 < max(filling) <= 3016 / 8192 + 1e-9
     assert filling == sorted(filling)  # it only grows while the request generates
     assert after is not None and (after.kv_usage, after.running) == (0.0, 0.0)
+
+
+@needs_server
+async def test_the_real_server_caches_prompts_and_says_what_each_reply_reused(
+    tmp_path: Path,
+) -> None:
+    """The adapter's command line, run for real: a prompt cache of the profile's size,
+    a second request that shares the first's long prefix computes only the rest, and
+    its reply (whole, and a stream's last chunk) and the metrics say so."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=4096)
+    port = free_port()
+    launch = LLAMA_CPP.launch(
+        spec(model, port=port, settings={"context": 4096, "threads": 1, "cache_ram_mib": 64}),
+        {"llama-server": str(LLAMA_SERVER)},
+    )
+    assert launch.argv[launch.argv.index("--cache-ram") + 1] == "64"
+    base = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "llama.log").open("wb")
+    proc = await trio.lowlevel.open_process(launch.argv, stdout=log, stderr=subprocess.STDOUT)
+    system = {"role": "system", "content": "Rules of the house. " * 60}
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            with trio.fail_after(60):
+                while True:
+                    try:
+                        if (await client.get(base + "/health")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await trio.sleep(0.05)
+
+            async def ask(question: str, stream: bool = False) -> bytes:
+                body = {"messages": [system, {"role": "user", "content": question}],
+                        "max_tokens": 4, "stream": stream}  # fmt: skip
+                r = await client.post(base + "/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                return r.content
+
+            first = prompt_reuse(await ask("What is the first rule?"))
+            assert first is not None and first[0] == 0 and first[1] > 200
+            second = prompt_reuse(await ask("And the second?"))
+            assert second is not None and second[0] > 0.8 * first[1], (first, second)
+            streamed = (await ask("And the third?", stream=True)).split(b"\n\n")
+            last = next(e for e in reversed(streamed) if b"timings" in e)
+            reused = prompt_reuse(last)
+            assert reused is not None and reused[0] > 0.8 * first[1]
+            load = LLAMA_CPP.parse_metrics((await client.get(base + "/metrics")).text)
+            assert load.cache_hits == second[0] + reused[0]
+            assert load.cache_queries == first[1] + second[1] + reused[1]
+    finally:
+        proc.kill()
+        with trio.CancelScope(shield=True):
+            await proc.wait()

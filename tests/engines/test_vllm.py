@@ -80,6 +80,8 @@ def test_single_node_argv_defaults() -> None:
         "0.9",
         "--served-model-name",
         "Qwen/Qwen3-8B",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
     ]
     assert launch.health_url == "http://127.0.0.1:8001/health"
     assert launch.metrics_url == "http://127.0.0.1:8001/metrics"
@@ -110,7 +112,7 @@ def test_single_node_argv_with_everything() -> None:
             "max_model_len": 32768,
             "served_model_name": "qwen",
         },
-        engine_args=["--enable-prefix-caching", "--max-num-seqs", "128"],
+        engine_args=["--enforce-eager", "--max-num-seqs", "128"],
     )
     assert VLLM.validate(s) == []
     assert VLLM.launch(s, BIN).argv == [
@@ -133,9 +135,32 @@ def test_single_node_argv_with_everything() -> None:
         "Qwen/Qwen3-8B",  # the catalog's name, which the router forwards, first
         "qwen",
         "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--enforce-eager",
         "--max-num-seqs",
         "128",
     ]
+
+
+def test_prefix_caching_is_on_and_says_what_each_reply_reused() -> None:
+    """The router routes by what replicas hold: vLLM's prefix caching is on, and its
+    replies say what they reused; a profile can turn it off, not fight it in engine_args."""
+    on = VLLM.launch(spec(), BIN).argv
+    assert "--enable-prefix-caching" in on and "--enable-prompt-tokens-details" in on
+    off = VLLM.launch(spec(settings={"prefix_caching": False}), BIN).argv
+    assert off[-1] == "--no-enable-prefix-caching" and "--enable-prefix-caching" not in off
+    assert VLLM.validate(spec(engine_args=["--no-enable-prefix-caching"])) == [
+        "engine_args sets --no-enable-prefix-caching, which comes from the profile's "
+        "prefix_caching setting"
+    ]
+    assert VLLM.validate(spec(settings={"prefix_caching": "yes"})) == [
+        "prefix_caching must be true or false, got 'yes'"
+    ]
+    signals = VLLM.parse_metrics(
+        'vllm:prefix_cache_queries_total{model_name="m"} 1200.0\n'
+        'vllm:prefix_cache_hits_total{model_name="m"} 900.0\n'
+    )
+    assert (signals.cache_hits, signals.cache_queries) == (900.0, 1200.0)
 
 
 def test_env_pins_the_gpus_and_adds_the_profiles_env() -> None:
@@ -422,6 +447,8 @@ def test_rank_0_starts_the_ray_head_then_execs_vllm() -> None:
         "8192",
         "--served-model-name",
         "Qwen/Qwen3-8B",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
         "--distributed-executor-backend",
         "ray",
         "--enforce-eager",
@@ -615,7 +642,9 @@ async def test_single_node_end_to_end(tmp_path: Path) -> None:
         models = (await client.get(launch.health_url.replace("/health", "/v1/models"))).json()
         assert [m["id"] for m in models["data"]] == [s.model, "qwen"]
         signals = VLLM.parse_metrics((await client.get(launch.metrics_url)).text)
-        assert signals == LoadSignals(waiting=0.0, running=0.0, kv_usage=0.0, progress=0.0)
+        assert signals == LoadSignals(
+            waiting=0.0, running=0.0, kv_usage=0.0, progress=0.0, cache_hits=0.0, cache_queries=0.0
+        )
 
         base = launch.health_url.removesuffix("/health")
         chat = {"model": "qwen", "messages": [{"role": "user", "content": "hi there"}]}
@@ -627,6 +656,13 @@ async def test_single_node_end_to_end(tmp_path: Path) -> None:
         # the catalog's name, as the router forwards it, is answered too
         routed = await client.post(f"{base}/v1/chat/completions", json={**chat, "model": s.model})
         assert routed.status_code == 200
+        # prefix caching is on and each reply says what it reused (the prompt's one
+        # whole block of 16 ids, the second time), as do the metrics
+        assert reply["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        usage = routed.json()["usage"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 16}
+        after = VLLM.parse_metrics((await client.get(launch.metrics_url)).text)
+        assert after.cache_hits == 16 and after.cache_queries == 2 * usage["prompt_tokens"]
 
         # a streaming request in flight shows in num_requests_running
         async with client.stream(

@@ -50,7 +50,7 @@ def test_a_record_ends_once_with_one_line_and_one_latency(
     record.left(14.0)
     assert lines(caplog) == [
         "10.0.0.9:4242 POST /v1/chat/completions status=200 key=k model=m replica=r1 "
-        "time=2.500s ttft=0.500s tokens=7 end=ok"
+        "time=2.500s ttft=0.500s tokens=7 cached=- end=ok"
     ]
     assert count(m, "200") == 1
     assert latencies(m) == 2.0
@@ -83,7 +83,10 @@ def test_a_client_that_left_before_a_response_is_a_499_without_latency(
     assert count(m, "499", replica="-") == 1
     assert latencies(m) == 0
     [line] = lines(caplog)
-    assert "status=499 key=k model=m replica=- time=1.000s ttft=- tokens=0 end=client left" in line
+    assert (
+        "status=499 key=k model=m replica=- time=1.000s ttft=- tokens=0 cached=- end=client left"
+        in line
+    )
 
 
 def test_a_request_never_routed_is_logged_but_not_counted(

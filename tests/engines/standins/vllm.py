@@ -62,6 +62,17 @@ so the gateway's resuming can be tested without a GPU.
 - ``usage.prompt_tokens`` counts the prompt's ids; with ``stream_options:
   {"include_usage": true}`` a stream ends with a chunk with no choices and the
   usage, before ``[DONE]``, as vLLM's does.
+
+Prefix caching, as vLLM's automatic prefix caching counts it: prompts are cut into
+blocks of 16 ids, each block known by its ids and all before it; a request reuses
+its leading blocks that are held (at most all but its last id, which vLLM always
+computes), then holds all of its full blocks, the least recently used dropped past
+``STANDIN_PREFIX_BLOCKS`` (default 4096). ``--enable-prefix-caching`` (on by
+default, as in vLLM V1; ``--no-enable-prefix-caching`` off), the counters
+``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` (prompt tokens looked
+up, and found), ``--enable-prompt-tokens-details`` (``usage.prompt_tokens_details.
+cached_tokens``) and ``POST /reset_prefix_cache`` (which vLLM serves in its dev
+mode) are as vLLM's.
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NoReturn
@@ -125,7 +137,42 @@ def parse(argv: list[str]) -> argparse.Namespace:
     serve.add_argument("--dtype", default="auto")
     serve.add_argument("--max-num-seqs", type=int, default=256)
     serve.add_argument("--enforce-eager", action="store_true")
+    serve.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true")
     return parser.parse_args(argv)
+
+
+BLOCK = 16  # vLLM's default block size, in tokens
+
+
+class PrefixCache:
+    """Blocks of prompt ids held, least recently used first (see the module docstring)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    def lookup(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` reused; its full blocks are held from now on."""
+        keys = [tuple(prompt[:end]) for end in range(BLOCK, len(prompt) + 1, BLOCK)]
+        found = 0
+        for key in keys:
+            if key not in self.blocks:
+                break
+            found += 1
+        cached = min(found * BLOCK, max(0, len(prompt) - 1))
+        for key in reversed(keys):
+            self.blocks[key] = None
+            self.blocks.move_to_end(key)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        self.queries += len(prompt)
+        self.hits += cached
+        return cached
 
 
 def ray_gpus() -> int | None:
@@ -271,9 +318,13 @@ def max_tokens(body: dict[str, Any]) -> int | None:
 
 
 class State:
-    def __init__(self, names: list[str], max_len: int | None) -> None:
+    def __init__(
+        self, names: list[str], max_len: int | None, caching: bool = True, details: bool = False
+    ) -> None:
         self.names = names
         self.max_len = max_len
+        self.cache = PrefixCache(int(env_float("STANDIN_PREFIX_BLOCKS", 4096))) if caching else None
+        self.details = details  # --enable-prompt-tokens-details
         self.running = 0
         self.served = 0
         self.generated = 0
@@ -315,6 +366,19 @@ class State:
             "# TYPE vllm:request_success_total counter",
             f'vllm:request_success_total{{finished_reason="stop",model_name="{self.names[0]}"}} {float(served)}',
         ]
+        if self.cache is not None:
+            with self.lock:
+                queries, hits = self.cache.queries, self.cache.hits
+            lines += [
+                "# HELP vllm:prefix_cache_queries Prefix cache queries, in terms of number of "
+                "queried tokens.",
+                "# TYPE vllm:prefix_cache_queries counter",
+                f"vllm:prefix_cache_queries_total{label} {float(queries)}",
+                "# HELP vllm:prefix_cache_hits Prefix cache hits, in terms of number of "
+                "cached tokens.",
+                "# TYPE vllm:prefix_cache_hits counter",
+                f"vllm:prefix_cache_hits_total{label} {float(hits)}",
+            ]
         return ("\n".join(lines) + "\n").encode()
 
 
@@ -374,6 +438,12 @@ class Handler(BaseHTTPRequestHandler):
         state = self.server.state
         if self.refused():
             return
+        if self.path == "/reset_prefix_cache":
+            if state.cache is not None:
+                with state.lock:
+                    state.cache.blocks.clear()
+            self.reply(200, b"")
+            return
         if self.path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
             self.json(404, {"detail": "Not Found"})
             return
@@ -428,6 +498,11 @@ class Handler(BaseHTTPRequestHandler):
             raise BadRequest("prompt must be text or a list of token ids")
         ids, finish = generate(prompt, max_tokens(body))
         reply = Reply(chat, model, prompt, bool(body.get("return_token_ids")))
+        if state.cache is not None:
+            with state.lock:
+                cached = state.cache.lookup(prompt)
+            if state.details:
+                reply.cached = cached
         options = body.get("stream_options")
         usage = isinstance(options, dict) and bool(options.get("include_usage"))
         with state.lock:
@@ -483,6 +558,7 @@ class Reply:
         self.model = model
         self.prompt = prompt
         self.with_ids = with_ids  # return_token_ids
+        self.cached: int | None = None  # reused from the prefix cache, when told
 
     def head(self, obj: str) -> dict[str, object]:
         return {
@@ -492,9 +568,16 @@ class Reply:
             "model": self.model,
         }
 
-    def usage(self, generated: int) -> dict[str, int]:
+    def usage(self, generated: int) -> dict[str, object]:
         n = len(self.prompt)
-        return {"prompt_tokens": n, "completion_tokens": generated, "total_tokens": n + generated}
+        usage: dict[str, object] = {
+            "prompt_tokens": n,
+            "total_tokens": n + generated,
+            "completion_tokens": generated,
+        }
+        if self.cached is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached}
+        return usage
 
     def completion(self, ids: list[int], finish: str) -> dict[str, object]:
         text = detokenize(ids)
@@ -565,7 +648,12 @@ def main(argv: list[str]) -> None:
         server = Server((host, args.port), Handler)
     except OSError as exc:
         fail(f"cannot listen on {args.host}:{args.port}: {exc.strerror}")
-    server.state = State(args.served_model_name or [args.model], args.max_model_len)
+    server.state = State(
+        args.served_model_name or [args.model],
+        args.max_model_len,
+        caching=args.enable_prefix_caching,
+        details=args.enable_prompt_tokens_details,
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     say(f"serving {server.state.names} on {args.host}:{args.port}")
     needed = args.tensor_parallel_size * args.pipeline_parallel_size

@@ -1,0 +1,512 @@
+"""Affinity: what a prompt is read as, what a replica is known to hold, and who takes it.
+
+The choice's invariants, without a network: a conversation's turns go to one
+replica while it is within its load bound and move when it is not; two routers
+that share nothing (one warm, one cold) make the same first choice; a session hint
+pulls a user's requests together; an engine's reading that contradicts the index
+shrinks it; and with affinity off the choice is exactly the balancer's before
+affinity existed (a property test against a frozen copy of it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmgw.engines.base import LoadSignals
+from llmgw.router.balancer import (
+    Admission,
+    Choice,
+    Endpoint,
+    _breaker_refuses,
+    _describe,
+    _least_bad,
+    _why_not,
+    above_thresholds,
+    choose,
+    fresh_load,
+    score,
+)
+from llmgw.router.breaker import Breaker, BreakerState
+from llmgw.router.prefix import (
+    ANCHOR_BYTES,
+    BLOCK_BYTES,
+    MIN_BLOCKS,
+    PrefixIndex,
+    PromptKey,
+    Reading,
+    chain,
+    prompt_key,
+)
+
+NOW = 1000.0
+OPEN = Admission()
+SYSTEM = {"role": "system", "content": "You answer questions about the documents you are given."}
+
+
+def ep(key: str, **kw: object) -> Endpoint:
+    return Endpoint(key=key, model="m", url=f"http://{key}:8000", **kw)  # type: ignore[arg-type]
+
+
+def fleet(n: int = 4) -> list[Endpoint]:
+    return [ep(f"r{i}") for i in range(n)]
+
+
+def body(messages: list[dict[str, str]], **more: object) -> bytes:
+    return msgspec.json.encode({"model": "m", "messages": messages, **more})
+
+
+def conversation(seed: int, turns: int, doc_bytes: int = 3000) -> list[list[dict[str, str]]]:
+    """The message lists of a conversation's turns: its own long document first."""
+    rng = random.Random(seed)
+    doc = " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(doc_bytes // 6))
+    messages = [SYSTEM, {"role": "user", "content": f"Document {seed}: {doc}\nSummarise it."}]
+    out = [list(messages)]
+    for t in range(1, turns):
+        messages += [
+            {"role": "assistant", "content": f"Answer {t} of conversation {seed}."},
+            {"role": "user", "content": f"Question {t}: and then?"},
+        ]
+        out.append(list(messages))
+    return out
+
+
+def send(endpoints: list[Endpoint], key: PromptKey, **kw: object) -> Choice:
+    """Choose as the proxy does, and record the prompt where it went."""
+    choice = choose(endpoints, NOW, admission=OPEN, key=key, **kw)  # type: ignore[arg-type]
+    assert choice.endpoint is not None
+    choice.endpoint.prefix.record(key.blocks)
+    return choice
+
+
+# --- what a prompt is read as ----------------------------------------------------------
+
+
+def test_a_conversations_turns_share_their_leading_blocks_and_their_anchor() -> None:
+    turns = [prompt_key(body(m), "prefix") for m in conversation(1, 4)]
+    assert all(k is not None for k in turns)
+    keys = [k for k in turns if k is not None]
+    assert len({k.anchor for k in keys}) == 1 and len({k.spill for k in keys}) == 1
+    for earlier, later in itertools.pairwise(keys):
+        assert later.blocks[: len(earlier.blocks)] == earlier.blocks
+        assert len(later.blocks) >= len(earlier.blocks)
+    assert keys[0].turn_blocks == len(keys[0].blocks)  # its first turn is all of it
+    other = prompt_key(body(conversation(2, 1)[0]), "prefix")
+    assert other is not None and other.anchor != keys[0].anchor
+    # the shared system prompt is shorter than a block: no leading block in common
+    assert other.blocks[0] != keys[0].blocks[0]
+
+
+def test_the_key_is_what_the_client_said_not_how_its_json_was_written() -> None:
+    messages = conversation(3, 2)[1]
+    compact = body(messages)
+    spaced = b'{"messages": ' + msgspec.json.encode(messages).replace(b'","', b'", "') + b"}"
+    reordered = msgspec.json.encode(
+        {
+            "stream": True,
+            "messages": [{"content": m["content"], "role": m["role"]} for m in messages],
+        }
+    )
+    keys = {prompt_key(b, "prefix") for b in (compact, spaced, reordered)}
+    assert len(keys) == 1
+
+
+def test_a_long_shared_system_prompt_is_the_anchor_of_everyone_behind_it() -> None:
+    system = {"role": "system", "content": "Rules. " * (ANCHOR_BYTES // 6)}
+    a = prompt_key(body([system, {"role": "user", "content": "What is 2+2?"}]), "prefix")
+    b = prompt_key(body([system, {"role": "user", "content": "Name a colour."}]), "prefix")
+    assert a is not None and b is not None
+    assert a.anchor == b.anchor  # grouped by the system prompt
+    assert a.spill != b.spill  # but each first turn spills its own way
+
+
+def test_session_hints_and_modes() -> None:
+    one = body(conversation(4, 1)[0], user="alice")
+    two = body(conversation(5, 1)[0], user="alice")
+    a, b = prompt_key(one, "prefix"), prompt_key(two, "prefix")
+    assert a is not None and b is not None and a.session and a.anchor == b.anchor
+    assert a.blocks != b.blocks  # still read, for what each replica holds
+    header = prompt_key(two, "prefix", session="s-1")
+    assert header is not None and header.anchor != b.anchor  # the header wins over user
+    only = prompt_key(one, "session")
+    assert only is not None and only.blocks == () and only.anchor == a.anchor
+    assert prompt_key(body(conversation(4, 1)[0]), "session") is None  # no hint, no key
+    assert prompt_key(one, "off") is None
+    assert prompt_key(b"{not json", "prefix") is None
+    assert prompt_key(msgspec.json.encode({"model": "m", "input": "x"}), "prefix") is None
+
+
+def test_completion_prompts_text_and_token_ids() -> None:
+    text = "A" * 3000
+    a = prompt_key(msgspec.json.encode({"prompt": text}), "prefix")
+    b = prompt_key(msgspec.json.encode({"prompt": text + " and more"}), "prefix")
+    c = prompt_key(msgspec.json.encode({"prompt": text + "B" * ANCHOR_BYTES}), "prefix")
+    assert a is not None and b is not None and c is not None
+    assert b.blocks[: len(a.blocks)] == a.blocks and a.anchor == b.anchor
+    assert c.blocks[: len(a.blocks)] == a.blocks and c.turn_blocks == ANCHOR_BYTES // BLOCK_BYTES
+    ids = prompt_key(msgspec.json.encode({"prompt": list(range(2000))}), "prefix")
+    assert ids is not None and len(ids.blocks) > 1
+
+
+def test_blocks_are_keyed_by_everything_before_them() -> None:
+    one = chain(b"x" * BLOCK_BYTES + b"y" * BLOCK_BYTES)
+    two = chain(b"z" * BLOCK_BYTES + b"y" * BLOCK_BYTES)
+    assert one[1] != two[1]  # the same second block after another first one
+    assert len(chain(b"x" * (BLOCK_BYTES - 1))) == 0
+
+
+# --- what a replica is known to hold ---------------------------------------------------
+
+
+def test_the_index_evicts_tails_before_heads_and_stays_bounded() -> None:
+    index = PrefixIndex(limit=10, capacity=10)
+    first = tuple(range(8))
+    index.record(first)
+    index.record(tuple(range(100, 104)))  # 12 in all: 2 of ``first`` must go, its tail
+    assert len(index) == 10
+    assert index.held(first) == 6
+
+
+def test_an_engine_that_reused_less_than_estimated_shrinks_the_index() -> None:
+    index = PrefixIndex()
+    for i in range(400):
+        index.record(tuple(range(i * 10, i * 10 + 10)))
+    before = len(index)
+    key = tuple(range(0, 10))
+    held = index.held(key)
+    assert held == 10
+    # the engine says it reused nothing of a prompt the index said it held whole
+    estimated = index.observe(held, 10, Reading(cached=0, prompt=1200), size=10 * BLOCK_BYTES)
+    assert estimated == 1200 and index.evicted == 1
+    assert MIN_BLOCKS <= len(index) < before
+    # a reading that bears the estimate out is no miss, and lets it grow back
+    capacity = index.capacity
+    index.record(key)
+    index.observe(10, 10, Reading(cached=1150, prompt=1200), size=10 * BLOCK_BYTES)
+    assert index.evicted == 1 and index.capacity > capacity
+    assert index.prompt_tokens == 2400 and index.cached_tokens == 1150
+
+
+# --- who takes it ------------------------------------------------------------------------
+
+
+def test_a_conversations_turns_land_on_one_replica_while_it_is_not_overloaded() -> None:
+    endpoints = fleet()
+    places: dict[int, set[str]] = {}
+    for seed in range(20):
+        for messages in conversation(seed, 4):
+            key = prompt_key(body(messages), "prefix")
+            assert key is not None
+            choice = send(endpoints, key)
+            assert choice.affinity is not None and not choice.affinity.overruled
+            places.setdefault(seed, set()).add(choice.endpoint.key)  # type: ignore[union-attr]
+    assert all(len(p) == 1 for p in places.values()), places
+    spread = Counter(next(iter(p)) for p in places.values())
+    assert len(spread) >= 3  # conversations spread over the replicas
+
+
+def test_a_cold_router_makes_the_same_first_choice_as_a_warm_one() -> None:
+    warm = fleet()
+    for seed in range(30):  # the warm router routed every turn so far
+        for messages in conversation(seed, 3):
+            key = prompt_key(body(messages), "prefix")
+            assert key is not None
+            send(warm, key)
+    for seed in range(30):
+        cold = fleet()  # a router that has seen nothing of any of them
+        nxt = prompt_key(body(conversation(seed, 4)[3]), "prefix")
+        assert nxt is not None
+        a, b = send(warm, nxt), send(cold, nxt)
+        assert a.endpoint is not None and b.endpoint is not None
+        assert a.endpoint.key == b.endpoint.key
+        assert a.affinity is not None and a.affinity.held > 0  # the warm one knew it
+        assert b.affinity is not None and b.affinity.held == 0
+
+
+def test_turns_move_when_their_replica_is_past_its_load_bound_and_come_back() -> None:
+    endpoints = fleet()
+    turns = conversation(7, 4)
+    key = prompt_key(body(turns[0]), "prefix")
+    assert key is not None
+    home = send(endpoints, key).endpoint
+    assert home is not None
+    home.in_flight = 3  # others idle: the mean with this request is 1, the bound 2
+    moved = send(endpoints, prompt_key(body(turns[1]), "prefix"))  # type: ignore[arg-type]
+    assert moved.endpoint is not home
+    assert moved.affinity is not None and moved.affinity.overruled
+    assert moved.affinity.preferred is home
+    again = send(endpoints, prompt_key(body(turns[2]), "prefix"))  # type: ignore[arg-type]
+    assert again.endpoint is moved.endpoint  # spilled the same way again
+    home.in_flight = 0
+    back = send(endpoints, prompt_key(body(turns[3]), "prefix"))  # type: ignore[arg-type]
+    # both hold it now: the one holding more of it (the last turns went there)
+    assert back.endpoint is moved.endpoint and not back.affinity.overruled  # type: ignore[union-attr]
+
+
+def test_the_load_bound_keeps_a_hot_prompt_from_taking_everything() -> None:
+    endpoints = fleet()
+    system = {"role": "system", "content": "Rules. " * (ANCHOR_BYTES // 6)}
+    for i in range(40):  # 40 at once behind one long system prompt
+        key = prompt_key(body([system, {"role": "user", "content": f"q{i}"}]), "prefix")
+        assert key is not None
+        choice = send(endpoints, key)
+        choice.endpoint.start(NOW)  # type: ignore[union-attr]
+    loads = sorted(e.in_flight for e in endpoints)
+    assert sum(loads) == 40 and loads[-1] <= math.ceil(1.5 * 40 / 4), loads
+    # a tighter bound, tighter loads
+    for e in endpoints:
+        e.in_flight, e.affinity_bound = 0, 1.0
+    for i in range(40):
+        key = prompt_key(body([system, {"role": "user", "content": f"q{i}"}]), "prefix")
+        send(endpoints, key).endpoint.start(NOW)  # type: ignore[arg-type, union-attr]
+    assert sorted(e.in_flight for e in endpoints) == [10, 10, 10, 10]
+
+
+def test_a_session_hint_pulls_a_users_requests_together() -> None:
+    endpoints = fleet()
+    where = {
+        send(endpoints, prompt_key(body(conversation(s, 1)[0], user="bob"), "prefix")).endpoint  # type: ignore[arg-type]
+        for s in range(10)
+    }
+    assert len(where) == 1
+
+
+def test_replicas_with_affinity_off_are_chosen_by_load_alone() -> None:
+    endpoints = [ep("a", affinity="off"), ep("b", affinity="off", in_flight=1)]
+    key = prompt_key(body(conversation(1, 1)[0]), "prefix")
+    choice = choose(endpoints, NOW, admission=OPEN, key=key)
+    assert choice.endpoint is endpoints[0] and choice.affinity is None
+
+
+# --- with affinity off, the choice is exactly today's --------------------------------------
+
+
+def choose_before(
+    endpoints: Sequence[Endpoint],
+    now: float,
+    *,
+    admission: Admission,
+    stale_after_s: float = 5.0,
+    exclude: frozenset[str] = frozenset(),
+    model: str | None = None,
+    rng_value: float | None = None,
+) -> Choice:
+    """``balancer.choose`` as it was before affinity, verbatim."""
+    if model is not None:
+        endpoints = [e for e in endpoints if e.model == model]
+    name = model if model is not None else (endpoints[0].model if endpoints else "?")
+
+    refused: list[str] = []
+    admissible: list[tuple[float, Endpoint, LoadSignals | None]] = []
+    saturated: list[str] = []
+    broken: list[Endpoint] | None = None  # candidates but for their breakers
+    healthy_tried = False  # a replica this request tried has its breaker closed
+    for endpoint in endpoints:
+        why = _why_not(endpoint, exclude)
+        if why is None and not endpoint.breaker.allows(now):
+            why = _breaker_refuses(endpoint)
+            if broken is None:
+                broken = []
+            broken.append(endpoint)
+        if why is not None:
+            refused.append(f"{endpoint.key}: {why}")
+            if (
+                endpoint.key in exclude
+                and endpoint.ready
+                and not endpoint.draining
+                and endpoint.breaker.state is BreakerState.CLOSED
+            ):
+                healthy_tried = True
+            continue
+        load = fresh_load(endpoint, now, stale_after_s)
+        over = above_thresholds(load, endpoint.admission or admission, endpoint)
+        if over:
+            saturated.append(f"{' and '.join(over)} on {endpoint.key}")
+            continue
+        admissible.append((score(endpoint, load), endpoint, load))
+
+    if admissible:
+        best = min(s for s, _, _ in admissible)
+        tied = sorted(
+            (entry for entry in admissible if entry[0] <= best + 1e-9),
+            key=lambda entry: entry[1].key,
+        )
+        r = random.random() if rng_value is None else rng_value
+        index = min(int(r * len(tied)), len(tied) - 1)
+        value, endpoint, load = tied[index]
+        return Choice(endpoint, f"least loaded: {_describe(endpoint, load, now, value)}")
+    if saturated:
+        return Choice(
+            None,
+            "every replica of model "
+            f"{name} is above its admission thresholds ({'; '.join(saturated)})",
+            shed=True,
+            retry_after_s=admission.retry_after_s,
+        )
+    if broken is not None and not healthy_tried:
+        pick = min(broken, key=_least_bad)
+        return Choice(
+            pick,
+            f"panic: every replica of model {name} is refused by its breaker; least bad: "
+            f"{pick.key} ({pick.breaker.consecutive_faults} consecutive faults)",
+            panic=True,
+        )
+    detail = f" ({'; '.join(refused)})" if refused else ""
+    return Choice(None, f"no Ready replica for model {name}{detail}")
+
+
+_replica = st.fixed_dictionaries(
+    {
+        "in_flight": st.integers(0, 6),
+        "ready": st.booleans(),
+        "draining": st.booleans(),
+        "weight": st.sampled_from([0.5, 1.0, 2.0]),
+        "faults": st.integers(0, 6),
+        "waiting": st.none() | st.integers(0, 8),
+        "running": st.none() | st.integers(0, 8),
+        "kv": st.none() | st.floats(0, 1),
+        "age": st.sampled_from([None, 1.0, 30.0]),
+        "own": st.booleans(),  # thresholds of its own
+    }
+)
+
+
+def _world(spec: list[dict[str, object]], affinity: str) -> list[Endpoint]:
+    out = []
+    for i, s in enumerate(spec):
+        breaker = Breaker(failure_threshold=3, cooldown_s=10)
+        for _ in range(int(s["faults"])):  # type: ignore[call-overload]
+            breaker.on_upstream_fault(NOW - 5)
+        load = None
+        if s["age"] is not None:
+            load = LoadSignals(waiting=s["waiting"], running=s["running"], kv_usage=s["kv"])  # type: ignore[arg-type]
+        out.append(
+            ep(
+                f"r{i}",
+                in_flight=s["in_flight"],
+                ready=s["ready"],
+                draining=s["draining"],
+                weight=s["weight"],
+                breaker=breaker,
+                load=load,
+                load_at=None if s["age"] is None else NOW - s["age"],  # type: ignore[operator]
+                admission=Admission(target_waiting=2) if s["own"] else None,
+                affinity=affinity,
+            )
+        )
+    return out
+
+
+def _said(c: Choice) -> tuple[object, ...]:
+    return (None if c.endpoint is None else c.endpoint.key, c.reason, c.shed, c.panic, c.retry_after_s)  # fmt: skip
+
+
+def _same(a: Choice, b: Choice) -> bool:
+    return _said(a) == _said(b) and b.affinity is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    spec=st.lists(_replica, min_size=0, max_size=5),
+    exclude=st.sets(st.sampled_from(["r0", "r1", "r2"])),
+    rng=st.floats(0, 0.999),
+    strict=st.booleans(),
+)
+def test_with_affinity_off_the_choice_is_exactly_the_one_before(
+    spec: list[dict[str, object]], exclude: set[str], rng: float, strict: bool
+) -> None:
+    admission = Admission(target_waiting=3, kv_ceiling=0.8) if strict else OPEN
+    key = prompt_key(body(conversation(1, 2)[1]), "prefix")
+    before = choose_before(
+        _world(spec, "off"), NOW, admission=admission, exclude=frozenset(exclude), rng_value=rng
+    )
+    # affinity off for the model: the proxy reads no key at all
+    plain = choose(
+        _world(spec, "prefix"), NOW, admission=admission, exclude=frozenset(exclude), rng_value=rng
+    )
+    # off on every replica, a key read anyway: still the same
+    offs = choose(
+        _world(spec, "off"),
+        NOW,
+        admission=admission,
+        exclude=frozenset(exclude),
+        rng_value=rng,
+        key=key,
+    )
+    assert _same(before, plain) and _same(before, offs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    spec=st.lists(_replica, min_size=1, max_size=5), strict=st.booleans(), seed=st.integers(0, 50)
+)
+def test_affinity_only_reorders_the_replicas_the_balancer_allows(
+    spec: list[dict[str, object]], strict: bool, seed: int
+) -> None:
+    """Whatever the fleet: affinity on picks among the replicas the old choice would
+    have picked among (the admissible ones), sheds, panics and refuses exactly when it
+    did, and its pick is within the load bound of the candidates' mean."""
+    admission = Admission(target_waiting=3, kv_ceiling=0.8) if strict else OPEN
+    key = prompt_key(body(conversation(seed, 2)[1]), "prefix")
+    before = choose_before(_world(spec, "off"), NOW, admission=admission, rng_value=0.0)
+    world = _world(spec, "prefix")
+    after = choose(world, NOW, admission=admission, key=key)
+    assert (after.shed, after.panic, after.endpoint is None) == (
+        before.shed,
+        before.panic,
+        before.endpoint is None,
+    )
+    if after.affinity is None:
+        assert _same(before, after)
+        return
+    # the admissible ones: those with the old choice's least score among them, or not
+    chosen = after.endpoint
+    assert chosen is not None and chosen.ready and not chosen.draining
+    assert chosen.breaker.state is not BreakerState.OPEN
+    load = fresh_load(chosen, NOW, 5.0)
+    assert not above_thresholds(load, chosen.admission or admission, chosen)
+
+
+def test_new_work_is_spread_by_load_and_only_what_is_held_stays_past_its_share() -> None:
+    """A first turn goes to its first choice only while that is as little loaded as the
+    rest; a later turn stays with the replica that holds it up to its bound."""
+    endpoints = fleet(2)
+    first = conversation(3, 2)
+    key = prompt_key(body(first[0]), "prefix")
+    assert key is not None
+    top = choose(endpoints, NOW, admission=OPEN, key=key).endpoint
+    assert top is not None
+    top.in_flight = 1  # one more than the other: a new conversation goes there
+    spilled = send(endpoints, key)
+    assert spilled.endpoint is not top and spilled.affinity is not None
+    assert spilled.affinity.overruled
+    # its next turn is known where the first went, which may take it past an even share
+    spilled.endpoint.in_flight = 1  # type: ignore[union-attr]
+    top.in_flight = 0
+    later = send(endpoints, prompt_key(body(first[1]), "prefix"))  # type: ignore[arg-type]
+    assert later.endpoint is spilled.endpoint and not later.affinity.overruled  # type: ignore[union-attr]
+
+
+def test_a_cold_router_keeps_a_later_turn_on_its_first_choice_as_a_warm_one_does() -> None:
+    """A later turn (it carries an assistant message) stays with its first choice past an
+    even share on a router that never saw the conversation too: both agree."""
+    warm, cold = fleet(2), fleet(2)
+    turns = conversation(4, 2)
+    first = prompt_key(body(turns[0]), "prefix")
+    later = prompt_key(body(turns[1]), "prefix")
+    assert first is not None and later is not None and later.later and not first.later
+    home = send(warm, first).endpoint
+    assert home is not None
+    for fleet_ in (warm, cold):
+        [ep_] = [e for e in fleet_ if e.key == home.key]
+        ep_.in_flight = 1  # the engine still says the first turn runs
+    a, b = send(warm, later), send(cold, later)
+    assert a.endpoint is not None and b.endpoint is not None
+    assert a.endpoint.key == b.endpoint.key == home.key

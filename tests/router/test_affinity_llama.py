@@ -1,0 +1,110 @@
+"""What a llama.cpp replica reused, read from every kind of reply the router relays: whole
+and streamed, chats and completions (a real llama-server, the openai client), and a
+stream whose last token and last event arrive in one read."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+import trio
+
+from llmgw.http import Request, Response
+from llmgw.router.app import RouterApp
+from llmgw.router.keys import ApiKey, KeyRing, hash_key
+from llmgw.router.table import RoutingTable
+from llmgw.routing import ModelRouting, Route, Snapshot
+from tests.engines.test_tinymodel import llama_server
+from tests.realparts import needs_server
+from tests.router.test_app import serve
+from tools.tinymodel import write_model
+
+KEY = "llmgw-test-key"
+CACHED = re.compile(r"cached=(\d+)/(\d+) end=ok")
+
+
+async def front(
+    nursery: trio.Nursery, url: str, engine: str = "llama.cpp", *, resume: bool = True
+) -> openai.AsyncOpenAI:
+    """The router in front of ``url``; a stream is relayed as it comes, or (``resume``
+    and a known ``engine``) event by event, to be carried on elsewhere if it breaks."""
+    table = RoutingTable()
+    route = Route(key="a", model="m", url=url, engine=engine)
+    table.apply(Snapshot(version="1", models={"m": ModelRouting()}, routes=[route]))
+    keys = KeyRing([ApiKey("t", hash_key(KEY))])
+    app = RouterApp(table, keys, access_log=True, resume_streams=resume)
+    return openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+        api_key=KEY,
+        max_retries=0,
+        timeout=30,
+    )
+
+
+@needs_server
+@pytest.mark.parametrize("resume", [True, False], ids=["by-event", "as-it-comes"])
+async def test_reuse_is_read_from_whole_and_streamed_chats_and_completions(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, resume: bool
+) -> None:
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=2048)
+    async with llama_server(model, tmp_path, context=2048) as url:
+        client = await front(nursery, url, resume=resume)
+        prompt = "The harbor lantern burns all night. " * 20
+        with trio.fail_after(30):
+            for stream in (False, True, True):
+                done = await client.completions.create(
+                    model="m",
+                    prompt=prompt,
+                    max_tokens=4,
+                    stream=stream,  # type: ignore[call-overload]
+                )
+                if stream:
+                    _ = [c async for c in done]  # type: ignore[union-attr]
+            messages = [{"role": "user", "content": prompt}]
+            for stream in (False, True):
+                done = await client.chat.completions.create(
+                    model="m",
+                    messages=messages,  # type: ignore[arg-type]
+                    max_tokens=4,
+                    stream=stream,  # type: ignore[call-overload]
+                )
+                if stream:
+                    _ = [c async for c in done]  # type: ignore[union-attr]
+    said = [(int(a), int(b)) for a, b in CACHED.findall(caplog.text)]
+    assert len(said) == 5, caplog.text
+    assert said[0][0] == 0 and all(c > 0.9 * p for c, p in said[1:3]), said
+    assert said[4][0] > 0.9 * said[4][1], said
+
+
+async def test_reuse_in_the_same_read_as_the_last_token_is_read(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy engine's last token, its last event (with ``timings``) and ``[DONE]`` can
+    reach the router in one read."""
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+
+    async def engine(request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+            yield (
+                b'data: {"choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
+                b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+                b'"timings":{"cache_n":120,"prompt_n":8,"prompt_ms":1.0}}\n\n'
+                b"data: [DONE]\n\n"
+            )
+
+        return Response(200, [("content-type", "text/event-stream")], body())
+
+    # an engine the router does not know: its stream is relayed as it comes
+    client = await front(nursery, f"http://127.0.0.1:{await serve(nursery, engine)}", engine="")
+    with trio.fail_after(10):
+        chunks = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        assert "".join([c.choices[0].delta.content or "" async for c in chunks]) == "ab"
+    assert CACHED.findall(caplog.text) == [("120", "128")], caplog.text

@@ -1,0 +1,566 @@
+"""Goodput by routing policy: what routing by cache buys, on real llama-servers.
+
+Each run gets fresh processes (its engines' caches start empty): ``--replicas``
+real llama-servers of one model, each on one thread with two slots and a small
+host-memory prompt cache (``--cache-ram-mib``, so that a replica holds a part of
+the working set, as a busy one does), set up as llmgw's llama.cpp adapter sets
+them up (``--cache-prompt``, ``--cache-ram``, ``--slot-prompt-similarity``); a
+router in front; and one workload of fixed seed, sent open-loop (arrivals on a
+schedule, as users arrive, not as the router lets them) as streamed chats.
+
+Workloads:
+
+1. ``multiturn``: conversations, each with its own long document, several turns
+   each; the next turn (with the actual reply) comes a think time after the reply,
+   the conversations start interleaved.
+2. ``shared``: users behind a handful of long system prompts, each asking a short
+   question of their own.
+3. ``unique``: unique prompts only, as long as the others (the control).
+
+Policies, on the same replicas and the same workload:
+
+- ``rr``: round robin (llmgw's router, one model per replica, the client takes
+  them in turn);
+- ``load``: llmgw's router by load alone (``routing.affinity = "off"``);
+- ``prefix``: llmgw's router by what replicas hold (``affinity = "prefix"``, its
+  load bound ``--bound`` when given);
+- ``smg``: opt-in (``--smg PATH``, the ``smg`` executable of a venv of its own:
+  ``python -m venv V && V/bin/pip install smg``), SGLang's gateway with its
+  ``cache_aware`` policy pointed at the same engines.
+
+Figures per run: goodput (requests per second whose time to first token met
+``--slo``), TTFT p50/p95, prompt tokens the engines computed and their hit rate
+(their own counters: ``llamacpp:prompt_tokens_total`` computed, and
+``prompt_tokens_cached_total`` reused), the hit rate an oracle would reach (a
+router that finds, for every request, every token that an earlier request or
+reply left in some cache, with caches that never evict: an upper bound), load
+imbalance (max over mean of the replicas' busy time, the engines' own prompt
+and generation seconds) and the router's CPU per request.
+
+    .venv/bin/python tools/bench_goodput.py                   # the slow model, ~15 minutes
+    .venv/bin/python tools/bench_goodput.py --smg /tmp/smg/bin/smg
+    .venv/bin/python tools/bench_goodput.py --quick            # tiny sizes, the tiny model
+
+Every process is ended on the way out, Ctrl-C included; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_router's own imports
+import bench_router as br  # a sibling script, not a package
+from benchlib import cpu_seconds, free_port, percentile
+
+from tools.bench_crosscheck import find_llama_server
+from tools.slowmodel import write_slow_model
+from tools.tinymodel import write_model as write_tiny_model
+
+POLICIES = ("rr", "load", "prefix", "smg")
+WORKLOADS = ("multiturn", "shared", "unique")
+SLOTS = 2
+SLOT_CONTEXT = 4096
+SIMILARITY = "0.5"  # the llama.cpp adapter's --slot-prompt-similarity
+RUN_TIMEOUT_S = 600.0
+IDLE_S = 2.0
+_LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
+_WORDS = ("river", "stone", "lantern", "harbor", "meadow", "copper", "thistle", "orchard",
+          "signal", "ember", "quarry", "willow", "falcon", "granite", "tundra", "velvet")  # fmt: skip
+
+
+@dataclass
+class Sizes:
+    conversations: int = 6
+    turns: int = 4
+    doc_chars: int = 1100  # about 800 tokens of this model: 2-3 s of prefill on one thread
+    think_s: float = 1.0
+    conversation_rate: float = 0.5  # conversations starting per second
+    systems: int = 8
+    system_chars: int = 1100
+    requests: int = 32  # of the shared workload
+    request_rate: float = 1.0  # per second: more than round robin's misses can take
+    unique: int = 16  # requests of the unique workload, at a rate the replicas can take
+    unique_rate: float = 0.35
+    max_tokens: int = 16
+    slo_s: float = 4.0
+
+
+QUICK = Sizes(
+    conversations=3, turns=3, doc_chars=1100, think_s=0.05, conversation_rate=10,
+    systems=3, system_chars=1100, requests=6, request_rate=20, unique=6, unique_rate=20,
+    max_tokens=4, slo_s=5.0,
+)  # fmt: skip
+
+
+# --- workloads ----------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    """One request of a session: its messages are built when it is sent (with the
+    replies before it); ``shared``: the characters of it an oracle finds cached."""
+
+    question: str
+    ttft: float | None = None
+    status: int = 0
+    reply: str = ""
+    prompt_chars: int = 0
+    shared_chars: int = 0
+
+
+@dataclass
+class Session:
+    start: float  # seconds after the run starts
+    prefix: list[dict[str, str]]  # the messages before its first question
+    turns: list[Turn]
+    think_s: float = 0.0
+    group: str = ""  # what it shares with other sessions (a system prompt), for the oracle
+
+
+def text(rng: random.Random, chars: int) -> str:
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        word = rng.choice(_WORDS)
+        out.append(word)
+        n += len(word) + 1
+    return " ".join(out)
+
+
+def workload(name: str, sizes: Sizes, seed: int) -> list[Session]:
+    rng = random.Random(f"{name}-{seed}")
+    clock = 0.0
+    sessions: list[Session] = []
+    if name == "multiturn":
+        system = {"role": "system", "content": "Answer questions about the document."}
+        for c in range(sizes.conversations):
+            clock += rng.expovariate(sizes.conversation_rate)
+            doc = f"Document {c}: {text(rng, sizes.doc_chars)}"
+            turns = [Turn(f"{doc}\nWhat is it about?")]
+            turns += [Turn(f"Question {t}: {text(rng, 30)}?") for t in range(1, sizes.turns)]
+            sessions.append(Session(clock, [system], turns, sizes.think_s, group="system"))
+    elif name == "shared":
+        systems = [
+            {"role": "system", "content": f"Rules {s}: {text(rng, sizes.system_chars)}"}
+            for s in range(sizes.systems)
+        ]
+        for i in range(sizes.requests):
+            clock += rng.expovariate(sizes.request_rate)
+            s = rng.randrange(sizes.systems)
+            question = f"User {i} asks: {text(rng, 40)}?"
+            sessions.append(Session(clock, [systems[s]], [Turn(question)], group=f"s{s}"))
+    else:
+        for i in range(sizes.unique):
+            clock += rng.expovariate(sizes.unique_rate)
+            prompt = f"Request {i}: {text(rng, sizes.system_chars + 40)}?"
+            sessions.append(Session(clock, [], [Turn(prompt)], group=f"u{i}"))
+    return sessions
+
+
+def oracle(sessions: list[Session]) -> None:
+    """Mark each turn with the characters an oracle finds cached (see the module
+    docstring): for a session's later turns, all of the previous turn and its reply;
+    for a first turn, what it shares with an earlier session's first messages."""
+    seen: dict[str, str] = {}  # group -> the shared messages' text, once a request sent it
+    by_start = sorted(sessions, key=lambda s: s.start)
+    for session in by_start:
+        lead = "".join(m["content"] for m in session.prefix)
+        for i, turn in enumerate(session.turns):
+            if i:
+                prev = session.turns[i - 1]
+                turn.shared_chars = prev.prompt_chars + len(prev.reply)
+            elif session.group in seen:
+                turn.shared_chars = len(seen[session.group])
+        seen.setdefault(session.group, lead)
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def engines(procs: br.Procs, model: Path, n: int, cache_ram_mib: int) -> list[str]:
+    """``n`` llama-servers as the llama.cpp adapter starts them; base URLs once healthy."""
+    binary = find_llama_server()
+    for i in range(n):
+        argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", "0",
+                "-t", "1", "-tb", "1", "-np", str(SLOTS), "-c", str(SLOT_CONTEXT * SLOTS),
+                "--metrics", "--slots", "--cache-prompt", "--cache-ram", str(cache_ram_mib),
+                "--slot-prompt-similarity", SIMILARITY, "--alias", "m"]  # fmt: skip
+        procs.start(f"engine-{i}", argv, core=None)
+    urls = []
+    for i in range(n):
+        name = f"engine-{i}"
+        br.wait_until(procs, name, lambda n=name: _LISTENING.search(procs.log(n)), 60)
+        m = _LISTENING.search(procs.log(name))
+        assert m is not None
+        url = m.group(1)
+        br.wait_until(procs, name, lambda u=url: br.http_get(f"{u}/health") == 200, 60)
+        urls.append(url)
+    return urls
+
+
+def catalog(policy: str, urls: list[str], bound: float | None = None) -> str:
+    if policy == "rr":  # one model per replica: the client takes them in turn
+        return "".join(
+            f'[models.rr{i}]\nstatic_endpoints = ["{u}"]\nstatic_engine = "llama.cpp"\n'
+            for i, u in enumerate(urls)
+        )
+    quoted = ", ".join(f'"{u}"' for u in urls)
+    affinity = "prefix" if policy == "prefix" else "off"
+    bounded = "" if bound is None else f", affinity_bound = {bound}"
+    return (
+        f'[models.m]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n'
+        f'routing = {{ affinity = "{affinity}"{bounded} }}\n'
+    )
+
+
+def start_smg(procs: br.Procs, smg: str, urls: list[str]) -> tuple[int, int]:
+    port = free_port()
+    argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+            "--worker-urls", *urls, "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port())]  # fmt: skip
+    p = procs.start("smg", argv, core=None)
+    br.wait_until(procs, "smg", lambda: br.http_get(f"http://127.0.0.1:{port}/health") == 200, 60)
+    return p.pid, port
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    try:
+        raw = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in raw.splitlines():
+        if line.startswith("llamacpp:"):
+            name, _, value = line.partition(" ")
+            out[name.removeprefix("llamacpp:")] = float(value)
+    return out
+
+
+# --- one run -------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    workload: str
+    policy: str
+    requests: int = 0
+    ok: int = 0
+    wall_s: float = 0.0
+    goodput: float = 0.0  # requests per second that met the SLO
+    ttft_p50: float | None = None
+    ttft_p95: float | None = None
+    computed: float = 0.0  # prompt tokens the engines computed
+    cached: float = 0.0  # and reused
+    hit_rate: float = 0.0
+    oracle_rate: float = 0.0
+    imbalance: float = 0.0  # max / mean busy seconds per replica
+    busy_s: list[float] = field(default_factory=list)
+    cpu_ms_per_request: float | None = None
+    error: str = ""
+
+
+async def run_sessions(
+    sessions: list[Session], url: str, key: str, models: list[str], max_tokens: int
+) -> None:
+    rr = iter(range(1 << 30))
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    timeout = httpx.Timeout(120, connect=5)
+    start = trio.current_time()
+
+    async def one(client: httpx.AsyncClient, session: Session) -> None:
+        await trio.sleep_until(start + session.start)
+        messages = list(session.prefix)
+        for turn in session.turns:
+            messages.append({"role": "user", "content": turn.question})
+            turn.prompt_chars = sum(len(m["content"]) for m in messages)
+            body = {"model": models[next(rr) % len(models)], "messages": messages,
+                    "max_tokens": max_tokens, "stream": True}  # fmt: skip
+            sent = trio.current_time()
+            pieces: list[str] = []
+            try:
+                async with client.stream(
+                    "POST", url, json=body, headers={"authorization": f"Bearer {key}"}
+                ) as r:
+                    turn.status = r.status_code
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        for choice in event.get("choices") or ():
+                            piece = (choice.get("delta") or {}).get("content") or ""
+                            if piece:
+                                if turn.ttft is None:
+                                    turn.ttft = trio.current_time() - sent
+                                pieces.append(piece)
+            except httpx.HTTPError:
+                turn.status = -1
+            turn.reply = "".join(pieces)
+            messages.append({"role": "assistant", "content": turn.reply})
+            if session.think_s:
+                await trio.sleep(session.think_s)
+
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+            trio.open_nursery() as nursery,
+        ):
+            for session in sessions:
+                nursery.start_soon(one, client, session)
+
+
+def run(
+    name: str, policy: str, sizes: Sizes, seed: int, model: Path, args: argparse.Namespace
+) -> Result:
+    result = Result(name, policy)
+    sessions = workload(name, sizes, seed)
+    workdir = args.workdir / f"{name}-{policy}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs = br.Procs(workdir, (None, None))
+    try:
+        urls = engines(procs, model, args.replicas, args.cache_ram_mib)
+        if policy == "smg":
+            pid, port = start_smg(procs, args.smg, urls)
+            key, models = "none", ["m"]
+        else:
+            pid, port, key = br.start_llmgw(
+                procs, 0, None, catalog=catalog(policy, urls, args.bound)
+            )
+            models = [f"rr{i}" for i in range(len(urls))] if policy == "rr" else ["m"]
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        # what the router spends with no request (reading the engines' gauges), to take
+        # out of what it spends during the run
+        idle0, i0 = cpu_seconds(pid), time.monotonic()
+        time.sleep(IDLE_S)
+        idle_rate = (cpu_seconds(pid) - idle0) / (time.monotonic() - i0)
+        before = [engine_counters(u) for u in urls]
+        cpu0 = cpu_seconds(pid)
+        t0 = time.monotonic()
+        trio.run(run_sessions, sessions, url, key, models, sizes.max_tokens)
+        result.wall_s = time.monotonic() - t0
+        cpu = cpu_seconds(pid) - cpu0 - idle_rate * result.wall_s
+        after = [engine_counters(u) for u in urls]
+    except (RuntimeError, trio.TooSlowError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:300]
+        return result
+    finally:
+        procs.stop_all()
+    oracle(sessions)
+    turns = [t for s in sessions for t in s.turns]
+    ttfts = [t.ttft for t in turns if t.ttft is not None and t.status == 200]
+    result.requests = len(turns)
+    result.ok = len(ttfts)
+    met = sum(1 for t in ttfts if t <= sizes.slo_s)
+    result.goodput = met / result.wall_s if result.wall_s else 0.0
+    result.ttft_p50 = percentile(ttfts, 0.5)
+    result.ttft_p95 = percentile(ttfts, 0.95)
+
+    def delta(key: str, i: int) -> float:
+        return after[i].get(key, 0.0) - before[i].get(key, 0.0)
+
+    n = len(urls)
+    result.computed = sum(delta("prompt_tokens_total", i) for i in range(n))
+    result.cached = sum(delta("prompt_tokens_cached_total", i) for i in range(n))
+    total = result.computed + result.cached
+    result.hit_rate = result.cached / total if total else 0.0
+    shared = sum(t.shared_chars / t.prompt_chars for t in turns if t.prompt_chars)
+    result.oracle_rate = shared / len(turns) if turns else 0.0
+    result.busy_s = [
+        delta("prompt_seconds_total", i) + delta("tokens_predicted_seconds_total", i)
+        for i in range(n)
+    ]
+    mean = sum(result.busy_s) / n if n else 0.0
+    result.imbalance = max(result.busy_s) / mean if mean else 0.0
+    result.cpu_ms_per_request = 1000 * cpu / result.requests if result.requests else None
+    return result
+
+
+def decision_cost(name: str, sizes: Sizes, seed: int, replicas: int) -> tuple[float, float]:
+    """Microseconds per request the router's choice takes by load alone, and by prefix
+    (reading the prompt's key, choosing, recording it), over this workload's requests
+    as they are sent: what routing by prefix adds to the router's CPU per request,
+    without the noise of a whole process on a shared machine."""
+    from llmgw.router.balancer import Admission, Endpoint, choose
+    from llmgw.router.prefix import prompt_key
+
+    bodies: list[bytes] = []
+    for session in workload(name, sizes, seed):
+        messages = list(session.prefix)
+        for turn in session.turns:
+            messages.append({"role": "user", "content": turn.question})
+            body = {"model": "m", "messages": messages, "max_tokens": 16, "stream": True}
+            bodies.append(json.dumps(body).encode())
+            messages.append({"role": "assistant", "content": "an answer of sixteen tokens"})
+    admission = Admission()
+
+    def fleet() -> list[Endpoint]:
+        return [Endpoint(key=f"r{i}", model="m", url=f"http://r{i}") for i in range(replicas)]
+
+    def by_load() -> None:
+        eps = fleet()
+        for _ in bodies:
+            choose(eps, 0.0, admission=admission, model="m")
+
+    def by_prefix() -> None:
+        eps = fleet()
+        for body in bodies:
+            key = prompt_key(body, "prefix")
+            choice = choose(eps, 0.0, admission=admission, model="m", key=key)
+            if key is not None and choice.endpoint is not None:
+                choice.endpoint.prefix.record(key.blocks)
+
+    def best(f: Callable[[], None]) -> float:
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return 1e6 * min(times) / len(bodies)
+
+    return best(by_load), best(by_prefix)
+
+
+# --- the report ----------------------------------------------------------------------------
+
+
+def fmt(v: float | None, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(results: list[Result]) -> str:
+    head = ("workload", "policy", "ok", "goodput/s", "ttft p50", "ttft p95", "computed",
+            "hit", "oracle", "imbal", "cpu ms/req")  # fmt: skip
+    rows = [head]
+    for r in results:
+        if r.error:
+            rows.append((r.workload, r.policy, "error:", r.error, "", "", "", "", "", "", ""))
+            continue
+        rows.append((r.workload, r.policy, f"{r.ok}/{r.requests}", fmt(r.goodput, ".3f"),
+                     fmt(r.ttft_p50), fmt(r.ttft_p95), f"{r.computed:.0f}",
+                     f"{r.hit_rate:.0%}", f"{r.oracle_rate:.0%}", fmt(r.imbalance),
+                     fmt(r.cpu_ms_per_request)))  # fmt: skip
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def goals(results: list[Result]) -> list[str]:
+    """The issue's goals, each judged from this run's figures."""
+    by = {(r.workload, r.policy): r for r in results if not r.error}
+    out: list[str] = []
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    def judge(what: str, value: float | None, ok: bool | None) -> None:
+        verdict = "n/a" if value is None or ok is None else ("met" if ok else "NOT met")
+        out.append(f"goal: {what}: {fmt(value)} {verdict}")
+
+    for w in ("multiturn", "shared"):
+        p, rr, smg = by.get((w, "prefix")), by.get((w, "rr")), by.get((w, "smg"))
+        if p is None:
+            continue
+        g = ratio(p.goodput, rr.goodput if rr else None)
+        judge(f"{w}: goodput >= 2x round robin", g, None if g is None else g >= 2)
+        g = ratio(p.goodput, smg.goodput if smg else None)
+        judge(f"{w}: goodput >= 1.1x smg cache_aware", g, None if g is None else g >= 1.1)
+        c = ratio(p.computed, rr.computed if rr else None)
+        judge(
+            f"{w}: prompt tokens computed <= 0.5x round robin", c, None if c is None else c <= 0.5
+        )
+        h = ratio(p.hit_rate, p.oracle_rate)
+        judge(f"{w}: hit rate >= 90% of the oracle's", h, None if h is None else h >= 0.9)
+        judge(f"{w}: load imbalance <= 1.25", p.imbalance, p.imbalance <= 1.25)
+    p, load = by.get(("unique", "prefix")), by.get(("unique", "load"))
+    if p is not None and load is not None:
+        g = ratio(p.goodput, load.goodput)
+        judge("unique: goodput within 5% of load-only", g, None if g is None else g >= 0.95)
+        t = ratio(p.ttft_p95, load.ttft_p95)
+        judge("unique: TTFT p95 within 5% of load-only", t, None if t is None else t <= 1.05)
+    for w in WORKLOADS:
+        p, load = by.get((w, "prefix")), by.get((w, "load"))
+        if p is not None and load is not None:
+            c = ratio(p.cpu_ms_per_request, load.cpu_ms_per_request)
+            judge(
+                f"{w}: router CPU per request <= 1.1x load-only", c, None if c is None else c <= 1.1
+            )
+    return out
+
+
+@contextlib.contextmanager
+def model_file(which: str, workdir: Path) -> Iterator[Path]:
+    path = workdir / f"{which}.gguf"
+    if which == "slow":
+        write_slow_model(path, context_length=SLOT_CONTEXT)
+    else:
+        write_tiny_model(path, ends_after=None, context_length=SLOT_CONTEXT)
+    yield path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and the tiny model")
+    parser.add_argument("--model", choices=("slow", "tiny"), help="default: slow (tiny if quick)")
+    parser.add_argument("--workload", action="append", choices=WORKLOADS)
+    parser.add_argument("--policy", action="append", choices=POLICIES,
+                        help="default: rr, load, prefix (and smg with --smg)")  # fmt: skip
+    parser.add_argument("--smg", help="the smg executable (its own venv): adds policy smg")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--cache-ram-mib", type=int, default=16,
+                        help="each engine's prompt cache (--cache-ram), default 16")  # fmt: skip
+    parser.add_argument("--slo", type=float, help="the TTFT SLO in seconds")
+    parser.add_argument("--bound", type=float,
+                        help="prefix: routing.affinity_bound (default: the router's)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else Sizes()
+    if args.slo is not None:
+        sizes.slo_s = args.slo
+    policies = args.policy or ["rr", "load", "prefix", *(["smg"] if args.smg else [])]
+    if "smg" in policies and not args.smg:
+        parser.error("policy smg needs --smg PATH (the smg executable)")
+    results: list[Result] = []
+    with contextlib.ExitStack() as stack:
+        if args.workdir is None:
+            args.workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        which = args.model or ("tiny" if args.quick else "slow")
+        model = stack.enter_context(model_file(which, args.workdir))
+        print(f"# {which} model, {args.replicas} replicas x {SLOTS} slots, 1 thread each, "
+              f"--cache-ram {args.cache_ram_mib} MiB, TTFT SLO {sizes.slo_s:g} s, seed {args.seed}",
+              flush=True)  # fmt: skip
+        for name in args.workload or WORKLOADS:
+            for policy in policies:
+                r = run(name, policy, sizes, args.seed, model, args)
+                results.append(r)
+                print(f"# {name} {policy}: {r.error or f'{r.goodput:.3f} good/s'}", flush=True)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=1))
+    print(table(results))
+    for line in goals(results):
+        print(line)
+    for name in args.workload or WORKLOADS:
+        load_us, prefix_us = decision_cost(name, sizes, args.seed, args.replicas)
+        print(f"choice: {name}: by load {load_us:.1f} us, by prefix {prefix_us:.1f} us per "
+              f"request (prompt key, choice and record; +{prefix_us - load_us:.1f} us)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
