@@ -15,6 +15,7 @@ import pytest
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
+from llmgw.engines import adapters
 from llmgw.router.keys import hash_key, new_key
 from tests.cluster.procs import Daemon
 from tests.cluster.test_control_plane_processes import cluster
@@ -259,7 +260,7 @@ async def test_ctl_reload_warns_about_unknown_settings_and_models_no_node_can_ho
     tmp_path: Path, pki: Pki
 ) -> None:
     async with cluster(tmp_path, pki, extra_catalog=TYPO) as c:
-        known = "context, embeddings, gpu_layers, parallel, pooling, served_model_name, threads, threads_batch"
+        known = ", ".join(sorted(adapters()["llama.cpp"].known_settings))  # as the server says
         bad_settings = [
             f"model typo, profile cpu: llama.cpp does not know the setting {name!r}"
             f" (it knows {known})"

@@ -35,16 +35,19 @@ async def test_a_changed_profile_rolls_out_one_at_a_time_and_no_request_fails(
         async def traffic(stream: bool) -> None:
             nonlocal sent
             while not done.is_set():
+                # each a conversation of its own: new work is spread by load, where one
+                # prompt sent again and again would keep to the replica that holds it
+                ask: Any = [{"role": "user", "content": f"hi {sent} {stream}"}]
                 try:
                     if stream:
                         s = await client.chat.completions.create(
-                            model="tiny", messages=HI, max_tokens=16, stream=True
+                            model="tiny", messages=ask, max_tokens=16, stream=True
                         )
                         reasons = [x.choices[0].finish_reason async for x in s if x.choices]
                         assert reasons[-1] == "length", reasons
                     else:
                         r = await client.chat.completions.create(
-                            model="tiny", messages=HI, max_tokens=4
+                            model="tiny", messages=ask, max_tokens=4
                         )
                         assert r.choices[0].finish_reason == "length"
                 except (openai.APIError, AssertionError) as exc:
