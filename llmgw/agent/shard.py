@@ -25,6 +25,8 @@ class Shard:
     adopted: bool = False
     detail: str = ""
     ending_why: str = ""  # why its group is being ended, when that ends in a failure
+    # False while a ready engine does not answer its health checks (``health``)
+    healthy: bool = True
     launched_at: float = 0.0
 
     @property
