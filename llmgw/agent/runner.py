@@ -106,16 +106,17 @@ async def _watch(ctx: ShardContext, shard: Shard) -> None:
     if shard.phase is Phase.READY and shard.launch and shard.launch.health_url:
         ctx.spawn(_check_health, ctx, shard, shard.launch.health_url)
     if shard.process is not None:
-        why = describe_exit(await shard.process.wait())
+        code: int | None = await shard.process.wait()
     else:
         code = await adopted_exit(shard)
-        why = (
-            describe_exit(code)
-            if code is not None
-            else "exited (adopted: its exit status could not be read)"
-        )
     if expects_exit(shard.phase):
         return
+    shard.returncode = code  # reported with the failure, as numbers (``protocol.exits``)
+    why = (
+        describe_exit(code)
+        if code is not None
+        else "exited (adopted: its exit status could not be read)"
+    )
     # what the engine left behind (children in its group, a daemonized Ray head)
     # would hold its port and GPUs
     if shard.ident is not None:

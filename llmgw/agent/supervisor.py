@@ -47,6 +47,7 @@ from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.runner import engine_auth, healthy
 from llmgw.agent.shard import Outbox, Shard
 from llmgw.http.logsafe import printable
+from llmgw.protocol.exits import exit_fields
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
 
 __all__ = ["Outbox", "Shard", "Supervisor", "SupervisorSettings", "stop_grace"]
@@ -188,15 +189,18 @@ class Supervisor:
         if m.to in TERMINAL and before not in TERMINAL:
             self._forget(shard)
         if m.report:
-            tail = shard.tail.tail() if m.to is Phase.FAILED and shard.launch else []
+            failed = m.to is Phase.FAILED
+            exit_code, signal = exit_fields(shard.returncode if failed else None)
             self.outbox.put(
                 ShardStatus(
                     shard_id=shard.shard_id,
                     state=shard.state,
                     detail=shard.detail,
-                    output_tail=tail,
+                    output_tail=shard.tail.tail() if failed and shard.launch else [],
                     pid=shard.pid,
                     engine_key=shard.launch.engine_key if shard.launch else "",
+                    exit_code=exit_code,
+                    signal=signal,
                 )
             )
         if m.end_process:

@@ -30,7 +30,13 @@ from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.fabrics import missing_weights
-from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
+from llmgw.controlplane.failures import (
+    TAIL_LINES,
+    Failure,
+    FailureLog,
+    how_ended,
+    reported_exit,
+)
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.known import KnownNodes
 from llmgw.controlplane.nodes import NodeState, awaited
@@ -136,7 +142,9 @@ class FleetManager:
         self.prober.wake()
 
     def _status(self, node_id: str, status: ShardStatus) -> None:
-        self._queue(self.reconciler.shard_status(node_id, status, self._clock()))
+        plan = self.reconciler.shard_status(node_id, status, self._clock())
+        plan.failed = [reported_exit(failed, status) for failed in plan.failed]
+        self._queue(plan)
         if status.state == "ready":
             self.prober.wake()
 
@@ -167,7 +175,7 @@ class FleetManager:
     def _record(self, failed: ReplicaFailed) -> None:
         """Keep a replica's failure (the agent's words for a failed shard, else ours: a
         startup timeout, a lost node), its exit and its engine's last lines."""
-        exit_code, sig = exit_of(failed.why)
+        exit_code, sig = how_ended(failed)
         self.failures.record(
             Failure(
                 model=failed.model,

@@ -126,6 +126,7 @@ async def test_an_engine_killed_unasked_fails_its_shard_with_how_it_ended(tmp_pa
                 (Event.LAUNCHED, f"pid {shard.process.pid}"),
                 (Event.EXITED, "engine killed by signal 9 (SIGKILL)"),
             ]
+            assert shard.returncode == -signal.SIGKILL
             assert ctx.events == ["launched"] and ctx.written == ["s1"]
             nursery.cancel_scope.cancel()
 
@@ -140,6 +141,7 @@ async def test_a_stop_ends_the_engine_and_its_exit_is_no_failure(tmp_path: Path)
             ctx.fire(shard, Event.STOP, "", grace=1.0)
             await wait_for(lambda: shard.phase is Phase.STOPPED)
             assert [e for e, _ in ctx.fired] == [Event.LAUNCHED, Event.STOP, Event.GONE]
+            assert shard.returncode is None  # it ended as asked: nothing to report
             nursery.cancel_scope.cancel()
 
 

@@ -197,3 +197,37 @@ async def test_a_stop_during_validation_launches_nothing(
                 nursery.cancel_scope.cancel()
     finally:
         release.set()
+
+
+async def test_an_engine_that_exits_unasked_is_reported_failed_with_its_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The numbers go up beside the words: ``exit_code`` for an exit, with the engine's
+    last lines; a control plane older than the numbers reads ``detail``."""
+    monkeypatch.setattr(llamacpp.LlamaCppAdapter, "validate", lambda self, spec: [])
+    engine = tmp_path / "llama-server"
+    engine.write_text("#!/bin/sh\necho 'error: no such model'\nsleep 0.3\nexit 3\n")
+    engine.chmod(0o755)
+    sup = Supervisor(
+        SupervisorSettings(state_dir=tmp_path / "agent", kill_unidentified=False),
+        lambda: {"llama-server": str(engine)},
+    )
+    spec = ShardSpec(
+        shard_id="s1",
+        replica_id="r1",
+        model="m",
+        profile="p",
+        engine="llama.cpp",
+        port=own_port(),
+        model_path=str(tmp_path / "m.gguf"),
+    )
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.run)
+            sup.start(spec)
+            await wait_for(lambda: "s1" not in sup.shards)
+            *_, failed = sup.outbox.take()
+            assert (failed.state, failed.detail) == ("failed", "engine exited with code 3")
+            assert (failed.exit_code, failed.signal) == (3, None)
+            assert failed.output_tail == ["error: no such model"]
+            nursery.cancel_scope.cancel()
