@@ -37,6 +37,7 @@ from llmgw.controlplane.failures import (
     how_ended,
     reported_exit,
 )
+from llmgw.controlplane.followers import RouterReports
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.known import KnownNodes
 from llmgw.controlplane.nodes import NodeState, awaited
@@ -126,6 +127,7 @@ class FleetManager:
         self.cannot_place: dict[str, tuple[str, float]] = {}
         self._cannot_place_kind: dict[str, str] = {}  # placement's bounded reason, for metrics
         self.routing = RoutingPublisher()
+        self.routers = RouterReports()  # what the routers that follow the routing report
         # engines learned from reports are probed before they are routed
         self.prober = Prober(self._claims, self._probed)
         self._refusals_said: set[tuple[str, str, str]] = set()
@@ -339,7 +341,7 @@ class FleetManager:
     def reconcile_once(self) -> None:
         started = time.perf_counter()
         now = self._clock()
-        self._plans.append(self.reconciler.wedged(self.routing.wedged(now), now))
+        self._plans.append(self.reconciler.wedged(self.routers.wedged(now), now))
         plan = self.reconciler.reconcile(self.control.nodes.nodes, now)
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         wall = time.time()

@@ -302,7 +302,7 @@ async def test_a_replica_the_routers_hold_wedged_is_restarted_after_the_grace(
 
             async def router_polls() -> None:
                 while True:
-                    fleet.routing.report_wedged("r1", frozenset({replica}), trio.current_time())
+                    fleet.routers.report_wedged("r1", frozenset({replica}), trio.current_time())
                     await trio.sleep(0.1)
 
             nursery.start_soon(router_polls)
