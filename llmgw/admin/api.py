@@ -14,7 +14,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import attrs
@@ -46,6 +46,7 @@ from llmgw.version import describe
 log = logging.getLogger("llmgw.admin")
 
 _JSON = [("content-type", "application/json")]
+_T = TypeVar("_T")
 
 
 def json_response(status: int, body: object) -> Response:
@@ -54,6 +55,16 @@ def json_response(status: int, body: object) -> Response:
 
 def error(status: int, message: str) -> Response:
     return json_response(status, {"error": {"message": message, "code": status}})
+
+
+def json_body(request: Request, kind: type[_T], what: str) -> _T | Response:
+    """The request's JSON body as ``kind``, or the 400 that says it must be ``what``."""
+    try:
+        return msgspec.json.decode(request.body or b"{}", type=kind)
+    except msgspec.DecodeError as exc:
+        return error(400, f"body must be {what}: {exc}")
+    except RecursionError:  # the decoder's bound on nesting: a client's error, not ours
+        return error(400, f"body must be {what}: it nests too deep")
 
 
 class AdminApi:
@@ -215,12 +226,9 @@ class AdminApi:
         fleet = self._need_fleet()
         if isinstance(fleet, Response):
             return fleet
-        try:
-            body = msgspec.json.decode(request.body or b"{}", type=_IntentBody)
-        except msgspec.DecodeError as exc:
-            return error(400, f'body must be JSON like {{"intent": "drain"}}: {exc}')
-        except RecursionError:  # the decoder's bound on nesting: a client's error, not ours
-            return error(400, 'body must be JSON like {"intent": "drain"}: it nests too deep')
+        body = json_body(request, _IntentBody, 'JSON like {"intent": "drain"}')
+        if isinstance(body, Response):
+            return body
         if node_id not in self.control.nodes.nodes:
             return error(404, f"no node {node_id!r} has ever registered")
         try:
@@ -291,12 +299,9 @@ class AdminApi:
     async def router_report(self, request: Request) -> Response:
         """A standalone router's ``RouterReport``: where its metrics are, what it holds
         wedged (``followers``)."""
-        try:
-            report = msgspec.json.decode(request.body or b"", type=RouterReport)
-        except msgspec.DecodeError as exc:
-            return error(400, f"body must be a router report, as JSON: {exc}")
-        except RecursionError:  # the decoder's bound on nesting: a client's error, not ours
-            return error(400, "body must be a router report, as JSON: it nests too deep")
+        report = json_body(request, RouterReport, "a router report, as JSON")
+        if isinstance(report, Response):
+            return report
         try:
             self._routers.take(report, request.client[0], trio.current_time())
         except ReportRefused as exc:

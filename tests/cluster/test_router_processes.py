@@ -120,6 +120,20 @@ class Samples(dict[tuple[str, frozenset[tuple[str, str]]], float]):
         return samples
 
 
+async def listed_routers(c: Cluster) -> list[str]:
+    """The routers the server's service discovery lists (``/sd``, on its metrics
+    listener), once it lists any: their metrics listeners."""
+    sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
+    with trio.fail_after(10):
+        while True:
+            async with httpx.AsyncClient(timeout=5) as raw:
+                groups = (await raw.get(sd)).json()
+            routers = [g for g in groups if g["labels"]["llmgw_role"] == "router"]
+            if routers:
+                return [t for g in routers for t in g["targets"]]
+            await trio.sleep(0.2)
+
+
 async def admin_metrics(c: Cluster) -> Samples:
     return Samples.parse(await c.server.metrics())
 
@@ -515,17 +529,9 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
         m = await router.wait_log(r"router metrics on (http://127\.0\.0\.1:\d+/metrics)")
         metrics_url = m.group(1)
-        # the control plane's service discovery lists the router, as it said at its poll
-        sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
-        with trio.fail_after(10):
-            while True:
-                async with httpx.AsyncClient(timeout=5) as raw:
-                    groups = (await raw.get(sd)).json()
-                routers = [g for g in groups if g["labels"]["llmgw_role"] == "router"]
-                if routers:
-                    break
-                await trio.sleep(0.2)
-        assert [f"http://{t}/metrics" for g in routers for t in g["targets"]] == [metrics_url]
+        # the control plane's service discovery lists the router, as it said in its report
+        targets = await listed_routers(c)
+        assert [f"http://{t}/metrics" for t in targets] == [metrics_url]
         client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         for _ in range(6):  # connections land on both workers
             reply = await client.chat.completions.create(
@@ -580,16 +586,7 @@ async def test_a_standalone_router_reports_in_a_post_of_its_own_and_polls_with_n
             Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
         ) as router:
             m = await router.wait_log(r"router metrics on http://(127\.0\.0\.1:\d+)/metrics")
-            sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
-            with trio.fail_after(10):
-                while True:
-                    async with httpx.AsyncClient(timeout=5) as raw:
-                        groups = (await raw.get(sd)).json()
-                    listed = [g for g in groups if g["labels"]["llmgw_role"] == "router"]
-                    if listed:
-                        break
-                    await trio.sleep(0.2)
-            assert [t for g in listed for t in g["targets"]] == [m.group(1)]
+            assert await listed_routers(c) == [m.group(1)]
             sent = bytes(proxy.sent).decode(errors="replace")
             heads = re.findall(r"(GET|POST) (/v1/routing\S*) HTTP/1\.1", sent)
             assert ("POST", "/v1/routing/report") in heads, heads
