@@ -7,6 +7,12 @@ other. A snapshot's ``version`` is a hash of its content, so two control
 planes (or one restarted) that see the same fleet give the same version, and
 a router that already holds it is not woken for nothing.
 
+A standalone router reports to the control plane apart from following it: a
+``RouterReport`` (where its metrics are, what it holds wedged) posted to
+``REPORT_PATH`` on a timer of its own and whenever what it holds wedged
+changes, every report saying everything again. Routers older than the report
+said the same as query parameters of their ``GET /v1/routing`` poll.
+
 A control plane that has just started knows only the nodes that have come
 back to it. Until it has been up for its lost-node timeout (or its settle
 time, if longer), a node it has not heard from may still come back with
@@ -125,6 +131,22 @@ def carried(snap: Snapshot, held: Iterable[tuple[str, str, str]]) -> set[str]:
         for key, model, node in held
         if key not in listed and node and node not in heard and model in snap.models
     }
+
+
+REPORT_PATH = "/v1/routing/report"
+
+
+class RouterReport(msgspec.Struct, kw_only=True, frozen=True):
+    """What a standalone router tells the control plane (``POST REPORT_PATH``, JSON)."""
+
+    # its own id, random per process (each worker of a router is a router of its own);
+    # what it holds wedged is kept under it
+    router: str
+    # "host:port" of its metrics listener, for the control plane's service discovery;
+    # "" for none; a wildcard host stands for the address the report came from
+    metrics: str = ""
+    # the replicas it holds wedged now (work in flight, no progress); empty: none
+    wedged: list[str] = []
 
 
 class TrafficView(msgspec.Struct, kw_only=True):

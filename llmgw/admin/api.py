@@ -11,11 +11,10 @@ from __future__ import annotations
 import hmac
 import logging
 import math
-import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import attrs
@@ -23,7 +22,6 @@ import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from llmgw.addr import join_hostport
 from llmgw.admin.reload import NotReloaded, Reloaded, Reloader
 from llmgw.admin.views import (
     GpuViews,
@@ -33,23 +31,22 @@ from llmgw.admin.views import (
     replica_view,
     running_view,
 )
-from llmgw.config import ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import CannotPlace, fleet_status
 from llmgw.controlplane.fleet import FleetManager
+from llmgw.controlplane.followers import ReportRefused, RouterReports
 from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import Request, Response, admission
-from llmgw.routing import TrafficView
+from llmgw.routing import REPORT_PATH, RouterReport, TrafficView
 from llmgw.version import describe
 
 log = logging.getLogger("llmgw.admin")
 
 _JSON = [("content-type", "application/json")]
-_ROUTER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_REPLICA_ID = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
+_T = TypeVar("_T")
 
 
 def json_response(status: int, body: object) -> Response:
@@ -58,6 +55,16 @@ def json_response(status: int, body: object) -> Response:
 
 def error(status: int, message: str) -> Response:
     return json_response(status, {"error": {"message": message, "code": status}})
+
+
+def json_body(request: Request, kind: type[_T], what: str) -> _T | Response:
+    """The request's JSON body as ``kind``, or the 400 that says it must be ``what``."""
+    try:
+        return msgspec.json.decode(request.body or b"{}", type=kind)
+    except msgspec.DecodeError as exc:
+        return error(400, f"body must be {what}: {exc}")
+    except RecursionError:  # the decoder's bound on nesting: a client's error, not ours
+        return error(400, f"body must be {what}: it nests too deep")
 
 
 class AdminApi:
@@ -69,6 +76,7 @@ class AdminApi:
         routing: RoutingPublisher | None = None,
         traffic: Callable[[float], Mapping[str, TrafficView]] | None = None,
         reload: Callable[[], Awaitable[Reloaded]] | None = None,
+        routers: RouterReports | None = None,
     ) -> None:
         """``reload`` reads again what the server can change without a restart (the
         catalog, the API keys); without it a reload is the fleet's catalog alone."""
@@ -82,6 +90,9 @@ class AdminApi:
         if routing is None:
             routing = fleet.routing if fleet is not None else RoutingPublisher()
         self._routing = routing
+        if routers is None:
+            routers = fleet.routers if fleet is not None else RouterReports()
+        self._routers = routers  # what the routers that follow the routing report
         self._traffic = traffic  # the in-process router's view of each replica
         self._token = token.encode()
         self._gpu_views = GpuViews()
@@ -93,6 +104,7 @@ class AdminApi:
             ("GET", "/v1/models"): self.models,
             ("POST", "/v1/catalog/reload"): self.reload,
             ("GET", "/v1/routing"): self.routing,
+            ("POST", REPORT_PATH): self.router_report,
         }
         # /v1/nodes/{node} (POST {"intent": ...}) and /v1/models/{model}/placement (GET)
         self._patterns = [
@@ -214,12 +226,9 @@ class AdminApi:
         fleet = self._need_fleet()
         if isinstance(fleet, Response):
             return fleet
-        try:
-            body = msgspec.json.decode(request.body or b"{}", type=_IntentBody)
-        except msgspec.DecodeError as exc:
-            return error(400, f'body must be JSON like {{"intent": "drain"}}: {exc}')
-        except RecursionError:  # the decoder's bound on nesting: a client's error, not ours
-            return error(400, 'body must be JSON like {"intent": "drain"}: it nests too deep')
+        body = json_body(request, _IntentBody, 'JSON like {"intent": "drain"}')
+        if isinstance(body, Response):
+            return body
         if node_id not in self.control.nodes.nodes:
             return error(404, f"no node {node_id!r} has ever registered")
         try:
@@ -256,24 +265,18 @@ class AdminApi:
             return error(400, "wait must be a number of seconds")
         wait = min(max(wait, 0.0), 30.0)
         routing = self._routing
-        metrics = params.get("metrics", [""])[0]
-        if metrics:  # a standalone router says where its metrics are, for discovery
-            try:
-                host, port = parse_hostport(metrics, key="metrics")
-            except ConfigError:
-                return error(400, "metrics must be host:port")
-            if host in ("0.0.0.0", "::", ""):
-                host = request.client[0]  # a wildcard: where it is seen from
-            routing.followed_by(join_hostport(host, port), trio.current_time())
-        router = params.get("router", [""])[0]
-        if router:  # a router says what it holds wedged (work, no progress), every poll
-            if not _ROUTER_ID.fullmatch(router):
-                return error(400, "router must be 1-64 letters, digits, '-' or '_'")
+        # a router older than ``RouterReport`` reports with every poll, as parameters of
+        # it (taken until the release after this one)
+        metrics, router = params.get("metrics", [""])[0], params.get("router", [""])[0]
+        if metrics or router:
             said = params.get("wedged", [""])[0]
-            wedged = frozenset(filter(None, said.split(",")))
-            if len(wedged) > 1000 or not all(_REPLICA_ID.fullmatch(r) for r in wedged):
-                return error(400, "wedged must be at most 1,000 replica ids, comma-separated")
-            routing.report_wedged(router, wedged, trio.current_time())
+            report = RouterReport(
+                router=router, metrics=metrics, wedged=[r for r in said.split(",") if r]
+            )
+            try:
+                self._routers.take(report, request.client[0], trio.current_time())
+            except ReportRefused as exc:
+                return error(400, str(exc))
         fleet = self.fleet
         # a router that says it carries (``llmgw.routing.carried``) keeps the routes of
         # nodes not heard from yet by itself, and takes the table at once
@@ -292,6 +295,18 @@ class AdminApi:
             with trio.move_on_after(wait):
                 await routing.next(since)
         return Response(status=200, headers=list(_JSON), body=routing.body)
+
+    async def router_report(self, request: Request) -> Response:
+        """A standalone router's ``RouterReport``: where its metrics are, what it holds
+        wedged (``followers``)."""
+        report = json_body(request, RouterReport, "a router report, as JSON")
+        if isinstance(report, Response):
+            return report
+        try:
+            self._routers.take(report, request.client[0], trio.current_time())
+        except ReportRefused as exc:
+            return error(400, str(exc))
+        return Response(status=204, headers=[], body=b"")
 
     async def reload(self, request: Request) -> Response:
         reload = self._reload

@@ -35,11 +35,11 @@ import secrets
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 import trio
 
+from llmgw.agent.context import ShardContext
 from llmgw.agent.env import engine_env, tagged_shard
 from llmgw.agent.lifecycle import Event, Phase
 from llmgw.agent.procs import (
@@ -52,9 +52,6 @@ from llmgw.agent.procs import (
 from llmgw.agent.shard import Shard
 from llmgw.engines import adapters
 from llmgw.engines.base import with_key
-
-if TYPE_CHECKING:
-    from llmgw.agent.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -72,38 +69,38 @@ def held_why(port: int, holders: set[int], state_dir: Path) -> str:
     return f"port {port} is held by pid {', '.join(map(str, sorted(holders)))}"
 
 
-async def launch(sup: Supervisor, shard: Shard) -> bool:
+async def launch(ctx: ShardContext, shard: Shard) -> bool:
     """Start the shard's engine; True when it runs and is the shard's to watch."""
     spec = shard.spec
     adapter = adapters().get(spec.engine)
     if adapter is None:
         known = ", ".join(adapters())
-        sup.fire(shard, Event.REFUSED, f"unknown engine {spec.engine!r} (known: {known})")
+        ctx.fire(shard, Event.REFUSED, f"unknown engine {spec.engine!r} (known: {known})")
         return False
     # the engine listens where the agent says, not where the control plane asked
-    bind = sup.bind_address(spec)
+    bind = ctx.bind_address(spec)
     spec = spec if bind == spec.host else msgspec.structs.replace(spec, host=bind)
     # the adapter reads the model's files: off the event loop, which must keep heartbeating
     problems = await trio.to_thread.run_sync(adapter.validate, spec, abandon_on_cancel=True)
     if problems:
-        sup.fire(shard, Event.REFUSED, "refused before launch: " + "; ".join(problems))
+        ctx.fire(shard, Event.REFUSED, "refused before launch: " + "; ".join(problems))
         return False
-    binaries = dict(sup.binaries())
+    binaries = dict(ctx.binaries())
     try:
         how = adapter.launch(spec, binaries)
     except KeyError as exc:
-        sup.fire(shard, Event.REFUSED, f"{exc.args[0]} is not installed on this node")
+        ctx.fire(shard, Event.REFUSED, f"{exc.args[0]} is not installed on this node")
         return False
     if how.health_url is not None:  # it serves HTTP: only to whoever holds its own key
         how = with_key(how, adapter.key_env, secrets.token_urlsafe(32))
     ports = {spec.port} if how.health_url is not None and spec.port else set()
-    if sup.settings.kill_unidentified:
-        await sup.kill_unidentified(ports)
+    if ctx.settings.kill_unidentified:
+        await ctx.kill_unidentified(ports)
         if spec.gpus:
-            await sup.kill_gpu_holders()
+            await ctx.kill_gpu_holders()
     holders = port_holders(ports).get(spec.port, set()) if ports else set()
     if holders:
-        sup.fire(shard, Event.REFUSED, held_why(spec.port, holders, sup.settings.state_dir))
+        ctx.fire(shard, Event.REFUSED, held_why(spec.port, holders, ctx.settings.state_dir))
         return False
     if shard.phase is not Phase.STARTING:
         return False  # stopped or drained while it was being prepared: nothing to launch
@@ -116,11 +113,11 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
             stdout=fd,
             stderr=fd,
             start_new_session=True,
-            env=engine_env(os.environ, how.env, spec.shard_id, sup.settings.state_dir),
+            env=engine_env(os.environ, how.env, spec.shard_id, ctx.settings.state_dir),
         )
     except OSError as exc:
         os.close(fd)
-        sup.fire(shard, Event.REFUSED, f"cannot start {how.argv[0]}: {exc.strerror or exc}")
+        ctx.fire(shard, Event.REFUSED, f"cannot start {how.argv[0]}: {exc.strerror or exc}")
         return False
     os.close(fd)
     shard.process = process
@@ -135,16 +132,16 @@ async def launch(sup: Supervisor, shard: Shard) -> bool:
         state="R",
     )
     shard.launched_at = time.time()
-    sup.write_record(shard)
-    sup.on_event("launched")
+    ctx.write_record(shard)
+    ctx.on_event("launched")
     log.info("shard %s: started %s (pid %d)", spec.shard_id, how.argv[0], process.pid)
-    if sup.fire(shard, Event.LAUNCHED, f"pid {process.pid}").to is not Phase.STARTING:
+    if ctx.fire(shard, Event.LAUNCHED, f"pid {process.pid}").to is not Phase.STARTING:
         # a stop or drain came while it was spawning; whoever ends the shard may
         # have looked before there was a process to end
         log.info("shard %s: ending pid %d, no longer wanted", spec.shard_id, process.pid)
-        await terminate_group(process.pid, grace=2.0, on_sigkill=sup.sigkill_hook(shard, 2.0))
+        await terminate_group(process.pid, grace=2.0, on_sigkill=ctx.sigkill_hook(shard, 2.0))
         with trio.move_on_after(5):
             await process.wait()
-        sup.records.remove(spec.shard_id)  # it describes nothing now
+        ctx.records.remove(spec.shard_id)  # it describes nothing now
         return False
     return True

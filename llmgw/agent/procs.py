@@ -69,6 +69,8 @@ from pathlib import Path
 import attrs
 import trio
 
+from llmgw.protocol.exits import exit_fields, exit_words
+
 PROC = Path("/proc")
 
 #: Errors that mean "the process went away or is not ours to read": skip it.
@@ -258,13 +260,7 @@ def describe_exit(returncode: int) -> str:
 
     ``returncode`` as ``subprocess`` gives it: negative for a signal.
     """
-    if returncode >= 0:
-        return f"exited with code {returncode}"
-    number = -returncode
-    try:
-        return f"killed by signal {number} ({signal.Signals(number).name})"
-    except ValueError:
-        return f"killed by signal {number}"
+    return exit_words(*exit_fields(returncode))
 
 
 # PIDFD_GET_INFO (linux/pidfd.h): _IOWR(0xFF, 11, struct pidfd_info), here with

@@ -25,6 +25,11 @@ class Shard:
     adopted: bool = False
     detail: str = ""
     ending_why: str = ""  # why its group is being ended, when that ends in a failure
+    # False while a ready engine does not answer its health checks (``health``)
+    healthy: bool = True
+    # how its engine ended, as ``subprocess`` gives it (negative: a signal), once it
+    # ended unasked; None before, or when that could not be read (adopted)
+    returncode: int | None = None
     launched_at: float = 0.0
 
     @property

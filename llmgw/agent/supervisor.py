@@ -7,26 +7,19 @@ agent daemon and outlives any one control-plane session: engines keep
 serving while the agent reconnects.
 
 Every phase a shard is in and every move it may make are in
-``lifecycle.TRANSITIONS``. The tasks here only observe (the launcher, the
-watcher, the drainer, the terminator) or relay commands, and hand what they
-saw to ``fire``, which asks the table where the shard goes, reports the move
-when the table says so, forgets a shard that reached ``stopped`` or
-``failed``, and sets going what the move asks for: ending the process group,
-or a drain.
+``lifecycle.TRANSITIONS``. The tasks (``launch``; the watcher, the drainer
+and the terminator of ``runner``) only observe, and the control plane's
+commands arrive here; both hand what they saw to ``fire``, which asks the
+table where the shard goes, reports the move when the table says so, forgets
+a shard that reached ``stopped`` or ``failed``, and sets going what the move
+asks for: ending the process group, or a drain. The tasks reach the
+supervisor only through ``context.ShardContext``, which it is.
 
-Launch is ``launch``; adoption of engines a previous agent left is
-``adoption``; processes nobody can describe are ``strays``, killed only
-once the control plane has accepted this agent's registration (``registered``:
-an agent it refuses may stand beside the one whose engines those are); engine
-log files are bounded by ``logs``.
-
-Readiness is the engine's own health endpoint, bounded by the spec's startup
-timeout; a shard with no HTTP endpoint (a Ray worker) is ready once it has
-stayed up for a moment. An end nobody asked for is a failure, reported with
-the engine's output tail once what it left in its group is gone.
-
-Stop (adopted or not): SIGTERM to the group, SIGKILL after the grace; the
-shard is reported ``stopped`` only once no process of its group remains.
+Adoption of engines a previous agent left is ``adoption``; processes nobody
+can describe are ``strays``, killed only once the control plane has accepted
+this agent's registration (``registered``: an agent it refuses may stand
+beside the one whose engines those are); engine log files are bounded by
+``logs``.
 
 Every report is queued in the ``outbox`` for whichever session is up;
 ``reports()`` describes every shard for ``Register``. Every kill (a stray, a
@@ -38,65 +31,28 @@ that the control plane logs it too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
-import attrs
 import httpx
 import trio
 
-from llmgw.agent import health, logs, strays
-from llmgw.agent.adoption import adopt_records, adopted_exit, check_adopted, report_unrecorded
+from llmgw.agent import logs, runner, strays
+from llmgw.agent.adoption import adopt_records, check_adopted, report_unrecorded
 from llmgw.agent.busy import BusyPorts
-from llmgw.agent.health import HealthSettings
-from llmgw.agent.launch import launch
-from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, expects_exit, move
+from llmgw.agent.context import SupervisorSettings, stop_grace
+from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, move
 from llmgw.agent.output import OutputTail
-from llmgw.agent.procs import alive, describe_exit, identity, is_same_process, terminate_group
+from llmgw.agent.procs import identity
 from llmgw.agent.records import RecordStore, ShardRecord
+from llmgw.agent.runner import engine_auth, healthy
 from llmgw.agent.shard import Outbox, Shard
-from llmgw.engines import adapters
 from llmgw.http.logsafe import printable
+from llmgw.protocol.exits import exit_fields
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
 
-__all__ = ["Outbox", "Shard", "Supervisor", "SupervisorSettings"]
-
-
-def engine_auth(shard: Shard) -> dict[str, str]:
-    """The header that lets the agent past its engine's key (none when it has none)."""
-    key = shard.launch.engine_key if shard.launch else ""
-    return {"authorization": f"Bearer {key}"} if key else {}
-
+__all__ = ["Outbox", "Shard", "Supervisor", "SupervisorSettings", "stop_grace"]
 
 log = logging.getLogger("llmgw.agent.supervisor")
-
-HEALTH_INTERVAL_S = 0.25
-WORKER_SETTLE_S = 1.0  # a shard without HTTP is ready once it stayed up this long
-GIVE_UP_GRACE_S = 2.0  # SIGTERM to SIGKILL for an engine not ready in time
-
-
-@attrs.frozen
-class SupervisorSettings:
-    state_dir: Path
-    port_range: tuple[int, int] = (20000, 20999)
-    kill_unidentified: bool = True
-    stop_grace_s: float = 10.0
-    log_max_bytes: int = 64 << 20
-    stopped_log_keep_s: float = 72 * 3600.0
-    stopped_logs_max_bytes: int = 1 << 30
-    nvidia_smi: str = "nvidia-smi"
-    health: HealthSettings = attrs.Factory(HealthSettings)  # checks of engines once ready
-    # where engines listen: "auto" (the address this node reaches the control plane
-    # from), or an address ("0.0.0.0": every interface)
-    engine_bind: str = "auto"
-
-
-def stop_grace(spec: ShardSpec, settings: SupervisorSettings, asked: float | None = None) -> float:
-    """SIGTERM to SIGKILL for a shard: what the stop asked for, else its profile's (in
-    its spec), else this agent's ``[engines] stop_grace_s``."""
-    if asked is not None:
-        return asked
-    return spec.stop_grace_s if spec.stop_grace_s is not None else settings.stop_grace_s
 
 
 class Supervisor:
@@ -116,8 +72,7 @@ class Supervisor:
         self.on_event = on_event or (lambda _: None)
         self._nursery: trio.Nursery | None = None
         self._failed: set[str] = set()
-        self._unhealthy: set[str] = set()  # ready shards whose engine stopped answering
-        self._http = httpx.AsyncClient(timeout=2.0)
+        self.http = httpx.AsyncClient(timeout=2.0)
         # set by the stream on the first RegisterAck: until the control plane has
         # accepted this agent as this node, it kills nothing (it may be an impostor,
         # or a second agent beside the one whose engines hold these ports)
@@ -138,18 +93,18 @@ class Supervisor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Adopt what a previous agent left, then serve; once the control plane has
         accepted the registration, kill what nobody can describe."""
-        async with self._http, trio.open_nursery() as nursery:
+        async with self.http, trio.open_nursery() as nursery:
             self._nursery = nursery
             adopted = self.adopt_all()
             # before their watchers start, so the check alone decides which serve
             await check_adopted(
                 adopted,
-                self._healthy,
+                lambda url: healthy(self.http, url),
                 lambda shard: self.fire(shard, Event.HEALTHY, f"adopted pid {shard.pid}"),
-                settle_s=WORKER_SETTLE_S,
+                settle_s=runner.WORKER_SETTLE_S,
             )
             for shard in adopted:
-                self._spawn(self._run_adopted, shard)
+                self.spawn(runner.run_adopted, self, shard)
             nursery.start_soon(self._mind_logs)
             task_status.started()
             if self.settings.kill_unidentified:
@@ -174,7 +129,7 @@ class Supervisor:
                 state=s.state,
                 pid=s.pid,
                 detail=s.detail,
-                healthy=s.shard_id not in self._unhealthy,
+                healthy=s.healthy,
                 engine_key=s.launch.engine_key if s.launch else "",
             )
             for s in self.shards.values()
@@ -193,7 +148,7 @@ class Supervisor:
             self.on_event("restarted")
         shard = Shard(spec=spec, tail=self._tail(spec.shard_id))
         self.shards[spec.shard_id] = shard
-        self._spawn(self._run_new, shard)
+        self.spawn(runner.run_new, self, shard)
 
     def stop(self, shard_id: str, grace: float | None = None) -> None:
         """``grace`` None: the shard's own (``stop_grace``)."""
@@ -234,21 +189,24 @@ class Supervisor:
         if m.to in TERMINAL and before not in TERMINAL:
             self._forget(shard)
         if m.report:
-            tail = shard.tail.tail() if m.to is Phase.FAILED and shard.launch else []
+            failed = m.to is Phase.FAILED
+            exit_code, signal = exit_fields(shard.returncode if failed else None)
             self.outbox.put(
                 ShardStatus(
                     shard_id=shard.shard_id,
                     state=shard.state,
                     detail=shard.detail,
-                    output_tail=tail,
+                    output_tail=shard.tail.tail() if failed and shard.launch else [],
                     pid=shard.pid,
                     engine_key=shard.launch.engine_key if shard.launch else "",
+                    exit_code=exit_code,
+                    signal=signal,
                 )
             )
         if m.end_process:
-            self._spawn(self._end, shard, grace)
+            self.spawn(runner.end, self, shard, grace)
         if m.drain:
-            self._spawn(self._drain, shard, grace)
+            self.spawn(runner.drain, self, shard, grace)
         return m
 
     def _forget(self, shard: Shard) -> None:
@@ -262,46 +220,6 @@ class Supervisor:
         if self.shards.get(sid) is shard:
             del self.shards[sid]
 
-    # --- a shard's tasks ------------------------------------------------------
-
-    async def _run_new(self, shard: Shard) -> None:
-        if await launch(self, shard):
-            await self._until_ready(
-                shard, deadline=trio.current_time() + shard.spec.startup_timeout_s
-            )
-            await self._watch(shard)
-
-    async def _run_adopted(self, shard: Shard) -> None:
-        if shard.phase is Phase.STARTING:
-            deadline = trio.current_time() + shard.spec.startup_timeout_s
-            await self._until_ready(shard, deadline=deadline)
-        await self._watch(shard)
-
-    async def _until_ready(self, shard: Shard, *, deadline: float) -> None:
-        launch = shard.launch
-        assert launch is not None
-        settled = trio.current_time() + WORKER_SETTLE_S
-        while shard.phase is Phase.STARTING:
-            if not self._running(shard):
-                return  # _watch reports how it ended
-            if launch.health_url is None:
-                healthy = trio.current_time() >= settled
-            else:
-                healthy = await self._healthy(launch.health_url)
-            if healthy:
-                if shard.phase is Phase.STARTING:
-                    self._settle_identity(shard)
-                if self.fire(shard, Event.HEALTHY, "").to is Phase.READY:
-                    log.info("shard %s is ready", shard.shard_id)
-                return
-            if trio.current_time() >= deadline:
-                timeout = shard.spec.startup_timeout_s
-                log.warning("shard %s: not ready within %g s; stopping it", shard.shard_id, timeout)
-                shard.ending_why = f"not ready within the startup timeout of {timeout:g} s"
-                self.fire(shard, Event.TIMED_OUT, grace=GIVE_UP_GRACE_S)
-                return
-            await trio.sleep(HEALTH_INTERVAL_S)
-
     async def engine_metrics(self, shard_id: str) -> bytes | None:
         """A Ready engine's own /metrics, fetched with its key (Prometheus cannot send a
         key per target); None when there is no such engine here or it did not answer."""
@@ -312,155 +230,10 @@ class Supervisor:
         if shard.phase is not Phase.READY:
             return None
         try:
-            response = await self._http.get(launch.metrics_url, headers=engine_auth(shard))
+            response = await self.http.get(launch.metrics_url, headers=engine_auth(shard))
         except httpx.HTTPError:
             return None
         return response.content if response.status_code == 200 else None
-
-    async def _healthy(self, url: str) -> bool:
-        try:
-            response = await self._http.get(url)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200
-
-    async def _watch(self, shard: Shard) -> None:
-        """Until the engine ends; an end nobody asked for is a failure, with its output."""
-        if shard.phase in TERMINAL:
-            return
-        if shard.phase is Phase.READY and shard.launch and shard.launch.health_url:
-            self._spawn(self._check_health, shard, shard.launch.health_url)
-        if shard.process is not None:
-            why = describe_exit(await shard.process.wait())
-        else:
-            code = await adopted_exit(shard)
-            why = (
-                describe_exit(code)
-                if code is not None
-                else "exited (adopted: its exit status could not be read)"
-            )
-        if expects_exit(shard.phase):
-            return
-        # what the engine left behind (children in its group, a daemonized Ray head)
-        # would hold its port and GPUs
-        if shard.ident is not None:
-            await terminate_group(
-                shard.ident.pgid,
-                grace=2.0,
-                on_sigkill=self.sigkill_hook(
-                    shard, 2.0, "left running by its engine, which exited;"
-                ),
-            )
-        await self._cleanup(shard)
-        self.fire(shard, Event.EXITED, f"engine {why}")
-
-    async def _check_health(self, shard: Shard, url: str) -> None:
-        """While it is ready: is its engine still answering? Each change is reported."""
-        sid = shard.shard_id
-
-        def changed(healthy: bool, why: str) -> None:
-            if healthy:
-                self._unhealthy.discard(sid)
-                log.info("shard %s %s", sid, why)
-            else:
-                self._unhealthy.add(sid)
-                log.warning("shard %s is unhealthy: %s", sid, why)
-            self.on_event("recovered" if healthy else "unhealthy")
-            self.outbox.put(
-                ShardStatus(
-                    shard_id=sid,
-                    state=shard.state,
-                    detail=why,
-                    pid=shard.pid,
-                    healthy=healthy,
-                    engine_key=shard.launch.engine_key if shard.launch else "",
-                )
-            )
-
-        try:
-            await health.watch(
-                lambda: self._healthy(url),
-                lambda: shard.phase is Phase.READY and self.shards.get(sid) is shard,
-                self.settings.health,
-                changed,
-            )
-        finally:
-            self._unhealthy.discard(sid)
-
-    def _running(self, shard: Shard) -> bool:
-        if shard.process is not None:
-            return shard.process.returncode is None and alive(shard.process.pid)
-        return shard.ident is not None and is_same_process(shard.ident)
-
-    async def _end(self, shard: Shard, grace: float) -> None:
-        """End the shard's process group (the terminator), then say how that went."""
-        gone = True
-        if shard.ident is not None:
-            gone = await terminate_group(
-                shard.ident.pgid, grace=grace, on_sigkill=self.sigkill_hook(shard, grace)
-            )
-            if shard.process is not None:
-                with trio.move_on_after(5):
-                    await shard.process.wait()
-            await self._cleanup(shard)
-        if shard.phase is Phase.GIVING_UP:
-            self.fire(shard, Event.GONE if gone else Event.SURVIVED, shard.ending_why)
-        elif gone:
-            self.fire(shard, Event.GONE, "")
-        else:
-            pgid = shard.ident.pgid if shard.ident else None
-            self.fire(
-                shard, Event.SURVIVED, f"could not stop: process group {pgid} survived SIGKILL"
-            )
-
-    async def _cleanup(self, shard: Shard) -> None:
-        command = shard.launch.cleanup if shard.launch else None
-        if not command:
-            return
-        with trio.move_on_after(30) as scope:
-            try:
-                result = await trio.run_process(
-                    command, capture_stdout=True, capture_stderr=True, check=False
-                )
-            except OSError as exc:
-                log.warning("shard %s: cleanup %s failed: %s", shard.shard_id, command, exc)
-                return
-            if result.returncode != 0:
-                log.warning(
-                    "shard %s: cleanup %s exited %d: %s",
-                    shard.shard_id,
-                    " ".join(command),
-                    result.returncode,
-                    result.stderr.decode(errors="replace").strip()[-300:],
-                )
-        if scope.cancelled_caught:
-            log.warning("shard %s: cleanup %s took over 30 s", shard.shard_id, command)
-
-    async def _drain(self, shard: Shard, grace: float) -> None:
-        """Until nothing is in flight or the grace is over (the drainer)."""
-        deadline = trio.current_time() + grace
-        launch = shard.launch
-        while (
-            shard.phase is Phase.DRAINING
-            and launch is not None
-            and launch.metrics_url
-            and trio.current_time() < deadline
-        ):
-            if await self._idle(shard, launch.metrics_url):
-                break
-            await trio.sleep(HEALTH_INTERVAL_S)
-        self.fire(shard, Event.DRAINED, "", grace=min(stop_grace(shard.spec, self.settings), grace))
-
-    async def _idle(self, shard: Shard, url: str) -> bool:
-        adapter = adapters().get(shard.spec.engine)
-        try:
-            response = await self._http.get(url, headers=engine_auth(shard))
-        except httpx.HTTPError:
-            return True  # nothing answers: nothing in flight to protect
-        if adapter is None or response.status_code != 200:
-            return True
-        load = adapter.parse_metrics(response.text)
-        return not load.running and not load.waiting
 
     def sigkill_hook(
         self, shard: Shard, grace: float, how: str = ""
@@ -545,19 +318,6 @@ class Supervisor:
             )
         )
 
-    def _settle_identity(self, shard: Shard) -> None:
-        """Once ready, record the process as it is now: a launcher script may have
-        exec'd the engine (``sh -c "ray start ... && exec vllm serve ..."``), and
-        adoption compares command lines."""
-        if shard.ident is None or shard.adopted:
-            return
-        now = identity(shard.ident.pid)
-        if now is None or now.start_time != shard.ident.start_time or not now.cmdline:
-            return
-        if now.cmdline != shard.ident.cmdline:
-            shard.ident = attrs.evolve(shard.ident, cmdline=now.cmdline)
-            self.write_record(shard)
-
     def _tail(self, shard_id: str) -> OutputTail:
         return OutputTail(self.records.log_path(shard_id))
 
@@ -573,7 +333,10 @@ class Supervisor:
             keep_bytes=s.stopped_logs_max_bytes,
         )
 
-    def _spawn(self, fn: Callable[..., object], *args: object) -> None:
+    def holds(self, shard: Shard) -> bool:
+        return self.shards.get(shard.shard_id) is shard
+
+    def spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         if self._nursery is None:
             raise RuntimeError("the supervisor is not running")
-        self._nursery.start_soon(fn, *args)  # type: ignore[arg-type]
+        self._nursery.start_soon(fn, *args)

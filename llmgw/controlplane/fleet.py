@@ -30,7 +30,14 @@ from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Catalog, load_catalog
 from llmgw.controlplane.dispatcher import NodeNotConnected
 from llmgw.controlplane.fabrics import missing_weights
-from llmgw.controlplane.failures import TAIL_LINES, Failure, FailureLog, exit_of
+from llmgw.controlplane.failures import (
+    TAIL_LINES,
+    Failure,
+    FailureLog,
+    how_ended,
+    reported_exit,
+)
+from llmgw.controlplane.followers import RouterReports
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.known import KnownNodes
 from llmgw.controlplane.nodes import NodeState, awaited
@@ -120,6 +127,7 @@ class FleetManager:
         self.cannot_place: dict[str, tuple[str, float]] = {}
         self._cannot_place_kind: dict[str, str] = {}  # placement's bounded reason, for metrics
         self.routing = RoutingPublisher()
+        self.routers = RouterReports()  # what the routers that follow the routing report
         # engines learned from reports are probed before they are routed
         self.prober = Prober(self._claims, self._probed)
         self._refusals_said: set[tuple[str, str, str]] = set()
@@ -136,7 +144,9 @@ class FleetManager:
         self.prober.wake()
 
     def _status(self, node_id: str, status: ShardStatus) -> None:
-        self._queue(self.reconciler.shard_status(node_id, status, self._clock()))
+        plan = self.reconciler.shard_status(node_id, status, self._clock())
+        plan.failed = [reported_exit(failed, status) for failed in plan.failed]
+        self._queue(plan)
         if status.state == "ready":
             self.prober.wake()
 
@@ -167,7 +177,7 @@ class FleetManager:
     def _record(self, failed: ReplicaFailed) -> None:
         """Keep a replica's failure (the agent's words for a failed shard, else ours: a
         startup timeout, a lost node), its exit and its engine's last lines."""
-        exit_code, sig = exit_of(failed.why)
+        exit_code, sig = how_ended(failed)
         self.failures.record(
             Failure(
                 model=failed.model,
@@ -331,7 +341,7 @@ class FleetManager:
     def reconcile_once(self) -> None:
         started = time.perf_counter()
         now = self._clock()
-        self._plans.append(self.reconciler.wedged(self.routing.wedged(now), now))
+        self._plans.append(self.reconciler.wedged(self.routers.wedged(now), now))
         plan = self.reconciler.reconcile(self.control.nodes.nodes, now)
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         wall = time.time()

@@ -61,6 +61,10 @@ class ReplicaFailed:
     node_id: str
     why: str  # the agent's words for a shard that failed, else the reconciler's
     output_tail: tuple[str, ...] = ()
+    # how its engine ended, as the agent's report that failed it says (``protocol.exits``);
+    # None from a report that does not (an older agent's: its words say it)
+    exit_code: int | None = None
+    signal: int | None = None
 
 
 @attrs.frozen

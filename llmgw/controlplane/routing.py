@@ -105,12 +105,8 @@ def engine_url(node: Node, host: str, port: int) -> str:
 
 
 class RoutingPublisher:
-    """The current routing snapshot, and a way to wait for the next one."""
-
-    # a router that follows the watch asks again at least this often (its wait is at
-    # most 30 s); one not heard from for this long is no longer listed
-    FOLLOWER_TTL_S = 75.0
-    MAX_FOLLOWERS = 1000
+    """The current routing snapshot, and a way to wait for the next one. (What the
+    routers that follow it report is kept apart: ``followers.RouterReports``.)"""
 
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         self.snapshot = snapshot or versioned({}, [])
@@ -118,50 +114,6 @@ class RoutingPublisher:
         self.keys: list[RouterKey] = list(self.snapshot.keys)
         self.body = msgspec.json.encode(self.snapshot)  # what every watcher is sent
         self._changed = trio.Event()
-        # standalone routers' metrics listeners ("host:port") -> when last heard from
-        self._followers: dict[str, float] = {}
-        # each router's (its own id's) wedged replicas, and when it last said so
-        self._wedged: dict[str, tuple[frozenset[str], float]] = {}
-
-    def followed_by(self, metrics_address: str, now: float) -> None:
-        """A standalone router that serves metrics there asked for the routing."""
-        if metrics_address not in self._followers and len(self._followers) >= self.MAX_FOLLOWERS:
-            self._forget_old(now)
-            if len(self._followers) >= self.MAX_FOLLOWERS:
-                return  # bounded: an address never seen before waits for room
-        self._followers[metrics_address] = now
-
-    def report_wedged(self, router: str, replica_ids: frozenset[str], now: float) -> None:
-        """What one router holds wedged now (every poll says it again; empty: none)."""
-        if not replica_ids:
-            self._wedged.pop(router, None)
-            return
-        if router not in self._wedged and len(self._wedged) >= self.MAX_FOLLOWERS:
-            self._forget_old(now)
-            if len(self._wedged) >= self.MAX_FOLLOWERS:
-                return
-        self._wedged[router] = (replica_ids, now)
-
-    def wedged(self, now: float) -> frozenset[str]:
-        """The replicas some router heard from lately holds wedged."""
-        self._forget_old(now)
-        out: frozenset[str] = frozenset()
-        for ids, _ in self._wedged.values():
-            out |= ids
-        return out
-
-    def followers(self, now: float) -> list[str]:
-        """The metrics listeners of the routers heard from lately, sorted."""
-        self._forget_old(now)
-        return sorted(self._followers)
-
-    def _forget_old(self, now: float) -> None:
-        for address, seen in list(self._followers.items()):
-            if now - seen > self.FOLLOWER_TTL_S:
-                del self._followers[address]
-        for router, (_, said) in list(self._wedged.items()):
-            if now - said > self.FOLLOWER_TTL_S:
-                del self._wedged[router]
 
     def publish(self, snapshot: Snapshot) -> bool:
         """Make ``snapshot`` current if it says something new; True when it did."""

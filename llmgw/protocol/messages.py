@@ -236,6 +236,11 @@ class ShardStatus(Message, frozen=True):
     # it launched the engine; routers send it. Empty: the engine takes no key (an
     # older agent), or the report says nothing new about it
     engine_key: str = ""
+    # how the engine ended, on a ``failed`` that its end caused (``exits``): the code it
+    # exited with, or the number of the signal that ended it; both None otherwise, or
+    # from an older agent, whose ``detail`` alone says it in words
+    exit_code: int | None = None
+    signal: int | None = None
 
 
 class StartShard(Message, frozen=True):

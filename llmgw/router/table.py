@@ -21,7 +21,6 @@ bounded by the next beat: one dead replica ages nobody's gauges but its own.
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -299,13 +298,9 @@ class HttpWatch:
         self.url = admin_url.rstrip("/") + "/v1/routing"
         self._lost_at: float | None = None  # since when it cannot be followed
         self.poll_s = poll_s
-        # where this router serves its metrics, told to the control plane with every
-        # poll so that its service discovery lists it ("": none)
-        self.metrics_address = ""
-        # what this router holds wedged, told with every poll under its own id (a
-        # router's workers each poll, each with its own table)
-        self.wedged: Callable[[], frozenset[str]] = frozenset
-        self.router_id = secrets.token_hex(6)
+        # more query parameters for each poll: a router's report, to a control plane
+        # older than its own path for it (``report.Reporter.query``)
+        self.extra: Callable[[], dict[str, str]] = dict
         self._headers = {"authorization": f"Bearer {token}"}
         self._client = httpx.AsyncClient(timeout=poll_s + 10)
 
@@ -318,11 +313,9 @@ class HttpWatch:
                     params={
                         "since": since,
                         "wait": str(self.poll_s),
-                        "router": self.router_id,
-                        "wedged": ",".join(sorted(self.wedged())),
                         "carry": "1",  # it keeps what a control plane just started lacks
                     }
-                    | ({"metrics": self.metrics_address} if self.metrics_address else {}),
+                    | self.extra(),
                     headers=self._headers,
                 )
                 r.raise_for_status()

@@ -33,6 +33,7 @@ from llmgw.router.app import RouterApp, error_body
 from llmgw.router.guards import Limits
 from llmgw.router.keys import KeyRing, api_keys, followed
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.report import Reporter
 from llmgw.router.table import HttpWatch, RoutingTable
 from llmgw.routing import RouterKey
 from llmgw.serve import open_listeners
@@ -192,6 +193,8 @@ async def serve(
         else ""
     )
     watch = HttpWatch(config.admin_url, token)
+    reporter = Reporter(config.admin_url, token)  # what it tells the control plane
+    watch.extra = reporter.query  # a control plane older than the report reads it there
     metrics = RouterMetrics(daemon_registry("router"))
     keys = KeyRing(api_keys(config.router))
     table = RoutingTable(
@@ -199,9 +202,9 @@ async def serve(
         on_gone=metrics.forget,
         wedged_after_s=config.router.wedged_after_s,
         silent_after_s=config.router.silent_after_s,
+        on_wedged=reporter.wedged,
         on_keys=_follow_keys(keys, worker),
     )
-    watch.wedged = table.wedged_ids
     got = process_shares(config.router.max_connections)
     server = router_app(config.router, table, metrics, keys, got)
     watch_listeners(metrics.registry, {"router": server})
@@ -228,6 +231,7 @@ async def serve(
             if reread is not None:
                 nursery.start_soon(_reload_keys_on_sighup, keys, reread, children, worker)
             await nursery.start(table.run)
+            await nursery.start(reporter.run)
             await nursery.start(server.serve, listeners)
             where = ", ".join(
                 f"http://{x.socket.getsockname()[0]}:{x.socket.getsockname()[1]}/v1"
@@ -240,9 +244,11 @@ async def serve(
                 config.admin_url,
             )
             # worker 0 tells the control plane where its metrics are, for discovery
-            watch.metrics_address = await _serve_metrics(
+            listening = await _serve_metrics(
                 nursery, config, metrics, worker, run_dir, metrics_token, got
             )
+            if listening:
+                reporter.serves_metrics(listening)
     finally:
         with trio.CancelScope(shield=True):
             for child in children:

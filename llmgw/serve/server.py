@@ -23,6 +23,7 @@ from llmgw.config.loader import read_text
 from llmgw.config.schema import is_loopback, resolve, token_from_file
 from llmgw.controlplane.catalog import load_catalog
 from llmgw.controlplane.fleet import FleetManager
+from llmgw.controlplane.followers import RouterReports
 from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import LivenessPolicy, scrape_targets
 from llmgw.controlplane.reconciler import Timing
@@ -168,6 +169,7 @@ async def serve(
             ),
         )
     routing = fleet.routing if fleet is not None else RoutingPublisher()
+    routers = fleet.routers if fleet is not None else RouterReports()
     got = process_shares(config.router.max_connections if config.router.listen else 0)
     # the API keys of [[router.keys]] go to standalone routers with the routing, as hashes
     routing.set_keys(published(api_keys(config.router)))
@@ -181,13 +183,13 @@ async def serve(
             on_gone=metrics.forget,
             wedged_after_s=config.router.wedged_after_s,
             silent_after_s=config.router.silent_after_s,
-            on_wedged=lambda ids: routing.report_wedged("in-process", ids, trio.current_time()),
+            on_wedged=lambda ids: routers.report_wedged("in-process", ids, trio.current_time()),
         )
         keys = KeyRing(api_keys(config.router))
         router = (table, router_app(config.router, table, metrics, keys, got))
     reload = Reloader(fleet, keys, reread, routing)
     admin_api = AdminApi(
-        control, token, fleet, routing, router[0].traffic if router else None, reload
+        control, token, fleet, routing, router[0].traffic if router else None, reload, routers
     )
     admin = HttpServer(admin_api, limits=admin_limits(got), name="admin", admit=admin_api.admit)
     watched = {"admin": admin} if router is None else {"router": router[1], "admin": admin}
@@ -242,7 +244,7 @@ async def serve(
                         control.nodes.nodes.values(),
                         own[0] if own else "",
                         engines,
-                        routing.followers(trio.current_time()),
+                        routers.followers(trio.current_time()),
                     )
                 )
 

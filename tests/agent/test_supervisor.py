@@ -10,6 +10,7 @@ import logging
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,34 @@ from tests.cluster.procs import http_server
 from tests.conftest import Pki
 from tests.ports import own_port
 from tests.stream.harness import control_plane, supervised, wait_for
+
+
+def _engine(
+    tmp_path: Path, script: str, on_event: Callable[[str], None] | None = None
+) -> tuple[Supervisor, ShardSpec]:
+    """A supervisor whose llama-server is ``script`` (sh), and a spec for it."""
+    engine = tmp_path / "llama-server"
+    engine.write_text(f"#!/bin/sh\n{script}\n")
+    engine.chmod(0o755)
+    sup = Supervisor(
+        SupervisorSettings(state_dir=tmp_path / "agent", kill_unidentified=False),
+        lambda: {"llama-server": str(engine)},
+        on_event=on_event,
+    )
+    return sup, _spec(tmp_path)
+
+
+def _spec(tmp_path: Path) -> ShardSpec:
+    """A llama.cpp shard of ``tmp_path/m.gguf``."""
+    return ShardSpec(
+        shard_id="s1",
+        replica_id="r1",
+        model="m",
+        profile="p",
+        engine="llama.cpp",
+        port=own_port(),
+        model_path=str(tmp_path / "m.gguf"),
+    )
 
 
 async def test_an_adopted_engine_that_serves_is_reported_ready(tmp_path: Path) -> None:
@@ -114,17 +143,8 @@ async def test_a_hung_model_file_does_not_stall_heartbeats(
         return real(path)
 
     monkeypatch.setattr(llamacpp, "gguf_complete", hanging)
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"not a model")
-    spec = ShardSpec(
-        shard_id="s1",
-        replica_id="r1",
-        model="m",
-        profile="p",
-        engine="llama.cpp",
-        port=own_port(),
-        model_path=str(model),
-    )
+    (tmp_path / "m.gguf").write_bytes(b"not a model")
+    spec = _spec(tmp_path)
     try:
         async with (
             control_plane(pki, heartbeat=0.1) as plane,
@@ -159,24 +179,8 @@ async def test_a_stop_during_validation_launches_nothing(
         return []
 
     monkeypatch.setattr(llamacpp.LlamaCppAdapter, "validate", slow)
-    engine = tmp_path / "llama-server"
-    engine.write_text("#!/bin/sh\nexec sleep 60\n")
-    engine.chmod(0o755)
     events: list[str] = []
-    sup = Supervisor(
-        SupervisorSettings(state_dir=tmp_path / "agent", kill_unidentified=False),
-        lambda: {"llama-server": str(engine)},
-        on_event=events.append,
-    )
-    spec = ShardSpec(
-        shard_id="s1",
-        replica_id="r1",
-        model="m",
-        profile="p",
-        engine="llama.cpp",
-        port=own_port(),
-        model_path=str(tmp_path / "m.gguf"),
-    )
+    sup, spec = _engine(tmp_path, "exec sleep 60", events.append)
     try:
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
@@ -197,3 +201,22 @@ async def test_a_stop_during_validation_launches_nothing(
                 nursery.cancel_scope.cancel()
     finally:
         release.set()
+
+
+async def test_an_engine_that_exits_unasked_is_reported_failed_with_its_exit_code(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The numbers go up beside the words: ``exit_code`` for an exit, with the engine's
+    last lines; a control plane older than the numbers reads ``detail``."""
+    monkeypatch.setattr(llamacpp.LlamaCppAdapter, "validate", lambda self, spec: [])
+    sup, spec = _engine(tmp_path, "echo 'error: no such model'\nsleep 0.3\nexit 3")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sup.run)
+            sup.start(spec)
+            await wait_for(lambda: "s1" not in sup.shards)
+            *_, failed = sup.outbox.take()
+            assert (failed.state, failed.detail) == ("failed", "engine exited with code 3")
+            assert (failed.exit_code, failed.signal) == (3, None)
+            assert failed.output_tail == ["error: no such model"]
+            nursery.cancel_scope.cancel()

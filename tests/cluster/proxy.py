@@ -2,7 +2,8 @@
 
 Helpers that "close client connections" may skip upgraded ones (the seed's
 TestAgentReconnects passed for no reason that way); this proxy closes the
-sockets themselves and counts every connection it opened.
+sockets themselves and counts every connection it opened. It also keeps what
+clients sent through it (``sent``), for a test that reads what went over the wire.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ class Proxy:
         self.target_port = target_port
         self.opened = 0
         self.port = 0
+        self.sent = bytearray()  # every byte clients sent, all connections together
         self._scopes: set[trio.CancelScope] = set()
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -43,7 +45,7 @@ class Proxy:
                     upstream = await trio.open_tcp_stream("127.0.0.1", self.target_port)
                 self.opened += 1
                 async with upstream, trio.open_nursery() as nursery:
-                    nursery.start_soon(_pump, client, upstream, nursery.cancel_scope)
+                    nursery.start_soon(_pump, client, upstream, nursery.cancel_scope, self.sent)
                     nursery.start_soon(_pump, upstream, client, nursery.cancel_scope)
             except (OSError, trio.TooSlowError):
                 pass
@@ -52,9 +54,16 @@ class Proxy:
         await client.aclose()
 
 
-async def _pump(src: trio.SocketStream, dst: trio.SocketStream, scope: trio.CancelScope) -> None:
+async def _pump(
+    src: trio.SocketStream,
+    dst: trio.SocketStream,
+    scope: trio.CancelScope,
+    keep: bytearray | None = None,
+) -> None:
     try:
         while data := await src.receive_some(65536):
+            if keep is not None:
+                keep += data
             await dst.send_all(data)
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass

@@ -18,6 +18,7 @@ import trio
 
 from llmgw.router.keys import hash_key, new_key
 from tests.cluster.procs import Daemon
+from tests.cluster.proxy import Proxy
 from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_key, engine_pid
 from tests.conftest import Pki
 from tests.realparts import needs_server
@@ -117,6 +118,20 @@ class Samples(dict[tuple[str, frozenset[tuple[str, str]]], float]):
                 pairs = frozenset(re.findall(r'(\w+)="([^"]*)"', labels))
                 samples[(name, pairs)] = float(value)
         return samples
+
+
+async def listed_routers(c: Cluster) -> list[str]:
+    """The routers the server's service discovery lists (``/sd``, on its metrics
+    listener), once it lists any: their metrics listeners."""
+    sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
+    with trio.fail_after(10):
+        while True:
+            async with httpx.AsyncClient(timeout=5) as raw:
+                groups = (await raw.get(sd)).json()
+            routers = [g for g in groups if g["labels"]["llmgw_role"] == "router"]
+            if routers:
+                return [t for g in routers for t in g["targets"]]
+            await trio.sleep(0.2)
 
 
 async def admin_metrics(c: Cluster) -> Samples:
@@ -514,17 +529,9 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
         m = await router.wait_log(r"router metrics on (http://127\.0\.0\.1:\d+/metrics)")
         metrics_url = m.group(1)
-        # the control plane's service discovery lists the router, as it said at its poll
-        sd = (await c.server.wait_log(r"metrics on (http://\S+)/metrics"))[1] + "/sd"
-        with trio.fail_after(10):
-            while True:
-                async with httpx.AsyncClient(timeout=5) as raw:
-                    groups = (await raw.get(sd)).json()
-                routers = [g for g in groups if g["labels"]["llmgw_role"] == "router"]
-                if routers:
-                    break
-                await trio.sleep(0.2)
-        assert [f"http://{t}/metrics" for g in routers for t in g["targets"]] == [metrics_url]
+        # the control plane's service discovery lists the router, as it said in its report
+        targets = await listed_routers(c)
+        assert [f"http://{t}/metrics" for t in targets] == [metrics_url]
         client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
         for _ in range(6):  # connections land on both workers
             reply = await client.chat.completions.create(
@@ -558,12 +565,44 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         assert took < 2.0
 
 
+async def test_a_standalone_router_reports_in_a_post_of_its_own_and_polls_with_none(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """What a router tells the control plane (where its metrics are) goes in a report
+    posted to its own path, and that is what the control plane's service discovery
+    lists; the routing polls carry none of it. Read off the wire: the router follows
+    the control plane through a proxy that keeps every byte the router sent."""
+    metrics = '[metrics]\nlisten = "127.0.0.1:0"\n'
+    async with cluster(tmp_path, pki, server_extra=metrics) as c, trio.open_nursery() as nursery:
+        proxy = Proxy(int(c.server.admin_url.rsplit(":", 1)[1]))
+        await nursery.start(proxy.serve)
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "http://127.0.0.1:{proxy.port}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            'metrics_listen = "127.0.0.1:0"\n'
+            '[router]\nlisten = "127.0.0.1:0"\n'
+        )
+        async with stopped_with_sigterm(
+            Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
+        ) as router:
+            m = await router.wait_log(r"router metrics on http://(127\.0\.0\.1:\d+)/metrics")
+            assert await listed_routers(c) == [m.group(1)]
+            sent = bytes(proxy.sent).decode(errors="replace")
+            heads = re.findall(r"(GET|POST) (/v1/routing\S*) HTTP/1\.1", sent)
+            assert ("POST", "/v1/routing/report") in heads, heads
+            polls = [path for method, path in heads if method == "GET"]
+            assert polls and not [p for p in polls if re.search(r"[?&](router|wedged|metrics)=", p)]
+            assert f'"metrics":"{m.group(1)}"' in sent  # in the report's body
+        proxy.sever()
+        nursery.cancel_scope.cancel()
+
+
 async def test_every_worker_of_a_standalone_router_logs_at_the_level_asked(
     tmp_path: Path, pki: Pki
 ) -> None:
     """`llmgw router --log-level debug` over a config that says info: every worker logs
-    at debug (the routing polls each worker makes, under its own router id, show),
-    not only the first."""
+    at debug (the reports each worker makes, under its own router id, show), not only
+    the first."""
     async with routed(tmp_path, pki) as (c, _, _):
         held = reserved_port()
         (tmp_path / "router.toml").write_text(
@@ -575,10 +614,10 @@ async def test_every_worker_of_a_standalone_router_logs_at_the_level_asked(
         args = ["router", "--config", "router.toml", "--log-level", "debug"]
         async with stopped_with_sigterm(Daemon("router", args, tmp_path).start()) as router:
             await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
-            polls = r"HTTP Request: GET \S+/v1/routing\?\S*router=(\w+)"
+            reports = r"router (\w+) reported to the control plane"
             with trio.move_on_after(10):
-                while len(set(re.findall(polls, router.log()))) < 2:
+                while len(set(re.findall(reports, router.log()))) < 2:
                     await trio.sleep(0.1)
-            workers = set(re.findall(polls, router.log()))
+            workers = set(re.findall(reports, router.log()))
             assert len(workers) == 2, f"{len(workers)} of 2 workers log at debug:\n{router.log()}"
         held.close()

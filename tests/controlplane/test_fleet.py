@@ -229,6 +229,54 @@ async def test_a_replica_that_fails_is_one_warning_in_the_fleet_log(
     ]
 
 
+async def test_how_an_engine_ended_is_read_from_the_numbers_and_from_an_older_agents_words(
+    pki: Pki,
+) -> None:
+    """A failed status with ``signal`` is shown by it, whatever its words say; one from an
+    agent older than the numbers is read from its words, as before. Read where the
+    operator reads it: the admin API's models view and ``ctl replicas --failures``."""
+    from llmgw.cli.ctl import render_failures
+
+    catalog = parse_catalog(CATALOG, "catalog.toml")
+    async with control_plane(
+        pki, heartbeat=HEARTBEAT_S, unreachable_after=30, lost_after=60
+    ) as plane:
+        timing = Timing(settle_s=0, retry_base_s=0.1, retry_cap_s=0.1)
+        fleet = FleetManager(plane.control, catalog, timing=timing)
+        admin = HttpServer(AdminApi(plane.control, "t0ken", fleet))
+        async with agent_ws(plane, "n2") as n2, trio.open_nursery() as nursery:
+            listeners = await nursery.start(admin.serve_tcp, "127.0.0.1", 0)
+            url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/v1/models"
+            await nursery.start(fleet.run)
+
+            async def fail(**how: object) -> dict[str, object]:
+                with trio.fail_after(5):
+                    while not isinstance(message := _decode(await n2.get_message()), StartShard):
+                        pass
+                shard = message.spec.shard_id
+                await n2.send_message(encode(ShardStatus(shard_id=shard, state="starting")))
+                await n2.send_message(encode(ShardStatus(shard_id=shard, state="failed", **how)))
+                with trio.fail_after(5):
+                    async with httpx.AsyncClient(timeout=5) as client:
+                        while True:
+                            r = await client.get(url, headers={"authorization": "Bearer t0ken"})
+                            data = r.json()
+                            (second,) = [m for m in data["models"] if m["model"] == "second"]
+                            said = [f for f in second["failures"] if f["shard_id"] == shard]
+                            if said:
+                                return {"rendered": render_failures(data), **said[0]}
+                            await trio.sleep(0.05)
+
+            got = await fail(detail="engine gave up", signal=9)
+            assert (got["exit_code"], got["signal"]) == (None, "SIGKILL")
+            assert "signal SIGKILL" in str(got["rendered"])
+            got = await fail(detail="engine gave up", exit_code=3)
+            assert (got["exit_code"], got["signal"]) == (3, None)
+            got = await fail(detail="engine exited with code 4")  # an older agent
+            assert (got["exit_code"], got["signal"]) == (4, None)
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_replica_the_routers_hold_wedged_is_restarted_after_the_grace(
     pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -254,7 +302,7 @@ async def test_a_replica_the_routers_hold_wedged_is_restarted_after_the_grace(
 
             async def router_polls() -> None:
                 while True:
-                    fleet.routing.report_wedged("r1", frozenset({replica}), trio.current_time())
+                    fleet.routers.report_wedged("r1", frozenset({replica}), trio.current_time())
                     await trio.sleep(0.1)
 
             nursery.start_soon(router_polls)

@@ -29,6 +29,7 @@ from llmgw.protocol.errors import (
     VersionMismatch,
     clip_reason,
 )
+from llmgw.protocol.exits import exit_fields, exit_words, signal_name
 from llmgw.protocol.messages import (
     MESSAGE_TYPES,
     DrainShard,
@@ -273,3 +274,44 @@ def test_session_raises_only_protocol_errors_on_arbitrary_sequences(
             assert session.state is State.ERROR or before in (State.CLOSED, State.ERROR)
         else:
             assert session.state not in (State.ERROR, State.CLOSED)
+
+
+def test_how_an_engine_ended_rides_on_a_status_that_older_peers_still_read() -> None:
+    """``exit_code`` and ``signal`` are numbers beside the words of ``detail``: an older
+    control plane reads the words and ignores the numbers; an older agent's status,
+    without them, reads as not saying."""
+    agent, cp = pair()
+    cp.receive(agent.send(register()))
+    agent.receive(cp.send(ack()))
+    status = ShardStatus(
+        shard_id="s1", state="failed", detail="engine killed by signal 9 (SIGKILL)", signal=9
+    )
+    data = agent.send(status)
+    assert cp.receive(data) == status
+
+    class OldShardStatus(msgspec.Struct, tag="ShardStatus", tag_field="type"):
+        shard_id: str
+        state: str
+        detail: str = ""
+
+    old = msgspec.msgpack.decode(data, type=OldShardStatus | Register)
+    assert old == OldShardStatus(shard_id="s1", state="failed", detail=status.detail)
+    older = msgspec.msgpack.encode(
+        {"type": "ShardStatus", "shard_id": "s1", "state": "failed", "detail": "engine exited 1"}
+    )
+    got = cp.receive(older)
+    assert isinstance(got, ShardStatus) and (got.exit_code, got.signal) == (None, None)
+    # a status that says nothing of an exit is the same bytes as before
+    assert b"exit_code" not in encode(ShardStatus(shard_id="s1", state="ready"))
+
+
+def test_an_exit_in_numbers_and_in_words() -> None:
+    assert exit_fields(0) == (0, None)
+    assert exit_fields(3) == (3, None)
+    assert exit_fields(-9) == (None, 9)
+    assert exit_fields(None) == (None, None)
+    assert exit_words(1, None) == "exited with code 1"
+    assert exit_words(None, 9) == "killed by signal 9 (SIGKILL)"
+    assert exit_words(None, 200) == "killed by signal 200"
+    assert exit_words(None, None) == "exited"
+    assert (signal_name(15), signal_name(200)) == ("SIGTERM", "200")

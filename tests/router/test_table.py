@@ -7,23 +7,29 @@ show that a change is pushed, not polled for.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from urllib.parse import parse_qs
 
+import attrs
 import httpx
 import msgspec
+import pytest
 import trio
 import trio.lowlevel
 import trio.testing
 
 from llmgw.admin.api import AdminApi
+from llmgw.controlplane.followers import RouterReports
 from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import HttpServer, Request, Response
 from llmgw.router.keys import ApiKey, KeyRing, followed, hash_key, published
+from llmgw.router.report import Reporter
 from llmgw.router.table import HttpWatch, RoutingTable
-from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
+from llmgw.routing import REPORT_PATH, ModelRouting, Route, RouterKey, Snapshot, versioned
 
 TOKEN = "s3cret-token"
 
@@ -40,15 +46,33 @@ async def _until(done: Callable[[], bool], wall_s: float = 5.0) -> None:
         await trio.lowlevel.checkpoint()
 
 
-async def _admin(nursery: trio.Nursery) -> tuple[RoutingPublisher, str]:
-    """A control plane's admin API on loopback, routing from a publisher: both."""
+@attrs.define
+class Admin:
+    """A control plane's admin API on loopback: routing from a publisher, what routers
+    report kept apart, and every request it was sent."""
+
+    publisher: RoutingPublisher
+    routers: RouterReports
+    url: str
+    heard: list[tuple[str, str, str]]  # method, path, query
+
+
+async def _admin(nursery: trio.Nursery) -> Admin:
     control = ControlPlane(
         policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
     )
     publisher = RoutingPublisher(versioned({"m": ModelRouting()}, []))
-    server = HttpServer(AdminApi(control, TOKEN, routing=publisher))
-    listeners = await nursery.start(server.serve_tcp, "127.0.0.1", 0)
-    return publisher, f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    routers = RouterReports()
+    api = AdminApi(control, TOKEN, routing=publisher, routers=routers)
+    heard: list[tuple[str, str, str]] = []
+
+    async def app(request: Request) -> Response:
+        heard.append((request.method, request.path, request.query))
+        return await api(request)
+
+    listeners = await nursery.start(HttpServer(app).serve_tcp, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    return Admin(publisher, routers, url, heard)
 
 
 def test_the_version_is_the_content() -> None:
@@ -104,8 +128,9 @@ async def test_the_admin_watch_answers_a_standalone_router_on_the_change(
 ) -> None:
     """Through the admin API's HTTP listener and the standalone router's own watch:
     the long poll parked on the publisher answers the moment the snapshot changes."""
-    publisher, url = await _admin(nursery)
-    table = RoutingTable(HttpWatch(url, TOKEN))
+    admin = await _admin(nursery)
+    publisher = admin.publisher
+    table = RoutingTable(HttpWatch(admin.url, TOKEN))
     await nursery.start(table.run)
     await _until(lambda: table.known("m"))  # the first answer: we held no version
     await _until(lambda: publisher.watchers == 1)  # the next poll is parked
@@ -118,26 +143,69 @@ async def test_the_admin_watch_answers_a_standalone_router_on_the_change(
 async def test_a_standalone_router_tells_the_control_plane_what_it_holds_wedged(
     nursery: trio.Nursery,
 ) -> None:
-    """With every poll of the admin API's watch, under its own id: the control plane
-    holds a replica wedged while some router says so, and not once none does."""
-    publisher, url = await _admin(nursery)
-    held: frozenset[str] = frozenset()
-    watches = [HttpWatch(url, TOKEN, poll_s=0.05), HttpWatch(url, TOKEN, poll_s=0.05)]
-    watches[0].wedged = lambda: held  # one router's table; the other holds nothing
-    for watch in watches:
+    """In a report posted to its own path, under the router's own id, apart from the
+    routing polls (which say nothing of it): the control plane holds a replica wedged
+    while some router says so, and not once none does."""
+    admin = await _admin(nursery)
+    reporters = [Reporter(admin.url, TOKEN, every_s=0.05), Reporter(admin.url, TOKEN, every_s=0.05)]
+    for reporter in reporters:
+        watch = HttpWatch(admin.url, TOKEN, poll_s=0.05)
+        watch.extra = reporter.query
         await nursery.start(RoutingTable(watch).run)
+        await nursery.start(reporter.run)
     now = trio.current_time
     held = frozenset({"m-ab12cd-1", "Qwen/Qwen3-8B-ab12cd-2"})
-    await _until(lambda: publisher.wedged(now()) == held)
-    await trio.sleep(0.3)  # the other router's polls do not clear what this one says
-    assert publisher.wedged(now()) == held
-    held = frozenset()
-    await _until(lambda: publisher.wedged(now()) == frozenset())
+    reporters[0].wedged(held)  # as its table says after a judgement; the other's holds none
+    await _until(lambda: admin.routers.wedged(now()) == held)
+    await trio.sleep(0.3)  # the other router's reports do not clear what this one says
+    assert admin.routers.wedged(now()) == held
+    reporters[0].wedged(frozenset())
+    await _until(lambda: admin.routers.wedged(now()) == frozenset())
+    reports = [h for h in admin.heard if h[:2] == ("POST", REPORT_PATH)]
+    polls = [
+        query for method, path, query in admin.heard if (method, path) == ("GET", "/v1/routing")
+    ]
+    assert len(reports) > 4 and len(polls) > 4
+    assert not [q for q in polls if {"router", "wedged", "metrics"} & set(parse_qs(q))]
 
 
-async def test_a_bad_wedged_report_is_refused_and_changes_nothing(nursery: trio.Nursery) -> None:
-    publisher, admin = await _admin(nursery)
-    url = admin + "/v1/routing"
+async def test_a_router_says_where_its_metrics_are_and_a_wildcard_is_where_it_is_seen(
+    nursery: trio.Nursery,
+) -> None:
+    admin = await _admin(nursery)
+    reporter = Reporter(admin.url, TOKEN, every_s=60)
+    await nursery.start(reporter.run)
+    reporter.serves_metrics("0.0.0.0:9100")  # sent at once, not on the next beat
+    await _until(lambda: admin.routers.followers(trio.current_time()) == ["127.0.0.1:9100"])
+
+
+async def test_a_bad_router_report_is_refused_and_changes_nothing(nursery: trio.Nursery) -> None:
+    admin = await _admin(nursery)
+    url = admin.url + REPORT_PATH
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}) as client:
+        for body, words in (
+            (b"{", "body must be a router report, as JSON"),
+            (b'{"wedged": ["m-1"]}', "body must be a router report"),  # whose?
+            (b'{"router": "a b", "wedged": ["m-1"]}', "router must be 1-64 letters"),
+            (b'{"router": "r", "wedged": ["ok", "<script>"]}', "wedged must be at most 1,000"),
+            (
+                msgspec.json.encode({"router": "r", "wedged": [f"m-{i}" for i in range(1001)]}),
+                "at most",
+            ),
+            (b'{"router": "r", "wedged": ["m-1"], "metrics": "no-port"}', "metrics must be"),
+        ):
+            r = await client.post(url, content=body)
+            assert r.status_code == 400 and words in r.text, (body, r.text)
+    assert admin.routers.wedged(trio.current_time()) == frozenset()
+    assert admin.routers.followers(trio.current_time()) == []
+
+
+async def test_an_older_routers_report_on_its_poll_is_still_taken(nursery: trio.Nursery) -> None:
+    """A router older than the report says the same as parameters of its routing poll:
+    taken for one release, checked as a report is."""
+    admin = await _admin(nursery)
+    url = admin.url + "/v1/routing"
+    now = trio.current_time
     async with httpx.AsyncClient(headers={"authorization": f"Bearer {TOKEN}"}) as client:
         for params, words in (
             ({"router": "a b"}, "router must be 1-64 letters"),
@@ -146,7 +214,43 @@ async def test_a_bad_wedged_report_is_refused_and_changes_nothing(nursery: trio.
         ):
             r = await client.get(url, params=params)
             assert r.status_code == 400 and words in r.text, (params, r.text)
-    assert publisher.wedged(trio.current_time()) == frozenset()
+        assert admin.routers.wedged(now()) == frozenset()
+        said = {"router": "old1", "wedged": "m-1,m-2", "metrics": "0.0.0.0:9100"}
+        assert (await client.get(url, params=said)).status_code == 200
+    assert admin.routers.wedged(now()) == {"m-1", "m-2"}
+    assert admin.routers.followers(now()) == ["127.0.0.1:9100"]
+
+
+async def test_against_a_control_plane_older_than_the_report_it_rides_on_the_polls(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older control plane has no path for the report (404): the router says it once,
+    and its routing polls carry the report as older routers' did."""
+    caplog.set_level(logging.INFO)
+    polls: list[dict[str, list[str]]] = []
+
+    async def older(request: Request) -> Response:
+        if (request.method, request.path) != ("GET", "/v1/routing"):
+            return Response(status=404, headers=[], body=b"no such endpoint")
+        polls.append(parse_qs(request.query))
+        await trio.sleep(0.05)
+        body = msgspec.json.encode(versioned({"m": ModelRouting()}, []))
+        return Response(status=200, headers=[("content-type", "application/json")], body=body)
+
+    listeners = await nursery.start(HttpServer(older).serve_tcp, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+    reporter = Reporter(url, TOKEN, every_s=60)
+    reporter.serves_metrics("127.0.0.1:9100")
+    reporter.wedged(frozenset({"m-1"}))
+    watch = HttpWatch(url, TOKEN, poll_s=0.05)
+    watch.extra = reporter.query
+    await nursery.start(reporter.run)
+    await _until(lambda: reporter.older)
+    await nursery.start(RoutingTable(watch).run)
+    await _until(lambda: bool(polls) and "router" in polls[-1])
+    assert polls[-1]["router"] == [reporter.router_id]
+    assert (polls[-1]["wedged"], polls[-1]["metrics"]) == (["m-1"], ["127.0.0.1:9100"])
+    assert "the control plane takes no router report (it is older" in caplog.text
 
 
 async def test_one_dead_replica_ages_no_other_replicas_gauges(nursery: trio.Nursery) -> None:

@@ -1,0 +1,254 @@
+"""The shard runner: a shard's tasks once it is launched or adopted.
+
+Theory of operation
+-------------------
+Each task watches one thing and hands what it saw to the context's ``fire``
+(``context.ShardContext``), which moves the shard through the lifecycle table
+and sets going what the move asks for; nothing here decides a phase.
+
+- The watcher (``run_new``, ``run_adopted``): the engine's health until it is
+  ready, bounded by the spec's startup timeout (a shard with no HTTP endpoint,
+  a Ray worker, is ready once it has stayed up for a moment); then, while it
+  is ready, its health on an interval (``health``), each change reported; then
+  its end. An end nobody asked for is a failure, reported with how the engine
+  ended once what it left in its group is gone.
+- The terminator (``end``): SIGTERM to the group, SIGKILL after the grace; the
+  shard is gone only once no process of its group remains.
+- The drainer (``drain``): until the engine has nothing in flight or the grace
+  is over.
+
+An engine that is not this agent's child (adopted) cannot be waited for: its
+end is read through ``adoption.adopted_exit``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import httpx
+import trio
+
+from llmgw.agent import health
+from llmgw.agent.adoption import adopted_exit
+from llmgw.agent.context import ShardContext, stop_grace
+from llmgw.agent.launch import launch
+from llmgw.agent.lifecycle import TERMINAL, Event, Phase, expects_exit
+from llmgw.agent.procs import alive, describe_exit, identity, is_same_process, terminate_group
+from llmgw.agent.shard import Shard
+from llmgw.engines import adapters
+from llmgw.protocol.messages import ShardStatus
+
+log = logging.getLogger("llmgw.agent.supervisor")
+
+HEALTH_INTERVAL_S = 0.25
+WORKER_SETTLE_S = 1.0  # a shard without HTTP is ready once it stayed up this long
+GIVE_UP_GRACE_S = 2.0  # SIGTERM to SIGKILL for an engine not ready in time
+
+
+def engine_auth(shard: Shard) -> dict[str, str]:
+    """The header that lets the agent past its engine's key (none when it has none)."""
+    key = shard.launch.engine_key if shard.launch else ""
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+async def healthy(http: httpx.AsyncClient, url: str) -> bool:
+    try:
+        response = await http.get(url)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
+async def run_new(ctx: ShardContext, shard: Shard) -> None:
+    if await launch(ctx, shard):
+        await _until_ready(ctx, shard, deadline=trio.current_time() + shard.spec.startup_timeout_s)
+        await _watch(ctx, shard)
+
+
+async def run_adopted(ctx: ShardContext, shard: Shard) -> None:
+    if shard.phase is Phase.STARTING:
+        deadline = trio.current_time() + shard.spec.startup_timeout_s
+        await _until_ready(ctx, shard, deadline=deadline)
+    await _watch(ctx, shard)
+
+
+async def _until_ready(ctx: ShardContext, shard: Shard, *, deadline: float) -> None:
+    how = shard.launch
+    assert how is not None
+    settled = trio.current_time() + WORKER_SETTLE_S
+    while shard.phase is Phase.STARTING:
+        if not _running(shard):
+            return  # _watch reports how it ended
+        if how.health_url is None:
+            up = trio.current_time() >= settled
+        else:
+            up = await healthy(ctx.http, how.health_url)
+        if up:
+            if shard.phase is Phase.STARTING:
+                _settle_identity(ctx, shard)
+            if ctx.fire(shard, Event.HEALTHY, "").to is Phase.READY:
+                log.info("shard %s is ready", shard.shard_id)
+            return
+        if trio.current_time() >= deadline:
+            timeout = shard.spec.startup_timeout_s
+            log.warning("shard %s: not ready within %g s; stopping it", shard.shard_id, timeout)
+            shard.ending_why = f"not ready within the startup timeout of {timeout:g} s"
+            ctx.fire(shard, Event.TIMED_OUT, grace=GIVE_UP_GRACE_S)
+            return
+        await trio.sleep(HEALTH_INTERVAL_S)
+
+
+async def _watch(ctx: ShardContext, shard: Shard) -> None:
+    """Until the engine ends; an end nobody asked for is a failure, with its output."""
+    if shard.phase in TERMINAL:
+        return
+    if shard.phase is Phase.READY and shard.launch and shard.launch.health_url:
+        ctx.spawn(_check_health, ctx, shard, shard.launch.health_url)
+    if shard.process is not None:
+        code: int | None = await shard.process.wait()
+    else:
+        code = await adopted_exit(shard)
+    if expects_exit(shard.phase):
+        return
+    shard.returncode = code  # reported with the failure, as numbers (``protocol.exits``)
+    why = (
+        describe_exit(code)
+        if code is not None
+        else "exited (adopted: its exit status could not be read)"
+    )
+    # what the engine left behind (children in its group, a daemonized Ray head)
+    # would hold its port and GPUs
+    if shard.ident is not None:
+        await terminate_group(
+            shard.ident.pgid,
+            grace=2.0,
+            on_sigkill=ctx.sigkill_hook(shard, 2.0, "left running by its engine, which exited;"),
+        )
+    await _cleanup(shard)
+    ctx.fire(shard, Event.EXITED, f"engine {why}")
+
+
+async def _check_health(ctx: ShardContext, shard: Shard, url: str) -> None:
+    """While it is ready: is its engine still answering? Each change is reported."""
+    sid = shard.shard_id
+
+    def changed(up: bool, why: str) -> None:
+        shard.healthy = up
+        if up:
+            log.info("shard %s %s", sid, why)
+        else:
+            log.warning("shard %s is unhealthy: %s", sid, why)
+        ctx.on_event("recovered" if up else "unhealthy")
+        ctx.outbox.put(
+            ShardStatus(
+                shard_id=sid,
+                state=shard.state,
+                detail=why,
+                pid=shard.pid,
+                healthy=up,
+                engine_key=shard.launch.engine_key if shard.launch else "",
+            )
+        )
+
+    try:
+        await health.watch(
+            lambda: healthy(ctx.http, url),
+            lambda: shard.phase is Phase.READY and ctx.holds(shard),
+            ctx.settings.health,
+            changed,
+        )
+    finally:
+        shard.healthy = True
+
+
+def _running(shard: Shard) -> bool:
+    if shard.process is not None:
+        return shard.process.returncode is None and alive(shard.process.pid)
+    return shard.ident is not None and is_same_process(shard.ident)
+
+
+async def end(ctx: ShardContext, shard: Shard, grace: float) -> None:
+    """End the shard's process group (the terminator), then say how that went."""
+    gone = True
+    if shard.ident is not None:
+        gone = await terminate_group(
+            shard.ident.pgid, grace=grace, on_sigkill=ctx.sigkill_hook(shard, grace)
+        )
+        if shard.process is not None:
+            with trio.move_on_after(5):
+                await shard.process.wait()
+        await _cleanup(shard)
+    if shard.phase is Phase.GIVING_UP:
+        ctx.fire(shard, Event.GONE if gone else Event.SURVIVED, shard.ending_why)
+    elif gone:
+        ctx.fire(shard, Event.GONE, "")
+    else:
+        pgid = shard.ident.pgid if shard.ident else None
+        ctx.fire(shard, Event.SURVIVED, f"could not stop: process group {pgid} survived SIGKILL")
+
+
+async def _cleanup(shard: Shard) -> None:
+    command = shard.launch.cleanup if shard.launch else None
+    if not command:
+        return
+    with trio.move_on_after(30) as scope:
+        try:
+            result = await trio.run_process(
+                command, capture_stdout=True, capture_stderr=True, check=False
+            )
+        except OSError as exc:
+            log.warning("shard %s: cleanup %s failed: %s", shard.shard_id, command, exc)
+            return
+        if result.returncode != 0:
+            log.warning(
+                "shard %s: cleanup %s exited %d: %s",
+                shard.shard_id,
+                " ".join(command),
+                result.returncode,
+                result.stderr.decode(errors="replace").strip()[-300:],
+            )
+    if scope.cancelled_caught:
+        log.warning("shard %s: cleanup %s took over 30 s", shard.shard_id, command)
+
+
+async def drain(ctx: ShardContext, shard: Shard, grace: float) -> None:
+    """Until nothing is in flight or the grace is over (the drainer)."""
+    deadline = trio.current_time() + grace
+    how = shard.launch
+    while (
+        shard.phase is Phase.DRAINING
+        and how is not None
+        and how.metrics_url
+        and trio.current_time() < deadline
+    ):
+        if await _idle(ctx.http, shard, how.metrics_url):
+            break
+        await trio.sleep(HEALTH_INTERVAL_S)
+    ctx.fire(shard, Event.DRAINED, "", grace=min(stop_grace(shard.spec, ctx.settings), grace))
+
+
+async def _idle(http: httpx.AsyncClient, shard: Shard, url: str) -> bool:
+    adapter = adapters().get(shard.spec.engine)
+    try:
+        response = await http.get(url, headers=engine_auth(shard))
+    except httpx.HTTPError:
+        return True  # nothing answers: nothing in flight to protect
+    if adapter is None or response.status_code != 200:
+        return True
+    load = adapter.parse_metrics(response.text)
+    return not load.running and not load.waiting
+
+
+def _settle_identity(ctx: ShardContext, shard: Shard) -> None:
+    """Once ready, record the process as it is now: a launcher script may have
+    exec'd the engine (``sh -c "ray start ... && exec vllm serve ..."``), and
+    adoption compares command lines."""
+    if shard.ident is None or shard.adopted:
+        return
+    now = identity(shard.ident.pid)
+    if now is None or now.start_time != shard.ident.start_time or not now.cmdline:
+        return
+    if now.cmdline != shard.ident.cmdline:
+        shard.ident = attrs.evolve(shard.ident, cmdline=now.cmdline)
+        ctx.write_record(shard)

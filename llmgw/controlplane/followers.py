@@ -1,0 +1,120 @@
+"""The routers that follow the routing, as their reports say: where their metrics are,
+and what they hold wedged.
+
+Theory of operation
+-------------------
+Following the routing (``RoutingPublisher``, ``GET /v1/routing``) and
+reporting to the control plane are two things, kept apart: a standalone
+router posts a ``routing.RouterReport`` to ``routing.REPORT_PATH`` on a
+timer of its own and at once when what it holds wedged changes. Its metrics
+listener is listed by the service discovery (``/sd``), and the replicas it
+holds wedged (work in flight, no progress) are failed by the reconciler once
+routers have said so for the wedged grace. The router inside ``llmgw server``
+says what it holds wedged here too, in process.
+
+Every report says everything again, so what a router said lasts until it says
+otherwise or is not heard from for ``FOLLOWER_TTL_S``: a router that went away
+takes its word with it. Both tables are bounded (``MAX_FOLLOWERS``); an entry
+never seen before waits for room. A report is checked whole before any of it
+is taken: a bad one changes nothing.
+
+Routers older than the report said the same as query parameters of their
+routing poll; the admin API turns those into a report, for one release.
+"""
+
+from __future__ import annotations
+
+import re
+
+from llmgw.addr import join_hostport
+from llmgw.config import ConfigError, parse_hostport
+from llmgw.routing import RouterReport
+
+ROUTER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+REPLICA_ID = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
+MAX_WEDGED = 1000
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+class ReportRefused(ValueError):
+    """A router's report that is not well formed, in words for its 400."""
+
+
+class RouterReports:
+    """What the routers heard from lately said."""
+
+    # a router reports at least this often (and an older one asks for the routing at
+    # least this often); one not heard from for this long is no longer listed
+    FOLLOWER_TTL_S = 75.0
+    MAX_FOLLOWERS = 1000
+
+    def __init__(self) -> None:
+        # standalone routers' metrics listeners ("host:port") -> when last heard from
+        self._followers: dict[str, float] = {}
+        # each router's (its own id's) wedged replicas, and when it last said so
+        self._wedged: dict[str, tuple[frozenset[str], float]] = {}
+
+    def take(self, report: RouterReport, seen_from: str, now: float) -> None:
+        """Take what ``report`` says (a wildcard metrics host: ``seen_from``, the address
+        the report came from). A report without a router id says nothing of what it
+        holds wedged (an older router's poll without one).
+
+        Raises:
+            ReportRefused: the report is not well formed; nothing was taken.
+        """
+        if report.router and not ROUTER_ID.fullmatch(report.router):
+            raise ReportRefused("router must be 1-64 letters, digits, '-' or '_'")
+        wedged = frozenset(report.wedged)
+        if len(wedged) > MAX_WEDGED or not all(REPLICA_ID.fullmatch(r) for r in wedged):
+            raise ReportRefused("wedged must be at most 1,000 replica ids")
+        address = ""
+        if report.metrics:
+            try:
+                host, port = parse_hostport(report.metrics, key="metrics")
+            except ConfigError:
+                raise ReportRefused("metrics must be host:port") from None
+            address = join_hostport(seen_from if host in _WILDCARDS else host, port)
+        if address:
+            self.followed_by(address, now)
+        if report.router:
+            self.report_wedged(report.router, wedged, now)
+
+    def followed_by(self, metrics_address: str, now: float) -> None:
+        """A standalone router that serves metrics there reported."""
+        if metrics_address not in self._followers and len(self._followers) >= self.MAX_FOLLOWERS:
+            self._forget_old(now)
+            if len(self._followers) >= self.MAX_FOLLOWERS:
+                return  # bounded: an address never seen before waits for room
+        self._followers[metrics_address] = now
+
+    def report_wedged(self, router: str, replica_ids: frozenset[str], now: float) -> None:
+        """What one router holds wedged now (every report says it again; empty: none)."""
+        if not replica_ids:
+            self._wedged.pop(router, None)
+            return
+        if router not in self._wedged and len(self._wedged) >= self.MAX_FOLLOWERS:
+            self._forget_old(now)
+            if len(self._wedged) >= self.MAX_FOLLOWERS:
+                return
+        self._wedged[router] = (replica_ids, now)
+
+    def wedged(self, now: float) -> frozenset[str]:
+        """The replicas some router heard from lately holds wedged."""
+        self._forget_old(now)
+        out: frozenset[str] = frozenset()
+        for ids, _ in self._wedged.values():
+            out |= ids
+        return out
+
+    def followers(self, now: float) -> list[str]:
+        """The metrics listeners of the routers heard from lately, sorted."""
+        self._forget_old(now)
+        return sorted(self._followers)
+
+    def _forget_old(self, now: float) -> None:
+        for address, seen in list(self._followers.items()):
+            if now - seen > self.FOLLOWER_TTL_S:
+                del self._followers[address]
+        for router, (_, said) in list(self._wedged.items()):
+            if now - said > self.FOLLOWER_TTL_S:
+                del self._wedged[router]

@@ -1,0 +1,111 @@
+"""A standalone router's report to the control plane, apart from following its routing.
+
+Theory of operation
+-------------------
+The control plane lists a router's metrics listener for its service discovery,
+and fails a replica that routers hold wedged (work in flight, no progress) for
+long enough. Both come from the router's ``routing.RouterReport``, which
+``Reporter`` posts to ``routing.REPORT_PATH``: at once when it starts, when its
+metrics listener is open, when what its table holds wedged changes (the table
+judges after every scrape), and otherwise every ``every_s``, well within the
+time after which the control plane forgets a router it has not heard from.
+Each report says everything again, under the router's own id (each worker of a
+router reports for its own table).
+
+While the control plane cannot be reached, reports are tried again within
+``RETRY_CAP_S``, so a restarted one hears them within seconds; the routing
+watch says in its own words that the control plane is away. A control plane
+older than the report answers 404: the reporter then hands its report to the
+routing watch as query parameters of each poll (``query``), as routers before
+it did, and keeps trying the report on its timer for when the control plane
+is upgraded.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import httpx
+import msgspec
+import trio
+
+from llmgw.routing import REPORT_PATH, RouterReport
+
+log = logging.getLogger("llmgw.router")
+
+REPORT_S = 20.0  # the control plane forgets a router not heard from for 75 s
+RETRY_CAP_S = 2.0
+
+
+class Reporter:
+    def __init__(self, admin_url: str, token: str, *, every_s: float = REPORT_S) -> None:
+        self.url = admin_url.rstrip("/") + REPORT_PATH
+        self.every_s = every_s
+        self.router_id = secrets.token_hex(6)
+        self.metrics_address = ""  # where this router serves its metrics ("": nowhere)
+        self.older = False  # the control plane takes no report: it rides on the polls
+        self._wedged: frozenset[str] = frozenset()
+        self._headers = {"authorization": f"Bearer {token}"}
+        self._changed = trio.Event()
+        self._refused = False
+
+    def report(self) -> RouterReport:
+        return RouterReport(
+            router=self.router_id, metrics=self.metrics_address, wedged=sorted(self._wedged)
+        )
+
+    def serves_metrics(self, address: str) -> None:
+        """Its metrics listener is open at ``address`` ("host:port")."""
+        self.metrics_address = address
+        self._changed.set()
+
+    def wedged(self, replica_ids: frozenset[str]) -> None:
+        """What the table holds wedged now (``RoutingTable.on_wedged``)."""
+        if replica_ids != self._wedged:
+            self._wedged = replica_ids
+            self._changed.set()
+
+    def query(self) -> dict[str, str]:
+        """The report as query parameters of a routing poll, for a control plane older
+        than the report; none for one that takes it."""
+        if not self.older:
+            return {}
+        report = self.report()
+        said = {"router": report.router, "wedged": ",".join(report.wedged)}
+        return said | ({"metrics": report.metrics} if report.metrics else {})
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with httpx.AsyncClient(timeout=10) as client:
+            task_status.started()
+            delay = 0.5
+            while True:
+                self._changed = trio.Event()
+                sent = await self._send(client)
+                delay = 0.5 if sent else min(delay * 2, RETRY_CAP_S)
+                with trio.move_on_after(self.every_s if sent else delay):
+                    await self._changed.wait()
+
+    async def _send(self, client: httpx.AsyncClient) -> bool:
+        """One report; False when the control plane could not be reached."""
+        try:
+            r = await client.post(
+                self.url, content=msgspec.json.encode(self.report()), headers=self._headers
+            )
+        except httpx.HTTPError:
+            return False
+        older = r.status_code in (404, 405)
+        if older != self.older:
+            self.older = older
+            log.info(
+                "the control plane takes no router report (it is older than this router): "
+                "this router reports with its routing polls instead"
+                if older
+                else "the control plane takes router reports: this router posts its own"
+            )
+        log.debug("router %s reported to the control plane: %s", self.router_id, r.status_code)
+        refused = r.status_code >= 400 and not older
+        if refused and not self._refused:  # said once, until a report is taken again
+            log.warning("the control plane refused this router's report: %s", r.text[:300])
+        self._refused = refused
+        return True
