@@ -7,7 +7,8 @@ has not tried yet, and the request goes to its engine over the lean
 keep-alive pool, the body forwarded as it came. Each attempt ends in a
 ``verdict``, and the verdict alone says what the replica's breaker is told,
 whether another replica may be tried (then within the per-request attempt
-cap and the router's ``RetryBudget``) and what the client gets. A response
+cap and, unless the verdict says the replica is gone or wedged, the router's
+``RetryBudget``) and what the client gets. A response
 the verdict relays is passed on as it arrives: a streamed body chunk by
 chunk (``Relay``), a whole reply read first.
 
@@ -117,21 +118,13 @@ class _Attempt:
 
 
 class _Failed:
-    """An attempt that gave the client nothing: its verdict, and why in words.
+    """An attempt that gave the client nothing: its verdict, and why in words."""
 
-    ``failover``: its replica is gone or held wedged (it refused the connection,
-    closed it without answering, or was found wedged), so the request put no load on
-    it and moving it elsewhere adds none: retried past the retry budget, within
-    ``max_attempts`` (and, as every retry, past the admission thresholds and the
-    poison check). Otherwise one engine dying with many requests waiting for their
-    first byte would spend the budget at once and fail the rest."""
+    __slots__ = ("verdict", "why")
 
-    __slots__ = ("failover", "verdict", "why")
-
-    def __init__(self, verdict: Verdict, why: str, failover: bool = False) -> None:
+    def __init__(self, verdict: Verdict, why: str) -> None:
         self.verdict = verdict
         self.why = why
-        self.failover = failover
 
 
 class Proxy:
@@ -246,10 +239,11 @@ class Proxy:
                 _count(held, now)
             failed = result
             held = ep if failed.verdict.suspect is not None else None
-            if failed.verdict.retry and self.budget.can_retry(
-                now, attempts=attempts, failover=failed.failover
+            judged = failed.verdict
+            if judged.retry and self.budget.can_retry(
+                now, attempts=attempts, failover=judged.failover
             ):
-                if not failed.failover:
+                if not judged.failover:
                     self.budget.on_retry(now)
                 record.retry()
                 continue
@@ -314,10 +308,10 @@ class Proxy:
                     request, headers, body, stream, lease, record, transcript, why_not, tried
                 )
             return _fault(  # cut: the replica is wedged
-                lease, record, UpstreamTimeout(waiting.why, "head"), started=False, wedged=True
+                lease, record, UpstreamTimeout(waiting.why, "head"), Failure.WEDGED
             )
         except UpstreamError as exc:
-            return _fault(lease, record, exc, started=False)
+            return _fault(lease, record, exc, attempt.failure(exc))
         finally:
             ep.streams.discard(waiting)
 
@@ -371,7 +365,7 @@ class Proxy:
         try:
             data = await upstream.read()
         except UpstreamError as exc:
-            return _fault(lease, record, exc, started=True)
+            return _fault(lease, record, exc, attempt.failure(exc), started=True)
         lease.finish(trio.current_time(), judged.outcome)
         record.tokens = _completion_tokens(data)
         reuse = prompt_reuse(data)
@@ -476,19 +470,17 @@ class Proxy:
 
 
 def _fault(
-    lease: Lease, record: Record, exc: UpstreamError, *, started: bool, wedged: bool = False
+    lease: Lease, record: Record, exc: UpstreamError, failure: Failure, *, started: bool = False
 ) -> _Failed:
-    """An attempt the pool failed (or one cut because its replica is ``wedged``): the
-    replica and the metrics told, the verdict made."""
-    failure = attempt.failure(exc)
+    """An attempt that ended in ``failure`` (the pool's ``exc``, or a cut of a replica
+    found wedged): the replica and the metrics told, the verdict made."""
     judged = verdict(failure, started=started)
     _end(lease, judged)
     record.upstream_error(lease.endpoint.key, attempt.kind(exc))
     if failure in poison.DEATHS:  # the engine died with the request in flight
         answered = started or failure is Failure.RESET
         record.died(lease.endpoint.key, answered=answered, alone=lease.alone())
-    gone = not started and failure in (Failure.CONNECT, Failure.UNANSWERED)
-    return _Failed(judged, f"{type(exc).__name__}: {exc}", failover=wedged or gone)
+    return _Failed(judged, f"{type(exc).__name__}: {exc}")
 
 
 def _end(lease: Lease, judged: Verdict) -> None:
