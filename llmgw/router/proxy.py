@@ -42,10 +42,10 @@ to ``queue_timeout_s`` for room, re-choosing every ``QUEUE_POLL_S``, then is
 shed with a 429 and Retry-After. When no replica can take it at all, the
 answer is a 503, or the last failed attempt's 502 or 504.
 
-A streamed chat or completion is relayed with a ``Transcript`` (see
-``llmgw.router.resume``): when its replica fails after the head, ``carry_on``
-has another Ready replica of the same engine continue it, and the client reads
-one unbroken stream. A whole reply whose body breaks is asked again, whole, of
+A streamed chat or completion that can be carried on is relayed with a
+``Transcript`` by a ``ResumableRelay`` (see ``llmgw.router.resumer``): when its
+replica fails after the head, the router's ``Resumer`` has another Ready replica
+of the same engine continue it, and the client reads one unbroken stream. A whole reply whose body breaks is asked again, whole, of
 another replica, within the retry budget (the verdict retries it). A replica
 found wedged cuts what it holds: its streams go on elsewhere, and an attempt
 still waiting on it fails over as a timeout would.
@@ -64,7 +64,7 @@ import trio
 
 from llmgw.engines.base import prompt_reuse
 from llmgw.http import Request, Response
-from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamTimeout
 from llmgw.router import attempt, poison, resume
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
@@ -72,17 +72,15 @@ from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
 from llmgw.router.prefix import prompt_key
 from llmgw.router.record import Record
-from llmgw.router.relay import Continuation, Relay
-from llmgw.router.render import Refused, render, said
+from llmgw.router.relay import Relay
 from llmgw.router.resume import NotResumed, Transcript
+from llmgw.router.resumer import ResumableRelay, Resumer
 from llmgw.router.table import RoutingTable
 from llmgw.router.verdict import Failure, Verdict, poisoned, verdict
 
 log = logging.getLogger("llmgw.router")
 
 QUEUE_POLL_S = 0.05
-# rendering a broken stream's request on another replica, and that replica's head
-RESUME_TIMEOUT_S = 10.0
 _STREAMED = {"/v1/chat/completions": True, "/v1/completions": False}  # path: chat?
 _OFF = NotResumed("off", "resuming streams is off (router.resume_streams)")
 _HOP = frozenset(
@@ -100,7 +98,6 @@ class _Reply(msgspec.Struct):
 
 
 _reply_decoder = msgspec.json.Decoder(_Reply)
-_JSON = ("content-type", "application/json")
 
 
 class _Attempt:
@@ -146,6 +143,7 @@ class Proxy:
         self.resume_streams = resume_streams
         self._panicking: set[str] = set()  # models whose last pick was in panic
         self.poison = poison.Watch()  # bodies that crashed engines lately
+        self.resumer = Resumer(table, pool, budget, self.poison)  # broken streams go on
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
         """The response to a routed request (``record.model``, ``record.started`` set).
@@ -251,10 +249,6 @@ class Proxy:
             record.replica = ep.key
             return _upstream_failed(model, failed)
 
-    def _stream_crashed(self, body: bytes, record: Record) -> NotResumed:
-        why = self.poison.crashed(body, record, "its stream broke", trio.current_time())
-        return NotResumed("poison", why)
-
     def _panic(self, model: str, choice: Choice, record: Record) -> None:
         record.metrics.panic_routed.labels(model).inc()
         if model not in self._panicking:
@@ -279,8 +273,8 @@ class Proxy:
         stream: bool,
         lease: Lease,
         record: Record,
-        plan: Transcript | NotResumed | None = None,
-        tried: set[str] | None = None,
+        plan: Transcript | NotResumed | None,
+        tried: set[str],
     ) -> Response | _Failed:
         """One try on one replica: the response, or the failure to judge.
 
@@ -325,7 +319,7 @@ class Proxy:
         record: Record,
         transcript: Transcript | None,
         why_not: NotResumed,
-        tried: set[str] | None,
+        tried: set[str],
     ) -> Response | _Failed:
         ep = lease.endpoint
         host, port = hostport(ep.url)
@@ -351,16 +345,20 @@ class Proxy:
         record.replica = ep.key
         out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
         if stream or status >= 300:
-            if transcript is not None and status < 300:
-                model = record.model
-                done = tried if tried is not None else set()
-
-                async def carry_on(t: Transcript) -> Continuation:
-                    return await self.carry_on(t, model, done, record, request.body)
-
-                relay = Relay(upstream, lease, judged.outcome, record, stream, transcript, carry_on)
-            else:
-                relay = Relay(upstream, lease, judged.outcome, record, stream, why_not=why_not)
+            relay = (
+                ResumableRelay(
+                    upstream,
+                    lease,
+                    judged.outcome,
+                    record,
+                    transcript,
+                    self.resumer,
+                    tried,
+                    request.body,
+                )
+                if transcript is not None and status < 300
+                else Relay(upstream, lease, judged.outcome, record, stream, why_not)
+            )
             return Response(status, out_headers, relay)
         try:
             data = await upstream.read()
@@ -372,101 +370,6 @@ class Proxy:
         if reuse is not None:
             record.reused(*reuse)
         return Response(status, out_headers, data)
-
-    async def carry_on(
-        self, t: Transcript, model: str, tried: set[str], record: Record, body: bytes = b""
-    ) -> Continuation:
-        """A broken stream's continuation from another Ready replica of its engine (one
-        not ``tried`` yet), or why there is none."""
-        if record.poison:
-            return self._stream_crashed(body, record)
-        if t.remaining() == 0:
-            return t.ending()
-        same = [
-            e for e in self.table.endpoints.get(model, []) if resume.family(e.engine) == t.family
-        ]
-        failures: list[str] = []
-        for _ in range(self.budget.max_attempts):
-            now = trio.current_time()
-            choice = choose(
-                same, now, admission=_NO_THRESHOLDS, exclude=frozenset(tried), model=model
-            )
-            ep = choice.endpoint
-            if ep is None:
-                break
-            tried.add(ep.key)
-            lease = Lease(ep, now)
-            try:
-                found = await self._continue_on(ep, t)
-            except BaseException:
-                lease.finish(trio.current_time(), None)
-                raise
-            crashed = False
-            if isinstance(found, UpstreamError):  # its engine died under it too?
-                if attempt.failure(found) in poison.DEATHS:
-                    crashed = record.died(ep.key, answered=t.id is not None, alone=lease.alone())
-                found = f"failed: {type(found).__name__}: {found}"
-            if isinstance(found, UpstreamResponse):
-                log.info(
-                    "stream %s of %s broke mid-way on replica %s; replica %s carries it on "
-                    "from token %d",
-                    t.id or "(not begun)",
-                    model,
-                    record.replica,
-                    ep.key,
-                    len(t.ids),
-                )
-                record.replica = ep.key
-                return found, lease
-            lease.finish(trio.current_time(), "upstream_fault")
-            record.upstream_error(ep.key, "resume")
-            failures.append(f"replica {ep.key} {found}")
-            if crashed:
-                return self._stream_crashed(body, record)
-        if failures:
-            return NotResumed("refused", "; ".join(failures))
-        return NotResumed("no_replica", f"no other Ready replica of {model} runs {t.family}")
-
-    async def _continue_on(
-        self, ep: Endpoint, t: Transcript
-    ) -> UpstreamResponse | str | UpstreamError:
-        """Ask ``ep`` for the rest of ``t``: its response, or what went wrong (in words,
-        or the pool's exception)."""
-        host, port = hostport(ep.url)
-        headers = [_JSON]
-        if ep.engine_key:
-            headers.append(("authorization", f"Bearer {ep.engine_key}"))
-
-        async def ask(path: str, body: dict[str, object]) -> dict[str, object]:
-            up = await self.pool.request(
-                "POST", host, port, path, headers, msgspec.json.encode(body)
-            )
-            data = await up.read()
-            if up.status != 200:
-                raise Refused(f"answered {path} with {up.status}: {said(data)}")
-            found = msgspec.json.decode(data)
-            if not isinstance(found, dict):
-                raise Refused(f"answered {path} with no JSON object")
-            return found
-
-        with trio.move_on_after(RESUME_TIMEOUT_S):
-            try:
-                prompt, ids = await render(ask, t)
-                t.prompt_tokens = len(prompt)
-                up = await self.pool.request(
-                    "POST", host, port, "/v1/completions", headers, t.continuation(prompt, ids)
-                )
-            except UpstreamError as exc:
-                return exc
-            except Refused as exc:
-                return str(exc)
-            except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-                return f"answered what it should not: {type(exc).__name__}: {exc}"
-            if up.status == 200:
-                return up
-            data = await up.read()
-            return f"refused the continuation with {up.status}: {said(data)}"
-        return f"did not take the continuation within {RESUME_TIMEOUT_S:g} s"
 
 
 def _fault(
