@@ -38,8 +38,10 @@ When every replica's breaker refuses, the balancer picks the least bad one
 counted in ``llmgw_router_panic`` and ``llmgw_router_panic_routed``.
 
 When every replica is above its admission thresholds the request waits up
-to ``queue_timeout_s`` for room, re-choosing every ``QUEUE_POLL_S``, then is
-shed with a 429 and Retry-After. When no replica can take it at all, the
+to ``queue_timeout_s`` for room in its model's ``Room``, woken to choose again
+the moment a request on one of the model's replicas ends, a replica's gauges
+are read or the table changes (``llmgw.router.room``), then is shed with a 429
+and Retry-After. When no replica can take it at all, the
 answer is a 503, or the last failed attempt's 502 or 504.
 
 A streamed chat or completion that can be carried on is relayed with a
@@ -80,7 +82,6 @@ from llmgw.router.verdict import Failure, Verdict, poisoned, verdict
 
 log = logging.getLogger("llmgw.router")
 
-QUEUE_POLL_S = 0.05
 _STREAMED = {"/v1/chat/completions": True, "/v1/completions": False}  # path: chat?
 _OFF = NotResumed("off", "resuming streams is off (router.resume_streams)")
 _HOP = frozenset(
@@ -157,6 +158,7 @@ class Proxy:
             return refused
         endpoints = self.table.endpoints.get(model, [])
         admission = self.table.admission.get(model, _NO_THRESHOLDS)
+        room = self.table.rooms(model)
         tried: set[str] = set()
         headers = [
             (k, v)
@@ -187,8 +189,11 @@ class Proxy:
             )
             ep = choice.endpoint
             if ep is None:
-                if choice.shed and trio.current_time() - started < self.queue_timeout_s:
-                    await trio.sleep(QUEUE_POLL_S)  # queue for a bounded time before shedding
+                deadline = started + self.queue_timeout_s
+                if choice.shed and trio.current_time() < deadline:
+                    await room.wait(deadline)  # queue for a bounded time before shedding
+                    endpoints = self.table.endpoints.get(model, [])  # as it is now
+                    admission = self.table.admission.get(model, _NO_THRESHOLDS)
                     continue
                 if choice.shed:
                     record.shed()
@@ -214,7 +219,7 @@ class Proxy:
                 record.affinity(ep.key, ep.prefix, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
                     ep.prefix.record(key.blocks)
-            lease = Lease(ep, now)
+            lease = Lease(ep, now, room)
             try:
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:

@@ -89,6 +89,7 @@ class Resumer:
         same = [
             e for e in self._table.endpoints.get(model, []) if resume.family(e.engine) == t.family
         ]
+        room = self._table.rooms(model)
         failures: list[str] = []
         for _ in range(self._budget.max_attempts):
             now = trio.current_time()
@@ -99,7 +100,7 @@ class Resumer:
             if ep is None:
                 break
             tried.add(ep.key)
-            lease = Lease(ep, now)
+            lease = Lease(ep, now, room)
             try:
                 found = await self._continue_on(ep, t)
             except BaseException:
