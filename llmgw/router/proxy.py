@@ -8,9 +8,9 @@ keep-alive pool, the body forwarded as it came. Each attempt ends in a
 ``verdict``, and the verdict alone says what the replica's breaker is told,
 whether another replica may be tried (then within the per-request attempt
 cap and, unless the verdict says the replica is gone or wedged, the router's
-``RetryBudget``) and what the client gets. A response
-the verdict relays is passed on as it arrives: a streamed body chunk by
-chunk (``Relay``), a whole reply read first.
+``RetryBudget``) and what the client gets. A response the verdict relays is
+passed on as it arrives: a streamed body chunk by chunk (``Relay``), a whole
+reply read first.
 
 A suspect fault (one the request may have caused) is held, not told to the
 breaker, until the next attempt ends: if that one fails the same way on
@@ -41,16 +41,17 @@ When every replica is above its admission thresholds the request waits up
 to ``queue_timeout_s`` for room in its model's ``Room``, woken to choose again
 the moment a request on one of the model's replicas ends, a replica's gauges
 are read or the table changes (``llmgw.router.room``), then is shed with a 429
-and Retry-After. When no replica can take it at all, the
-answer is a 503, or the last failed attempt's 502 or 504.
+and Retry-After. When no replica can take it at all, the answer is a 503, or
+the last failed attempt's 502 or 504.
 
 A streamed chat or completion that can be carried on is relayed with a
 ``Transcript`` by a ``ResumableRelay`` (see ``llmgw.router.resumer``): when its
 replica fails after the head, the router's ``Resumer`` has another Ready replica
-of the same engine continue it, and the client reads one unbroken stream. A whole reply whose body breaks is asked again, whole, of
-another replica, within the retry budget (the verdict retries it). A replica
-found wedged cuts what it holds: its streams go on elsewhere, and an attempt
-still waiting on it fails over as a timeout would.
+of the same engine continue it, and the client reads one unbroken stream. A
+whole reply whose body breaks is asked again, whole, of another replica, within
+the retry budget (the verdict retries it). A replica found wedged cuts what it
+holds: its streams go on elsewhere, and an attempt still waiting on it fails
+over, as the verdict judges a cut (``Failure.WEDGED``).
 
 A client that leaves mid-attempt cancels the handler: the pool has closed
 the upstream connection, and the replica stops counting the request, with
