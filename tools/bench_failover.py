@@ -384,13 +384,11 @@ def event_cost(n: int = 200_000) -> float:
     (taking the id out, noting the text): its cost over a plain relay, per token."""
     from llmgw.router.resume import Transcript, plan
 
-    t = plan(b'{"model":"m","messages":[],"stream":true,"max_tokens":200}', chat=True)
-    assert isinstance(t, Transcript)
-    t.request("llama.cpp")
     best = float("inf")
     for _ in range(5):
-        t.ids.clear()
-        t.text.clear()
+        t = plan(b'{"model":"m","messages":[],"stream":true,"max_tokens":200}', chat=True)
+        assert isinstance(t, Transcript)
+        t.request("llama.cpp")
         start = time.perf_counter()
         for _ in range(n // 5):
             t.observe(_EVENT)

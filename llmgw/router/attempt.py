@@ -17,6 +17,7 @@ from llmgw.http.client import (
 )
 from llmgw.router.balancer import Endpoint
 from llmgw.router.breaker import Outcome
+from llmgw.router.room import Room
 from llmgw.router.verdict import Failure
 
 
@@ -45,13 +46,15 @@ def kind(exc: UpstreamError) -> str:
 
 
 class Lease:
-    """One request on one replica: counted from the start, ended exactly once."""
+    """One request on one replica: counted from the start, ended exactly once; its end
+    wakes the requests queued in its model's ``room`` (``llmgw.router.room``)."""
 
-    __slots__ = ("endpoint", "open", "seq", "sole")
+    __slots__ = ("endpoint", "open", "room", "seq", "sole")
 
-    def __init__(self, endpoint: Endpoint, now: float) -> None:
+    def __init__(self, endpoint: Endpoint, now: float, room: Room) -> None:
         endpoint.start(now)
         self.endpoint = endpoint
+        self.room = room
         self.open = True
         self.seq = endpoint.sent
         self.sole = endpoint.in_flight == 1  # nothing else in flight there as it started
@@ -65,6 +68,7 @@ class Lease:
         if self.open:
             self.open = False
             self.endpoint.finish(now, outcome)
+            self.room.wake()
 
 
 def hostport(url: str) -> tuple[str, int]:

@@ -7,9 +7,10 @@ has not tried yet, and the request goes to its engine over the lean
 keep-alive pool, the body forwarded as it came. Each attempt ends in a
 ``verdict``, and the verdict alone says what the replica's breaker is told,
 whether another replica may be tried (then within the per-request attempt
-cap and the router's ``RetryBudget``) and what the client gets. A response
-the verdict relays is passed on as it arrives: a streamed body chunk by
-chunk (``Relay``), a whole reply read first.
+cap and, unless the verdict says the replica is gone or wedged, the router's
+``RetryBudget``) and what the client gets. A response the verdict relays is
+passed on as it arrives: a streamed body chunk by chunk (``Relay``), a whole
+reply read first.
 
 A suspect fault (one the request may have caused) is held, not told to the
 breaker, until the next attempt ends: if that one fails the same way on
@@ -37,17 +38,20 @@ When every replica's breaker refuses, the balancer picks the least bad one
 counted in ``llmgw_router_panic`` and ``llmgw_router_panic_routed``.
 
 When every replica is above its admission thresholds the request waits up
-to ``queue_timeout_s`` for room, re-choosing every ``QUEUE_POLL_S``, then is
-shed with a 429 and Retry-After. When no replica can take it at all, the
-answer is a 503, or the last failed attempt's 502 or 504.
+to ``queue_timeout_s`` for room in its model's ``Room``, woken to choose again
+the moment a request on one of the model's replicas ends, a replica's gauges
+are read or the table changes (``llmgw.router.room``), then is shed with a 429
+and Retry-After. When no replica can take it at all, the answer is a 503, or
+the last failed attempt's 502 or 504.
 
-A streamed chat or completion is relayed with a ``Transcript`` (see
-``llmgw.router.resume``): when its replica fails after the head, ``carry_on``
-has another Ready replica of the same engine continue it, and the client reads
-one unbroken stream. A whole reply whose body breaks is asked again, whole, of
-another replica, within the retry budget (the verdict retries it). A replica
-found wedged cuts what it holds: its streams go on elsewhere, and an attempt
-still waiting on it fails over as a timeout would.
+A streamed chat or completion that can be carried on is relayed with a
+``Transcript`` by a ``ResumableRelay`` (see ``llmgw.router.resumer``): when its
+replica fails after the head, the router's ``Resumer`` has another Ready replica
+of the same engine continue it, and the client reads one unbroken stream. A
+whole reply whose body breaks is asked again, whole, of another replica, within
+the retry budget (the verdict retries it). A replica found wedged cuts what it
+holds: its streams go on elsewhere, and an attempt still waiting on it fails
+over, as the verdict judges a cut (``Failure.WEDGED``).
 
 A client that leaves mid-attempt cancels the handler: the pool has closed
 the upstream connection, and the replica stops counting the request, with
@@ -63,7 +67,7 @@ import trio
 
 from llmgw.engines.base import prompt_reuse
 from llmgw.http import Request, Response
-from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout
+from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamTimeout
 from llmgw.router import attempt, poison, resume
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
@@ -71,17 +75,14 @@ from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
 from llmgw.router.prefix import prompt_key
 from llmgw.router.record import Record
-from llmgw.router.relay import Continuation, Relay
-from llmgw.router.render import Refused, render, said
+from llmgw.router.relay import Relay
 from llmgw.router.resume import NotResumed, Transcript
+from llmgw.router.resumer import ResumableRelay, Resumer
 from llmgw.router.table import RoutingTable
 from llmgw.router.verdict import Failure, Verdict, poisoned, verdict
 
 log = logging.getLogger("llmgw.router")
 
-QUEUE_POLL_S = 0.05
-# rendering a broken stream's request on another replica, and that replica's head
-RESUME_TIMEOUT_S = 10.0
 _STREAMED = {"/v1/chat/completions": True, "/v1/completions": False}  # path: chat?
 _OFF = NotResumed("off", "resuming streams is off (router.resume_streams)")
 _HOP = frozenset(
@@ -99,7 +100,6 @@ class _Reply(msgspec.Struct):
 
 
 _reply_decoder = msgspec.json.Decoder(_Reply)
-_JSON = ("content-type", "application/json")
 
 
 class _Attempt:
@@ -117,21 +117,13 @@ class _Attempt:
 
 
 class _Failed:
-    """An attempt that gave the client nothing: its verdict, and why in words.
+    """An attempt that gave the client nothing: its verdict, and why in words."""
 
-    ``failover``: its replica is gone or held wedged (it refused the connection,
-    closed it without answering, or was found wedged), so the request put no load on
-    it and moving it elsewhere adds none: retried past the retry budget, within
-    ``max_attempts`` (and, as every retry, past the admission thresholds and the
-    poison check). Otherwise one engine dying with many requests waiting for their
-    first byte would spend the budget at once and fail the rest."""
+    __slots__ = ("verdict", "why")
 
-    __slots__ = ("failover", "verdict", "why")
-
-    def __init__(self, verdict: Verdict, why: str, failover: bool = False) -> None:
+    def __init__(self, verdict: Verdict, why: str) -> None:
         self.verdict = verdict
         self.why = why
-        self.failover = failover
 
 
 class Proxy:
@@ -153,6 +145,7 @@ class Proxy:
         self.resume_streams = resume_streams
         self._panicking: set[str] = set()  # models whose last pick was in panic
         self.poison = poison.Watch()  # bodies that crashed engines lately
+        self.resumer = Resumer(table, pool, budget, self.poison)  # broken streams go on
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
         """The response to a routed request (``record.model``, ``record.started`` set).
@@ -166,6 +159,7 @@ class Proxy:
             return refused
         endpoints = self.table.endpoints.get(model, [])
         admission = self.table.admission.get(model, _NO_THRESHOLDS)
+        room = self.table.rooms(model)
         tried: set[str] = set()
         headers = [
             (k, v)
@@ -196,8 +190,11 @@ class Proxy:
             )
             ep = choice.endpoint
             if ep is None:
-                if choice.shed and trio.current_time() - started < self.queue_timeout_s:
-                    await trio.sleep(QUEUE_POLL_S)  # queue for a bounded time before shedding
+                deadline = started + self.queue_timeout_s
+                if choice.shed and trio.current_time() < deadline:
+                    await room.wait(deadline)  # queue for a bounded time before shedding
+                    endpoints = self.table.endpoints.get(model, [])  # as it is now
+                    admission = self.table.admission.get(model, _NO_THRESHOLDS)
                     continue
                 if choice.shed:
                     record.shed()
@@ -223,7 +220,7 @@ class Proxy:
                 record.affinity(ep.key, ep.prefix, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
                     ep.prefix.record(key.blocks)
-            lease = Lease(ep, now)
+            lease = Lease(ep, now, room)
             try:
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:
@@ -246,20 +243,17 @@ class Proxy:
                 _count(held, now)
             failed = result
             held = ep if failed.verdict.suspect is not None else None
-            if failed.verdict.retry and self.budget.can_retry(
-                now, attempts=attempts, failover=failed.failover
+            judged = failed.verdict
+            if judged.retry and self.budget.can_retry(
+                now, attempts=attempts, failover=judged.failover
             ):
-                if not failed.failover:
+                if not judged.failover:
                     self.budget.on_retry(now)
                 record.retry()
                 continue
             _count(held, now)  # no other replica to check it against
             record.replica = ep.key
             return _upstream_failed(model, failed)
-
-    def _stream_crashed(self, body: bytes, record: Record) -> NotResumed:
-        why = self.poison.crashed(body, record, "its stream broke", trio.current_time())
-        return NotResumed("poison", why)
 
     def _panic(self, model: str, choice: Choice, record: Record) -> None:
         record.metrics.panic_routed.labels(model).inc()
@@ -285,8 +279,8 @@ class Proxy:
         stream: bool,
         lease: Lease,
         record: Record,
-        plan: Transcript | NotResumed | None = None,
-        tried: set[str] | None = None,
+        plan: Transcript | NotResumed | None,
+        tried: set[str],
     ) -> Response | _Failed:
         """One try on one replica: the response, or the failure to judge.
 
@@ -314,10 +308,10 @@ class Proxy:
                     request, headers, body, stream, lease, record, transcript, why_not, tried
                 )
             return _fault(  # cut: the replica is wedged
-                lease, record, UpstreamTimeout(waiting.why, "head"), started=False, wedged=True
+                lease, record, UpstreamTimeout(waiting.why, "head"), Failure.WEDGED
             )
         except UpstreamError as exc:
-            return _fault(lease, record, exc, started=False)
+            return _fault(lease, record, exc, attempt.failure(exc))
         finally:
             ep.streams.discard(waiting)
 
@@ -331,7 +325,7 @@ class Proxy:
         record: Record,
         transcript: Transcript | None,
         why_not: NotResumed,
-        tried: set[str] | None,
+        tried: set[str],
     ) -> Response | _Failed:
         ep = lease.endpoint
         host, port = hostport(ep.url)
@@ -357,21 +351,25 @@ class Proxy:
         record.replica = ep.key
         out_headers = [(k, v) for k, v in upstream.headers if k not in _HOP]
         if stream or status >= 300:
-            if transcript is not None and status < 300:
-                model = record.model
-                done = tried if tried is not None else set()
-
-                async def carry_on(t: Transcript) -> Continuation:
-                    return await self.carry_on(t, model, done, record, request.body)
-
-                relay = Relay(upstream, lease, judged.outcome, record, stream, transcript, carry_on)
-            else:
-                relay = Relay(upstream, lease, judged.outcome, record, stream, why_not=why_not)
+            relay = (
+                ResumableRelay(
+                    upstream,
+                    lease,
+                    judged.outcome,
+                    record,
+                    transcript,
+                    self.resumer,
+                    tried,
+                    request.body,
+                )
+                if transcript is not None and status < 300
+                else Relay(upstream, lease, judged.outcome, record, stream, why_not)
+            )
             return Response(status, out_headers, relay)
         try:
             data = await upstream.read()
         except UpstreamError as exc:
-            return _fault(lease, record, exc, started=True)
+            return _fault(lease, record, exc, attempt.failure(exc), started=True)
         lease.finish(trio.current_time(), judged.outcome)
         record.tokens = _completion_tokens(data)
         reuse = prompt_reuse(data)
@@ -379,116 +377,19 @@ class Proxy:
             record.reused(*reuse)
         return Response(status, out_headers, data)
 
-    async def carry_on(
-        self, t: Transcript, model: str, tried: set[str], record: Record, body: bytes = b""
-    ) -> Continuation:
-        """A broken stream's continuation from another Ready replica of its engine (one
-        not ``tried`` yet), or why there is none."""
-        if record.poison:
-            return self._stream_crashed(body, record)
-        if t.remaining() == 0:
-            return t.ending()
-        same = [
-            e for e in self.table.endpoints.get(model, []) if resume.family(e.engine) == t.family
-        ]
-        failures: list[str] = []
-        for _ in range(self.budget.max_attempts):
-            now = trio.current_time()
-            choice = choose(
-                same, now, admission=_NO_THRESHOLDS, exclude=frozenset(tried), model=model
-            )
-            ep = choice.endpoint
-            if ep is None:
-                break
-            tried.add(ep.key)
-            lease = Lease(ep, now)
-            try:
-                found = await self._continue_on(ep, t)
-            except BaseException:
-                lease.finish(trio.current_time(), None)
-                raise
-            crashed = False
-            if isinstance(found, UpstreamError):  # its engine died under it too?
-                if attempt.failure(found) in poison.DEATHS:
-                    crashed = record.died(ep.key, answered=t.id is not None, alone=lease.alone())
-                found = f"failed: {type(found).__name__}: {found}"
-            if isinstance(found, UpstreamResponse):
-                log.info(
-                    "stream %s of %s broke mid-way on replica %s; replica %s carries it on "
-                    "from token %d",
-                    t.id or "(not begun)",
-                    model,
-                    record.replica,
-                    ep.key,
-                    len(t.ids),
-                )
-                record.replica = ep.key
-                return found, lease
-            lease.finish(trio.current_time(), "upstream_fault")
-            record.upstream_error(ep.key, "resume")
-            failures.append(f"replica {ep.key} {found}")
-            if crashed:
-                return self._stream_crashed(body, record)
-        if failures:
-            return NotResumed("refused", "; ".join(failures))
-        return NotResumed("no_replica", f"no other Ready replica of {model} runs {t.family}")
-
-    async def _continue_on(
-        self, ep: Endpoint, t: Transcript
-    ) -> UpstreamResponse | str | UpstreamError:
-        """Ask ``ep`` for the rest of ``t``: its response, or what went wrong (in words,
-        or the pool's exception)."""
-        host, port = hostport(ep.url)
-        headers = [_JSON]
-        if ep.engine_key:
-            headers.append(("authorization", f"Bearer {ep.engine_key}"))
-
-        async def ask(path: str, body: dict[str, object]) -> dict[str, object]:
-            up = await self.pool.request(
-                "POST", host, port, path, headers, msgspec.json.encode(body)
-            )
-            data = await up.read()
-            if up.status != 200:
-                raise Refused(f"answered {path} with {up.status}: {said(data)}")
-            found = msgspec.json.decode(data)
-            if not isinstance(found, dict):
-                raise Refused(f"answered {path} with no JSON object")
-            return found
-
-        with trio.move_on_after(RESUME_TIMEOUT_S):
-            try:
-                prompt, ids = await render(ask, t)
-                t.prompt_tokens = len(prompt)
-                up = await self.pool.request(
-                    "POST", host, port, "/v1/completions", headers, t.continuation(prompt, ids)
-                )
-            except UpstreamError as exc:
-                return exc
-            except Refused as exc:
-                return str(exc)
-            except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
-                return f"answered what it should not: {type(exc).__name__}: {exc}"
-            if up.status == 200:
-                return up
-            data = await up.read()
-            return f"refused the continuation with {up.status}: {said(data)}"
-        return f"did not take the continuation within {RESUME_TIMEOUT_S:g} s"
-
 
 def _fault(
-    lease: Lease, record: Record, exc: UpstreamError, *, started: bool, wedged: bool = False
+    lease: Lease, record: Record, exc: UpstreamError, failure: Failure, *, started: bool = False
 ) -> _Failed:
-    """An attempt the pool failed (or one cut because its replica is ``wedged``): the
-    replica and the metrics told, the verdict made."""
-    failure = attempt.failure(exc)
+    """An attempt that ended in ``failure`` (the pool's ``exc``, or a cut of a replica
+    found wedged): the replica and the metrics told, the verdict made."""
     judged = verdict(failure, started=started)
     _end(lease, judged)
     record.upstream_error(lease.endpoint.key, attempt.kind(exc))
     if failure in poison.DEATHS:  # the engine died with the request in flight
         answered = started or failure is Failure.RESET
         record.died(lease.endpoint.key, answered=answered, alone=lease.alone())
-    gone = not started and failure in (Failure.CONNECT, Failure.UNANSWERED)
-    return _Failed(judged, f"{type(exc).__name__}: {exc}", failover=wedged or gone)
+    return _Failed(judged, f"{type(exc).__name__}: {exc}")
 
 
 def _end(lease: Lease, judged: Verdict) -> None:

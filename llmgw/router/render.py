@@ -1,4 +1,4 @@
-"""How another engine renders a broken stream's request, for ``Proxy.carry_on``.
+"""How another engine renders a broken stream's request, for ``Resumer.carry_on``.
 
 The new engine tokenizes the original request to its prompt (llama.cpp
 ``/apply-template`` and ``/tokenize``; vLLM ``/tokenize``) and checks the ids of
@@ -54,24 +54,26 @@ _VLLM_CHAT = (
 async def render(ask: Ask, t: Transcript) -> tuple[list[int], list[int]]:
     """The request's prompt as the new engine tokenizes it, and the ids relayed (those
     the first engine sent, if the new one reads them as the text relayed; else the
-    text relayed, tokenized)."""
+    text relayed, tokenized). ``t`` is read, not changed: ``Transcript.continuation``
+    takes both."""
     body = t.body
     relayed = t.relayed()
+    ids = list(t.ids)
     prompt_in = body.get("prompt")
     if t.family == resume.LLAMA_CPP:
         if t.chat:
-            prompt_in = (await ask("/apply-template", body))["prompt"]
+            prompt_in = (await ask("/apply-template", dict(body)))["prompt"]
         if not isinstance(prompt_in, list):
             found = await ask(
                 "/tokenize", {"content": prompt_in, "add_special": True, "parse_special": True}
             )
             prompt_in = found["tokens"]
-        text = (await ask("/detokenize", {"tokens": t.ids}))["content"] if t.ids else ""
+        text = (await ask("/detokenize", {"tokens": ids}))["content"] if ids else ""
         if text != relayed:
             found = await ask(
                 "/tokenize", {"content": relayed, "add_special": False, "parse_special": False}
             )
-            t.ids = _ints(found["tokens"])
+            ids = _ints(found["tokens"])
     else:
         model = body.get("model")
         if t.chat:
@@ -80,15 +82,13 @@ async def render(ask: Ask, t: Transcript) -> tuple[list[int], list[int]]:
         elif not isinstance(prompt_in, list):
             found = await ask("/tokenize", {"model": model, "prompt": prompt_in})
             prompt_in = found["tokens"]
-        text = (
-            (await ask("/detokenize", {"model": model, "tokens": t.ids}))["prompt"] if t.ids else ""
-        )
+        text = (await ask("/detokenize", {"model": model, "tokens": ids}))["prompt"] if ids else ""
         if text != relayed:
             found = await ask(
                 "/tokenize", {"model": model, "prompt": relayed, "add_special_tokens": False}
             )
-            t.ids = _ints(found["tokens"])
-    return _ints(prompt_in), t.ids
+            ids = _ints(found["tokens"])
+    return _ints(prompt_in), ids
 
 
 def _ints(found: object) -> list[int]:

@@ -11,8 +11,8 @@ event is passed on with those fields taken out again, and the ``Transcript``
 keeps what a continuation needs: the response's id, created time, model and
 choice index, and the ids and text of the tokens relayed.
 
-When the stream breaks after its first event, the router (``Proxy.carry_on``)
-picks another replica of the same engine, has it render the original request
+When the stream breaks after its first event, the router (``Resumer.carry_on``,
+in ``llmgw.router.resumer``) picks another replica of the same engine, has it render the original request
 to prompt tokens (llama.cpp ``/apply-template`` and ``/tokenize``; vLLM
 ``/tokenize``), and asks its ``/v1/completions`` for the rest of
 ``max_tokens`` from the prompt plus the tokens already relayed, with the
@@ -30,13 +30,17 @@ split it into other tokens than were generated.
 
 A stream that cannot be carried on ends with an error event in OpenAI's
 format that says why (``Transcript.refused`` for the request itself; the
-proxy's reasons for the fleet).
+resumer's reasons for the fleet).
+
+Pure: no I/O and no trio. A ``Transcript`` changes only through its own methods;
+the relay, the resumer and ``render`` read it.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -121,40 +125,81 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
 
 
 class Transcript:
-    """A resumable stream: its request, and what has been relayed of its reply."""
+    """A resumable stream: its request, and what has been relayed of its reply.
+
+    It changes only through its own methods, as the stream goes: ``request`` (the
+    engine family it is sent to), ``observe`` and ``translate`` (each event relayed),
+    ``opening`` and ``ending`` (the events it makes itself), ``done`` (the last event
+    relayed) and ``continuation`` (a new replica's reading of the tokens relayed).
+    The rest of the router reads it."""
 
     __slots__ = (
-        "body",
-        "chat",
-        "created",
-        "family",
-        "fingerprint",
-        "finished",
-        "id",
-        "ids",
-        "index",
-        "keep",
-        "model",
-        "prompt_tokens",
-        "reasoning",
-        "text",
+        "_body",
+        "_chat",
+        "_created",
+        "_family",
+        "_fingerprint",
+        "_finished",
+        "_id",
+        "_ids",
+        "_index",
+        "_keep",
+        "_model",
+        "_prompt_tokens",
+        "_reasoning",
+        "_text",
     )
 
     def __init__(self, body: dict[str, Any], chat: bool) -> None:
-        self.body = body
-        self.chat = chat
-        self.family = ""  # the engines it may be carried on by, once one has answered
-        self.keep = bool(body.get("return_token_ids"))  # the client asked for token ids
-        self.id: Any = None
-        self.created: Any = None
-        self.model: Any = None
-        self.fingerprint: Any = None
-        self.index: Any = 0
-        self.ids: list[int] = []  # of the tokens relayed
-        self.text: list[str] = []  # relayed, piece by piece
-        self.finished = False  # an event with a finish reason was relayed
-        self.reasoning = False  # reasoning was relayed apart from the content
-        self.prompt_tokens = 0  # as the last engine to render the request counted them
+        self._body = body
+        self._chat = chat
+        self._family = ""  # the engines it may be carried on by, once one has answered
+        self._keep = bool(body.get("return_token_ids"))  # the client asked for token ids
+        self._id: Any = None
+        self._created: Any = None
+        self._model: Any = None
+        self._fingerprint: Any = None
+        self._index: Any = 0
+        self._ids: list[int] = []  # of the tokens relayed
+        self._text: list[str] = []  # relayed, piece by piece
+        self._finished = False  # an event with a finish reason was relayed
+        self._reasoning = False  # reasoning was relayed apart from the content
+        self._prompt_tokens = 0  # as the last engine to render the request counted them
+
+    @property
+    def body(self) -> Mapping[str, Any]:
+        """The client's request, decoded."""
+        return self._body
+
+    @property
+    def chat(self) -> bool:
+        """A chat (else a completion)."""
+        return self._chat
+
+    @property
+    def family(self) -> str:
+        """Whose token ids it holds (``family``); "" until an engine has been asked."""
+        return self._family
+
+    @property
+    def id(self) -> str | None:
+        """The stream's id, once its first event is relayed (or its ``opening`` made)."""
+        return None if self._id is None else str(self._id)
+
+    @property
+    def finished(self) -> bool:
+        """Its last token, or its last event, was relayed: nothing more to carry on."""
+        return self._finished
+
+    @property
+    def ids(self) -> Sequence[int]:
+        """The ids of the tokens relayed, as the last engine read them."""
+        return self._ids
+
+    @property
+    def tokens(self) -> int:
+        """How many tokens were relayed (the ids', else the text's pieces)."""
+        return len(self._ids) or len(self._text)
 
     def request(self, engine: str) -> bytes | None:
         """The body to send to a replica of ``engine``: the client's, asking for token
@@ -162,79 +207,87 @@ class Transcript:
         kind = family(engine)
         if not kind:
             return None
-        self.family = kind
-        return _encode({**self.body, **_asking(kind)})
+        self._family = kind
+        return _encode({**self._body, **_asking(kind)})
 
     def observe(self, event: bytes) -> bytes:
         """An event of the stream's first replica, as the client gets it."""
         if not event.startswith(b"data: {"):
             return event
         obj = _decode(event[6:])
-        if self.id is None:
-            self.id = obj.get("id")
-            self.created = obj.get("created")
-            self.model = obj.get("model")
-            self.fingerprint = obj.get("system_fingerprint")
+        if self._id is None:
+            self._id = obj.get("id")
+            self._created = obj.get("created")
+            self._model = obj.get("model")
+            self._fingerprint = obj.get("system_fingerprint")
         elif "created" in obj:
             # OpenAI: every chunk of a stream has the same created time; llama.cpp
             # stamps each with the second it was sent
-            obj["created"] = self.created
-        if not self.keep:
+            obj["created"] = self._created
+        if not self._keep:
             obj.pop("prompt_token_ids", None)
         for choice in obj.get("choices") or ():
-            self.index = choice.get("index", 0)
-            if not self.keep:
+            self._index = choice.get("index", 0)
+            if not self._keep:
                 choice.pop("prompt_token_ids", None)  # vLLM's completions put them here
-            if self.chat:
+            if self._chat:
                 delta = choice.get("delta") or {}
                 piece = delta.get("content")
                 if delta.get("reasoning_content") or delta.get("reasoning"):
-                    self.reasoning = True
+                    self._reasoning = True
             else:
                 piece = choice.get("text")
             self._took(choice, piece)
-            if self.family == LLAMA_CPP:
-                if self.chat:
+            if self._family == LLAMA_CPP:
+                if self._chat:
                     choice.pop("logprobs", None)
                 else:
                     choice["logprobs"] = None
         return b"data: " + _encode(obj)
 
+    def done(self) -> None:
+        """The stream's last event (``data: [DONE]``) was relayed."""
+        self._finished = True
+
     def refused(self) -> NotResumed | None:
         """Why what was relayed cannot be carried on, if it cannot."""
-        if self.reasoning:
+        if self._reasoning:
             return NotResumed("reasoning", "its reasoning was streamed apart from its content")
         return None
 
     def opening(self) -> bytes | None:
         """For a stream that broke before its first event: the identity its
         continuation goes under, and a chat's opening event (its role)."""
-        if self.id is not None:
+        if self._id is not None:
             return None
-        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{secrets.token_hex(12)}"
-        self.created = int(time.time())
-        self.model = self.body.get("model")
-        if not self.chat:
+        self._id = f"{'chatcmpl' if self._chat else 'cmpl'}-{secrets.token_hex(12)}"
+        self._created = int(time.time())
+        self._model = self._body.get("model")
+        if not self._chat:
             return None
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         return b"data: " + _encode(self._shell([role]))
 
     def remaining(self) -> int | None:
         """How many more tokens the client asked for (None: no limit)."""
-        limit = _max_tokens(self.body)
-        return None if limit is None else max(0, limit - len(self.ids))
+        limit = _max_tokens(self._body)
+        return None if limit is None else max(0, limit - len(self._ids))
 
     def relayed(self) -> str:
-        return "".join(self.text)
+        return "".join(self._text)
 
     def continuation(self, prompt: list[int], ids: list[int]) -> bytes:
-        """The ``/v1/completions`` body that carries the stream on from ``ids``."""
+        """The ``/v1/completions`` body that carries the stream on from ``ids``: the
+        tokens relayed as the new engine reads them (``llmgw.router.render``), which
+        the transcript holds from now on, after its ``prompt``."""
+        self._prompt_tokens = len(prompt)
+        self._ids = list(ids)
         body: dict[str, Any] = {
-            "model": self.body.get("model"),
-            "prompt": prompt + ids,
+            "model": self._body.get("model"),
+            "prompt": prompt + self._ids,
             "stream": True,
-            **{k: self.body[k] for k in _CARRIED if k in self.body},
-            **_asking(self.family),
+            **{k: self._body[k] for k in _CARRIED if k in self._body},
+            **_asking(self._family),
         }
         left = self.remaining()
         if left is not None:
@@ -255,22 +308,22 @@ class Transcript:
             if not piece and finish is None and not ids:
                 continue
             shown: dict[str, Any] = (
-                {"index": self.index, "delta": {"content": piece} if piece else {}}
-                if self.chat
-                else {"text": piece, "index": self.index}
+                {"index": self._index, "delta": {"content": piece} if piece else {}}
+                if self._chat
+                else {"text": piece, "index": self._index}
             )
             shown["logprobs"] = None
             shown["finish_reason"] = finish
-            if self.keep:
+            if self._keep:
                 shown["token_ids"] = ids
             choices.append(shown)
         out = self._shell(choices)
         if obj.get("usage"):
-            n = len(self.ids)
+            n = len(self._ids)
             out["usage"] = {
-                "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens": self._prompt_tokens,
                 "completion_tokens": n,
-                "total_tokens": self.prompt_tokens + n,
+                "total_tokens": self._prompt_tokens + n,
             }
         elif not choices:
             return None
@@ -278,41 +331,41 @@ class Transcript:
 
     def ending(self) -> bytes:
         """The last event of a stream that reached ``max_tokens`` just as it broke."""
-        self.finished = True
+        self._finished = True
         shape: dict[str, Any] = (
-            {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": "length"}
-            if self.chat
-            else {"text": "", "index": self.index, "logprobs": None, "finish_reason": "length"}
+            {"index": self._index, "delta": {}, "logprobs": None, "finish_reason": "length"}
+            if self._chat
+            else {"text": "", "index": self._index, "logprobs": None, "finish_reason": "length"}
         )
         return b"data: " + _encode(self._shell([shape]))
 
     def _shell(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         """An event of the client's stream around ``choices``."""
         out: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
+            "id": self._id,
+            "object": "chat.completion.chunk" if self._chat else "text_completion",
+            "created": self._created,
+            "model": self._model,
         }
-        if self.fingerprint is not None:
-            out["system_fingerprint"] = self.fingerprint
+        if self._fingerprint is not None:
+            out["system_fingerprint"] = self._fingerprint
         out["choices"] = choices
         return out
 
     def _took(self, choice: dict[str, Any], piece: Any) -> list[int]:
         """Note the token ids (returned) and text of a choice relayed."""
         ids: list[int] = []
-        if self.family == LLAMA_CPP:
+        if self._family == LLAMA_CPP:
             probs = choice.get("logprobs")
             if isinstance(probs, dict):
                 ids = [e["id"] for e in probs.get("content") or ()]
         else:
-            ids = (choice.get("token_ids") if self.keep else choice.pop("token_ids", None)) or []
-        self.ids += ids
+            ids = (choice.get("token_ids") if self._keep else choice.pop("token_ids", None)) or []
+        self._ids += ids
         if isinstance(piece, str) and piece:
-            self.text.append(piece)
+            self._text.append(piece)
         if choice.get("finish_reason") is not None:
-            self.finished = True
+            self._finished = True
         return ids
 
 

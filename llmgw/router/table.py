@@ -16,6 +16,10 @@ judgement go on protecting clients.
 
 Engine gauges are scraped once a second, every endpoint at once, each scrape
 bounded by the next beat: one dead replica ages nobody's gauges but its own.
+
+Requests queued for room wait in their model's room (``rooms``, see
+``llmgw.router.room``): a snapshot applied, a reading of a replica's gauges
+and every scrape beat wake them.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from llmgw.engines.base import EngineAdapter
 from llmgw.engines.load import read_load
 from llmgw.router.balancer import Admission, Endpoint, note_heard, note_progress, silent, wedged
 from llmgw.router.prefix import MODES, ROUTER_BLOCKS, Mode, blocks_for
+from llmgw.router.room import Rooms
 from llmgw.routing import RouterKey, Snapshot, TrafficView, carried, kept_ready
 
 log = logging.getLogger("llmgw.router")
@@ -77,6 +82,7 @@ class RoutingTable:
         self.affinity: dict[str, Mode] = {}
         self._known: frozenset[str] = frozenset()
         self._by_key: dict[str, Endpoint] = {}
+        self.rooms = Rooms()  # where each model's queued requests wait for room
         if initial is not None:
             self.apply(initial)
 
@@ -137,6 +143,7 @@ class RoutingTable:
         if snap.keys != self._keys:
             self._keys = list(snap.keys)
             self.on_keys(self._keys)
+        self.rooms.wake_all()  # a replica may be Ready, back from draining, or new
 
     def _say_carried(self, keep: frozenset[str], listed: set[str], snap: Snapshot) -> None:
         """One line when the routes kept for nodes not heard from change."""
@@ -184,8 +191,9 @@ class RoutingTable:
                     for ep in list(self._by_key.values()):
                         adapter = engines.get(ep.engine)
                         if adapter is not None:
-                            nursery.start_soon(_scrape, client, ep, adapter, beat)
+                            nursery.start_soon(_scrape, client, ep, adapter, beat, self.rooms)
                 self._judge_progress(trio.current_time())
+                self.rooms.wake_all()  # what time alone changes: cool-downs, old readings
                 await trio.sleep_until(beat)
 
     def _judge_progress(self, now: float) -> None:
@@ -237,10 +245,10 @@ def _strongest(eps: list[Endpoint]) -> Mode:
 
 
 async def _scrape(
-    client: httpx.AsyncClient, ep: Endpoint, adapter: EngineAdapter, deadline: float
+    client: httpx.AsyncClient, ep: Endpoint, adapter: EngineAdapter, deadline: float, rooms: Rooms
 ) -> None:
     """One endpoint's gauges, given up at ``deadline``: stale signals degrade to
-    the in-flight count, never to "saturated"."""
+    the in-flight count, never to "saturated". A reading wakes its model's queue."""
     with trio.move_on_at(deadline):
         before = ep.in_flight
         load = await read_load(client, ep.url, adapter, engine_auth(ep))
@@ -250,6 +258,7 @@ async def _scrape(
             ep.in_flight_at_load = max(before, ep.in_flight)
             ep.load, ep.load_at = load, trio.current_time()
             note_progress(ep, load, ep.load_at)
+            rooms.wake(ep.model)
 
 
 def engine_auth(ep: Endpoint) -> dict[str, str]:

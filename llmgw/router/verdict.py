@@ -2,9 +2,10 @@
 
 An attempt ends in an *answer* (the status of the response head the engine
 sent) or a *failure* (the exchange broke: no connection, a timeout, a reset,
-a response that is not HTTP), either before the response started or while
-its body was being read (``started``). ``verdict`` maps that to what the
-replica's breaker is told, whether the request may go elsewhere and what the
+a response that is not HTTP, or the router cut it because its replica was
+found wedged), either before the response started or while its body was
+being read (``started``). ``verdict`` maps that to what the replica's breaker
+is told, whether the request may go elsewhere and at what cost, and what the
 client gets, and nothing else in the router decides any of them:
 
 - ``outcome``: what the replica's breaker is told (``breaker.classify`` for
@@ -14,26 +15,31 @@ client gets, and nothing else in the router decides any of them:
   attempt has shown which (see *Poison* below);
 - ``retry``: whether the request may go to another replica (still within
   the per-request attempt cap and the retry budget);
+- ``failover``: the replica is gone or held wedged, so the request put no
+  load on it and moving it elsewhere adds none: its retry spends nothing of
+  the router's retry budget (``RetryBudget.can_retry``), only one of the
+  request's ``max_attempts`` (see *Failover* below);
 - ``status``: what the client is answered if it gets this attempt's result:
   the engine's own status when its answer is relayed (``relayed``), else 502,
   or 504 when the replica ran out of time.
 
-=========================================  ==============  =======  =====  ===========
-the attempt ended in                       outcome         suspect  retry  client gets
-=========================================  ==============  =======  =====  ===========
-1xx, 2xx, 3xx                              success         -        no     as sent
-any other answer but 502-504 (4xx, 429,    client_error    -        no     as sent
+=========================================  ==============  =======  =====  ========  ===========
+the attempt ended in                       outcome         suspect  retry  failover  client gets
+=========================================  ==============  =======  =====  ========  ===========
+1xx, 2xx, 3xx                              success         -        no     -         as sent
+any other answer but 502-504 (4xx, 429,    client_error    -        no     -         as sent
 500, 501, 505 and up)
-502, 503, 504                              upstream_fault  gateway  yes    502
-no connection (refused, unreachable)       upstream_fault  -        yes    502
-no connection in time                      upstream_fault  -        yes    504
-a timeout (send, head)                     upstream_fault  timeout  yes    504
-a reset before any byte of the response    upstream_fault  closed   yes    502
-a reset mid-head; not HTTP                 upstream_fault  -        no     502
-a timeout once the body was being read     upstream_fault  timeout  yes    504
-a reset once the body was being read       upstream_fault  closed   yes    502
-not HTTP once the body was being read      upstream_fault  -        no     502
-=========================================  ==============  =======  =====  ===========
+502, 503, 504                              upstream_fault  gateway  yes    no        502
+no connection (refused, unreachable)       upstream_fault  -        yes    yes       502
+no connection in time                      upstream_fault  -        yes    no        504
+a timeout (send, head)                     upstream_fault  timeout  yes    no        504
+a reset before any byte of the response    upstream_fault  closed   yes    yes       502
+a reset mid-head; not HTTP                 upstream_fault  -        no     -         502
+cut: its replica was found wedged          upstream_fault  timeout  yes    yes       504
+a timeout once the body was being read     upstream_fault  timeout  yes    no        504
+a reset once the body was being read       upstream_fault  closed   yes    no        502
+not HTTP once the body was being read      upstream_fault  -        no     -         502
+=========================================  ==============  =======  =====  ========  ===========
 
 An engine's own answer never counts against its replica, whatever its
 status. The engine is up and speaking HTTP, and what it said is about this
@@ -72,7 +78,18 @@ wait ran out. Once part of a head has arrived it is not. A body that breaks
 (a reset, a killed engine, a stall) is retried: nothing of a whole reply has
 reached the client yet, so it is asked again, whole, of another replica; and
 a stream is carried on from another replica where it broke (``resume``), so
-the verdict only says what the breaker is told.
+the verdict only says what the breaker is told. An attempt the router cut
+because its replica was found wedged (``Failure.WEDGED``, whether or not its
+head had come) is judged as a timeout, and retried.
+
+Failover: a retry spends the router's retry budget, which bounds how much a
+brown-out multiplies the load on replicas that fail because they are busy.
+A replica that refused the connection, closed it before a byte of an answer
+or was found wedged did no work for the request, so moving it elsewhere adds
+no load: only ``max_attempts`` bounds that retry. Otherwise one engine dying
+with many requests waiting for their first byte would spend the budget at
+once and fail the rest. A connect timeout is not failover: the replica may be
+there and too busy to accept.
 
 Pure: no I/O and no trio. The shell names a failure with ``Failure``
 (``attempt.failure`` translates the upstream pool's exceptions).
@@ -96,6 +113,7 @@ class Failure(Enum):
     UNANSWERED = "unanswered"  # the connection closed before any byte of a response
     RESET = "reset"  # the connection closed after part of the response
     PROTOCOL = "protocol"  # the response is not valid HTTP, or exceeds a limit
+    WEDGED = "wedged"  # the router cut it: its replica was found wedged
 
 
 class Suspect(Enum):
@@ -116,6 +134,8 @@ class Verdict:
     relayed: bool  # the engine's answer goes to the client as it is
     # the fault may be the request's: counted once the next attempt shows whose
     suspect: Suspect | None = None
+    # the replica is gone or wedged: a retry spends no retry budget
+    failover: bool = False
 
 
 _BAD_GATEWAY = 502
@@ -123,15 +143,25 @@ _GATEWAY_TIMEOUT = 504
 _NO_ANSWER = frozenset((502, 503, 504))
 # Before the response started: retried only when the engine cannot have answered.
 _RETRIED_FAILURES = frozenset(
-    (Failure.CONNECT, Failure.CONNECT_TIMEOUT, Failure.TIMEOUT, Failure.UNANSWERED)
+    (
+        Failure.CONNECT,
+        Failure.CONNECT_TIMEOUT,
+        Failure.TIMEOUT,
+        Failure.UNANSWERED,
+        Failure.WEDGED,
+    )
 )
-_TIMEOUTS = frozenset((Failure.CONNECT_TIMEOUT, Failure.TIMEOUT))
+_TIMEOUTS = frozenset((Failure.CONNECT_TIMEOUT, Failure.TIMEOUT, Failure.WEDGED))
+# Before the response started: the replica is gone (nothing connected, or the connection
+# closed before any byte of an answer); whenever it came, a cut of a wedged replica.
+_GONE = frozenset((Failure.CONNECT, Failure.UNANSWERED))
 
 
 _SUSPECT_FAILURES = {
     Failure.TIMEOUT: Suspect.TIMEOUT,
     Failure.UNANSWERED: Suspect.CLOSED,
     Failure.RESET: Suspect.CLOSED,
+    Failure.WEDGED: Suspect.TIMEOUT,  # as a timeout: it answered nothing in time
 }
 
 
@@ -148,7 +178,7 @@ def _judge_status(status: int) -> Verdict:
 
 
 # Once the body was being read: retried when the exchange broke, not when it was garbled.
-_RETRIED_MIDWAY = frozenset((Failure.TIMEOUT, Failure.RESET))
+_RETRIED_MIDWAY = frozenset((Failure.TIMEOUT, Failure.RESET, Failure.WEDGED))
 
 
 def _judge_failure(failure: Failure, started: bool) -> Verdict:
@@ -156,7 +186,15 @@ def _judge_failure(failure: Failure, started: bool) -> Verdict:
     retry = failure in (_RETRIED_MIDWAY if started else _RETRIED_FAILURES)
     # Only a retried fault can be checked against another replica's.
     suspect = _SUSPECT_FAILURES.get(failure) if retry else None
-    return Verdict("upstream_fault", retry=retry, status=status, relayed=False, suspect=suspect)
+    failover = failure is Failure.WEDGED or (not started and failure in _GONE)
+    return Verdict(
+        "upstream_fault",
+        retry=retry,
+        status=status,
+        relayed=False,
+        suspect=suspect,
+        failover=failover,
+    )
 
 
 # Every verdict made once: judging an answer on the hot path allocates nothing.

@@ -18,7 +18,7 @@ import trio
 from llmgw.http.client import ClientLimits, UpstreamPool
 from llmgw.router.app import RouterApp
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
-from llmgw.router.resume import plan
+from llmgw.router.resume import Transcript, plan
 from llmgw.router.table import RoutingTable
 from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.engines.test_tinymodel import PROMPT, llama_server
@@ -191,10 +191,12 @@ def test_a_continuation_is_shown_in_the_clients_shape(chat: bool) -> None:
     shown = t.observe(first)  # type: ignore[union-attr]
     assert b"42" not in shown and b'"prob"' not in shown
     # llama.cpp stamps each chunk with the second it was sent; the client sees one time
-    later = t.observe(first.replace(b'"created":7', b'"created":8'))  # type: ignore[union-attr]
+    other = plan(raw, chat=chat)
+    assert isinstance(other, Transcript)
+    other.request("llama.cpp")
+    other.observe(first)
+    later = other.observe(first.replace(b'"created":7', b'"created":8'))
     assert b'"created":7' in later and b'"created":8' not in later
-    t.ids.pop()  # type: ignore[union-attr]
-    t.text.pop()  # type: ignore[union-attr]
     assert t.ids == [42] and t.relayed() == "Hi" and t.remaining() == 4  # type: ignore[union-attr]
     body = t.continuation([1, 2], [42])  # type: ignore[union-attr]
     assert b'"prompt":[1,2,42]' in body and b'"max_tokens":4' in body

@@ -72,8 +72,17 @@ def test_every_status_agrees_with_the_breaker_and_allocates_nothing() -> None:
         assert verdict(status) is v  # made once, at import
 
 
-def failed(retry: bool, status: int, suspect: Suspect | None = None) -> Verdict:
-    return Verdict("upstream_fault", retry=retry, status=status, relayed=False, suspect=suspect)
+def failed(
+    retry: bool, status: int, suspect: Suspect | None = None, *, failover: bool = False
+) -> Verdict:
+    return Verdict(
+        "upstream_fault",
+        retry=retry,
+        status=status,
+        relayed=False,
+        suspect=suspect,
+        failover=failover,
+    )
 
 
 # (exception the pool raises, its Failure, its metric kind, its verdict before the
@@ -83,14 +92,14 @@ POOL_FAILURES: list[tuple[UpstreamError, Failure, str, Verdict, Verdict]] = [
         ConnectFailed("e:1: connect failed: [Errno 111] Connection refused"),
         Failure.CONNECT,
         "connect",
-        failed(True, 502),
+        failed(True, 502, failover=True),
         failed(False, 502),
     ),
     (
         ConnectFailed("e:1: the pool is closed"),
         Failure.CONNECT,
         "connect",
-        failed(True, 502),
+        failed(True, 502, failover=True),
         failed(False, 502),
     ),
     (
@@ -125,14 +134,14 @@ POOL_FAILURES: list[tuple[UpstreamError, Failure, str, Verdict, Verdict]] = [
         UpstreamReset("e:1: send failed: [Errno 32] Broken pipe", "send", True),
         Failure.UNANSWERED,
         "reset",
-        failed(True, 502, Suspect.CLOSED),
+        failed(True, 502, Suspect.CLOSED, failover=True),
         failed(False, 502),
     ),
     (
         UpstreamReset("e:1: connection closed without a response", "head", True),
         Failure.UNANSWERED,
         "reset",
-        failed(True, 502, Suspect.CLOSED),
+        failed(True, 502, Suspect.CLOSED, failover=True),
         failed(False, 502),
     ),
     (
@@ -199,19 +208,43 @@ def test_every_failure_is_the_replicas_and_a_broken_body_is_retried_whole() -> N
         for started in (False, True):
             v = verdict(f, started=started)
             assert v.outcome == "upstream_fault" and not v.relayed
-            timeout = f in (Failure.TIMEOUT, Failure.CONNECT_TIMEOUT)
+            timeout = f in (Failure.TIMEOUT, Failure.CONNECT_TIMEOUT, Failure.WEDGED)
             assert v.status == (504 if timeout else 502)
     # a body that broke or stalled: asked again, whole, elsewhere; a garbled one is not
     assert {f for f in Failure if verdict(f, started=True).retry} == {
         Failure.TIMEOUT,
         Failure.RESET,
+        Failure.WEDGED,
     }
     assert {f for f in Failure if verdict(f).retry} == {
         Failure.CONNECT,
         Failure.CONNECT_TIMEOUT,
         Failure.TIMEOUT,
         Failure.UNANSWERED,
+        Failure.WEDGED,
     }
+
+
+def test_a_retry_off_a_gone_or_wedged_replica_is_failover_and_no_other() -> None:
+    """Failover (a retry that spends no retry budget): the replica refused the
+    connection or closed it before any byte of an answer, or the router cut it as
+    wedged. A connect timeout is not (the replica may be there, too busy to accept),
+    nor a fault once the response started, nor any answer."""
+    for f in Failure:
+        for started in (False, True):
+            v = verdict(f, started=started)
+            assert not v.failover or v.retry  # failover is a kind of retry
+    assert {f for f in Failure if verdict(f).failover} == {
+        Failure.CONNECT,
+        Failure.UNANSWERED,
+        Failure.WEDGED,
+    }
+    assert {f for f in Failure if verdict(f, started=True).failover} == {Failure.WEDGED}
+    assert not any(verdict(status).failover for status in range(100, 600))
+    # a cut of a wedged replica is otherwise a timeout: poison when the next times out
+    wedged = verdict(Failure.WEDGED)
+    assert (wedged.status, wedged.suspect) == (504, Suspect.TIMEOUT)
+    assert poisoned(wedged, verdict(Failure.TIMEOUT))
 
 
 def test_only_a_retried_fault_is_suspect_and_a_failure_to_connect_never() -> None:
