@@ -8,6 +8,18 @@ them up (``--cache-prompt``, ``--cache-ram``, ``--slot-prompt-similarity``); a
 router in front; and one workload of fixed seed, sent open-loop (arrivals on a
 schedule, as users arrive, not as the router lets them) as streamed chats.
 
+The regime is the one routing by cache is for: the fleet's caches together hold
+the working set and one replica's does not (``--cache-ram-mib 16`` keeps about
+five of these prompts per replica: two in its slots and four 3.6 MiB states in
+host memory, one of which makes room for the next), and requests arrive faster
+than the replicas could serve them if every prompt were computed whole. Arrival
+rates and the SLO are set from a calibration that runs first: one idle replica's
+time to first token and to the end of a reply for a prompt it has to compute
+(``Miss``), so that a load of 1.0 (``--size shared_load=...``) is as much work as
+the fleet can do with no cache, on whatever machine runs it, and the TTFT SLO is
+``slo_factor`` (2) times that idle miss: a request that has to compute its prompt
+meets it on an idle fleet, and misses it only by queueing.
+
 Workloads:
 
 1. ``multiturn``: conversations, each with its own long document, several turns
@@ -37,8 +49,9 @@ reply left in some cache, with caches that never evict: an upper bound), load
 imbalance (max over mean of the replicas' busy time, the engines' own prompt
 and generation seconds) and the router's CPU per request.
 
-    .venv/bin/python tools/bench_goodput.py                   # the slow model, ~15 minutes
+    .venv/bin/python tools/bench_goodput.py                   # the slow model, ~25 minutes
     .venv/bin/python tools/bench_goodput.py --smg /tmp/smg/bin/smg
+    .venv/bin/python tools/bench_goodput.py --workload shared --size shared_load=3
     .venv/bin/python tools/bench_goodput.py --quick            # tiny sizes, the tiny model
 
 Every process is ended on the way out, Ctrl-C included; every wait is bounded.
@@ -55,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -84,25 +97,54 @@ _WORDS = ("river", "stone", "lantern", "harbor", "meadow", "copper", "thistle", 
 
 @dataclass
 class Sizes:
-    conversations: int = 6
+    """The workloads' sizes. Their arrival rates and the SLO are set from ``Miss``, what
+    one replica of this machine takes to serve a first prompt it has to compute whole,
+    so that a run loads the fleet the same way on a fast machine and a slow one: a load
+    of 1.0 is as much work as the replicas can do when no prompt is found cached."""
+
+    conversations: int = 12
     turns: int = 4
-    doc_chars: int = 1100  # about 800 tokens of this model: 2-3 s of prefill on one thread
-    think_s: float = 1.0
-    conversation_rate: float = 0.5  # conversations starting per second
+    doc_chars: int = 600  # about 440 tokens of this model, 3.6 MiB of its KV
+    think_s: float = 10.0  # a user reads the reply and types the next question
+    multiturn_load: float = 3.0
     systems: int = 8
-    system_chars: int = 1100
-    requests: int = 32  # of the shared workload
-    request_rate: float = 1.0  # per second: more than round robin's misses can take
-    unique: int = 16  # requests of the unique workload, at a rate the replicas can take
-    unique_rate: float = 0.35
+    skew: float = 1.0  # Zipf exponent of the system prompts' popularity (0: all alike)
+    system_chars: int = 600
+    requests: int = 60  # of the shared workload
+    shared_load: float = 2.0
+    unique: int = 16  # requests of the unique workload, at a load the replicas can take
+    unique_load: float = 0.6
     max_tokens: int = 16
-    slo_s: float = 4.0
+    slo_factor: float = 2.0  # the TTFT SLO: this many times an unloaded replica's miss
+    # set from the calibration unless given (--size NAME=VALUE)
+    conversation_rate: float = 0.0  # conversations starting per second
+    request_rate: float = 0.0  # shared requests per second
+    unique_rate: float = 0.0
+    slo_s: float = 0.0
+
+    def calibrate(self, miss: Miss, replicas: int) -> None:
+        """Rates and SLO from ``miss`` (what is set already stays)."""
+        per_s = replicas / miss.total_s  # misses the fleet serves per second
+        self.conversation_rate = self.conversation_rate or (
+            self.multiturn_load * per_s / self.turns
+        )
+        self.request_rate = self.request_rate or self.shared_load * per_s
+        self.unique_rate = self.unique_rate or self.unique_load * per_s
+        self.slo_s = self.slo_s or self.slo_factor * miss.ttft_s
+
+
+@dataclass
+class Miss:
+    """One replica, idle, serving a first prompt of the workloads' length that it has to
+    compute whole: its time to first token and to the end (``max_tokens``)."""
+
+    ttft_s: float
+    total_s: float
 
 
 QUICK = Sizes(
-    conversations=3, turns=3, doc_chars=1100, think_s=0.05, conversation_rate=10,
-    systems=3, system_chars=1100, requests=6, request_rate=20, unique=6, unique_rate=20,
-    max_tokens=4, slo_s=5.0,
+    conversations=3, turns=3, doc_chars=1100, think_s=0.05, systems=3, system_chars=1100,
+    requests=6, unique=6, max_tokens=4, multiturn_load=4, shared_load=4, unique_load=4,
 )  # fmt: skip
 
 
@@ -158,9 +200,11 @@ def workload(name: str, sizes: Sizes, seed: int) -> list[Session]:
             {"role": "system", "content": f"Rules {s}: {text(rng, sizes.system_chars)}"}
             for s in range(sizes.systems)
         ]
+        # popularity falls off as 1/rank (Zipf): a hot prompt or two, a tail of cold ones
+        popularity = [1 / (rank + 1) ** sizes.skew for rank in range(sizes.systems)]
         for i in range(sizes.requests):
             clock += rng.expovariate(sizes.request_rate)
-            s = rng.randrange(sizes.systems)
+            s = rng.choices(range(sizes.systems), weights=popularity)[0]
             question = f"User {i} asks: {text(rng, 40)}?"
             sessions.append(Session(clock, [systems[s]], [Turn(question)], group=f"s{s}"))
     else:
@@ -210,6 +254,32 @@ def engines(procs: br.Procs, model: Path, n: int, cache_ram_mib: int) -> list[st
         br.wait_until(procs, name, lambda u=url: br.http_get(f"{u}/health") == 200, 60)
         urls.append(url)
     return urls
+
+
+def calibrate(model: Path, sizes: Sizes, workdir: Path, cache_ram_mib: int) -> Miss:
+    """``Miss`` on this machine: the median of three prompts of the workloads' length,
+    each new to the replica, after a warm-up."""
+    (workdir / "calibrate").mkdir(parents=True, exist_ok=True)
+    procs = br.Procs(workdir / "calibrate", (None, None))
+    rng = random.Random("calibrate")
+    try:
+        (url,) = engines(procs, model, 1, cache_ram_mib)
+        timings: list[tuple[float, float]] = []
+        for i in range(4):
+            body = {"model": "m", "max_tokens": sizes.max_tokens, "messages": [
+                {"role": "system", "content": f"Rules {i}: {text(rng, sizes.system_chars)}"},
+                {"role": "user", "content": f"User {i} asks: {text(rng, 40)}?"}]}  # fmt: skip
+            t = time.monotonic()
+            reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=RUN_TIMEOUT_S)
+            reply.raise_for_status()
+            prompt_ms = float(reply.json()["timings"]["prompt_ms"])
+            if i:  # the first warms the engine up
+                timings.append((prompt_ms / 1000, time.monotonic() - t))
+    finally:
+        procs.stop_all()
+    timings.sort()
+    ttft, total = timings[len(timings) // 2]
+    return Miss(ttft_s=ttft, total_s=total)
 
 
 def catalog(policy: str, urls: list[str], bound: float | None = None) -> str:
@@ -522,16 +592,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--cache-ram-mib", type=int, default=16,
                         help="each engine's prompt cache (--cache-ram), default 16")  # fmt: skip
-    parser.add_argument("--slo", type=float, help="the TTFT SLO in seconds")
+    parser.add_argument("--slo", type=float,
+                        help="the TTFT SLO in seconds (default: slo_factor x the idle miss)")  # fmt: skip
     parser.add_argument("--bound", type=float,
                         help="prefix: routing.affinity_bound (default: the router's)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--size", action="append", default=[], metavar="NAME=VALUE",
+                        help="override one of the workloads' sizes, e.g. requests=64")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir)")
     args = parser.parse_args(argv)
-    sizes = QUICK if args.quick else Sizes()
+    sizes = replace(QUICK) if args.quick else Sizes()
     if args.slo is not None:
         sizes.slo_s = args.slo
+    for item in args.size:
+        name, _, value = item.partition("=")
+        if name not in Sizes.__dataclass_fields__:
+            parser.error(
+                f"--size {item}: no such size; sizes are {', '.join(Sizes.__dataclass_fields__)}"
+            )
+        setattr(sizes, name, type(getattr(sizes, name))(value))
     policies = args.policy or ["rr", "load", "prefix", *(["smg"] if args.smg else [])]
     if "smg" in policies and not args.smg:
         parser.error("policy smg needs --smg PATH (the smg executable)")
@@ -542,8 +622,14 @@ def main(argv: list[str] | None = None) -> int:
         args.workdir.mkdir(parents=True, exist_ok=True)
         which = args.model or ("tiny" if args.quick else "slow")
         model = stack.enter_context(model_file(which, args.workdir))
+        miss = calibrate(model, sizes, args.workdir, args.cache_ram_mib)
+        sizes.calibrate(miss, args.replicas)
+        print(f"# one replica's miss, idle: TTFT {miss.ttft_s:.2f} s, whole reply "
+              f"{miss.total_s:.2f} s; rates per second: conversations "
+              f"{sizes.conversation_rate:.3f}, shared {sizes.request_rate:.3f}, unique "
+              f"{sizes.unique_rate:.3f}", flush=True)  # fmt: skip
         print(f"# {which} model, {args.replicas} replicas x {SLOTS} slots, 1 thread each, "
-              f"--cache-ram {args.cache_ram_mib} MiB, TTFT SLO {sizes.slo_s:g} s, seed {args.seed}",
+              f"--cache-ram {args.cache_ram_mib} MiB, TTFT SLO {sizes.slo_s:.2f} s, seed {args.seed}",
               flush=True)  # fmt: skip
         for name in args.workload or WORKLOADS:
             for policy in policies:
