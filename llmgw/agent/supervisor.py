@@ -57,7 +57,7 @@ from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.shard import Outbox, Shard
 from llmgw.engines import adapters
 from llmgw.http.logsafe import printable
-from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
+from llmgw.protocol.messages import ShardReport, ShardSpec, ShardState, ShardStatus
 
 __all__ = ["Outbox", "Shard", "Supervisor", "SupervisorSettings"]
 
@@ -213,7 +213,9 @@ class Supervisor:
         self.fire(shard, Event.DRAIN, "draining: finishing in-flight requests", grace=grace)
 
     def _not_here(self, shard_id: str) -> None:
-        self.outbox.put(ShardStatus(shard_id=shard_id, state="stopped", detail="not running here"))
+        self.outbox.put(
+            ShardStatus(shard_id=shard_id, state=ShardState.STOPPED, detail="not running here")
+        )
 
     # --- every move goes through here ---------------------------------------
 
