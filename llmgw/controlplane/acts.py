@@ -63,7 +63,9 @@ class Acts:
         self.begin(move, now, plan)
 
     def send_starts(self, replica: Replica, plan: Plan) -> None:
-        """Start what is due to start (``starts.due``: the head first)."""
+        """Start what is due to start (``starts.due``: the head first), while it comes."""
+        if replica.state is not R.PENDING and replica.state is not R.STARTING:
+            return
         started = starts.due(replica)
         if started:
             plan.start.extend(Start(s.node_id, s.spec) for s in started)

@@ -103,8 +103,9 @@ class Relocation:
     crowding: int
 
 
-# a kind's rule: the replicas it starts for, each with the words of its note
-Finder = Callable[["Scene"], list[tuple[Replica, str]]]
+# a kind's rule: given the scene and the replicas that count now, the replicas it starts
+# for, each with the words of its note
+Finder = Callable[["Scene", list[Replica]], list[tuple[Replica, str]]]
 
 
 @attrs.frozen
@@ -163,11 +164,9 @@ class Step:
     action: Action
 
 
-def _counting(scene: Scene) -> list[Replica]:
-    return [r for r in scene.replicas if r.counts]
-
-
-def _on_draining_nodes(scene: Scene) -> list[tuple[Replica, str]]:
+def _on_draining_nodes(scene: Scene, counting: list[Replica]) -> list[tuple[Replica, str]]:
+    if not scene.draining:
+        return []
     return [
         (r, "moves off a draining node")
         for r in scene.replicas
@@ -175,8 +174,8 @@ def _on_draining_nodes(scene: Scene) -> list[tuple[Replica, str]]:
     ]
 
 
-def _outdated(scene: Scene) -> list[tuple[Replica, str]]:
-    stale = [r for r in _counting(scene) if r.outdated]
+def _outdated(scene: Scene, counting: list[Replica]) -> list[tuple[Replica, str]]:
+    stale = [r for r in counting if r.outdated]
     if not stale:
         return []
     # what does not serve yet goes first, then the oldest
@@ -190,8 +189,8 @@ def _outdated(scene: Scene) -> list[tuple[Replica, str]]:
     ]
 
 
-def _crowded(scene: Scene) -> list[tuple[Replica, str]]:
-    found = scene.where_to(_counting(scene))
+def _crowded(scene: Scene, counting: list[Replica]) -> list[tuple[Replica, str]]:
+    found = scene.where_to(counting)
     if found is None:
         return []
     return [
@@ -203,8 +202,7 @@ def _crowded(scene: Scene) -> list[tuple[Replica, str]]:
     ]
 
 
-def _extras(scene: Scene) -> list[tuple[Replica, str]]:
-    counting = _counting(scene)
+def _extras(scene: Scene, counting: list[Replica]) -> list[tuple[Replica, str]]:
     over = len(counting) - scene.wanted
     if over <= 0 or any(claims.pending(r) for r in counting):  # probed first
         return []
@@ -302,13 +300,16 @@ def propose(scene: Scene, phase: Phase) -> list[Move]:
                 out.append(Move(replica, None, f"stays: {TABLE[kind].cancel.value}"))
         return out
     pace = _PACE[phase]
+    if pace is Pace.ONE and any(r.leaving is not None for r in scene.replicas):
+        return out  # one move of the model at a time
+    counting = [r for r in scene.replicas if r.counts]
     taken: set[str] = set()
     for kind, row in TABLE.items():
         if row.pace is not pace or row.find is None:
             continue
-        if pace is Pace.ONE and (out or any(r.leaving is not None for r in scene.replicas)):
+        if pace is Pace.ONE and out:
             break  # one move of the model at a time
-        for replica, words in row.find(scene):
+        for replica, words in row.find(scene, counting):
             if replica.replica_id in taken:
                 continue
             if replica.leaving is None or replica.leaving in row.takes_over:

@@ -73,10 +73,8 @@ def new_replica(
 
 
 def due(replica: Replica) -> list[Shard]:
-    """The shards to start now: rank 0 at once; a multi-node replica's other ranks
-    once rank 0 runs. Each is marked sent."""
-    if replica.state not in (ReplicaState.PENDING, ReplicaState.STARTING):
-        return []
+    """A Pending or Starting replica's shards to start now: rank 0 at once; a multi-node
+    replica's other ranks once rank 0 runs. Each is marked sent."""
     head = next((s for s in replica.shards if s.rank == 0), None)
     head_runs = (
         head is not None and head.sent and head.state in (ShardState.STARTING, ShardState.READY)
