@@ -125,6 +125,8 @@ class Scene:
 
 @attrs.frozen
 class Row:
+    """Every rule of one kind of move (the module's docstring says how each is read)."""
+
     starts: str  # what starts it, in words
     pace: Pace
     replacement_first: bool  # its replacement is Ready before it drains
