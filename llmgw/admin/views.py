@@ -128,7 +128,8 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     state: str
     why: str
     leaving: bool
-    # why it is leaving: drain, surplus, outdated, spread, removed, failed, stopped; "" if not
+    # why it is leaving: a ``MoveKind``'s value (drain, surplus, outdated, spread,
+    # removed, failed, stopped; ``moves.TABLE``), "" if it is not
     leaving_why: str = ""
     outdated: bool = False  # it runs an earlier version of its profile (a rollout replaces it)
     adopted: bool
@@ -146,8 +147,8 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
         profile=r.profile,
         state=r.state.value,
         why=r.why,
-        leaving=r.leaving,
-        leaving_why=r.leaving_why if r.leaving else "",
+        leaving=r.leaving is not None,
+        leaving_why=r.leaving.value if r.leaving is not None else "",
         outdated=r.outdated,
         adopted=r.adopted,
         state_since=max(0.0, now - r.state_since),
@@ -158,7 +159,7 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
                 shard_id=s.shard_id,
                 node_id=s.node_id,
                 rank=s.rank,
-                state=s.state,
+                state=s.state_word,
                 detail=s.detail,
                 port=s.spec.port,
                 gpus=list(s.spec.gpus),
@@ -188,7 +189,7 @@ def running_view(r: Replica) -> RunningView:
         replica_id=r.replica_id,
         profile=r.profile,
         state=r.state.value,
-        leaving=r.leaving,
+        leaving=r.leaving is not None,
         nodes=[s.node_id for s in sorted(r.shards, key=lambda s: s.rank)],
     )
 

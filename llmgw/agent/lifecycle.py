@@ -63,13 +63,13 @@ class Event(Enum):
 
 
 WIRE: dict[Phase, ShardState] = {
-    Phase.STARTING: "starting",
-    Phase.READY: "ready",
-    Phase.DRAINING: "draining",
-    Phase.STOPPING: "stopping",
-    Phase.GIVING_UP: "starting",
-    Phase.STOPPED: "stopped",
-    Phase.FAILED: "failed",
+    Phase.STARTING: ShardState.STARTING,
+    Phase.READY: ShardState.READY,
+    Phase.DRAINING: ShardState.DRAINING,
+    Phase.STOPPING: ShardState.STOPPING,
+    Phase.GIVING_UP: ShardState.STARTING,
+    Phase.STOPPED: ShardState.STOPPED,
+    Phase.FAILED: ShardState.FAILED,
 }
 
 TERMINAL = frozenset({Phase.STOPPED, Phase.FAILED})

@@ -48,7 +48,7 @@ from llmgw.agent.runner import engine_auth, healthy
 from llmgw.agent.shard import Outbox, Shard
 from llmgw.http.logsafe import printable
 from llmgw.protocol.exits import exit_fields
-from llmgw.protocol.messages import ShardReport, ShardSpec, ShardStatus
+from llmgw.protocol.messages import ShardReport, ShardSpec, ShardState, ShardStatus
 
 __all__ = ["Outbox", "Shard", "Supervisor", "SupervisorSettings", "stop_grace"]
 
@@ -168,7 +168,9 @@ class Supervisor:
         self.fire(shard, Event.DRAIN, "draining: finishing in-flight requests", grace=grace)
 
     def _not_here(self, shard_id: str) -> None:
-        self.outbox.put(ShardStatus(shard_id=shard_id, state="stopped", detail="not running here"))
+        self.outbox.put(
+            ShardStatus(shard_id=shard_id, state=ShardState.STOPPED, detail="not running here")
+        )
 
     # --- every move goes through here ---------------------------------------
 

@@ -20,6 +20,7 @@ from llmgw.cli.runtime import fail
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.loader import read_text
 from llmgw.config.schema import resolve
+from llmgw.controlplane import moves
 from llmgw.controlplane.fabrics import FleetStatus, describe_copies
 
 ctl_app = cyclopts.App(
@@ -367,16 +368,6 @@ def render_traffic(t: dict[str, Any] | None) -> str:
     return ", ".join(words)
 
 
-# why a replica is leaving, as the STATE column says it
-_LEAVING = {
-    "drain": "its node drains",
-    "surplus": "an extra",
-    "outdated": "replaced by the new profile",
-    "spread": "moves to spread",
-    "removed": "model left the catalog",
-}
-
-
 def render_replicas(data: dict[str, Any]) -> str:
     routed = any(r.get("traffic") is not None for r in data["replicas"])
     rows = [["REPLICA", "MODEL", "PROFILE", "STATE", "FOR", "SHARDS", *(["TRAFFIC"] * routed)]]
@@ -391,7 +382,7 @@ def render_replicas(data: dict[str, Any]) -> str:
         state += ",unverified" if not r.get("verified", True) else ""
         state += ",outdated" if r.get("outdated") else ""
         if r["leaving"] and r["state"] not in ("Draining", "Failed", "Stopping"):
-            why = _LEAVING.get(r.get("leaving_why", ""), "")
+            why = moves.words(r.get("leaving_why", ""))
             state += f" (leaving{': ' + why if why else ''})"
         rows.append(
             [

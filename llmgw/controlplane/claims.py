@@ -50,7 +50,7 @@ import msgspec
 
 from llmgw.controlplane.plan import Note, Plan, Refusal, Stop
 from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
-from llmgw.protocol.messages import ShardReport, ShardSpec
+from llmgw.protocol.messages import ShardReport, ShardSpec, ShardState
 
 SEAL_CHARS = 32  # hex characters kept of the HMAC-SHA256: 128 bits
 
@@ -213,7 +213,7 @@ def due(replicas: Iterable[Replica]) -> list[Claim]:
         if r.state not in (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.PENDING):
             continue
         for s in r.shards:
-            if not s.verified and s.state == "ready":
+            if not s.verified and s.state == ShardState.READY:
                 names = {s.spec.model, str(s.spec.settings.get("served_model_name", ""))}
                 out.append(
                     Claim(

@@ -49,7 +49,14 @@ from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
 from llmgw.controlplane.service import ControlPlane
 from llmgw.files import write_atomic
-from llmgw.protocol.messages import DrainShard, Register, ShardStatus, StartShard, StopShard
+from llmgw.protocol.messages import (
+    DrainShard,
+    Register,
+    ShardState,
+    ShardStatus,
+    StartShard,
+    StopShard,
+)
 
 log = logging.getLogger("llmgw.controlplane.fleet")
 
@@ -147,7 +154,7 @@ class FleetManager:
         plan = self.reconciler.shard_status(node_id, status, self._clock())
         plan.failed = [reported_exit(failed, status) for failed in plan.failed]
         self._queue(plan)
-        if status.state == "ready":
+        if status.state == ShardState.READY:
             self.prober.wake()
 
     def _claims(self) -> list[tuple[claims.Claim, str]]:
@@ -242,11 +249,7 @@ class FleetManager:
 
     def crash_loop_wait(self, model: str) -> float | None:
         """Seconds until the next try at a model whose replicas keep failing, if waiting."""
-        backoff = self.reconciler.backoff.get(model)
-        if backoff is None or backoff.failures == 0:
-            return None
-        left = backoff.next_attempt - self._clock()
-        return left if left > 0 else None
+        return self.reconciler.crash_loops.wait_s(model, self._clock())
 
     # --- what it reads -----------------------------------------------------------
 

@@ -15,7 +15,7 @@ from enum import StrEnum
 
 import attrs
 
-from llmgw.protocol.messages import ShardSpec
+from llmgw.protocol.messages import ShardSpec, ShardState
 
 
 class ReplicaState(StrEnum):
@@ -25,6 +25,19 @@ class ReplicaState(StrEnum):
     DRAINING = "Draining"  # no new traffic; in-flight work finishes, then it stops
     STOPPING = "Stopping"  # told to stop; waiting for every shard to be gone
     FAILED = "Failed"  # a shard failed, timed out, was lost or let go; being cleaned up
+
+
+class MoveKind(StrEnum):
+    """Why a replica leaves (every rule of each in ``moves.TABLE``); the value is the
+    word the admin API gives as ``leaving_why``."""
+
+    DRAIN = "drain"  # its node drains
+    ROLLOUT = "outdated"  # its profile changed: replaced by one of the new version
+    SPREAD = "spread"  # its model crowds its node: moved where placement would put it now
+    SURPLUS = "surplus"  # its model has more than its count
+    REMOVED = "removed"  # its model left the catalog
+    FAILED = "failed"  # a shard failed, timed out, was lost or let go; or it was wedged
+    STOPPED = "stopped"  # told to stop (not needed any more, or drained)
 
 
 # (from, to) -> why such a move happens. Nothing else is legal. Every state has
@@ -60,7 +73,7 @@ class IllegalMove(AssertionError):
 class Shard:
     spec: ShardSpec
     node_id: str
-    state: str = "pending"  # "pending" until the agent reports: then a ShardState
+    state: ShardState | None = None  # None until its agent reports it (``state_word``)
     detail: str = ""
     output_tail: list[str] = attrs.Factory(list)
     came_up: bool = False  # reported ready at least once
@@ -83,6 +96,11 @@ class Shard:
         return self.spec.shard_id
 
     @property
+    def state_word(self) -> str:
+        """Its state as shown: its agent's word, or "pending" before its agent said."""
+        return "pending" if self.state is None else self.state.value
+
+    @property
     def rank(self) -> int:
         return self.spec.rank
 
@@ -97,12 +115,10 @@ class Replica:
     state: ReplicaState
     created_at: float
     state_since: float
-    leaving: bool = False  # being replaced (its node drains) or scaled down: does not count
+    # why it is leaving (``moves.TABLE``), from ``leaving_since``; None: it stays. A
+    # leaving replica does not count towards its model
+    leaving: MoveKind | None = None
     leaving_since: float = 0.0
-    # why it is leaving: "drain" (its node drains), "surplus" (above the count),
-    # "outdated" (its profile changed), "spread" (moved to another node), "removed"
-    # (its model left the catalog), "failed" or "stopped"
-    leaving_why: str = ""
     # its shards run something other than its profile says now (the catalog changed)
     outdated: bool = False
     adopted: bool = False  # rebuilt from an agent's report
@@ -148,4 +164,4 @@ class Replica:
     @property
     def counts(self) -> bool:
         """Counts towards the model's desired replicas."""
-        return self.state in COUNTS and not self.leaving
+        return self.state in COUNTS and self.leaving is None

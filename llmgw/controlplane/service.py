@@ -22,7 +22,14 @@ from llmgw.controlplane.nodes import Change, LivenessPolicy, NodeTable
 from llmgw.controlplane.takeover import LiveStream, close_reason, refusal
 from llmgw.http.logsafe import printable
 from llmgw.protocol.errors import NodeTaken
-from llmgw.protocol.messages import Heartbeat, ProcessKill, Register, RegisterAck, ShardStatus
+from llmgw.protocol.messages import (
+    Heartbeat,
+    ProcessKill,
+    Register,
+    RegisterAck,
+    ShardState,
+    ShardStatus,
+)
 from llmgw.version import describe
 
 log = logging.getLogger("llmgw.controlplane")
@@ -150,7 +157,7 @@ class ControlPlane:
         self.metrics.agent_kills.labels(node_id, kind).inc()
 
     def shard_status(self, conn: AgentConnection, status: ShardStatus) -> None:
-        if status.state == "failed":
+        if status.state == ShardState.FAILED:
             # one line, in the agent's words escaped; the engine's own output is kept
             # with the failure, for ``ctl replicas --failures``, never in this log
             log.warning(

@@ -15,6 +15,7 @@ Unknowns are not zeros: a field the agent could not find out is ``None``
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 import msgspec
@@ -105,7 +106,18 @@ class Inventory(_Wire, frozen=True):
 
 # --- shards -----------------------------------------------------------------
 
-ShardState = Literal["starting", "ready", "draining", "stopping", "stopped", "failed"]
+
+class ShardState(StrEnum):
+    """Where a shard stands, as its agent says it (``agent/lifecycle.py`` maps its own
+    phases to these). On the wire each is its value, a string, as it always was: an
+    enum of strings encodes as the string, and a value not here is refused as before."""
+
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
 
 
 class ShardSpec(_Wire, frozen=True):
