@@ -115,10 +115,12 @@ async def test_a_vllm_replicas_reuse_is_read_and_an_eviction_noticed(
         assert metrics.get_sample_value("llmgw_router_prompt_tokens_cached_total", labels) == sum(
             c for _, c, _ in lines
         )
-        # the engine's own counters reach the replica's view
-        with trio.fail_after(5):
-            while (view := table.traffic(trio.current_time())[home_key]).cache_hit_rate is None:
+        # the engine's own counters reach the replica's view (a scrape from before the
+        # last request may be read first: wait for one that counts all four)
+        expected = sum(c for _, c, _ in lines) / sum(p for _, _, p in lines)
+        with trio.move_on_after(5):
+            while (view := table.traffic(trio.current_time())[home_key]).cache_hit_rate != (
+                pytest.approx(expected)
+            ):
                 await trio.sleep(0.1)
-        assert view.cache_hit_rate == pytest.approx(
-            sum(c for _, c, _ in lines) / sum(p for _, _, p in lines)
-        )
+        assert view.cache_hit_rate == pytest.approx(expected)
