@@ -348,8 +348,13 @@ class FleetManager:
         plan = self.reconciler.reconcile(self.control.nodes.nodes, now)
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         wall = time.time()
+        placed = {start.spec.model for start in plan.start}
         for model in list(self.cannot_place):
-            if model not in plan.placement_failures and model not in self.catalog.models:
+            if model in plan.placement_failures:
+                continue
+            # gone from the catalog, or placed since: what placement said once (before any
+            # node registered, say) is no reason for a model waiting out a crash loop
+            if model not in self.catalog.models or model in placed:
                 del self.cannot_place[model]
         for model, failure in plan.placement_failures.items():
             self.cannot_place[model] = (failure.why, wall)
