@@ -102,7 +102,7 @@ class Sizes:
     so that a run loads the fleet the same way on a fast machine and a slow one: a load
     of 1.0 is as much work as the replicas can do when no prompt is found cached."""
 
-    conversations: int = 12
+    conversations: int = 8  # all at once under load: four per replica fit its cache, eight do not
     turns: int = 4
     doc_chars: int = 600  # about 440 tokens of this model, 3.6 MiB of its KV
     think_s: float = 10.0  # a user reads the reply and types the next question
