@@ -29,11 +29,12 @@ from typing import Any
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from llmgw.addr import url_host
 from llmgw.agent.procs import identity
-from llmgw.engines import register
+from llmgw.engines import adapter, adapters, installed, programs, register, tokens
 from llmgw.engines.base import (
     Launch,
     LoadSignals,
@@ -204,6 +205,20 @@ async def counting_fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[Fleet]:
                 os.killpg(json.loads(record.read_text())["pid"], signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def test_the_registry_answers_for_the_built_in_engines_and_keeps_names_unique() -> None:
+    """What the rest of llmgw asks, for the engines llmgw ships; a second adapter of a
+    name is refused and changes nothing."""
+    assert list(adapters()) == ["llama.cpp", "vllm", "vllm-ray"]
+    assert [p.name for p in programs()] == ["llama.cpp", "vllm", "ray"]
+    assert installed("vllm-ray") == ("vllm", "ray") and installed("sglang") == ("sglang",)
+    assert [tokens(e).family for e in adapters() if tokens(e)] == ["llama.cpp", "vllm", "vllm"]
+    clash = CountingAdapter()
+    clash.name = "vllm"
+    with pytest.raises(ValueError, match="'vllm' is registered already"):
+        register(clash)
+    assert adapter("vllm") is not clash and "counting" not in adapters()
 
 
 async def test_a_third_engine_is_found_placed_launched_routed_and_resumed(
