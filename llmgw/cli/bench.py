@@ -28,6 +28,7 @@ from llmgw.cli.shed import shed_warnings
 from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
 from llmgw.config.loader import read_text
 from llmgw.config.schema import StandaloneRouterConfig, resolve
+from llmgw.engines import installed
 from llmgw.files import write_atomic
 
 bench_app = cyclopts.App(
@@ -541,8 +542,10 @@ class _Fleet:
 
 
 def _engine_version(node: dict[str, Any], engine: str) -> str:
+    """The version of ``engine`` on ``node``: its first required program's (vllm-ray's
+    is vllm's)."""
     found = node.get("engines", {})
-    name = {"vllm-ray": "vllm"}.get(engine, engine)
+    name = installed(engine)[0]
     if isinstance(found, dict):
         return str(found.get(name, ""))
     for e in found:

@@ -32,10 +32,8 @@ import msgspec
 
 from llmgw.config.errors import ConfigError
 from llmgw.config.loader import parse_toml, read_text
+from llmgw.engines import adapter, adapters
 
-ENGINES = ("llama.cpp", "vllm", "vllm-ray")
-MULTI_NODE_ENGINES = frozenset({"vllm-ray"})
-GPU_ENGINES = frozenset({"vllm", "vllm-ray"})  # their adapters refuse a shard without a GPU
 MAX_REPLICAS = 1000
 MAX_STARTUP_TIMEOUT_S = 86_400.0
 MAX_STOP_GRACE_S = 3600.0  # as [engines] stop_grace_s
@@ -83,9 +81,9 @@ class Profile(_Entry, frozen=True):
     """One way to run a model: an engine, its resources, and what the engine is given."""
 
     name: str  # the profile's name, unique within the model (ctl and logs say it)
-    engine: str  # llama.cpp, vllm or vllm-ray
+    engine: str  # an engine adapter's name (llmgw.engines): llama.cpp, vllm or vllm-ray
     gpus: int = 0  # per shard, i.e. per node
-    nodes: int = 1  # shards per replica; more than one only for vllm-ray
+    nodes: int = 1  # shards per replica; more than one only for a multi-node engine
     # GiB of node memory one replica needs on each node (placement subtracts what the
     # replicas there need); unset: llama.cpp's is estimated, other engines' not counted
     min_memory_gb: float | None = None
@@ -287,11 +285,11 @@ def _validate_model(name: str, model: Model) -> None:
         )
     if model.static_engine and not model.static_endpoints:
         raise ConfigError("", f"{key}.static_engine", "is only for a model with static_endpoints")
-    if model.static_engine and model.static_engine not in ENGINES:
+    if model.static_engine and adapter(model.static_engine) is None:
         raise ConfigError(
             "",
             f"{key}.static_engine",
-            f"{model.static_engine!r} is not one of {', '.join(ENGINES)}",
+            f"{model.static_engine!r} is not one of {', '.join(adapters())}",
         )
     for i, url in enumerate(model.static_endpoints):
         problem = _url_problem(url)
@@ -312,18 +310,25 @@ def _validate_model(name: str, model: Model) -> None:
 def _validate_profile(key: str, p: Profile) -> None:
     if not p.name or any(c.isspace() or not c.isprintable() for c in p.name):
         raise ConfigError("", f"{key}.name", "must be a non-empty name without spaces")
-    if p.engine not in ENGINES:
-        raise ConfigError("", f"{key}.engine", f"{p.engine!r} is not one of {', '.join(ENGINES)}")
+    engine = adapter(p.engine)
+    if engine is None:
+        raise ConfigError(
+            "", f"{key}.engine", f"{p.engine!r} is not one of {', '.join(adapters())}"
+        )
+    needs = engine.requires
     _at_least(f"{key}.gpus", p.gpus, 0)
-    if p.engine in GPU_ENGINES and p.gpus < 1:
+    if needs.gpu and p.gpus < 1:
         raise ConfigError("", f"{key}.gpus", f"{p.engine} needs at least 1 GPU, got {p.gpus}")
     _at_least(f"{key}.nodes", p.nodes, 1)
-    if p.nodes > 1 and p.engine not in MULTI_NODE_ENGINES:
-        raise ConfigError("", f"{key}.nodes", "only vllm-ray runs on more than one node")
-    if p.nodes < 2 and p.engine in MULTI_NODE_ENGINES:
+    if p.nodes > 1 and not needs.multi_node:
+        multi = [a.name for a in adapters().values() if a.requires.multi_node]
+        runs = "runs" if len(multi) == 1 else "run"
         raise ConfigError(
-            "", f"{key}.nodes", f"{p.engine} runs on at least 2 nodes (use vllm for one node)"
+            "", f"{key}.nodes", f"only {', '.join(multi)} {runs} on more than one node"
         )
+    if p.nodes < 2 and needs.multi_node:
+        use = f" (use {needs.one_node} for one node)" if needs.one_node else ""
+        raise ConfigError("", f"{key}.nodes", f"{p.engine} runs on at least 2 nodes{use}")
     if p.min_memory_gb is not None and not (math.isfinite(p.min_memory_gb) and p.min_memory_gb > 0):
         raise ConfigError(
             "", f"{key}.min_memory_gb", f"must be greater than 0, got {p.min_memory_gb}"
@@ -331,9 +336,9 @@ def _validate_profile(key: str, p: Profile) -> None:
     for label in p.selector:
         if not label:
             raise ConfigError("", f"{key}.selector", "a label name cannot be empty")
-    if p.engine == "llama.cpp" and not p.model_path:
+    if needs.model_file and not p.model_path:
         raise ConfigError(
-            "", f"{key}.model_path", "llama.cpp needs model_path (a GGUF file on the node)"
+            "", f"{key}.model_path", f"{p.engine} needs model_path ({needs.model_file})"
         )
     for var in p.env:
         if not var or "=" in var or "\0" in var:

@@ -5,111 +5,47 @@ the node has, so that two 24 GiB replicas do not land on a 32 GiB node; this
 module says what a shard needs, and in what words.
 
 A profile's ``min_memory_gb`` is its need, when set: what is written wins.
-Otherwise, for llama.cpp, it is estimated from what llama-server will hold:
+Otherwise its engine's adapter estimates it (``sizing``; llama.cpp's from
+what llama-server will hold: weights, KV cache and prompt cache, see
+``llmgw.engines.llamacpp_memory``), from the weights a node reports.
 
-- the weights: the GGUF file's size, as the nodes' weights discovery reports
-  it (the copy at the profile's ``model_path``, else one under its weights
-  name; the largest, when several);
-- the KV cache: ``--ctx-size`` tokens (the profile's ``context``; llama-server
-  shares them among its ``--parallel`` slots, so the cache is the context, not
-  the context per slot) times the bytes a token takes in every layer, from the
-  GGUF's attention shape and the cache types (``--cache-type-k``/``-v``, f16
-  by default);
-- the prompt cache: ``--cache-ram`` MiB, the profile's ``cache_ram_mib`` setting
-  (which the adapter always passes; llama-server's default is 8192 per process;
-  -1 is no limit, which cannot be counted; 0 turns it off).
-
-Which memory: a shard on the CPU holds all three in host memory. One with GPUs
-and its layers offloaded (the default with GPUs) holds the weights and the KV
-cache in GPU memory (``--no-kv-offload`` keeps the KV cache on the host), and
-only the prompt cache in host memory, which is what ``host`` counts; ``gpu``
-is what its cards must hold together. Partial offload (``gpu_layers`` below
-the layer count) splits them by layers.
-
-An unknown is not a zero: what cannot be known (weights no node reports, a
-vLLM profile without ``min_memory_gb``) is not counted, and the words say
-what was left out; what is known is still counted.
+An unknown is not a zero: what cannot be known (weights no node reports, an
+engine that does not estimate, e.g. a vLLM profile without ``min_memory_gb``)
+is not counted, and the words say what was left out; what is known is still
+counted.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import posixpath
 from collections.abc import Callable, Iterable
 
-import attrs
-
+from llmgw import engines
 from llmgw.controlplane.catalog import Catalog, Model, Profile
+from llmgw.engines.sizing import GIB as GIB
+from llmgw.engines.sizing import MIB as MIB
+from llmgw.engines.sizing import Need as Need
+from llmgw.engines.sizing import Shape
+from llmgw.engines.sizing import gib as gib
+from llmgw.engines.sizing import gib_up as gib_up
 from llmgw.protocol.messages import Inventory, ShardSpec, WeightCopy
 
-GIB = 2**30
-MIB = 2**20
-DEFAULT_CONTEXT = 4096  # the llama.cpp adapter's --ctx-size when the profile sets none
-PROMPT_CACHE_MIB = 8192  # llama-server's --cache-ram default
-ALL_LAYERS = 999  # the adapter's --n-gpu-layers with GPUs (llamacpp.ALL_LAYERS)
 
-# ggml cache types -> bytes per element (block bytes / block elements)
-KV_TYPE_BYTES: dict[str, float] = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q8_0": 34 / 32,
-    "q4_0": 18 / 32,
-    "q4_1": 20 / 32,
-    "iq4_nl": 18 / 32,
-    "q5_0": 22 / 32,
-    "q5_1": 24 / 32,
-}
-
-# llama-server flags read here, by every spelling, and the environment variable that
-# sets each when the flag is not given
-_FLAGS = {
-    "--cache-ram": "cache_ram",
-    "-cram": "cache_ram",
-    "--cache-type-k": "type_k",
-    "-ctk": "type_k",
-    "--cache-type-v": "type_v",
-    "-ctv": "type_v",
-}
-_ENV = {
-    "LLAMA_ARG_CACHE_RAM": "cache_ram",
-    "LLAMA_ARG_CACHE_TYPE_K": "type_k",
-    "LLAMA_ARG_CACHE_TYPE_V": "type_v",
-}
-_NO_KV_OFFLOAD = frozenset({"--no-kv-offload", "-nkvo"})
-
-
-@attrs.frozen
-class Need:
-    """What one shard needs: ``host`` bytes of its node's memory (None: not known, and
-    not counted), ``gpu`` bytes of memory on its cards together (None: none, or not
-    known), and how that was reckoned, in words."""
-
-    host: int | None
-    gpu: int | None
-    words: str
-
-
-@functools.lru_cache(maxsize=4096)  # placement says the same few sizes of every node
-def gib(n: float) -> str:
-    """Bytes as GiB, one decimal, rounded down (what a node has): "8", "7.7"."""
-    shown = math.floor(n / GIB * 10) / 10
-    return f"{shown:.1f}".removesuffix(".0")
-
-
-@functools.lru_cache(maxsize=4096)
-def gib_up(n: float) -> str:
-    """Bytes as GiB, one decimal, rounded up (what is needed), so that a shortfall
-    never reads as enough: "has 24 GiB, needs 24.1 GiB"."""
-    shown = math.ceil(round(n / GIB * 10, 6)) / 10
-    return f"{shown:.1f}".removesuffix(".0")
+def shape(profile: Profile) -> Shape:
+    """The profile as its engine's adapter reckons it."""
+    return Shape(
+        settings=profile.settings,
+        env=profile.env,
+        engine_args=profile.engine_args,
+        gpus=profile.gpus,
+    )
 
 
 def need(profile: Profile, weights: WeightCopy | None) -> Need:
     """What one shard of ``profile`` needs; ``weights``: the copy of its weights a node
     reports, if any."""
-    estimate = _llama(profile, weights) if profile.engine == "llama.cpp" else None
+    sizing = engines.sizing(profile.engine)
+    estimate = sizing.need(shape(profile), weights) if sizing is not None else None
     if profile.min_memory_gb is not None:
         host = int(profile.min_memory_gb * GIB)
         return Need(host, estimate.gpu if estimate else None, f"{gib_up(host)} GiB (min_memory_gb)")
@@ -118,133 +54,13 @@ def need(profile: Profile, weights: WeightCopy | None) -> Need:
     return estimate
 
 
-def _cache_mib(profile: Profile, said: dict[str, str]) -> int:
-    """The prompt cache's MiB: the profile's setting, which the adapter always writes on
-    the command line (so that llama-server's environment no longer sets it), else what
-    the arguments of a shard placed before the setting existed say."""
-    setting = profile.settings.get("cache_ram_mib")
-    if setting is not None:
-        return _int(setting, PROMPT_CACHE_MIB)
-    return _int(said.get("cache_ram_argv"), PROMPT_CACHE_MIB)
-
-
-def _kv_per_token(said: dict[str, str], weights: WeightCopy | None) -> float | None:
-    """Bytes one token takes in the KV cache, every layer; None: not known."""
-    type_k = said.get("type_k", "f16").lower()
-    type_v = said.get("type_v", "f16").lower()
-    if (
-        weights is None
-        or weights.kv_k_per_token is None
-        or weights.kv_v_per_token is None
-        or type_k not in KV_TYPE_BYTES
-        or type_v not in KV_TYPE_BYTES
-    ):
-        return None
-    return (
-        weights.kv_k_per_token * KV_TYPE_BYTES[type_k]
-        + weights.kv_v_per_token * KV_TYPE_BYTES[type_v]
-    )
-
-
 def cache_tokens(profile: Profile, weights: WeightCopy | None) -> int | None:
-    """Tokens of prompts a llama.cpp replica of ``profile`` can keep: its context (its
-    slots) and what its prompt cache holds; None when not known (another engine, the
-    model's shape not reported, a prompt cache without a limit)."""
-    if profile.engine != "llama.cpp":
-        return None
-    said = _llama_flags(profile)
-    per_token = _kv_per_token(said, weights)
-    cache_mib = _cache_mib(profile, said)
-    if per_token is None or per_token <= 0 or cache_mib < 0:
-        return None
-    context = _int(profile.settings.get("context"), DEFAULT_CONTEXT)
-    return context + int(cache_mib * MIB / per_token)
-
-
-def _llama(profile: Profile, weights: WeightCopy | None) -> Need:
-    said = _llama_flags(profile)
-    cache_mib = _cache_mib(profile, said)
-    type_k = said.get("type_k", "f16").lower()
-    type_v = said.get("type_v", "f16").lower()
-    s = profile.settings
-    context = _int(s.get("context"), DEFAULT_CONTEXT)
-    size = weights.size_bytes if weights is not None else None
-    kv: float | None = None
-    per_token = _kv_per_token(said, weights)
-    if per_token is not None:
-        kv = context * per_token
-    # how much of the model is on the cards: all, none, or a share of the layers
-    layers = weights.layers if weights is not None else None
-    gpu_layers = _int(s.get("gpu_layers"), ALL_LAYERS if profile.gpus else 0)
-    if not profile.gpus or gpu_layers == 0:
-        offloaded = 0.0
-    elif gpu_layers < 0 or layers is None or gpu_layers >= layers:
-        offloaded = 1.0
-    else:
-        offloaded = gpu_layers / layers
-    kv_offloaded = 0.0 if any(a in _NO_KV_OFFLOAD for a in profile.engine_args) else offloaded
-
-    host = 0.0
-    gpu = 0.0
-    parts: list[str] = []
-    missing: list[str] = []
-    if size is not None:
-        host += size * (1 - offloaded)
-        gpu += size * offloaded
-        parts.append(f"weights {gib_up(size)}")
-    else:
-        missing.append("the weights' size (no node reports them)")
-    if kv is not None:
-        host += kv * (1 - kv_offloaded)
-        gpu += kv * kv_offloaded
-        parts.append(f"KV cache {gib_up(kv)} ({context} tokens, {type_k}/{type_v})")
-    else:
-        missing.append("the KV cache (no node reports the model's shape)")
-    if cache_mib > 0:
-        host += cache_mib * MIB
-        parts.append(f"prompt cache {gib_up(cache_mib * MIB)}")
-    elif cache_mib < 0:
-        missing.append("the prompt cache (--cache-ram -1: no limit)")
-    where = ""
-    if offloaded and gpu:
-        where = f", of which {gib_up(gpu)} GiB on its GPUs"
-    words = f"{gib_up(host + gpu)} GiB: " + ", ".join(parts) + where if parts else "0 GiB"
-    if missing:
-        words = f"at least {words}; not counted: {', '.join(missing)}"
-    gpu_need = int(gpu) if offloaded and size is not None else None
-    return Need(int(host), gpu_need, words)
-
-
-def _llama_flags(profile: Profile) -> dict[str, str]:
-    """The llama-server flags read here, from the profile's environment and then its
-    engine_args (the command line wins, as in llama-server)."""
-    out = {_ENV[k]: v for k, v in profile.env.items() if k in _ENV}
-    args = profile.engine_args
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        name = _FLAGS.get(flag)
-        if name is None:
-            continue
-        if eq:
-            out[name] = value
-        elif i + 1 < len(args):
-            out[name] = args[i + 1]
-        if name == "cache_ram" and name in out:
-            out["cache_ram_argv"] = out[name]
-    return out
-
-
-def _int(value: object, default: int) -> int:
-    if isinstance(value, bool):
-        return default
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str | float):
-        try:
-            return int(value)
-        except ValueError:
-            return default
-    return default
+    """Tokens of prompts a replica of ``profile`` can keep: what its engine's adapter
+    says (llama.cpp: its context and what its prompt cache holds); None when not known
+    (an engine that does not say, the model's shape not reported, a prompt cache
+    without a limit)."""
+    sizing = engines.sizing(profile.engine)
+    return sizing.cache_tokens(shape(profile), weights) if sizing is not None else None
 
 
 class Needs:
@@ -284,9 +100,16 @@ class Needs:
         key = (model.name, profile.name)
         found = self._needs.get(key)
         if found is None:
-            copy = self.weights(model, profile) if profile.engine == "llama.cpp" else None
+            copy = self.weights(model, profile) if engines.sizing(profile.engine) else None
             found = self._needs[key] = need(profile, copy)
         return found
+
+    def cache_tokens(self, model: Model, profile: Profile) -> int | None:
+        """``cache_tokens`` of ``profile``, with the weights the nodes report (looked
+        for only where its engine reckons with them)."""
+        if engines.sizing(profile.engine) is None:
+            return None
+        return cache_tokens(profile, self.weights(model, profile))
 
     def of_shard(self, catalog: Catalog, spec: ShardSpec) -> int | None:
         """Host bytes a running shard holds: its profile's need, or, for a profile that

@@ -17,7 +17,8 @@ Filters, in the order they are checked (the first failure is the reason):
 2. a multi-node profile needs a fabric label on the node;
 3. the profile's label selector (before hardware: a node that is not meant
    for this model should say so, not that it lacks a GPU);
-4. the engine is installed (vllm-ray needs both vllm and ray);
+4. the engine is installed: every program its adapter requires (vllm-ray needs
+   both vllm and ray);
 5. memory: what one shard needs (``memory.Needs``: ``min_memory_gb``, else for
    llama.cpp an estimate of its weights, KV cache and prompt cache) within what
    the node has less what the shards already there need ("has 32 GiB, 24 GiB
@@ -82,14 +83,8 @@ from llmgw.controlplane.allocations import PORT_RANGE, Allocations
 from llmgw.controlplane.catalog import Model, Profile
 from llmgw.controlplane.memory import MIB, Needs, gib, gib_up
 from llmgw.controlplane.nodes import Node, NodeState
+from llmgw.engines import installed
 from llmgw.protocol.messages import Gpu, Inventory
-
-# what each catalog engine needs installed on the node (inventory engine names)
-REQUIRED_ENGINES: dict[str, tuple[str, ...]] = {
-    "llama.cpp": ("llama.cpp",),
-    "vllm": ("vllm",),
-    "vllm-ray": ("vllm", "ray"),
-}
 
 GIB = 2**30
 _SUMMARY_GROUPS = 6  # distinct reasons shown per profile in a failure summary
@@ -363,7 +358,7 @@ class _Pass:
         pname = profile.name
         need = profile.gpus
         multi = profile.nodes > 1
-        required = REQUIRED_ENGINES.get(profile.engine, (profile.engine,))
+        required = installed(profile.engine)
         selector = list(profile.selector.items())
         need_of = self.needs.of(self.model, profile)
         need_host, need_gpu = need_of.host, need_of.gpu

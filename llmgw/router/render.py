@@ -1,19 +1,18 @@
 """How another engine renders a broken stream's request, for ``Resumer.carry_on``.
 
-The new engine tokenizes the original request to its prompt (llama.cpp
-``/apply-template`` and ``/tokenize``; vLLM ``/tokenize``) and checks the ids of
-the tokens relayed so far by detokenizing them (see ``llmgw.router.resume``);
+The new engine tokenizes the original request to its prompt and checks the ids
+of the tokens relayed so far by detokenizing them (see ``llmgw.router.resume``),
+in the calls its adapter's ``tokens.render`` makes (``llmgw.engines.tokens``);
 ``ask`` is the shell's call to the engine, so this module does no I/O itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from llmgw.router import resume
+from llmgw.engines.tokens import Ask, Tokens
 from llmgw.router.resume import Transcript
 
 
@@ -38,60 +37,9 @@ class Refused(Exception):
     """An engine answered a step of rendering a continuation with other than 200."""
 
 
-Ask = Callable[[str, dict[str, object]], Awaitable[dict[str, object]]]
-# what of a chat request shapes its prompt on vLLM's /tokenize
-_VLLM_CHAT = (
-    "messages",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "chat_template",
-    "chat_template_kwargs",
-    "mm_processor_kwargs",
-)
-
-
-async def render(ask: Ask, t: Transcript) -> tuple[list[int], list[int]]:
+async def render(ask: Ask, t: Transcript, tokens: Tokens) -> tuple[list[int], list[int]]:
     """The request's prompt as the new engine tokenizes it, and the ids relayed (those
     the first engine sent, if the new one reads them as the text relayed; else the
-    text relayed, tokenized). ``t`` is read, not changed: ``Transcript.continuation``
-    takes both."""
-    body = t.body
-    relayed = t.relayed()
-    ids = list(t.ids)
-    prompt_in = body.get("prompt")
-    if t.family == resume.LLAMA_CPP:
-        if t.chat:
-            prompt_in = (await ask("/apply-template", dict(body)))["prompt"]
-        if not isinstance(prompt_in, list):
-            found = await ask(
-                "/tokenize", {"content": prompt_in, "add_special": True, "parse_special": True}
-            )
-            prompt_in = found["tokens"]
-        text = (await ask("/detokenize", {"tokens": ids}))["content"] if ids else ""
-        if text != relayed:
-            found = await ask(
-                "/tokenize", {"content": relayed, "add_special": False, "parse_special": False}
-            )
-            ids = _ints(found["tokens"])
-    else:
-        model = body.get("model")
-        if t.chat:
-            shaping = {k: body[k] for k in _VLLM_CHAT if k in body}
-            prompt_in = (await ask("/tokenize", {"model": model, **shaping}))["tokens"]
-        elif not isinstance(prompt_in, list):
-            found = await ask("/tokenize", {"model": model, "prompt": prompt_in})
-            prompt_in = found["tokens"]
-        text = (await ask("/detokenize", {"model": model, "tokens": ids}))["prompt"] if ids else ""
-        if text != relayed:
-            found = await ask(
-                "/tokenize", {"model": model, "prompt": relayed, "add_special_tokens": False}
-            )
-            ids = _ints(found["tokens"])
-    return _ints(prompt_in), ids
-
-
-def _ints(found: object) -> list[int]:
-    if not isinstance(found, list) or not all(isinstance(i, int) for i in found):
-        raise TypeError(f"not a list of token ids: {str(found)[:100]}")
-    return found
+    text relayed, tokenized), as the new engine's family renders them (``tokens``).
+    ``t`` is read, not changed: ``Transcript.continuation`` takes both."""
+    return await tokens.render(ask, t.body, t.chat, list(t.ids), t.relayed())

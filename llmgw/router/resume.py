@@ -4,17 +4,17 @@ Theory of operation
 -------------------
 A streamed chat or completion that can be carried on (``plan``: one choice, no
 tools, no forced format or grammar, no log-probabilities asked for) asks its engine for
-the ids of the tokens it generates: llama.cpp gives them with each token's
-probability (``n_probs`` 1, read after sampling, so the engine does no extra
-pass over the vocabulary), vLLM in ``token_ids`` (``return_token_ids``). Each
-event is passed on with those fields taken out again, and the ``Transcript``
-keeps what a continuation needs: the response's id, created time, model and
-choice index, and the ids and text of the tokens relayed.
+the ids of the tokens it generates, as the engine's adapter says (its ``tokens``,
+``llmgw.engines.tokens``: llama.cpp gives them with each token's probability,
+vLLM in ``token_ids``). Each event is passed on with those fields taken out
+again, and the ``Transcript`` keeps what a continuation needs: the response's
+id, created time, model and choice index, and the ids and text of the tokens
+relayed.
 
 When the stream breaks after its first event, the router (``Resumer.carry_on``,
-in ``llmgw.router.resumer``) picks another replica of the same engine, has it render the original request
-to prompt tokens (llama.cpp ``/apply-template`` and ``/tokenize``; vLLM
-``/tokenize``), and asks its ``/v1/completions`` for the rest of
+in ``llmgw.router.resumer``) picks another replica of the same engine family,
+has it render the original request to prompt tokens (its adapter's
+``tokens.render``), and asks its ``/v1/completions`` for the rest of
 ``max_tokens`` from the prompt plus the tokens already relayed, with the
 request's own sampling settings (``continuation``). Its events are rewritten
 into the original's shape (``translate``): chat deltas or completion text,
@@ -46,56 +46,25 @@ from typing import Any
 import attrs
 import msgspec
 
-LLAMA_CPP = "llama.cpp"
-VLLM = "vllm"
+from llmgw import engines
+from llmgw.engines.tokens import Tokens
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
-# What shapes sampling and ending, sent on with a continuation as the client set it
-# (OpenAI's names and the engines' own; an engine ignores what it does not know).
+# What shapes sampling and ending, sent on with a continuation as the client set it:
+# OpenAI's names, then the engines' own (``engines.carried_fields``); an engine ignores
+# what it does not know. What constrains a reply's whole text is named by the engines
+# alone (``engines.constraint_fields``), and not carried on.
 _CARRIED = (
     "temperature",
     "top_p",
-    "top_k",
-    "min_p",
-    "typical_p",
     "seed",
     "stop",
-    "stop_token_ids",
     "presence_penalty",
     "frequency_penalty",
-    "repetition_penalty",
-    "repeat_penalty",
-    "repeat_last_n",
     "logit_bias",
-    "ignore_eos",
-    "min_tokens",
-    "mirostat",
-    "mirostat_tau",
-    "mirostat_eta",
-    "dry_multiplier",
-    "dry_base",
-    "dry_allowed_length",
-    "dry_penalty_last_n",
-    "xtc_probability",
-    "xtc_threshold",
-    "top_n_sigma",
-    "samplers",
-    "skip_special_tokens",
     "stream_options",
-)
-
-
-# what constrains a reply's whole text (llama.cpp's and vLLM's names): not carried on
-_CONSTRAINTS = (
-    "grammar",
-    "json_schema",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
 )
 
 
@@ -108,12 +77,10 @@ class NotResumed:
 
 
 def family(engine: str) -> str:
-    """Whose token ids an engine speaks: ``LLAMA_CPP``, ``VLLM`` (Ray's too), or ""."""
-    if engine == LLAMA_CPP:
-        return LLAMA_CPP
-    if engine.startswith(VLLM):
-        return VLLM
-    return ""
+    """Whose token ids an engine speaks (its adapter's ``tokens.family``: "llama.cpp",
+    "vllm" for vLLM over Ray too), or "" for one that gives none."""
+    found = engines.tokens(engine)
+    return found.family if found is not None else ""
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:
@@ -137,7 +104,6 @@ class Transcript:
         "_body",
         "_chat",
         "_created",
-        "_family",
         "_fingerprint",
         "_finished",
         "_id",
@@ -148,12 +114,13 @@ class Transcript:
         "_prompt_tokens",
         "_reasoning",
         "_text",
+        "_tokens",
     )
 
     def __init__(self, body: dict[str, Any], chat: bool) -> None:
         self._body = body
         self._chat = chat
-        self._family = ""  # the engines it may be carried on by, once one has answered
+        self._tokens: Tokens | None = None  # its engine family's, once one is asked
         self._keep = bool(body.get("return_token_ids"))  # the client asked for token ids
         self._id: Any = None
         self._created: Any = None
@@ -179,7 +146,7 @@ class Transcript:
     @property
     def family(self) -> str:
         """Whose token ids it holds (``family``); "" until an engine has been asked."""
-        return self._family
+        return self._tokens.family if self._tokens is not None else ""
 
     @property
     def id(self) -> str | None:
@@ -204,11 +171,11 @@ class Transcript:
     def request(self, engine: str) -> bytes | None:
         """The body to send to a replica of ``engine``: the client's, asking for token
         ids; None: that engine gives none (the stream cannot be carried on)."""
-        kind = family(engine)
-        if not kind:
+        found = engines.tokens(engine)
+        if found is None:
             return None
-        self._family = kind
-        return _encode({**self._body, **_asking(kind)})
+        self._tokens = found
+        return _encode({**self._body, **found.asking})
 
     def observe(self, event: bytes) -> bytes:
         """An event of the stream's first replica, as the client gets it."""
@@ -238,11 +205,6 @@ class Transcript:
             else:
                 piece = choice.get("text")
             self._took(choice, piece)
-            if self._family == LLAMA_CPP:
-                if self._chat:
-                    choice.pop("logprobs", None)
-                else:
-                    choice["logprobs"] = None
         return b"data: " + _encode(obj)
 
     def done(self) -> None:
@@ -287,7 +249,8 @@ class Transcript:
             "prompt": prompt + self._ids,
             "stream": True,
             **{k: self._body[k] for k in _CARRIED if k in self._body},
-            **_asking(self._family),
+            **{k: self._body[k] for k in engines.carried_fields() if k in self._body},
+            **(self._tokens.asking if self._tokens is not None else {}),
         }
         left = self.remaining()
         if left is not None:
@@ -353,27 +316,16 @@ class Transcript:
         return out
 
     def _took(self, choice: dict[str, Any], piece: Any) -> list[int]:
-        """Note the token ids (returned) and text of a choice relayed."""
-        ids: list[int] = []
-        if self._family == LLAMA_CPP:
-            probs = choice.get("logprobs")
-            if isinstance(probs, dict):
-                ids = [e["id"] for e in probs.get("content") or ()]
-        else:
-            ids = (choice.get("token_ids") if self._keep else choice.pop("token_ids", None)) or []
+        """Note the token ids (returned) and text of a choice relayed, the ids taken out
+        of it as its engine family says."""
+        tokens = self._tokens
+        ids = tokens.took(choice, self._keep, self._chat) if tokens is not None else []
         self._ids += ids
         if isinstance(piece, str) and piece:
             self._text.append(piece)
         if choice.get("finish_reason") is not None:
             self._finished = True
         return ids
-
-
-def _asking(kind: str) -> dict[str, Any]:
-    """What asks an engine of this family for the ids of the tokens it generates."""
-    if kind == LLAMA_CPP:
-        return {"n_probs": 1, "post_sampling_probs": True}
-    return {"return_token_ids": True}
 
 
 def plan(raw: bytes, chat: bool) -> Transcript | NotResumed:
@@ -393,7 +345,7 @@ def plan(raw: bytes, chat: bool) -> Transcript | NotResumed:
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         return NotResumed("response_format", "it asked for a response format")
     # a continuation would lose the constraint (its state is the whole output's)
-    constrained = next((k for k in _CONSTRAINTS if body.get(k) is not None), None)
+    constrained = next((k for k in engines.constraint_fields() if body.get(k) is not None), None)
     if constrained is not None:
         return NotResumed("response_format", f"it constrained its output ({constrained})")
     if body.get("logprobs") or body.get("top_logprobs") or body.get("n_probs"):

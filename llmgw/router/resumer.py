@@ -38,6 +38,7 @@ import logging
 import msgspec
 import trio
 
+from llmgw import engines
 from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamReset, UpstreamResponse
 from llmgw.router import attempt, poison, resume
 from llmgw.router.attempt import Lease, hostport
@@ -141,6 +142,9 @@ class Resumer:
     ) -> UpstreamResponse | str | UpstreamError:
         """Ask ``ep`` for the rest of ``t``: its response, or what went wrong (in words,
         or the pool's exception)."""
+        tokens = engines.tokens(ep.engine)
+        if tokens is None:  # not so: ``carry_on`` asks only replicas of the stream's family
+            return f"runs {ep.engine or 'an unknown engine'}, which gives no token ids"
         host, port = hostport(ep.url)
         headers = [_JSON]
         if ep.engine_key:
@@ -159,7 +163,7 @@ class Resumer:
 
         with trio.move_on_after(RESUME_TIMEOUT_S):
             try:
-                prompt, ids = await render(ask, t)
+                prompt, ids = await render(ask, t, tokens)
                 up = await pool.request(
                     "POST", host, port, "/v1/completions", headers, t.continuation(prompt, ids)
                 )

@@ -24,6 +24,8 @@ from llmgw.agent.supervisor import Supervisor, SupervisorSettings
 from llmgw.config import AgentConfig, ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.schema import resolve, token_from_file
+from llmgw.engines import programs
+from llmgw.engines.llamacpp import LLAMA_SERVER
 from llmgw.http.metrics import metrics_app, registry_page
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import metrics_server, process_shares
@@ -39,19 +41,18 @@ def node_id(config: AgentConfig) -> str:
 
 
 def binaries(source: InventorySource, base: Path) -> dict[str, str]:
-    """Where each engine command lives on this node: written in config (``[engines]
-    llama_server``, as the source has it since the last reload), else discovered."""
+    """Where each command an engine runs lives on this node (``llmgw.engines.programs``):
+    written in config (``[engines] llama_server``, as the source has it since the last
+    reload), else on PATH, else where discovery found it."""
+    found = {e.name: e.path for e in source.inventory().engines if e.path}
     out: dict[str, str] = {}
-    if source.llama_server:
-        out["llama-server"] = str(resolve(base, source.llama_server))
-    else:
-        for engine in source.inventory().engines:
-            if engine.name == "llama.cpp" and engine.path:
-                out["llama-server"] = engine.path
-    for command in ("vllm", "ray"):
-        found = shutil.which(command)
-        if found:
-            out[command] = found
+    for program in programs():
+        if program is LLAMA_SERVER and source.llama_server:
+            out[program.command] = str(resolve(base, source.llama_server))
+            continue
+        path = shutil.which(program.command) or found.get(program.name)
+        if path:
+            out[program.command] = path
     return out
 
 

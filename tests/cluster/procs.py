@@ -24,9 +24,16 @@ from tests.conftest import Pki
 
 class Daemon:
     def __init__(
-        self, name: str, args: list[str], workdir: Path, env: dict[str, str] | None = None
+        self,
+        name: str,
+        args: list[str],
+        workdir: Path,
+        env: dict[str, str] | None = None,
+        *,
+        module: str = "llmgw",
     ) -> None:
         self.name = name
+        self.module = module  # run as ``python -m``: llmgw, or a test's llmgw with more in it
         self.env = env or {}
         self.args = args
         self.workdir = workdir
@@ -38,7 +45,7 @@ class Daemon:
         log = self.log_path.open("ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", *self.args],
+            [sys.executable, "-m", self.module, *self.args],
             cwd=self.workdir,
             stdout=log,
             stderr=subprocess.STDOUT,

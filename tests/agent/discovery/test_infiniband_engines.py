@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from llmgw.agent.discovery.engines import find_llama_server, parse_llama_version, probe_engines
+from llmgw.agent.discovery.engines import find_llama_server, probe_engines
 from llmgw.agent.discovery.infiniband import read_adapters
+from llmgw.engines.llamacpp import parse_version
 from llmgw.protocol.messages import Engine, IbAdapter, IbPort
 
 
@@ -56,9 +57,9 @@ def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_llama_version_text() -> None:
-    assert parse_llama_version("version: 11434 (5d3b1f2)\nbuilt with cc for x86_64") == "b11434"
-    assert parse_llama_version("version: 0.6.0-dev (build 11434, commit unknown)") == "b11434"
-    assert parse_llama_version("garbage") == ""
+    assert parse_version("version: 11434 (5d3b1f2)\nbuilt with cc for x86_64") == "b11434"
+    assert parse_version("version: 0.6.0-dev (build 11434, commit unknown)") == "b11434"
+    assert parse_version("garbage") == ""
 
 
 async def test_engines_found_on_path_with_versions(
@@ -94,7 +95,7 @@ async def test_llama_server_found_where_archives_are_unpacked(
     pattern = str(tmp_path / "opt" / "llama-*" / "build" / "bin" / "llama-server")
     assert find_llama_server([pattern]) == str(server)
     with trio.fail_after(30):
-        engines = await probe_engines(llama_search=[pattern])
+        engines = await probe_engines(search={"llama-server": [pattern]})
     assert engines == [Engine(name="llama.cpp", version="b11434", path=str(server))]
 
 
@@ -110,6 +111,6 @@ async def test_a_hanging_or_failing_probe_leaves_the_engine_without_a_version(
 async def test_nothing_installed_means_no_engines(bin_dir: Path) -> None:
     with trio.fail_after(10):
         found = await probe_engines(
-            llama_search=["/nonexistent/*/llama-server"], python_package=False
+            search={"llama-server": ["/nonexistent/*/llama-server"]}, python_package=False
         )
         assert found == []
