@@ -263,8 +263,8 @@ def test_ctl_bench_finds_the_endpoint_llmgw_init_set_up_beside_the_server(
     """``llmgw init`` runs the endpoint as ``llmgw router`` (router.toml beside
     server.toml): ``ctl bench --config server.toml`` measures through it."""
     from llmgw.cli.admin_client import Target
-    from llmgw.cli.bench import _router_url
+    from llmgw.cli.bench_aim import router_url
     from llmgw.cli.init import init
 
     init(dir_=tmp_path, name=["localhost"], endpoint_listen="0.0.0.0:8123")
-    assert _router_url(Target(config=tmp_path / "server.toml")) == "http://127.0.0.1:8123/v1"
+    assert router_url(Target(config=tmp_path / "server.toml")) == "http://127.0.0.1:8123/v1"
