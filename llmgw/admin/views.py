@@ -12,14 +12,18 @@ to an older ``ctl``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from llmgw.controlplane.failures import Failure
 from llmgw.controlplane.nodes import Node
-from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.replicas import Replica
 from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
 from llmgw.routing import TrafficView
+
+if TYPE_CHECKING:  # ctl imports these views: it need not load placement for a type
+    from llmgw.controlplane.placement import Decision
 
 
 class GpuView(msgspec.Struct, kw_only=True):
