@@ -13,7 +13,7 @@ import pytest
 from llmgw.bench import results
 from llmgw.bench.ladder import Level, Slo, SloError, default_levels, percentile
 from llmgw.bench.prompts import Dist, DistError, PromptMaker
-from llmgw.cli.bench import with_routing
+from llmgw.cli.catalog_edit import with_routing
 
 
 def maker(**kw: object) -> PromptMaker:
@@ -193,7 +193,7 @@ def test_write_sets_the_profile_routing_and_keeps_the_rest_as_it_was() -> None:
     assert "routing" not in cpu
     assert after.startswith(CATALOG.rstrip("\n"))  # comments and layout kept, only added to
     assert with_routing(after, "m", "h200", rec, "catalog.toml") == after  # idempotent
-    from llmgw.cli.ctl import CtlError
+    from llmgw.cli.admin_client import CtlError
 
     with pytest.raises(
         CtlError, match=re.escape("catalog.toml has no profile 'a100' of model 'm'")
@@ -262,9 +262,9 @@ def test_ctl_bench_finds_the_endpoint_llmgw_init_set_up_beside_the_server(
 ) -> None:
     """``llmgw init`` runs the endpoint as ``llmgw router`` (router.toml beside
     server.toml): ``ctl bench --config server.toml`` measures through it."""
-    from llmgw.cli.bench import _router_url
-    from llmgw.cli.ctl import Target
+    from llmgw.cli.admin_client import Target
+    from llmgw.cli.bench_aim import router_url
     from llmgw.cli.init import init
 
     init(dir_=tmp_path, name=["localhost"], endpoint_listen="0.0.0.0:8123")
-    assert _router_url(Target(config=tmp_path / "server.toml")) == "http://127.0.0.1:8123/v1"
+    assert router_url(Target(config=tmp_path / "server.toml")) == "http://127.0.0.1:8123/v1"

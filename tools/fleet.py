@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from llmgw.admin.views import NodeView
-from llmgw.cli.ctl import render_nodes, render_replicas
+from llmgw.admin.views import NodeView, ReplicaView
+from llmgw.cli.render import render_nodes, render_replicas
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
 from tools.tinymodel import write_model
@@ -133,7 +133,7 @@ listen = "127.0.0.1:{args.admin_port}"
         _wait(lambda: _ready_replica(url, token) is not None, "the model to be served", procs, 180)
         replica = _ready_replica(url, token)
         assert replica is not None
-        print(render_replicas({"replicas": [replica]}), flush=True)
+        print(render_replicas([msgspec.convert(replica, ReplicaView)]), flush=True)
         base = f"http://127.0.0.1:{args.router_port}/v1"
         _wait(lambda: _served(base, api_key), "the router to route to it", procs, 30)
         print(

@@ -17,17 +17,24 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
-import attrs
 import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmgw.admin.reload import NotReloaded, Reloaded, Reloader
 from llmgw.admin.views import (
+    ErrorAnswer,
+    ErrorDetail,
     GpuViews,
+    IntentAnswer,
+    ModelList,
     ModelView,
+    NodeList,
+    ReloadAnswer,
+    ReplicaList,
     failure_view,
     node_view,
+    placement_view,
     replica_view,
     running_view,
 )
@@ -35,7 +42,6 @@ from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import CannotPlace, fleet_status
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.followers import ReportRefused, RouterReports
-from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
@@ -54,7 +60,7 @@ def json_response(status: int, body: object) -> Response:
 
 
 def error(status: int, message: str) -> Response:
-    return json_response(status, {"error": {"message": message, "code": status}})
+    return json_response(status, ErrorAnswer(error=ErrorDetail(message=message, code=status)))
 
 
 def json_body(request: Request, kind: type[_T], what: str) -> _T | Response:
@@ -168,7 +174,7 @@ class AdminApi:
                 view.drained = fleet.is_drained(n.node_id)
                 view.shards = shards.get(n.node_id, 0)
             views.append(view)
-        return json_response(200, {"nodes": views, "server_version": describe()})
+        return json_response(200, NodeList(nodes=views, server_version=describe()))
 
     def _need_fleet(self) -> FleetManager | Response:
         if self.fleet is None:
@@ -185,7 +191,7 @@ class AdminApi:
             replica_view(r, now, traffic.get(r.replica_id))
             for r in sorted(fleet.replicas(), key=lambda r: (r.model, r.replica_id))
         ]
-        return json_response(200, {"replicas": views})
+        return json_response(200, ReplicaList(replicas=views))
 
     async def models(self, request: Request) -> Response:
         """One row per catalog model: wanted, ready, starting, failed; where; why not."""
@@ -220,7 +226,7 @@ class AdminApi:
                 view.cannot_place, view.cannot_place_at = unplaceable[name]
             view.weights_missing = name in weights_missing
             views.append(view)
-        return json_response(200, {"models": views})
+        return json_response(200, ModelList(models=views))
 
     async def node_intent(self, request: Request, node_id: str) -> Response:
         fleet = self._need_fleet()
@@ -235,9 +241,9 @@ class AdminApi:
             what = fleet.set_intent(node_id, body.intent)
         except ValueError as exc:
             return error(400, str(exc))
-        answer: dict[str, object] = {"node_id": node_id, "intent": body.intent, "message": what}
+        answer = IntentAnswer(node_id=node_id, intent=body.intent, message=what)
         if body.intent == "drain":  # how long `ctl drain --wait` waits by default
-            answer["drain_bound_s"] = fleet.reconciler.timing.drain_bound_s()
+            answer.drain_bound_s = fleet.reconciler.timing.drain_bound_s()
         return json_response(200, answer)
 
     async def placement(self, request: Request, model: str) -> Response:
@@ -248,9 +254,8 @@ class AdminApi:
         if decision is None:
             return error(404, f"no model {model!r} in the catalog")
         running = sorted((r for r in fleet.replicas() if r.model == model), key=_by_id)
-        view = decision_view(decision)
-        view["running"] = [running_view(r) for r in running]  # where it runs now
-        return json_response(200, view)
+        # where a new one would go, and where the existing ones run now
+        return json_response(200, placement_view(decision, [running_view(r) for r in running]))
 
     async def routing(self, request: Request) -> Response:
         """The routing table, as a watch: with ``since=<version>`` and ``wait=<s>`` it
@@ -323,7 +328,7 @@ class AdminApi:
             log.error("not reloaded, nothing changed: %s", one_line(exc))
             log.debug("the reload failed here", exc_info=True)
             return error(500, f"not reloaded, nothing changed: {one_line(exc)}")
-        return json_response(200, {"message": what.message, "warnings": what.warnings})
+        return json_response(200, ReloadAnswer(message=what.message, warnings=what.warnings))
 
     async def status(self, request: Request) -> Response:
         """Weights per fabric; with a control plane, also what it cannot place and the
@@ -349,17 +354,3 @@ class _IntentBody(msgspec.Struct):
 
 def _by_id(r: Replica) -> str:
     return r.replica_id
-
-
-def decision_view(d: Decision) -> dict[str, object]:
-    """Where a new replica would go (``running`` is added by the route: where the
-    existing ones run)."""
-    return {
-        "model": d.model,
-        "profile": d.profile,
-        "summary": d.summary,
-        "shards": [attrs.asdict(s) for s in d.shards],
-        "candidates": [attrs.asdict(c) for c in d.candidates],
-        # each profile tried -> what one shard needs of a node's memory, in words
-        "needs": d.needs,
-    }

@@ -1,6 +1,18 @@
-"""What the management API says about the fleet: JSON shapes shared with ``ctl``."""
+"""What the management API says about the fleet: JSON shapes shared with ``ctl``.
+
+Every answer of the API is one of these Structs, built here from the control
+plane's own objects and encoded by the API; ``ctl`` decodes the same Structs
+(``llmgw.cli.admin_client``), so a field is declared once and both sides agree
+on it. A field added later has a default, so a ``ctl`` older or newer than its
+server still reads what it knows (unknown fields are ignored); a field's type
+never changes. Views carry words (a state's value, a candidate's kind), not the
+control plane's enums: a new state on the server is not an undecodable answer
+to an older ``ctl``.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -9,6 +21,9 @@ from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica
 from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
 from llmgw.routing import TrafficView
+
+if TYPE_CHECKING:  # ctl imports these views: it need not load placement for a type
+    from llmgw.controlplane.placement import Decision
 
 
 class GpuView(msgspec.Struct, kw_only=True):
@@ -236,3 +251,99 @@ class ModelView(msgspec.Struct, kw_only=True):
     retry_in_s: float | None = None  # its replicas keep failing: the next try, in seconds
     weights_missing: bool = False  # no node reports its weights (and some node looks)
     failures: list[FailureView] = []  # the last few, newest first
+
+
+class NodeList(msgspec.Struct, kw_only=True):
+    """``GET /v1/nodes``."""
+
+    nodes: list[NodeView]
+    server_version: str = ""  # the server's own, as ``llmgw.version.describe`` says it
+
+
+class ReplicaList(msgspec.Struct, kw_only=True):
+    """``GET /v1/replicas``: by model, then replica id."""
+
+    replicas: list[ReplicaView]
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """``GET /v1/models``: one per catalog model, by name."""
+
+    models: list[ModelView]
+
+
+class IntentAnswer(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``POST /v1/nodes/{node}``: the intent taken, in words."""
+
+    node_id: str
+    intent: str
+    message: str
+    # a drain's: the longest it takes (how long `ctl drain --wait` waits by default);
+    # absent for other intents
+    drain_bound_s: float | None = None
+
+
+class ShardPlacementView(msgspec.Struct, kw_only=True):
+    node_id: str
+    gpus: list[int]
+    port: int
+    rank: int
+
+
+class CandidateView(msgspec.Struct, kw_only=True):
+    """A node placement considered, for one profile (``placement.Candidate``)."""
+
+    node_id: str
+    profile: str
+    ok: bool
+    reason: str  # rejected: why; accepted: how it scored
+    kind: str  # ``placement.Kind``'s value: fits, or the filter it failed
+    score: float = 0.0
+    memory_bytes: int | None = None  # what the node has
+    held_bytes: int | None = None  # what the shards already there need
+    held_by: int | None = None  # how many shards that is
+    need_bytes: int | None = None  # what one shard of this profile needs
+
+
+class PlacementView(msgspec.Struct, kw_only=True):
+    """``GET /v1/models/{model}/placement``: where a new replica would go, and where
+    the existing ones run."""
+
+    model: str
+    profile: str | None  # None: nothing fits
+    summary: str
+    shards: list[ShardPlacementView]
+    candidates: list[CandidateView]  # every node considered, for every profile tried
+    # each profile tried -> what one shard needs of a node's memory, in words
+    needs: dict[str, str] = {}
+    running: list[RunningView] = []
+
+
+def placement_view(d: Decision, running: list[RunningView]) -> PlacementView:
+    return PlacementView(
+        model=d.model,
+        profile=d.profile,
+        summary=d.summary,
+        shards=[msgspec.convert(s, ShardPlacementView, from_attributes=True) for s in d.shards],
+        candidates=[msgspec.convert(c, CandidateView, from_attributes=True) for c in d.candidates],
+        needs=d.needs,
+        running=running,
+    )
+
+
+class ReloadAnswer(msgspec.Struct, kw_only=True):
+    """``POST /v1/catalog/reload``."""
+
+    message: str
+    warnings: list[str] = []  # a model no node can hold now, a setting its engine lacks
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    code: int = 0  # the HTTP status
+
+
+class ErrorAnswer(msgspec.Struct, kw_only=True):
+    """Any answer but a 200: what went wrong, in words."""
+
+    error: ErrorDetail

@@ -4,31 +4,25 @@ and recommend (or write) the routing settings admission should use."""
 from __future__ import annotations
 
 import datetime
-import difflib
 import os
 import signal
-import stat
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import cyclopts
 import msgspec
 import trio
 
-from llmgw.addr import url_host
 from llmgw.bench import results
-from llmgw.bench.ladder import Ladder, Level, Scrape, Slo, SloError, default_levels
+from llmgw.bench.ladder import Ladder, Level, Slo, SloError, default_levels
 from llmgw.bench.prompts import Dist, DistError, PromptMaker
 from llmgw.bench.svg import svg as draw_svg
-from llmgw.cli.ctl import CtlError, Target, _run, get
+from llmgw.cli import catalog_edit
+from llmgw.cli.admin_client import AdminClient, CtlError, Target, run_command
+from llmgw.cli.bench_aim import Fleet, api_key, router_url, scrape
 from llmgw.cli.defaults import not_found
 from llmgw.cli.shed import shed_warnings
-from llmgw.config import ConfigError, ServerConfig, load_config, parse_hostport
-from llmgw.config.loader import read_text
-from llmgw.config.schema import StandaloneRouterConfig, resolve
-from llmgw.engines import installed
 from llmgw.files import write_atomic
 
 bench_app = cyclopts.App(
@@ -121,9 +115,9 @@ def bench(
         Print the result as JSON instead of a table and a plot.
     """
     try:
-        return _run(PROGRAM, lambda: _bench(
+        return run_command(PROGRAM, lambda: _bench(
             model,
-            target or Target(),
+            AdminClient(target),
             replica=replica,
             slo_text=slo,
             levels_text=levels,
@@ -176,7 +170,7 @@ def compare(a: Path, b: Path, *, json: bool = False) -> int:
         else:
             print(results.compare(*runs))
 
-    return _run(f"{PROGRAM} compare", run)
+    return run_command(f"{PROGRAM} compare", run)
 
 
 def _load(path: Path) -> results.Run:
@@ -192,7 +186,7 @@ def _load(path: Path) -> results.Run:
 
 def _bench(
     model: str,
-    target: Target,
+    client: AdminClient,
     *,
     replica: str,
     slo_text: str,
@@ -235,25 +229,25 @@ def _bench(
     for flag, drawing in (("--png", png_path), ("--svg", svg_path)):
         if drawing is not None:
             _check_folder(flag, drawing)
-    fleet = _Fleet.read(target, model)
+    fleet = Fleet.read(client, model)
     if replica:
         route = fleet.route(replica)
-        base_url, key = route["url"] + "/v1", route.get("engine_key", "")
-        scrapes = [_scrape(route)]
+        base_url, key = route.url + "/v1", route.engine_key
+        scrapes = [scrape(route)]
         aimed = results.Target(kind="replica", url=base_url, replica_id=replica)
-        profiles = {fleet.replica(replica)["profile"]}
+        profiles = {fleet.replica(replica).profile}
         on = [replica]
     else:
-        base_url = url.rstrip("/") or _router_url(target)
-        key = _api_key(api_key_file)
-        on = [r["replica_id"] for r in fleet.ready]
+        base_url = url.rstrip("/") or router_url(client.target)
+        key = api_key(api_key_file)
+        on = [r.replica_id for r in fleet.ready]
         if not on:
             raise CtlError(f"model {model} has no Ready replica: see `llmgw ctl models`")
-        scrapes = [_scrape(fleet.route(r)) for r in on]
+        scrapes = [scrape(fleet.route(r)) for r in on]
         aimed = results.Target(kind="router", url=base_url, replicas=on)
-        profiles = {fleet.replica(r)["profile"] for r in on}
+        profiles = {fleet.replica(r).profile for r in on}
     profile = profiles.pop() if len(profiles) == 1 else "mixed"
-    catalog = _catalog(target, model, profile) if write else None
+    catalog = _catalog(client.target, model, profile) if write else None
     engine, version, hardware = fleet.describe(on)
     show = not as_json and sys.stderr.isatty()
 
@@ -476,125 +470,6 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
-class _Fleet:
-    """What the management API says of the model: replicas, routes, nodes."""
-
-    def __init__(self, model: str, replicas: list[dict[str, Any]], routing: dict[str, Any],
-                 nodes: list[dict[str, Any]]) -> None:  # fmt: skip
-        self.model = model
-        self.replicas = [r for r in replicas if r["model"] == model]
-        self.routes = {r["key"]: r for r in routing.get("routes", [])}
-        self.nodes = {n["node_id"]: n for n in nodes}
-        self.ready = [r for r in self.replicas if r["state"] == "Ready"]
-
-    @classmethod
-    def read(cls, target: Target, model: str) -> _Fleet:
-        models = get(target, "/v1/models").get("models", [])
-        if not any(m["model"] == model for m in models):
-            known = ", ".join(sorted(m["model"] for m in models)) or "none"
-            raise CtlError(f"no model {model!r} in the catalog (models: {known})")
-        return cls(
-            model,
-            get(target, "/v1/replicas")["replicas"],
-            get(target, "/v1/routing"),
-            get(target, "/v1/nodes")["nodes"],
-        )
-
-    def replica(self, rid: str) -> dict[str, Any]:
-        for r in self.replicas:
-            if r["replica_id"] == rid:
-                return r
-        known = ", ".join(r["replica_id"] for r in self.replicas) or "none"
-        raise CtlError(f"model {self.model} has no replica {rid!r} (its replicas: {known})")
-
-    def route(self, rid: str) -> dict[str, Any]:
-        replica = self.replica(rid)
-        route = self.routes.get(rid)
-        if route is None or replica["state"] != "Ready":
-            raise CtlError(f"replica {rid} is {replica['state']}, not serving: pick a Ready one")
-        found: dict[str, Any] = route
-        return found
-
-    def describe(self, rids: list[str]) -> tuple[str, str, results.Hardware]:
-        engines, versions = set(), set()
-        hw = results.Hardware()
-        for rid in rids:
-            r = self.replica(rid)
-            for shard in r["shards"]:
-                node = self.nodes.get(shard["node_id"], {})
-                engine = self.routes.get(rid, {}).get("engine", "")
-                engines.add(engine)
-                versions.add(_engine_version(node, engine))
-                if shard["node_id"] in hw.nodes:
-                    continue
-                hw.nodes.append(shard["node_id"])
-                gpus = {g["index"]: g for g in node.get("gpus", [])}
-                hw.gpus += [gpus[i]["name"] if i in gpus else "?" for i in shard["gpus"]]
-                hw.cpus = node.get("cpus") or hw.cpus
-                memory = node.get("memory_total_bytes")
-                if memory:
-                    hw.memory_gb = memory / (1 << 30)
-        return (
-            engines.pop() if len(engines) == 1 else "mixed",
-            versions.pop() if len(versions) == 1 else "mixed",
-            hw,
-        )
-
-
-def _engine_version(node: dict[str, Any], engine: str) -> str:
-    """The version of ``engine`` on ``node``: its first required program's (vllm-ray's
-    is vllm's)."""
-    found = node.get("engines", {})
-    name = installed(engine)[0]
-    if isinstance(found, dict):
-        return str(found.get(name, ""))
-    for e in found:
-        if e.get("name") == name:
-            return str(e.get("version", ""))
-    return ""
-
-
-def _scrape(route: dict[str, Any]) -> Scrape:
-    return Scrape(
-        url=route["url"],
-        engine=route.get("engine", ""),
-        key=route.get("engine_key", ""),
-    )
-
-
-def _router_url(target: Target) -> str:
-    config, _ = target.server_config()
-    if config is not None:
-        cfg, _ = load_config(ServerConfig, config)
-        listen = cfg.router.listen
-        beside = config.parent / "router.toml"  # the standalone router llmgw init sets up
-        if not listen and beside.exists():
-            listen = load_config(StandaloneRouterConfig, beside)[0].router.listen
-        if listen:
-            host, port = parse_hostport(listen, key="router.listen")
-            if host in ("0.0.0.0", "::", ""):
-                host = "127.0.0.1"
-            return f"http://{url_host(host)}:{port}/v1"
-    raise CtlError(
-        "where is the router? give --url http://HOST:PORT/v1 (or --replica R to aim at one replica)"
-    )
-
-
-def _api_key(path: Path | None) -> str:
-    if path is not None:
-        try:
-            return read_text(path).strip()
-        except ConfigError as exc:
-            raise CtlError(f"API key file {exc}") from None
-    key = os.environ.get("LLMGW_API_KEY") or os.environ.get("OPENAI_API_KEY")
-    if not key:
-        raise CtlError(
-            "no API key for the router: --api-key-file FILE, or set LLMGW_API_KEY "
-            "(`llmgw ctl key NAME` makes one)"
-        )
-    return key
-
-
 # --- --write ------------------------------------------------------------------------
 
 
@@ -606,13 +481,8 @@ def _catalog(target: Target, model: str, profile: str) -> Path:
     config, _ = target.server_config()
     if config is None:
         raise CtlError(f"--write needs the server's config, for its catalog: {not_found()}")
-    cfg, base = load_config(ServerConfig, config)
-    if not cfg.catalog:
-        raise CtlError(f"{config} names no catalog")
-    catalog = resolve(base, cfg.catalog)
-    text = read_text(catalog, "catalog")
-    with_routing(text, model, profile, results.Recommendation(weight=1, target_waiting=0),
-                 str(catalog))  # fmt: skip
+    catalog = catalog_edit.of_server(config)
+    catalog_edit.check_profile(catalog_edit.read(catalog), model, profile, str(catalog))
     return catalog
 
 
@@ -624,44 +494,13 @@ def _write(catalog: Path, model: str, profile: str, run: results.Run, *, quiet: 
     if quiet:  # the table, which says them, was not shown
         for warning in run.warnings:
             print(f"warning: {warning}", file=out)
-    before = read_text(catalog, "catalog")
-    after = with_routing(before, model, profile, rec, str(catalog))
-    if after == before:
+    diff = catalog_edit.edit(
+        catalog,
+        lambda text: catalog_edit.with_routing(text, model, profile, rec, str(catalog)),
+        "with the recommendation",
+    )
+    if not diff:
         print(f"{catalog} already says so; nothing to write", file=sys.stderr)
         return
-    diff = "".join(
-        difflib.unified_diff(
-            before.splitlines(keepends=True),
-            after.splitlines(keepends=True),
-            f"{catalog} (before)",
-            f"{catalog} (with the recommendation)",
-        )
-    )
-    try:
-        write_atomic(catalog, after.encode(), stat.S_IMODE(catalog.stat().st_mode))
-    except OSError as exc:
-        raise CtlError(f"cannot write {catalog}: {exc.strerror or exc}") from None
     print(diff, file=out, end="")
     print(f"wrote {catalog}: review the diff above, then `llmgw ctl reload` applies it", file=out)
-
-
-def with_routing(text: str, model: str, profile: str, rec: results.Recommendation,
-                 where: str) -> str:  # fmt: skip
-    """The catalog's text with the profile's ``routing`` set to the recommendation; its
-    comments and the rest of its layout kept."""
-    import tomlkit
-
-    doc = tomlkit.parse(text)
-    try:
-        profiles = doc["models"][model]["profiles"]
-        entry = next(p for p in profiles if p.get("name") == profile)
-    except (KeyError, StopIteration, TypeError):
-        raise CtlError(f"{where} has no profile {profile!r} of model {model!r}") from None
-    routing = tomlkit.table()
-    routing.add("weight", rec.weight)
-    routing.add("target_waiting", rec.target_waiting)
-    if rec.kv_ceiling is not None:
-        routing.add("kv_ceiling", rec.kv_ceiling)
-    routing.comment(f"from llmgw ctl bench, {datetime.date.today().isoformat()}")
-    entry["routing"] = routing
-    return tomlkit.dumps(doc)

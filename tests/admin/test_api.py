@@ -112,7 +112,7 @@ async def test_metrics_are_prometheus_text(admin: tuple[str, ControlPlane]) -> N
 
 def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> None:
     from llmgw.admin.views import node_view
-    from llmgw.cli.ctl import render_nodes
+    from llmgw.cli.render import render_nodes
 
     control = ControlPlane(
         policy=LivenessPolicy(unreachable_after=15, lost_after=60), heartbeat_interval=5
@@ -133,13 +133,19 @@ def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> 
 
 
 def test_the_routers_view_of_a_replica_in_words() -> None:
-    from llmgw.cli.ctl import render_traffic
+    from llmgw.cli.render import render_traffic
     from llmgw.engines.base import LoadSignals
     from llmgw.router.balancer import Endpoint
     from llmgw.router.table import traffic_view
+    from llmgw.routing import TrafficView
 
     ep = Endpoint(key="m/0", model="m", url="http://127.0.0.1:1")
-    as_json = lambda: msgspec.json.decode(msgspec.json.encode(traffic_view(ep, now=100.0)))  # noqa: E731
+
+    def as_json() -> TrafficView:
+        return msgspec.json.decode(
+            msgspec.json.encode(traffic_view(ep, now=100.0)), type=TrafficView
+        )
+
     assert render_traffic(as_json()) == "0 in flight, no engine gauges yet"
     ep.in_flight, ep.load, ep.load_at = 3, LoadSignals(waiting=2, running=8, kv_usage=0.91), 99.0
     assert render_traffic(as_json()) == "3 in flight, 2 waiting, 8 running, kv 91%"
@@ -196,7 +202,8 @@ async def test_models_needs_the_token_and_a_control_plane(admin: tuple[str, Cont
 
 
 def test_a_model_row_says_crash_loop_cannot_place_and_the_last_failure() -> None:
-    from llmgw.cli.ctl import render_failures, render_models
+    from llmgw.admin.views import ModelList
+    from llmgw.cli.render import render_failures, render_models
     from llmgw.controlplane.failures import exit_of
 
     assert exit_of("engine exited with code 1") == (1, None)
@@ -226,16 +233,18 @@ def test_a_model_row_says_crash_loop_cannot_place_and_the_last_failure() -> None
             },
         ]
     }
-    lines = render_models(data).splitlines()
+    models = msgspec.convert(data, ModelList).models
+    lines = render_models(models).splitlines()
     assert lines[1].startswith("m ") and "crash loop, next try in 12 s" in lines[1]
     assert "last failure 2m ago on n1: engine exited with code 1" in lines[1]
     assert lines[2].endswith("cannot place: no node fits")  # waiting to place is no crash loop
-    text = render_failures(data)
+    text = render_failures(models)
     assert "exit 1" in text and "    error: invalid argument: --nope" in text
 
 
 def test_a_rollout_reads_in_ctl_replicas_and_ctl_models() -> None:
-    from llmgw.cli.ctl import render_models, render_replicas
+    from llmgw.admin.views import ModelList, ReplicaList
+    from llmgw.cli.render import render_models, render_replicas
 
     shard = {
         "node_id": "n1",
@@ -244,6 +253,8 @@ def test_a_rollout_reads_in_ctl_replicas_and_ctl_models() -> None:
         "state": "ready",
         "shard_id": "a-0",
         "detail": "",
+        "rank": 0,
+        "output_tail": [],
     }
     replica = {
         "replica_id": "tiny-x-1",
@@ -262,10 +273,11 @@ def test_a_rollout_reads_in_ctl_replicas_and_ctl_models() -> None:
             {**replica, "replica_id": "tiny-x-3", "leaving": True, "leaving_why": "spread"},
         ]
     }
-    rows = render_replicas(data).splitlines()
+    rows = render_replicas(msgspec.convert(data, ReplicaList).replicas).splitlines()
     assert "Ready,outdated (leaving: replaced by the new profile)" in rows[1]
     assert "Ready,outdated " in rows[2] and "leaving" not in rows[2]
     assert "Ready (leaving: moves to spread)" in rows[3]
     row = {"model": "tiny", "wanted": 2, "ready": 2, "starting": 1, "failed": 0, "nodes": []}
-    models = render_models({"models": [{**row, "outdated": 2, "failures": []}]})
+    views = msgspec.convert({"models": [{**row, "outdated": 2, "failures": []}]}, ModelList)
+    models = render_models(views.models)
     assert "rolling out a profile change, 2 to replace" in models.splitlines()[1]

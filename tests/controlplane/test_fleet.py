@@ -235,7 +235,8 @@ async def test_how_an_engine_ended_is_read_from_the_numbers_and_from_an_older_ag
     """A failed status with ``signal`` is shown by it, whatever its words say; one from an
     agent older than the numbers is read from its words, as before. Read where the
     operator reads it: the admin API's models view and ``ctl replicas --failures``."""
-    from llmgw.cli.ctl import render_failures
+    from llmgw.admin.views import ModelList
+    from llmgw.cli.render import render_failures
 
     catalog = parse_catalog(CATALOG, "catalog.toml")
     async with control_plane(
@@ -264,7 +265,8 @@ async def test_how_an_engine_ended_is_read_from_the_numbers_and_from_an_older_ag
                             (second,) = [m for m in data["models"] if m["model"] == "second"]
                             said = [f for f in second["failures"] if f["shard_id"] == shard]
                             if said:
-                                return {"rendered": render_failures(data), **said[0]}
+                                rendered = render_failures(msgspec.convert(data, ModelList).models)
+                                return {"rendered": rendered, **said[0]}
                             await trio.sleep(0.05)
 
             got = await fail(detail="engine gave up", signal=9)
