@@ -118,6 +118,7 @@ class Result:
     intact: int = 0
     identical: int | None = None
     resumed: int = 0
+    faulted: bool = False  # the fault landed while the engine was still at work
     stall_p50_s: float | None = None
     stall_p95_s: float | None = None
     stall_max_s: float | None = None
@@ -272,6 +273,7 @@ def run_event(event: str, model: Path, workdir: Path, reference: dict[int, str])
 
             trio.run(main)
             result.wall_s = time.monotonic() - t0
+            result.faulted = bool(fault_at)
             if event == "stop":
                 procs.procs["engine-a"].send_signal(signal.SIGCONT)
             measure(result, streams, reference, fault_at, survivor_offset, procs)

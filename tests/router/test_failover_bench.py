@@ -16,14 +16,21 @@ def test_no_stream_is_lost_when_an_engine_is_killed_or_stopped(tmp_path: Path) -
     reference: dict[int, str] = {}
     results = {}
     for event in ("unbroken", "kill", "stop"):
-        (tmp_path / event).mkdir()
-        results[event] = bf.run_event(event, model, tmp_path / event, reference)
-        print(bf.table([results[event]]))
+        # on a busy machine the tiny model can finish every stream between two reads
+        # of its slots, before the fault: such a run says nothing of a fault, so again
+        for attempt in range(3):
+            workdir = tmp_path / f"{event}-{attempt}"
+            workdir.mkdir()
+            results[event] = bf.run_event(event, model, workdir, reference)
+            print(bf.table([results[event]]))
+            if event == "unbroken" or results[event].faulted:
+                break
     assert len(reference) == bf.STREAMS
     for event, r in results.items():
         assert r.intact == bf.STREAMS, (event, r.notes)
     for event in ("kill", "stop"):
         r = results[event]
+        assert r.faulted, (event, r)
         assert r.identical == bf.STREAMS, (event, r.notes)
         assert 1 <= r.resumed < bf.STREAMS, (event, r)  # the stopped engine's share
         assert r.stall_p95_s is not None and r.prefill_p95_s is not None
