@@ -218,20 +218,29 @@ def test_a_recommendation_that_would_shed_what_the_replica_served_is_said() -> N
     seen = a_run([level(1, True, waiting_max=0, slots=1), level(2, True, waiting_max=1, slots=1),
                   level(3, True, waiting_max=2, slots=1)])  # fmt: skip
     assert shed_warnings(seen) == []
-    # a KV cache read empty at the capacity, fuller below it
+    # a KV cache read empty at the capacity, fuller below it, and a queue read deeper
+    # below it (the samples are noisy): the recommendation takes the fullest and the
+    # deepest any level that met the SLO read, so that it sheds none of them
     kv = a_run([level(1, True, waiting_max=0, slots=4, kv_max=0.32),
                 level(2, True, waiting_max=0, slots=4, kv_max=0.0)])  # fmt: skip
+    assert kv.recommendation is not None and kv.recommendation.kv_ceiling == 0.35
+    assert shed_warnings(kv) == []
+    vllm = a_run([level(2, True, waiting_max=4), level(4, True, waiting_max=3),
+                  level(8, False, waiting_max=20)])  # fmt: skip
+    assert vllm.recommendation is not None and vllm.recommendation.target_waiting == 4
+    assert vllm.recommendation.weight == 4.0
+    assert shed_warnings(vllm) == []
+    # given a ceiling under what a level read (an operator's own), it is said
+    vllm.recommendation.target_waiting = 3
+    [line] = shed_warnings(vllm)
+    assert "at concurrency 2, which met it" in line and "(waiting 4 > 3)" in line, line
+    assert line.endswith("target_waiting = 4 would take them all")
+    kv.recommendation.kv_ceiling = 0.05
     [line] = shed_warnings(kv)
     assert "kv_ceiling = 0.05" in line and "(kv 0.32 > 0.05)" in line, line
     assert line.endswith(
         "take 0 at once where 1 met the SLO; kv_ceiling = 0.35 would take them all"
     )
-    # an engine that says no slots (vLLM): only its queue as read counts
-    vllm = a_run([level(2, True, waiting_max=4), level(4, True, waiting_max=3),
-                  level(8, False, waiting_max=20)])  # fmt: skip
-    [line] = shed_warnings(vllm)
-    assert "at concurrency 2, which met it" in line and "(waiting 4 > 3)" in line, line
-    assert line.endswith("target_waiting = 4 would take them all")
     # no capacity, no recommendation: nothing to warn of
     assert shed_warnings(a_run([level(1, False)])) == []
     # said under the recommendation in the table

@@ -1,17 +1,19 @@
 """A bench run as a value: kept as JSON, shown as a table and a plot, compared with
 another, and turned into the routing settings admission should use.
 
-Recommendations come from the last level that met the SLO (the capacity):
+Recommendations come from the levels that met the SLO, up to the last (the capacity):
 
 - ``weight``: that level's concurrency. The balancer sends each replica work in
   proportion to its weight, so replicas weighted by the concurrency each can
   serve within the SLO each get their share.
-- ``target_waiting``: the most requests the engine had queued while it still met
-  the SLO: a queue that deep is healthy, a deeper one is not. It may be 0: a
+- ``target_waiting``: the most requests the engine had queued at any level that
+  met the SLO: a queue that deep is healthy, a deeper one is not. It may be 0: a
   one-slot llama-server whose SLO broke at concurrency 2 broke it with one request
   queued, so admitting a queue of one would let it break the SLO again.
-- ``kv_ceiling``: the fullest KV cache seen then, rounded up to 5 %, when the
-  engine reports one (vLLM's KV usage; llama.cpp's slots' context fill).
+- ``kv_ceiling``: the fullest KV cache seen at any of those levels, rounded up to
+  5 %, when the engine reports one (vLLM's KV usage; llama.cpp's slots' context
+  fill). The samples are noisy: a lower level may read fuller than the capacity's,
+  and a ceiling under what it read would refuse load the run saw served.
 """
 
 from __future__ import annotations
@@ -80,20 +82,24 @@ def capacity_level(levels: list[Level]) -> Level | None:
     return best
 
 
-def recommend(level: Level | None) -> Recommendation | None:
-    if level is None:
+def recommend(levels: list[Level]) -> Recommendation | None:
+    """From the levels that met the SLO, the capacity last; None when none did."""
+    if not levels:
         return None
-    kv = None
-    if level.kv_max is not None:
-        kv = min(1.0, math.ceil(level.kv_max * 20 - 1e-9) / 20) or 0.05
-    waiting = math.ceil(level.waiting_max) if level.waiting_max is not None else 0
-    return Recommendation(weight=float(level.concurrency), target_waiting=waiting, kv_ceiling=kv)
+    kvs = [lv.kv_max for lv in levels if lv.kv_max is not None]
+    kv = min(1.0, math.ceil(max(kvs) * 20 - 1e-9) / 20) or 0.05 if kvs else None
+    waits = [lv.waiting_max for lv in levels if lv.waiting_max is not None]
+    waiting = math.ceil(max(waits)) if waits else 0
+    return Recommendation(
+        weight=float(levels[-1].concurrency), target_waiting=waiting, kv_ceiling=kv
+    )
 
 
 def finish(run: Run) -> Run:
     best = capacity_level(run.levels)
     run.capacity = best.concurrency if best else None
-    run.recommendation = recommend(best)
+    met = run.levels[: run.levels.index(best) + 1] if best else []
+    run.recommendation = recommend(met)
     return run
 
 
