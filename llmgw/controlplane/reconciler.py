@@ -57,8 +57,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Collection, Mapping
 
-import attrs
+import msgspec
 
+from llmgw.config.schema import ReconcileConfig
 from llmgw.controlplane import acts, claims, moves, starts
 from llmgw.controlplane.acts import Acts
 from llmgw.controlplane.allocations import Allocations
@@ -83,27 +84,22 @@ S = ShardState
 SERVING_OR_COMING = frozenset({R.PENDING, R.STARTING, R.READY})
 
 
-@attrs.frozen
-class Timing:
-    startup_margin_s: float = 30.0  # on top of the profile's startup timeout (agent's own bound)
-    drain_grace_s: float = 300.0  # a leaving replica is drained at the latest this long after
-    drain_timeout_s: float = 120.0  # a draining replica is stopped after this
+class Timing(ReconcileConfig, kw_only=True):
+    """The reconciler's clocks: the ``[reconcile]`` section's (``ReconcileConfig``,
+    defined there once, with their words), and the ones no operator sets."""
+
     stop_timeout_s: float = 60.0  # a stopping replica is forgotten after this
     stop_grace_s: float = 10.0  # SIGTERM -> SIGKILL on the agent
-    retry_base_s: float = 5.0
-    retry_cap_s: float = 300.0
     # placing costs a few ms per replica at 1,000 nodes: a pass stays short, and
     # the next pass (a second later) places more
     max_placements_per_pass: int = 8
-    # after a (re)start, agents get this long to re-register before anything is placed
-    # (and nodes known from before, until they are back or Lost): a replica placed in
-    # the meantime would double one that is already serving
-    settle_s: float = 15.0
-    # a replica the routers hold wedged (work, no progress) this long is failed and
-    # replaced: its engine is restarted
-    wedged_grace_s: float = 60.0
     # an adopted engine that fails every probe this long (not what its node reported) fails
     verify_grace_s: float = 60.0
+
+    @classmethod
+    def of(cls, config: ReconcileConfig) -> Timing:
+        """The clocks a server's ``[reconcile]`` section sets, the others as they are."""
+        return cls(**msgspec.structs.asdict(config))
 
     def drain_bound_s(self) -> float:
         """The longest a node's drain takes when nothing fails: the grace for a

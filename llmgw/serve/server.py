@@ -152,21 +152,12 @@ async def serve(
     )
     fleet = None
     if catalog_path is not None and catalog is not None:
-        rc = config.reconcile
         fleet = FleetManager(
             control,
             catalog,
             catalog_path=catalog_path,
             state_dir=resolve(base, config.state_dir),
-            timing=Timing(
-                startup_margin_s=rc.startup_margin_s,
-                drain_grace_s=rc.drain_grace_s,
-                drain_timeout_s=rc.drain_timeout_s,
-                retry_base_s=rc.retry_base_s,
-                retry_cap_s=rc.retry_cap_s,
-                settle_s=rc.settle_s,
-                wedged_grace_s=rc.wedged_grace_s,
-            ),
+            timing=Timing.of(config.reconcile),
         )
     routing = fleet.routing if fleet is not None else RoutingPublisher()
     routers = fleet.routers if fleet is not None else RouterReports()

@@ -732,3 +732,17 @@ def test_a_port_the_node_says_something_else_holds_is_not_placed_on() -> None:
     explained = rec.explain("tiny", nodes.nodes, now=0)
     assert explained is not None and explained.profile is None  # every port is taken
     assert "no free engine port" in explained.summary, explained.summary
+
+
+def test_the_servers_reconcile_section_sets_every_clock_it_names() -> None:
+    """[reconcile] is defined once (ReconcileConfig) and the reconciler's clocks are
+    those keys and the ones no operator sets: each key the config names arrives."""
+    import msgspec
+
+    from llmgw.config.schema import ReconcileConfig
+
+    names = [f.name for f in msgspec.structs.fields(ReconcileConfig)]
+    config = ReconcileConfig(**{n: 1000.0 + i for i, n in enumerate(names)})
+    timing = Timing.of(config)
+    assert [getattr(timing, n) for n in names] == [1000.0 + i for i in range(len(names))]
+    assert timing.stop_timeout_s == Timing().stop_timeout_s  # not an operator's
