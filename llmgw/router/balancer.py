@@ -171,12 +171,17 @@ def fresh_load(endpoint: Endpoint, now: float, stale_after_s: float) -> LoadSign
 def score(endpoint: Endpoint, load: LoadSignals | None) -> float:
     """Lower is less loaded: work on the replica per unit of weight.
 
-    With fresh signals: ``(max(in_flight, running) + waiting) / weight``.
-    ``max`` because the engine's running count includes other routers'
-    traffic but lags this router's latest sends, while ``in_flight`` is
-    current but sees only this router; the larger is the better lower bound
-    on what the replica is doing. Waiting requests are work queued on top.
-    Without fresh signals: ``in_flight / weight``.
+    With fresh signals: ``(in_flight + others + waiting) / weight``, where
+    ``others`` is what the engine ran beyond this router's own requests when it
+    was read (``running - in_flight_at_load``, at least 0): other routers'
+    traffic. The engine's count is up to a scrape old, and lags this router's
+    sends and its completions alike, while ``in_flight`` is current but sees only
+    this router; so this router's part is counted now and the rest as read. (The
+    larger of the two, as before, held a replica busy for up to a second after its
+    request ended: a one-slot replica read running 1 tied a four-slot one at 4 of
+    4, and the next request went to the four, whole; a 4:1 weight split ran 5:1.)
+    Waiting requests are work queued on top. Without fresh signals:
+    ``in_flight / weight``.
 
     Dividing by weight is what makes a weight-2 replica take twice the share:
     least-loaded picking keeps the scores level, so in-flight counts settle
@@ -184,7 +189,8 @@ def score(endpoint: Endpoint, load: LoadSignals | None) -> float:
     """
     work = float(endpoint.in_flight)
     if load is not None:
-        work = max(work, load.running or 0.0) + (load.waiting or 0.0)
+        others = max(0.0, (load.running or 0.0) - endpoint.in_flight_at_load)
+        work += others + (load.waiting or 0.0)
     return work / endpoint.weight
 
 

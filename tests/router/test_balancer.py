@@ -155,6 +155,20 @@ def test_in_flight_counts_when_scrape_lags() -> None:
     assert choose([a, b], NOW, admission=OPEN).endpoint is b
 
 
+def test_a_request_ended_since_the_reading_frees_its_replica_at_once() -> None:
+    # one slot, weight 1, read running its one request, which has ended since; four
+    # slots, weight 4, four of ours running: the one is free and takes the next (the
+    # reading's running count once held it busy until the next scrape, and a 4:1
+    # split ran 5:1)
+    one = ep("one", in_flight=0, in_flight_at_load=1, weight=1.0, **fresh(running=1))
+    four = ep("four", in_flight=4, weight=4.0, **fresh(running=4))
+    assert score(one, one.load) == 0
+    assert choose([four, one], NOW, admission=OPEN).endpoint is one
+    # what the engine ran beyond this router's own requests is other routers' work
+    shared = ep("shared", in_flight=1, in_flight_at_load=1, **fresh(running=3, waiting=1))
+    assert score(shared, shared.load) == 1 + 2 + 1
+
+
 def test_stale_metrics_degrade_to_in_flight_not_saturated() -> None:
     # metrics say waiting=100 but are 60 s old: ignore them, and do not shed
     stale = ep(
