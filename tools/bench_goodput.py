@@ -162,6 +162,10 @@ class Turn:
     reply: str = ""
     prompt_chars: int = 0
     shared_chars: int = 0
+    # what the engine said of it (llama-server's last event's ``timings``): the prompt
+    # tokens it found cached and the ones it computed; -1: not said
+    cache_n: int = -1
+    prompt_n: int = -1
 
 
 @dataclass
@@ -370,6 +374,10 @@ async def run_sessions(
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
                         event = json.loads(line[6:])
+                        timings = event.get("timings")
+                        if timings:
+                            turn.cache_n = int(timings.get("cache_n", -1))
+                            turn.prompt_n = int(timings.get("prompt_n", -1))
                         for choice in event.get("choices") or ():
                             piece = (choice.get("delta") or {}).get("content") or ""
                             if piece:
@@ -430,6 +438,19 @@ def run(
         procs.stop_all()
     oracle(sessions)
     turns = [t for s in sessions for t in s.turns]
+    # each turn as it went, for a look at what missed and why (in the run's folder)
+    (workdir / "turns.json").write_text(
+        json.dumps(
+            [
+                {"session": i, "group": s.group, "start": round(s.start, 2), "turn": j,
+                 "status": t.status, "ttft": t.ttft, "prompt_chars": t.prompt_chars,
+                 "shared_chars": t.shared_chars, "cache_n": t.cache_n, "prompt_n": t.prompt_n}
+                for i, s in enumerate(sessions)
+                for j, t in enumerate(s.turns)
+            ],
+            indent=0,
+        )
+    )  # fmt: skip
     ttfts = [t.ttft for t in turns if t.ttft is not None and t.status == 200]
     result.requests = len(turns)
     result.ok = len(ttfts)
