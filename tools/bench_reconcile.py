@@ -32,7 +32,7 @@ loop wakes on each one, so this is the worst case of what it can do during
 a storm (nothing is placed during the settle time, but every pass still
 walks all replicas).
 
-    python tools/bench_reconcile.py [--nodes 1000] [--models 20]
+    python -m tools.bench_reconcile [--nodes 1000] [--models 20]
         [--replicas-per-model 100] [--passes 50] [--place-repeats 20]
         [--profile] [--top 15] [--gc on|freeze|off]
 """
@@ -45,15 +45,11 @@ import gc
 import io
 import pstats
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-from benchlib import percentile
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmgw.controlplane.catalog import Catalog, parse_catalog
 from llmgw.controlplane.nodes import LivenessPolicy, NodeTable
@@ -69,6 +65,7 @@ from llmgw.protocol.messages import (
     ShardReport,
     ShardStatus,
 )
+from tools.support.benchlib import percentile
 
 GPUS_PER_NODE = 8
 HEARTBEAT_S = 5.0  # config.schema liveness.heartbeat_interval_s default
