@@ -984,7 +984,7 @@ def report(results: list[dict[str, Any]], p: Params) -> bool | None:
     if goal is None:
         print(f"  not measured (no run with N = {GOAL_AGENTS:,}).")
         return None
-    met = goal["cpu_pct"] < GOAL_CPU_PCT and goal["connected"] == GOAL_AGENTS
+    met = bool(goal["cpu_pct"] < GOAL_CPU_PCT and goal["connected"] == GOAL_AGENTS)
     verdict = "MET" if met else "NOT MET"
     print(
         f"  {verdict}: {goal['cpu_pct']:.1f}% of one core at N = 1,000 (heartbeat {p.heartbeat:g} s)."

@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,11 @@ PROXIES = ["direct", "relay", "relay-trio", "llmgw", "asgi", "litellm"]
 # --------------------------------------------------------------------------- load generator
 
 
-def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run in its own process: drive one cell, return its measurements."""
+def loadgen(
+    spec: dict[str, Any], proxy_cpu: Callable[[int], float] = tree_cpu
+) -> dict[str, Any]:
+    """Run in its own process: drive one cell, return its measurements. ``proxy_cpu``
+    reads a proxy's CPU (its tree's), once as the window opens and once as it closes."""
     import asyncio
     import random
 
@@ -190,7 +194,7 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
         st.finished = asyncio.Event()
         tasks = [asyncio.ensure_future(connection()) for _ in range(spec["concurrency"])]
         await asyncio.sleep(spec["warmup_s"])
-        cpu0 = [tree_cpu(p) for p in pids]
+        cpu0 = [proxy_cpu(p) for p in pids]
         engine0 = cpu_seconds(engine_pid)
         own0 = time.process_time()
         st.window_start = now()
@@ -198,7 +202,7 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(st.finished.wait(), spec["seconds"])
         elapsed = now() - st.window_start
-        cpu1 = [tree_cpu(p) for p in pids]
+        cpu1 = [proxy_cpu(p) for p in pids]
         engine1 = cpu_seconds(engine_pid)
         own1 = time.process_time()
         st.phase = "drain"
@@ -227,7 +231,8 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
         }
 
     if uvloop is not None:
-        return uvloop.run(run())
+        measured: dict[str, Any] = uvloop.run(run())
+        return measured
     return asyncio.run(run())
 
 
@@ -511,7 +516,7 @@ def goals(results: dict[tuple[str, str, int], dict[str, Any]], idle: dict[str, f
     def cpu_ms(r: dict[str, Any] | None) -> float | None:
         if r is None or not r["n"] or r["proxy_cpu_s"] is None:
             return None
-        return 1e3 * r["proxy_cpu_s"] / r["n"]
+        return 1e3 * float(r["proxy_cpu_s"]) / int(r["n"])
 
     def net(r: dict[str, Any] | None, per: int = 1) -> str:
         """The same, less the proxy's idle background CPU over the window."""
@@ -625,6 +630,8 @@ def main() -> None:
         proxies.remove("litellm")
 
     allowed = sorted(os.sched_getaffinity(0))
+    load_core: int | None
+    proxy_core: int | None
     if len(allowed) >= 2:
         load_core, proxy_core = allowed[0], allowed[1]
     else:

@@ -93,14 +93,12 @@ def loadgen_with_marks(spec: dict[str, Any]) -> dict[str, Any]:
     window's edges: it reads the router's tree CPU exactly once as the window opens
     and once as it closes, so readings taken alongside those mark the window."""
     marks: list[tuple[dict[str, tuple[int, int]], dict[int, tuple[str, float]]]] = []
-    original = br.tree_cpu
 
-    def hooked(pid: int) -> float:
+    def marked(pid: int) -> float:
         marks.append((proc_stat(), all_processes()))
-        return original(pid)
+        return tree_cpu(pid)
 
-    br.tree_cpu = hooked  # the name bench_router's loadgen calls
-    result = br.loadgen(spec)
+    result = br.loadgen(spec, proxy_cpu=marked)
     (stat0, ps0), (stat1, ps1) = marks[0], marks[-1]
     result["cores"] = {
         name: (stat1[name][0] - stat0[name][0], stat1[name][1] - stat0[name][1])
@@ -249,13 +247,13 @@ def other_share(r: dict[str, Any]) -> float:
     busy_s = sum(b for b, _ in r["cores"].values()) / os.sysconf("SC_CLK_TCK")
     cp = sum(r["processes"].get(str(p), ["", 0.0])[1] for p in r["server_pids"])
     ours = r["proxy_cpu_s"] + r["engine_cpu_s"] + r["loadgen_cpu_s"] + cp
-    return 100 * (busy_s - ours) / (r["elapsed"] or 1.0)
+    return float(100 * (busy_s - ours) / (r["elapsed"] or 1.0))
 
 
 def machine_busy(r: dict[str, Any]) -> float:
     """How busy the cores were on average over the window, in percent."""
     cores = r["cores"].values()
-    return 100 * sum(b for b, _ in cores) / (sum(t for _, t in cores) or 1)
+    return float(100 * sum(b for b, _ in cores) / (sum(t for _, t in cores) or 1))
 
 
 def others(r: dict[str, Any]) -> dict[str, float]:

@@ -17,6 +17,7 @@ benchmark and ``tests/lab`` (tests): the same code. Root only.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import ipaddress
 import json
@@ -430,9 +431,8 @@ sha256 = "{hash_key(key)}"
         self._wait(lambda: self._serving() >= (2 if self.gpus else 1), "the models", deadline)
         for router, base_url in zip(self.routers, self.base_urls, strict=True):
             self._start(router)
-            self._wait(
-                lambda u=base_url: fleetapi.served(u, self.key), f"{router} to route", deadline
-            )
+            routes = functools.partial(fleetapi.served, base_url, self.key)
+            self._wait(routes, f"{router} to route", deadline)
 
     def _wait(self, done: Callable[[], bool], what: str, deadline: float) -> None:
         while not done():
