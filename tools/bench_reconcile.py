@@ -151,7 +151,9 @@ def with_replicas(cat: Catalog, extra: dict[str, int]) -> Catalog:
 
 def ready_all(rec: Reconciler, plan: Plan, now: float) -> None:
     for s in plan.start:
-        rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state=ShardState.STARTING), now)
+        rec.shard_status(
+            s.node, ShardStatus(shard_id=s.spec.shard_id, state=ShardState.STARTING), now
+        )
         rec.shard_status(s.node, ShardStatus(shard_id=s.spec.shard_id, state=ShardState.READY), now)
 
 

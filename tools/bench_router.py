@@ -70,9 +70,7 @@ PROXIES = ["direct", "relay", "relay-trio", "llmgw", "asgi", "litellm"]
 # --------------------------------------------------------------------------- load generator
 
 
-def loadgen(
-    spec: dict[str, Any], proxy_cpu: Callable[[int], float] = tree_cpu
-) -> dict[str, Any]:
+def loadgen(spec: dict[str, Any], proxy_cpu: Callable[[int], float] = tree_cpu) -> dict[str, Any]:
     """Run in its own process: drive one cell, return its measurements. ``proxy_cpu``
     reads a proxy's CPU (its tree's), once as the window opens and once as it closes."""
     import asyncio

@@ -124,7 +124,9 @@ async def run_client(
             await close()
         p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
         assert p50 is not None and p99 is not None, f"{kind} c{concurrency}: no answer"
-        rows.append((kind, concurrency, done, done / elapsed, p50 * 1000, p99 * 1000, cpu * 1000 / done))
+        rows.append(
+            (kind, concurrency, done, done / elapsed, p50 * 1000, p99 * 1000, cpu * 1000 / done)
+        )
     return rows
 
 
