@@ -284,10 +284,10 @@ def measure(
     after = fault_at[0] if fault_at else 0.0
     stalls = [s.longest_gap(after) for s in resumed]
     rest = [s.longest_gap(after) for s in streams if s.id not in resumed_ids]
-    result.stall_p50_s = percentile(stalls, 50)
-    result.stall_p95_s = percentile(stalls, 95)
+    result.stall_p50_s = percentile(stalls, 0.50)
+    result.stall_p95_s = percentile(stalls, 0.95)
     result.stall_max_s = max(stalls, default=None)
-    result.gap_p95_s = percentile(rest, 95)
+    result.gap_p95_s = percentile(rest, 0.95)
     if survivor_offset:
         log = procs.log("engine-b")[survivor_offset[0] :]
         launched = {int(t) for t in _LAUNCHED.findall(log)}
@@ -296,9 +296,9 @@ def measure(
             for task, ms, n in _PROMPT_EVAL.findall(log)
             if int(task) in launched
         ]
-        result.prefill_p50_s = percentile([e for e, _ in evals], 50)
-        result.prefill_p95_s = percentile([e for e, _ in evals], 95)
-        result.prefill_tokens_p50 = percentile([float(n) for _, n in evals], 50)
+        result.prefill_p50_s = percentile([e for e, _ in evals], 0.50)
+        result.prefill_p95_s = percentile([e for e, _ in evals], 0.95)
+        result.prefill_tokens_p50 = percentile([float(n) for _, n in evals], 0.50)
         if len(evals) != len(resumed):
             result.notes.append(
                 f"{len(evals)} tasks began on the surviving engine after the fault, "

@@ -66,6 +66,8 @@ def tree_cpu(pid: int) -> float:
 
 def percentile(values: list[float], q: float) -> float | None:
     """The nearest-rank ``q``-quantile (0 < q <= 1) of ``values``; None if empty."""
+    if not 0 < q <= 1:  # a percent (50 for the median) would be the maximum, silently
+        raise ValueError(f"percentile: q = {q} is not a fraction in (0, 1]")
     if not values:
         return None
     s = sorted(values)
