@@ -585,7 +585,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
             )
         fleet.gather("ready", timeout=60 + n * 0.05)
         time.sleep(1.0)
-        server.alive()
+        server.check_running()
         res["rss_before"] = proc_mem(server.pid)["VmRSS"]
 
         # ---- registration
@@ -597,7 +597,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         fleet.send_all({"cmd": "go", "t0": t0, "spread": p.spread})
         deadline = time.monotonic() + p.spread + 60 + n * 0.05
         while True:
-            server.alive()
+            server.check_running()
             ready = ready_count(admin.metrics())
             if ready >= n:
                 break
@@ -628,7 +628,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         settle = p.heartbeat + 1.0
         print(f"  settling {settle:g} s, then a {p.window:g} s steady window ...")
         time.sleep(settle)
-        server.alive()
+        server.check_running()
         fleet.send_all({"cmd": "stats"})
         fleet.gather("stats", timeout=10)
         spy = Spy(server.pid, workdir / f"py-spy-{n}-steady.txt") if p.py_spy else None
@@ -640,7 +640,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         last_t, last_c = w0, s0
         while time.monotonic() - w0 < p.window:
             time.sleep(min(1.0, max(0.0, p.window - (time.monotonic() - w0))))
-            server.alive()
+            server.check_running()
             t, c = time.monotonic(), cpu_seconds(server.pid)
             if t - last_t > 0.5:
                 per_sec.append((c - last_c) / (t - last_t))
@@ -736,7 +736,7 @@ def silent_agent(
     polls, request_s = 0, []
     prev_sent = time.time()
     while True:
-        server.alive()
+        server.check_running()
         sent = time.time()
         view = admin.nodes().get(node, {})
         got = time.time()

@@ -181,7 +181,7 @@ class Process:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def alive(self) -> None:
+    def check_running(self) -> None:
         """Nothing while it runs; else ``Failed``, with the end of its log."""
         if not self.running():
             raise Failed(f"{self.name} exited ({self.returncode()}):\n{self.tail()}")
@@ -281,7 +281,10 @@ class Proc(Process):
 
 
 class TrioProc(Process):
-    """A ``Proc`` whose waits are trio's: for tests, which run under trio."""
+    """A ``Process`` whose waits are trio's: for tests, which run under trio. A failure
+    shows its whole log."""
+
+    shown = None
 
     async def wait_log(self, pattern: str, *, count: int = 1, timeout: float = 15) -> re.Match[str]:
         """As ``Proc.wait_log``, sleeping in trio."""
