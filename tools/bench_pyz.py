@@ -18,14 +18,13 @@ newer, else this interpreter's base python) with ``-I``, from a clean folder.
 A venv's ``--version`` also asks git which commit the checkout is at (the file
 reads it from ``_build.txt``), so it does a little more work than the file.
 
-    .venv/bin/python tools/bench_pyz.py [--pyz dist/llmgw.pyz] [--runs 7]
+    .venv/bin/python -m tools.bench_pyz [--pyz dist/llmgw.pyz] [--runs 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -34,7 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tools.support.procs import ROOT, Failed, Proc
+
 VENV_LLMGW = ROOT / ".venv" / "bin" / "llmgw"
 
 
@@ -58,7 +58,7 @@ def timed(argv: list[str], cwd: Path, env: dict[str, str]) -> float:
     return took
 
 
-def start_server(work: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
+def start_server(work: Path) -> tuple[Proc, list[str]]:
     """A server from the venv; returns it and the ctl arguments that reach it."""
     for args in (["init"], ["server", "127.0.0.1"]):
         subprocess.run(
@@ -72,27 +72,15 @@ def start_server(work: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
         'ca = "pki/ca.pem"\ncert = "pki/server.pem"\nkey = "pki/server-key.pem"\n'
         '[admin]\nlisten = "127.0.0.1:0"\n'
     )
-    log = work / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(VENV_LLMGW), "server", "--config", "server.toml"],
-            cwd=work,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = re.search(r"admin API listening on (http://\S+)", log.read_text(errors="replace"))
-        if found:
-            token = str(work / "state" / "admin-token")
-            return proc, ["--admin-url", found[1], "--token-file", token]
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    sys.exit(f"bench_pyz: the server did not start; its log:\n{log.read_text()}")
+    server = Proc("server", [str(VENV_LLMGW), "server", "--config", "server.toml"], work)
+    server.start()
+    try:
+        found = server.wait_log(r"admin API listening on (http://\S+)", timeout=30)
+    except Failed as e:
+        server.kill()
+        sys.exit(f"bench_pyz: the server did not start: {e}")
+    token = str(work / "state" / "admin-token")
+    return server, ["--admin-url", found[1], "--token-file", token]
 
 
 def fmt(values: list[float]) -> str:
@@ -154,12 +142,7 @@ def main() -> None:
                 print(f"  {label:10} venv: {fmt(from_venv)}")
                 print(f"  {label:10} file - venv (medians): {gap:+.3f} s")
         finally:
-            server.terminate()
-            try:
-                server.wait(10)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait(5)
+            server.stop(grace_s=10)
 
 
 if __name__ == "__main__":

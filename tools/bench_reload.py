@@ -19,7 +19,7 @@ is timed the same way.
 Everything runs on 127.0.0.1; every wait is bounded; the processes started
 here are stopped on exit.
 
-    python tools/bench_reload.py [--mib 0.5,2,3.9,5] [--after 3]
+    python -m tools.bench_reload [--mib 0.5,2,3.9,5] [--after 3]
 """
 
 from __future__ import annotations
@@ -33,33 +33,13 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from llmgw.controlplane.catalog import MAX_CATALOG_BYTES
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
-from tools.benchlib import Failed, LlmgwProc
+from tools.support.catalogs import catalog_of
+from tools.support.procs import Failed, Proc, llmgw
 
 HOST = "127.0.0.1"
 NODES = ("b1", "b2")
-
-
-def catalog_of(size: int) -> str:
-    """Catalog entries of models that want no replica (one per ~105 bytes), at least
-    ``size`` bytes of them."""
-    parts: list[str] = []
-    total = 0
-    i = 0
-    while total < size:
-        entry = (
-            f"[models.m{i:06d}]\nreplicas = 0\n[[models.m{i:06d}.profiles]]\n"
-            f'name = "cpu"\nengine = "llama.cpp"\nmin_memory_gb = 4\n'
-            f'model_path = "/var/lib/llmgw-weights/model-{i:06d}.gguf"\n'
-            "settings = { context = 4096, parallel = 2 }\n"
-        )
-        parts.append(entry)
-        total += len(entry)
-        i += 1
-    return "".join(parts)
 
 
 SMALL = catalog_of(1)
@@ -145,16 +125,17 @@ def run(sizes: list[float], after: float) -> None:
     with tempfile.TemporaryDirectory(prefix="llmgw-bench-reload-") as tmp:
         d = Path(tmp)
         write_fleet(d)
-        procs: list[LlmgwProc] = []
+        procs: list[Proc] = []
         try:
-            server = LlmgwProc("server", ["server", "--config", "server.toml"], d)
-            procs.append(server)
+            server = Proc("server", llmgw("server", "--config", "server.toml"), d, session=True)
+            procs.append(server.start())
             port = int(server.wait_log(r"agent stream listening on [\d.]+:(\d+)")[1])
             admin = server.wait_log(r"admin API listening on (http://\S+)")[1]
             token = (d / "state" / "admin-token").read_text().strip()
             for node in NODES:
                 config = agent_config(d, node, port)
-                procs.append(LlmgwProc(f"agent-{node}", ["agent", "--config", config.name], d))
+                argv = llmgw("agent", "--config", config.name)
+                procs.append(Proc(f"agent-{node}", argv, d, session=True).start())
             headers = {"authorization": f"Bearer {token}"}
             with httpx.Client(timeout=120, headers=headers) as client:
                 deadline = time.monotonic() + 30

@@ -28,13 +28,13 @@ Modes: non-streaming; streaming (16 SSE chunks at once); paced streaming
 (16 chunks 10 ms apart). Concurrency 1, 16 and 64. The issue's goals are
 computed from the same run and printed as met / NOT met.
 
-    python tools/bench_router.py            # full: ~3 s a cell, about 4 minutes
-    python tools/bench_router.py --quick    # ~1 s a cell, about 2 minutes
-    python tools/bench_router.py --no-litellm --only plain -c 16
+    python -m tools.bench_router            # full: ~3 s a cell, about 4 minutes
+    python -m tools.bench_router --quick    # ~1 s a cell, about 2 minutes
+    python -m tools.bench_router --no-litellm --only plain -c 16
 
 Virtualenvs (made on first use, under .llmgw/): ``bench-venv-asgi`` (uvicorn,
-uvloop, httptools, aiohttp; also runs the engine and the load generator) and
-``bench-venv-litellm`` (``litellm[proxy]``).
+uvloop, httptools, aiohttp; also runs the engine and the load generator, told where
+this checkout is by ``PYTHONPATH``) and ``bench-venv-litellm`` (``litellm[proxy]``).
 """
 
 from __future__ import annotations
@@ -50,13 +50,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchlib import cpu_seconds, free_port, percentile, tree_cpu
+from tools.support.benchlib import cpu_seconds, free_port, percentile, tree_cpu
+from tools.support.procs import ROOT, Procs, llmgw, python_path
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ROOT / "tools"
 VENV_ASGI = ROOT / ".llmgw" / "bench-venv-asgi"
 VENV_LITELLM = ROOT / ".llmgw" / "bench-venv-litellm"
 ASGI_PACKAGES = ["uvicorn==0.54.0", "uvloop==0.23.0", "httptools==0.9.0", "aiohttp==3.14.5"]
@@ -70,8 +70,9 @@ PROXIES = ["direct", "relay", "relay-trio", "llmgw", "asgi", "litellm"]
 # --------------------------------------------------------------------------- load generator
 
 
-def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run in its own process: drive one cell, return its measurements."""
+def loadgen(spec: dict[str, Any], proxy_cpu: Callable[[int], float] = tree_cpu) -> dict[str, Any]:
+    """Run in its own process: drive one cell, return its measurements. ``proxy_cpu``
+    reads a proxy's CPU (its tree's), once as the window opens and once as it closes."""
     import asyncio
     import random
 
@@ -191,7 +192,7 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
         st.finished = asyncio.Event()
         tasks = [asyncio.ensure_future(connection()) for _ in range(spec["concurrency"])]
         await asyncio.sleep(spec["warmup_s"])
-        cpu0 = [tree_cpu(p) for p in pids]
+        cpu0 = [proxy_cpu(p) for p in pids]
         engine0 = cpu_seconds(engine_pid)
         own0 = time.process_time()
         st.window_start = now()
@@ -199,7 +200,7 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(st.finished.wait(), spec["seconds"])
         elapsed = now() - st.window_start
-        cpu1 = [tree_cpu(p) for p in pids]
+        cpu1 = [proxy_cpu(p) for p in pids]
         engine1 = cpu_seconds(engine_pid)
         own1 = time.process_time()
         st.phase = "drain"
@@ -228,64 +229,12 @@ def loadgen(spec: dict[str, Any]) -> dict[str, Any]:
         }
 
     if uvloop is not None:
-        return uvloop.run(run())
+        measured: dict[str, Any] = uvloop.run(run())
+        return measured
     return asyncio.run(run())
 
 
 # --------------------------------------------------------------------------- processes
-
-
-class Procs:
-    """Every process this script starts; all of them are ended on the way out."""
-
-    def __init__(self, workdir: Path, cores: tuple[int | None, int | None]) -> None:
-        self.workdir = workdir
-        self.cores = cores
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def start(
-        self, name: str, argv: list[str], *, core: int | None, env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        log = (self.workdir / f"{name}.log").open("ab")
-
-        def pin() -> None:
-            if core is not None:
-                os.sched_setaffinity(0, {core})
-
-        proc = subprocess.Popen(
-            argv,
-            cwd=self.workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
-            preexec_fn=pin,
-            start_new_session=True,
-        )
-        log.close()
-        self.procs[name] = proc
-        return proc
-
-    def log(self, name: str) -> str:
-        path = self.workdir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def stop(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)  # its own session: it and its workers
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
-    def stop_all(self) -> None:
-        for name in list(self.procs):
-            self.stop(name)
 
 
 def venv_python(venv: Path, packages: list[str], log: Path) -> Path:
@@ -329,27 +278,11 @@ def http_post(url: str, body: dict[str, Any], key: str = "", timeout: float = 30
         return bytes(r.read())
 
 
-def wait_until(procs: Procs, what: str, check: Any, timeout: float) -> None:
-    proc = procs.procs[what]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = procs.log(what)[-3000:]
-            raise RuntimeError(f"{what}: exited with {proc.returncode}; its log ends:\n{tail}")
-        with contextlib.suppress(OSError, ValueError):
-            if check():
-                return
-        time.sleep(0.1)
-    tail = procs.log(what)[-3000:]
-    raise RuntimeError(f"{what}: not ready after {timeout:g} s; its log ends:\n{tail}")
-
-
 def start_engine(procs: Procs, python: Path, core: int | None) -> tuple[int, int]:
     port_file = procs.workdir / "engine.port"
-    p = procs.start(
-        "engine", [str(python), str(TOOLS / "bench_router_engine.py"), str(port_file)], core=core
-    )
-    wait_until(procs, "engine", port_file.exists, 10)
+    argv = [str(python), "-m", "tools.bench_router_engine", str(port_file)]
+    p = procs.start("engine", argv, core=core, env=python_path())
+    procs.wait_until("engine", port_file.exists, 10)
     return p.pid, int(port_file.read_text())
 
 
@@ -388,28 +321,22 @@ name = "bench"
 sha256 = "{hash_key(key)}"
 """
     )
-    p = procs.start(
-        "llmgw",
-        [sys.executable, "-m", "llmgw", "server", "--config", str(d / "server.toml")],
-        core=core,
-    )
-    wait_until(procs, "llmgw", lambda: "OpenAI-compatible endpoint on" in procs.log("llmgw"), 30)
+    p = procs.start("llmgw", llmgw("server", "--config", str(d / "server.toml")), core=core)
+    p.wait_log("OpenAI-compatible endpoint on", timeout=30)
     return p.pid, port, key
 
 
 def start_asgi(procs: Procs, python: Path, engine_port: int, core: int | None) -> tuple[int, int]:
     port = free_port()
-    p = procs.start(
-        "asgi",
-        [
-            str(python),
-            str(TOOLS / "bench_router_proxy.py"),
-            str(port),
-            f"http://127.0.0.1:{engine_port}",
-        ],
-        core=core,
-    )
-    wait_until(procs, "asgi", lambda: http_get(f"http://127.0.0.1:{port}/v1/models") == 200, 30)
+    argv = [
+        str(python),
+        "-m",
+        "tools.bench_router_proxy",
+        str(port),
+        f"http://127.0.0.1:{engine_port}",
+    ]
+    p = procs.start("asgi", argv, core=core, env=python_path())
+    procs.wait_until("asgi", lambda: http_get(f"http://127.0.0.1:{port}/v1/models") == 200, 30)
     return p.pid, port
 
 
@@ -418,18 +345,17 @@ def start_relay(
 ) -> tuple[int, int]:
     name = "relay" if loop == "uvloop" else f"relay-{loop}"
     port = free_port()
-    p = procs.start(
-        name,
-        [str(python), str(TOOLS / "bench_router_relay.py"), str(port), str(engine_port), loop],
-        core=core,
-    )
-    wait_until(procs, name, lambda: http_get(f"http://127.0.0.1:{port}/v1/models") == 200, 30)
+    argv = [str(python), "-m", "tools.bench_router_relay", str(port), str(engine_port), loop]
+    p = procs.start(name, argv, core=core, env=python_path())
+    procs.wait_until(name, lambda: http_get(f"http://127.0.0.1:{port}/v1/models") == 200, 30)
     return p.pid, port
 
 
 def start_litellm(
     procs: Procs, venv: Path, engine_port: int, core: int | None, master_key: str
-) -> subprocess.Popen[bytes]:
+) -> tuple[int, int]:
+    """LiteLLM's proxy, started (it is slow to be ready: ``main`` waits for it last): its
+    pid and port."""
     port = free_port()
     config = procs.workdir / "litellm.yaml"
     config.write_text(
@@ -484,8 +410,7 @@ general_settings:
         core=core,
         env=env,
     )
-    p.bench_port = port  # type: ignore[attr-defined]
-    return p
+    return p.pid, port
 
 
 # --------------------------------------------------------------------------- the run
@@ -525,21 +450,23 @@ def run_cell(
         "warmup_s": warmup_s,
         "stagger_s": CHUNKS * PACE_MS / 1e3 if mode == "paced" and concurrency > 1 else 0.0,
     }
-    return spawn_loadgen(python, Path(__file__), spec, core)
+    return spawn_loadgen(python, "tools.bench_router", spec, core)
 
 
 def spawn_loadgen(
-    python: Path, script: Path, spec: dict[str, Any], core: int | None = None
+    python: Path, module: str, spec: dict[str, Any], core: int | None = None
 ) -> dict[str, Any]:
-    """Run ``script --loadgen SPEC`` (``loadgen`` in a process of its own, on
-    ``core`` if given) and return what it printed."""
+    """Run ``python -m MODULE --loadgen SPEC`` (``loadgen`` in a process of its own, on
+    ``core`` if given; ``python`` is another virtualenv's, told where this checkout is)
+    and return what it printed."""
 
     def pin() -> None:
         if core is not None:
             os.sched_setaffinity(0, {core})
 
     out = subprocess.run(
-        [str(python), str(script.resolve()), "--loadgen", json.dumps(spec)],
+        [str(python), "-m", module, "--loadgen", json.dumps(spec)],
+        env=dict(os.environ, **python_path()),
         capture_output=True,
         preexec_fn=pin,
         timeout=spec["seconds"] + spec["warmup_s"] + 60,
@@ -587,7 +514,7 @@ def goals(results: dict[tuple[str, str, int], dict[str, Any]], idle: dict[str, f
     def cpu_ms(r: dict[str, Any] | None) -> float | None:
         if r is None or not r["n"] or r["proxy_cpu_s"] is None:
             return None
-        return 1e3 * r["proxy_cpu_s"] / r["n"]
+        return 1e3 * float(r["proxy_cpu_s"]) / int(r["n"])
 
     def net(r: dict[str, Any] | None, per: int = 1) -> str:
         """The same, less the proxy's idle background CPU over the window."""
@@ -701,6 +628,8 @@ def main() -> None:
         proxies.remove("litellm")
 
     allowed = sorted(os.sched_getaffinity(0))
+    load_core: int | None
+    proxy_core: int | None
     if len(allowed) >= 2:
         load_core, proxy_core = allowed[0], allowed[1]
     else:
@@ -734,12 +663,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_signal)
     results: dict[tuple[str, str, int], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
-        procs = Procs(Path(tmp), (load_core, proxy_core))
+        procs = Procs(Path(tmp))
         try:
             if load_core is not None:
                 os.sched_setaffinity(0, {load_core})
             engine_pid, engine_port = start_engine(procs, asgi_python, load_core)
-            lite = None
+            lite: tuple[int, int] | None = None
             if "litellm" in proxies:  # slow to start: start it first, wait for it last
                 lite_key = "sk-" + secrets.token_hex(24)  # it refuses to start with none
                 lite = start_litellm(procs, VENV_LITELLM, engine_port, proxy_core, lite_key)
@@ -760,10 +689,9 @@ def main() -> None:
                 pid, port = start_asgi(procs, asgi_python, engine_port, proxy_core)
                 targets["asgi"] = (port, "", [pid])
             if lite is not None:
-                port = lite.bench_port  # type: ignore[attr-defined]
+                lite_pid, port = lite
                 try:
-                    wait_until(
-                        procs,
+                    procs.wait_until(
                         "litellm",
                         lambda: http_get(f"http://127.0.0.1:{port}/health/liveliness") == 200,
                         180,
@@ -773,7 +701,7 @@ def main() -> None:
                         {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
                         lite_key,
                     )
-                    targets["litellm"] = (port, lite_key, [lite.pid])
+                    targets["litellm"] = (port, lite_key, [lite_pid])
                 except (RuntimeError, OSError) as exc:
                     tail = procs.log("litellm")[-3000:]
                     litellm_note = f"LiteLLM did not start: {exc}\n{tail}"

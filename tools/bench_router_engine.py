@@ -10,7 +10,7 @@ bytes: cheap enough that the proxies in front of it are the bottleneck.
   10 ms after the last (the first one at once); ``ms=0`` sends all at once.
 - ``GET /v1/models``, ``GET /metrics``, ``GET /health``.
 
-    python tools/bench_router_engine.py PORT_FILE      # writes the port it bound
+    python -m tools.bench_router_engine PORT_FILE      # writes the port it bound
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ upstream over a keep-alive aiohttp session and relays the response as it
 arrives, chunk by chunk. No auth, no routing, no retries: the least a
 Python proxy does, on uvicorn with uvloop and httptools.
 
-    python tools/bench_router_proxy.py PORT UPSTREAM_URL
+    python -m tools.bench_router_proxy PORT UPSTREAM_URL
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ machine and the event loop charge any process that sits in the middle
   llmgw's own hot path is written, so the gap between this and llmgw is
   llmgw's work and the gap between this and uvloop is trio's.
 
-    python tools/bench_router_relay.py PORT UPSTREAM_PORT [uvloop|trio]
+    python -m tools.bench_router_relay PORT UPSTREAM_PORT [uvloop|trio]
 """
 
 from __future__ import annotations

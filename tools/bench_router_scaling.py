@@ -31,8 +31,8 @@ the engine and the load generator to. The kernel schedules all of them on both c
 so the ratio says how far a second worker helps on *this* machine; the per-core busy
 columns say whether the machine (both cores near 100%) or the router was the limit.
 
-    python tools/bench_router_scaling.py              # ~4 s windows, 3 rounds, ~1.5 minutes
-    python tools/bench_router_scaling.py --seconds 2 --rounds 1
+    python -m tools.bench_router_scaling              # ~4 s windows, 3 rounds, ~1.5 minutes
+    python -m tools.bench_router_scaling --seconds 2 --rounds 1
 """
 
 from __future__ import annotations
@@ -42,16 +42,14 @@ import json
 import os
 import re
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_router as br  # a sibling script, not a package
-from benchlib import descendants, free_port, tree_cpu
+from tools import bench_router as br
+from tools.support.benchlib import descendants, free_port, tree_cpu
+from tools.support.procs import ROOT, Procs, llmgw
 
 WORKERS = (1, 2)
 
@@ -95,14 +93,12 @@ def loadgen_with_marks(spec: dict[str, Any]) -> dict[str, Any]:
     window's edges: it reads the router's tree CPU exactly once as the window opens
     and once as it closes, so readings taken alongside those mark the window."""
     marks: list[tuple[dict[str, tuple[int, int]], dict[int, tuple[str, float]]]] = []
-    original = br.tree_cpu
 
-    def hooked(pid: int) -> float:
+    def marked(pid: int) -> float:
         marks.append((proc_stat(), all_processes()))
-        return original(pid)
+        return tree_cpu(pid)
 
-    br.tree_cpu = hooked  # the name bench_router's loadgen calls
-    result = br.loadgen(spec)
+    result = br.loadgen(spec, proxy_cpu=marked)
     (stat0, ps0), (stat1, ps1) = marks[0], marks[-1]
     result["cores"] = {
         name: (stat1[name][0] - stat0[name][0], stat1[name][1] - stat0[name][1])
@@ -148,20 +144,17 @@ def run_cell(
         "warmup_s": warmup_s,
         "stagger_s": 0.0,
     }
-    return br.spawn_loadgen(python, Path(__file__), spec)
+    return br.spawn_loadgen(python, "tools.bench_router_scaling", spec)
 
 
 # --------------------------------------------------------------------------- processes
 
 
-def start_server(procs: br.Procs, engine_port: int) -> tuple[str, Path, str]:
+def start_server(procs: Procs, engine_port: int) -> tuple[str, Path, str]:
     """``llmgw server`` (bench_router's, a static model on the engine): admin URL,
     admin token file, and an API key its routers accept (its hash goes in their config)."""
     _, _, key = br.start_llmgw(procs, engine_port, None)
-    pattern = re.compile(r"admin API listening on (http://\S+?)(?:,|\s|$)")
-    br.wait_until(procs, "llmgw", lambda: pattern.search(procs.log("llmgw")), 30)
-    m = pattern.search(procs.log("llmgw"))
-    assert m is not None
+    m = procs["llmgw"].wait_log(r"admin API listening on (http://\S+?)(?:,|\s|$)", timeout=30)
     made = re.search(r"created admin token in (\S+)", procs.log("llmgw"))
     token_file = (
         Path(made.group(1)) if made else procs.workdir / "llmgw-server" / "state" / "admin-token"
@@ -172,7 +165,7 @@ def start_server(procs: br.Procs, engine_port: int) -> tuple[str, Path, str]:
 
 
 def start_router(
-    procs: br.Procs, workers: int, admin_url: str, token_file: Path, key: str
+    procs: Procs, workers: int, admin_url: str, token_file: Path, key: str
 ) -> tuple[int, int]:
     from llmgw.router.keys import hash_key
 
@@ -194,18 +187,15 @@ sha256 = "{hash_key(key)}"
 models = []
 """
     )
-    p = procs.start(
-        name, [sys.executable, "-m", "llmgw", "router", "--config", str(config)], core=None
-    )
+    p = procs.start(name, llmgw("router", "--config", str(config)))
     routed = re.compile(r"routing table now version \S+ 1 routes")
 
     def ready() -> bool:
         text = procs.log(name)
         return len(routed.findall(text)) >= workers and len(descendants(p.pid)) >= workers
 
-    br.wait_until(procs, name, ready, 60)
-    br.wait_until(
-        procs,
+    procs.wait_until(name, ready, 60)
+    procs.wait_until(
         name,
         lambda: (
             b"chat.completion"
@@ -257,13 +247,13 @@ def other_share(r: dict[str, Any]) -> float:
     busy_s = sum(b for b, _ in r["cores"].values()) / os.sysconf("SC_CLK_TCK")
     cp = sum(r["processes"].get(str(p), ["", 0.0])[1] for p in r["server_pids"])
     ours = r["proxy_cpu_s"] + r["engine_cpu_s"] + r["loadgen_cpu_s"] + cp
-    return 100 * (busy_s - ours) / (r["elapsed"] or 1.0)
+    return float(100 * (busy_s - ours) / (r["elapsed"] or 1.0))
 
 
 def machine_busy(r: dict[str, Any]) -> float:
     """How busy the cores were on average over the window, in percent."""
     cores = r["cores"].values()
-    return 100 * sum(b for b, _ in cores) / (sum(t for _, t in cores) or 1)
+    return float(100 * sum(b for b, _ in cores) / (sum(t for _, t in cores) or 1))
 
 
 def others(r: dict[str, Any]) -> dict[str, float]:
@@ -289,10 +279,8 @@ def main() -> None:
         return
     concs = args.concurrency or [16, 64]
 
-    (br.ROOT / ".llmgw").mkdir(exist_ok=True)
-    python = br.venv_python(
-        br.VENV_ASGI, br.ASGI_PACKAGES, br.ROOT / ".llmgw" / "bench-install.log"
-    )
+    (ROOT / ".llmgw").mkdir(exist_ok=True)
+    python = br.venv_python(br.VENV_ASGI, br.ASGI_PACKAGES, ROOT / ".llmgw" / "bench-install.log")
 
     def on_signal(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
@@ -303,11 +291,11 @@ def main() -> None:
     tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
     results: dict[tuple[int, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-router-scaling-") as tmp:
-        procs = br.Procs(Path(tmp), (None, None))
+        procs = Procs(Path(tmp))
         try:
             engine_pid, engine_port = br.start_engine(procs, python, None)
             admin_url, token_file, key = start_server(procs, engine_port)
-            server_pids = descendants(procs.procs["llmgw"].pid)
+            server_pids = descendants(procs["llmgw"].pid)
             routers = {w: start_router(procs, w, admin_url, token_file, key) for w in WORKERS}
             idle_s = 1.0
             cpu0 = {w: tree_cpu(pid) for w, (pid, _) in routers.items()}

@@ -9,22 +9,22 @@ p50/p99 latency and this process's CPU milliseconds per request
 (``time.process_time`` deltas: the client's cost only, the server is
 elsewhere).
 
-    python tools/bench_upstream_pool.py [--requests 5000] [-c 1 -c 16 -c 64] [--client pool]
+    python -m tools.bench_upstream_pool [--requests 5000] [-c 1 -c 16 -c 64] [--client pool]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import trio
-from benchlib import percentile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools.support.benchlib import percentile
+from tools.support.procs import python_path
 
 BODY = b'{"object":"ping","ok":true}'
 PATH = "/v1/ping"
@@ -122,17 +122,10 @@ async def run_client(
             done, elapsed, cpu, latencies = await drive(fetch, concurrency, total, seconds)
         finally:
             await close()
-        latencies.sort()
+        p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
+        assert p50 is not None and p99 is not None, f"{kind} c{concurrency}: no answer"
         rows.append(
-            (
-                kind,
-                concurrency,
-                done,
-                done / elapsed,
-                percentile(latencies, 0.50) * 1000,
-                percentile(latencies, 0.99) * 1000,
-                cpu * 1000 / done,
-            )
+            (kind, concurrency, done, done / elapsed, p50 * 1000, p99 * 1000, cpu * 1000 / done)
         )
     return rows
 
@@ -151,10 +144,11 @@ def main() -> None:
         serve()
         return
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve"],
+        [sys.executable, "-m", "tools.bench_upstream_pool", "--serve"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env=dict(os.environ, **python_path()),  # this checkout's tools, from anywhere
     )
     try:
         assert proc.stdout is not None

@@ -1,6 +1,6 @@
 """Run a whole local fleet on this machine: CA, control plane, agents, and a real model.
 
-Used by ``tools/fleet`` (the README's first command). Everything lives under
+Run by ``tools/fleet`` (the README's first command). Everything lives under
 ``--dir`` (default ``.llmgw/fleet``) and is reused on the next run: the CA is
 made once, like a real installation's.
 """
@@ -12,10 +12,10 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,29 +26,9 @@ from llmgw.admin.views import NodeView, ReplicaView
 from llmgw.cli.render import render_nodes, render_replicas
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
-from tools.tinymodel import write_model
-
-
-def write_tiny_catalog(d: Path) -> Path:
-    """``d/catalog.toml`` serving the tiny model (``d/tiny.gguf``, made once) with
-    llama-server, one replica; returns the catalog's path."""
-    model = d / "tiny.gguf"
-    if not model.exists():
-        write_model(model, ends_after=4)
-    catalog = d / "catalog.toml"
-    catalog.write_text(
-        f"""# the tiny model tools/tinymodel.py generates, served by llama.cpp's llama-server
-[models.tiny]
-replicas = 1
-[[models.tiny.profiles]]
-name = "cpu"
-engine = "llama.cpp"
-model_path = "{model}"
-settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
-startup_timeout_s = 120
-"""
-    )
-    return catalog
+from tools.support import fleetapi
+from tools.support.catalogs import write_tiny_catalog
+from tools.support.procs import Proc, llmgw
 
 
 def main() -> int:
@@ -116,26 +96,30 @@ listen = "127.0.0.1:{args.admin_port}"
             f"[engines]\nport_range = [{low + 100 * i}, {low + 99 + 100 * i}]\n"
         )
 
-    llmgw = [sys.executable, "-m", "llmgw"]
-    procs = [subprocess.Popen([*llmgw, "server", "--config", "server.toml"], cwd=d)]
+    # their logs on this terminal; Ctrl-C reaches them as it reaches this command
+    server = Proc("server", llmgw("server", "--config", "server.toml"), d, output="terminal")
+    procs = [server.start()]
     try:
         token_file = d / "state" / "admin-token"
         url = f"http://127.0.0.1:{args.admin_port}"
-        _wait(lambda: token_file.exists() and _up(url), "the control plane to start", procs)
+        _wait(lambda: token_file.exists() and fleetapi.up(url), "the control plane to start", procs)
         for node in nodes:
-            procs.append(
-                subprocess.Popen([*llmgw, "agent", "--config", f"agent-{node}.toml"], cwd=d)
-            )
+            argv = llmgw("agent", "--config", f"agent-{node}.toml")
+            procs.append(Proc(f"agent-{node}", argv, d, output="terminal").start())
         token = token_file.read_text().strip()
-        _wait(lambda: _ready(url, token) >= len(nodes), "every agent to register", procs)
-        views = msgspec.convert(_nodes(url, token), list[NodeView])
+        _wait(
+            lambda: fleetapi.ready_nodes(url, token) >= len(nodes),
+            "every agent to register",
+            procs,
+        )
+        views = msgspec.convert(fleetapi.nodes(url, token), list[NodeView])
         print("\n" + render_nodes(views, time.time()), flush=True)
         _wait(lambda: _ready_replica(url, token) is not None, "the model to be served", procs, 180)
         replica = _ready_replica(url, token)
         assert replica is not None
         print(render_replicas([msgspec.convert(replica, ReplicaView)]), flush=True)
         base = f"http://127.0.0.1:{args.router_port}/v1"
-        _wait(lambda: _served(base, api_key), "the router to route to it", procs, 30)
+        _wait(lambda: fleetapi.served(base, api_key), "the router to route to it", procs, 30)
         print(
             f"\nlocal fleet is up: {len(nodes)} agent(s), model 'tiny' served by llama-server"
             f"\n  base URL: {base}"
@@ -163,18 +147,14 @@ listen = "127.0.0.1:{args.admin_port}"
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
             while not stop.wait(0.5):
-                if any(p.poll() is not None for p in procs):
+                if not all(p.running() for p in procs):
                     print("fleet: a daemon exited; stopping the rest", file=sys.stderr)
                     break
     finally:
         for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGTERM)
         for p in procs:
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            p.stop(None)  # SIGKILL for one that has not exited within 5 s
         _stop_engines(d)
     return 0
 
@@ -190,57 +170,20 @@ def _stop_engines(d: Path) -> None:
         record.unlink(missing_ok=True)
 
 
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/healthz", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _nodes(url: str, token: str) -> list[dict[str, object]]:
-    r = httpx.get(url + "/v1/nodes", headers={"authorization": f"Bearer {token}"}, timeout=2)
-    r.raise_for_status()
-    nodes: list[dict[str, object]] = r.json()["nodes"]
-    return nodes
-
-
-def _served(base: str, key: str) -> bool:
-    try:
-        r = httpx.get(base + "/models", headers={"authorization": f"Bearer {key}"}, timeout=2)
-    except httpx.HTTPError:
-        return False
-    return r.status_code == 200 and any(m["id"] == "tiny" for m in r.json()["data"])
-
-
 def _ready_replica(url: str, token: str) -> dict[str, Any] | None:
     try:
-        r = httpx.get(url + "/v1/replicas", headers={"authorization": f"Bearer {token}"}, timeout=2)
-        r.raise_for_status()
+        replicas = fleetapi.replicas(url, token)
     except httpx.HTTPError:
         return None
-    for replica in r.json()["replicas"]:
-        if replica["state"] == "Ready":
-            found: dict[str, Any] = replica
-            return found
-    return None
+    return next((r for r in replicas if r["state"] == "Ready"), None)
 
 
-def _ready(url: str, token: str) -> int:
-    try:
-        return sum(n["state"] == "Ready" for n in _nodes(url, token))
-    except httpx.HTTPError:
-        return 0
-
-
-def _wait(
-    done: object, what: str, procs: list[subprocess.Popen[bytes]], timeout: float = 30
-) -> None:
-    assert callable(done)
+def _wait(done: Callable[[], bool], what: str, procs: list[Proc], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         for p in procs:
-            if p.poll() is not None:
-                raise SystemExit(f"fleet: {' '.join(map(str, p.args))} exited ({p.returncode})")
+            if not p.running():
+                raise SystemExit(f"fleet: {' '.join(p.argv)} exited ({p.returncode()})")
         if time.monotonic() > deadline:
             raise SystemExit(f"fleet: gave up waiting for {what} after {timeout:g} s")
         time.sleep(0.1)

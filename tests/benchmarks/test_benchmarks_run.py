@@ -20,9 +20,10 @@ from tests.realparts import needs_server
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_tool(*args: str, timeout: float = 120) -> str:
+def run_tool(module: str, *args: str, timeout: float = 120) -> str:
+    """``python -m MODULE ARGS`` from the checkout, as the README runs the benchmarks."""
     out = subprocess.run(
-        [sys.executable, *args],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,7 +37,7 @@ def run_tool(*args: str, timeout: float = 120) -> str:
 
 def test_bench_reconcile_runs_and_judges_its_goals() -> None:
     text = run_tool(
-        "tools/bench_reconcile.py",
+        "tools.bench_reconcile",
         "--nodes=20",
         "--models=2",
         "--replicas-per-model=5",
@@ -48,7 +49,7 @@ def test_bench_reconcile_runs_and_judges_its_goals() -> None:
 
 
 def test_bench_http_server_runs() -> None:
-    text = run_tool("tools/bench_http_server.py", "--requests=200", "--seconds=0.5")
+    text = run_tool("tools.bench_http_server", "--requests=200", "--seconds=0.5")
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["16"])]
     assert [r[:2] for r in rows] == [["1", "200"], ["16", "200"]], text
 
@@ -56,14 +57,14 @@ def test_bench_http_server_runs() -> None:
 @pytest.mark.parametrize("client", ["pool", "httpx"])
 def test_bench_upstream_pool_runs(client: str) -> None:
     text = run_tool(
-        "tools/bench_upstream_pool.py", "--requests=50", "--seconds=0.5", f"--client={client}"
+        "tools.bench_upstream_pool", "--requests=50", "--seconds=0.5", f"--client={client}"
     )
     assert sum(1 for line in text.splitlines() if line.split()[:1] == [client]) >= 2, text
 
 
 def test_bench_agents_holds_a_small_fleet() -> None:
     text = run_tool(
-        "tools/bench_agents.py",
+        "tools.bench_agents",
         "--agents=5",
         "--heartbeat=0.5",
         "--window=2",
@@ -78,7 +79,7 @@ def test_bench_agents_holds_a_small_fleet() -> None:
 
 @needs_server
 def test_bench_abuse_runs_every_attack() -> None:
-    text = run_tool("tools/bench_abuse.py", "--quick", timeout=240)
+    text = run_tool("tools.bench_abuse", "--quick", timeout=240)
     rows = {line.split()[0]: line for line in text.splitlines() if line.split()[:1]}
     attacks = ["nokey", "poison", "flood", "log", "body-budget", "metrics-listener"]
     attacks += ["connections", "slow-reader", "grammar"]
@@ -90,14 +91,14 @@ def test_bench_abuse_runs_every_attack() -> None:
 
 
 def test_bench_reload_runs() -> None:
-    text = run_tool("tools/bench_reload.py", "--mib=0.1,4.5", "--after=0.5")
+    text = run_tool("tools.bench_reload", "--mib=0.1,4.5", "--after=0.5")
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["0.1"], ["4.5"])]
     assert [r[3] for r in rows] == ["200", "400"], text
 
 
 @needs_server
 def test_bench_goodput_runs_every_workload_and_policy() -> None:
-    text = run_tool("tools/bench_goodput.py", "--quick", timeout=300)
+    text = run_tool("tools.bench_goodput", "--quick", timeout=300)
     rows = [line.split() for line in text.splitlines() if line.split()[:1] in (
         ["multiturn"], ["shared"], ["unique"])]  # fmt: skip
     assert [(r[0], r[1]) for r in rows] == [

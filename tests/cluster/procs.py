@@ -1,12 +1,9 @@
-"""Real ``llmgw`` processes for tests: start, read their logs, signal, time their exit."""
+"""Real ``llmgw`` processes for tests (``tools.support.procs``'s harness: start, read
+their logs, signal, time their exit), their configs, and a control plane's views."""
 
 from __future__ import annotations
 
 import json
-import os
-import re
-import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -20,9 +17,13 @@ import trio
 
 from llmgw.agent.procs import identity, terminate_group
 from tests.conftest import Pki
+from tools.support.procs import TrioProc, llmgw
 
 
-class Daemon:
+class Daemon(TrioProc):
+    """``python -m llmgw ARGS`` for a test (or ``module``: a test's llmgw with more in
+    it), its output in ``workdir/NAME.log``: the tools' process harness, waited on in trio."""
+
     def __init__(
         self,
         name: str,
@@ -32,69 +33,9 @@ class Daemon:
         *,
         module: str = "llmgw",
     ) -> None:
-        self.name = name
-        self.module = module  # run as ``python -m``: llmgw, or a test's llmgw with more in it
-        self.env = env or {}
+        super().__init__(name, llmgw(*args, module=module), workdir, env=env)
         self.args = args
-        self.workdir = workdir
-        self.log_path = workdir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.nofile: int | None = None  # its open-files limit (soft and hard), if lowered
-
-    def start(self) -> Daemon:
-        log = self.log_path.open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, *self.args],
-            cwd=self.workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            preexec_fn=self._limit if self.nofile is not None else None,
-        )
-        log.close()
-        return self
-
-    def _limit(self) -> None:
-        assert self.nofile is not None
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    async def wait_log(self, pattern: str, *, count: int = 1, timeout: float = 15) -> re.Match[str]:
-        """Wait until the log holds ``count`` matches of ``pattern``; return the last."""
-        rx = re.compile(pattern)
-        with trio.move_on_after(timeout):
-            while True:
-                found = list(rx.finditer(self.log()))
-                if len(found) >= count:
-                    return found[count - 1]
-                if self.proc is not None and self.proc.poll() is not None:
-                    break
-                await trio.sleep(0.05)
-        raise AssertionError(
-            f"{self.name}: no {count}x {pattern!r} in log (exit {self.returncode()}):\n{self.log()}"
-        )
-
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    async def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> float:
-        """Signal the process and return how long it took to exit."""
-        assert self.proc is not None
-        start = trio.current_time()
-        self.proc.send_signal(sig)
-        with trio.fail_after(timeout):
-            while self.proc.poll() is None:
-                await trio.sleep(0.005)
-        return trio.current_time() - start
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
+        self.module = module
 
 
 def write_server_config(

@@ -20,7 +20,7 @@ from llmgw.agent.procs import alive, identity
 from tests.cluster.procs import Daemon, Server, write_agent_config, write_server_config
 from tests.conftest import Pki
 from tests.realparts import LLAMA_SERVER, needs_server
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 pytestmark = needs_server
 

@@ -17,7 +17,7 @@ from tests.realparts import needs_server
 
 pytestmark = needs_server
 
-N_EMBD = 64  # the tiny model's width (tools/tinymodel.py)
+N_EMBD = 64  # the tiny model's width (tools/support/tinymodel.py)
 
 
 def embedding_model(model: Path) -> str:

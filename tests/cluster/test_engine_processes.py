@@ -3,7 +3,7 @@
 The control plane runs in the test (so it can send commands through its own
 dispatcher and hear every status and registration); the agent is a separate
 ``llmgw agent`` process, and the engine a real llama-server serving the tiny
-model from tools/tinymodel.py.
+model from tools/support/tinymodel.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from tests.cluster.procs import Daemon, http_server, listening, write_agent_conf
 from tests.conftest import Pki
 from tests.realparts import LLAMA_SERVER, needs_server
 from tests.stream.harness import Plane, control_plane, wait_for
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 pytestmark = needs_server
 

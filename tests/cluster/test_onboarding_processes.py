@@ -25,7 +25,7 @@ from tests.cluster.procs import Daemon, Server
 from tests.cluster.test_control_plane_processes import BASE
 from tests.ports import own_port
 from tests.realparts import LLAMA_SERVER, needs_server
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 LLMGW = [sys.executable, "-m", "llmgw"]
 

@@ -138,26 +138,10 @@ def second_host() -> Iterator[Host]:
         _ip("link", "del", veth, check=False)
 
 
-class NsDaemon(Daemon):
-    """A daemon run in a network namespace."""
-
-    def __init__(self, ns: str, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.ns = ns
-
-    def start(self) -> Daemon:
-        log = self.log_path.open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "llmgw", *self.args],
-            cwd=self.workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-        )
-        log.close()
-        return self
+def in_namespace(ns: str, daemon: Daemon) -> Daemon:
+    """``daemon``, run in network namespace ``ns``."""
+    daemon.argv = ["ip", "netns", "exec", ns, *daemon.argv]
+    return daemon
 
 
 @asynccontextmanager
@@ -209,7 +193,9 @@ async def test_two_hosts_with_one_node_id_keep_one_stream_and_the_refused_one_ki
                 started.append(first.start())
                 await first.wait_log(r"registered with control plane .* as node n1")
                 peer = control.dispatcher.connections["n1"].peer
-                copy = NsDaemon(h.ns, "agent-n1-copy", ["agent", "--config", "agent-n1.toml"], two)
+                copy = in_namespace(
+                    h.ns, Daemon("agent-n1-copy", ["agent", "--config", "agent-n1.toml"], two)
+                )
                 started.append(copy.start())
                 refused = (
                     rf"control plane {h.host_ip}:{cp_port} refused this agent \(node n1\):"

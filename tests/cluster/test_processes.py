@@ -5,9 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import re
-import resource
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -371,22 +369,9 @@ def _start_with_open_files(
     cluster: list[Daemon], tmp_path: Path, name: str, args: list[str], soft: int, hard: int
 ) -> Daemon:
     """A daemon started under a given open-files limit, as a systemd unit would set it."""
-
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
     daemon = Daemon(name, args, tmp_path)
-    with daemon.log_path.open("ab") as log:
-        daemon.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmgw", *args],
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            preexec_fn=limit,
-        )
-    cluster.append(daemon)
+    daemon.nofile = (soft, hard)
+    cluster.append(daemon.start())
     return daemon
 
 

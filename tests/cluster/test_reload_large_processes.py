@@ -13,7 +13,7 @@ import trio
 from tests.cluster.test_control_plane_processes import cluster
 from tests.conftest import Pki
 from tests.realparts import needs_server
-from tools.bench_reload import catalog_of
+from tools.support.catalogs import catalog_of
 
 pytestmark = needs_server
 

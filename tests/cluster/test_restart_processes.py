@@ -31,7 +31,7 @@ from tests.cluster.test_control_plane_processes import Cluster, engine_pid
 from tests.conftest import Pki
 from tests.ports import own_port
 from tests.realparts import needs_server
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 pytestmark = needs_server
 

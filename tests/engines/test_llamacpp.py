@@ -16,7 +16,7 @@ from llmgw.protocol.messages import ShardSpec
 from tests.agent.discovery.test_weights import write_gguf
 from tests.cluster.test_engine_processes import free_port
 from tests.realparts import LLAMA_SERVER, needs_server
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 BIN = {"llama-server": "/opt/llama/bin/llama-server"}
 

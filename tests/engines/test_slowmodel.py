@@ -1,4 +1,4 @@
-"""The slow benchmark model (``tools/slowmodel.py``): the same file for the same
+"""The slow benchmark model (``tools/support/slowmodel.py``): the same file for the same
 arguments, and llama-server serves it, printable, to max_tokens."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import httpx
 
 from tests.engines.test_tinymodel import llama_server
 from tests.realparts import needs_server
-from tools.slowmodel import write_slow_model
+from tools.support.slowmodel import write_slow_model
 
 
 def test_the_same_arguments_write_the_same_bytes(tmp_path: Path) -> None:

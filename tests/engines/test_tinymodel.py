@@ -1,4 +1,4 @@
-"""tools/tinymodel.py: the tiny llama GGUF, checked by reading it back, by a numpy
+"""tools/support/tinymodel.py: the tiny llama GGUF, checked by reading it back, by a numpy
 reference of the forward pass, and end to end against a real ``llama-server``.
 
 The server tests look for the binary in ``$LLMGW_LLAMA_SERVER``, then on ``PATH``,
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import trio
 
-from tools import tinymodel as tm
+from tools.support import tinymodel as tm
 
 PROMPT = [("system", "Be brief."), ("user", "Hello, how are you?")]
 

@@ -34,7 +34,7 @@ import pytest
 
 from tests.lab.test_lab import _base36
 from tests.realparts import needs_server
-from tools.bench_faults import (
+from tools.support.faults import (
     MODEL,
     Outcome,
     Traffic,
@@ -44,7 +44,7 @@ from tools.bench_faults import (
     orphans,
     wait_whole,
 )
-from tools.lab import Lab, LabError, preflight
+from tools.support.lab import Lab, LabError, preflight
 
 REPLICAS = 2
 SETTLE_S = 15.0  # the control plane test's

@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from tests.realparts import needs_server
-from tools.lab import Lab, LabError, _alive, preflight
+from tools.support.lab import Lab, LabError, preflight
+from tools.support.procs import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,7 +114,7 @@ def test_a_partitioned_node_goes_unreachable_and_comes_back_when_healed(lab: Lab
 def test_an_agent_killed_and_restarted_registers_again(lab: Lab) -> None:
     old = lab.state["procs"]["n2"]
     assert lab.kill("n2", "9") == [old]
-    assert not _alive(old)
+    assert not alive(old)
     lab.wait_node("n2", "Unreachable", timeout=15)
     assert lab.restart("n2") != old
     lab.wait_node("n2", "Ready", timeout=30)
@@ -147,6 +148,6 @@ def test_down_leaves_no_namespace_link_or_process(lab: Lab) -> None:
     assert prefix not in links
     routes = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
     assert f"{lab.state['subnet']}." not in routes
-    assert [p for p in pids if _alive(p)] == []
+    assert [p for p in pids if alive(p)] == []
     assert str(lab.dir) not in Path("/proc/mounts").read_text()  # the small disk too
     assert json.loads((lab.dir / "lab.json").read_text())["procs"] == {}

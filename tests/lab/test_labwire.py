@@ -1,4 +1,4 @@
-"""The lab's wire (``tools/labwire.py``): real latency and loss on a node's link
+"""The lab's wire (``tools/support/labwire.py``): real latency and loss on a node's link
 without sch_netem. Two network namespaces of the test's own on a bridge of its own
 (no fleet); the wire goes on one of them. Root only; fails, never skips."""
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tools.labwire import (
+from tools.support.labwire import (
     WireError,
     get_offloads,
     impair,

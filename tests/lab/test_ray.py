@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from tests.lab.test_lab import _base36
-from tools.lab import WIDE_MODEL, Lab, LabError, _alive, preflight
+from tools.support.lab import WIDE_MODEL, Lab, LabError, preflight
+from tools.support.procs import alive
 
 REPLY = "Hello from the vLLM stand-in."
 
@@ -174,8 +175,8 @@ def test_a_rank_killed_fails_the_replica_stops_every_rank_and_frees_its_gpus(lab
         f"replica {rid} failed: shard {rid}-1 on {worker} failed: engine killed by signal 9" in log
     )
     # rank 0 on the other node was stopped, with the Ray head it daemonized
-    assert not _alive(head_pid)
-    assert not _alive(ray_head)
+    assert not alive(head_pid)
+    assert not alive(ray_head)
     assert _ray_heads() != [ray_head] and len(_ray_heads()) == 1
     # every GPU is held once: the failed replica's were freed before they were given again
     held = _held(lab)

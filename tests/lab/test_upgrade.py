@@ -35,9 +35,10 @@ from llmgw.protocol.version import SUBPROTOCOL
 from tests.builds import built, protocol_of
 from tests.lab.test_lab import _base36
 from tests.realparts import needs_server
-from tools.bench_faults import MODEL, Outcome, not_whole, one_request, wait_whole
-from tools.fleet import _served
-from tools.lab import Lab, LabError, _started, preflight
+from tools.support.faults import MODEL, Outcome, not_whole, one_request, wait_whole
+from tools.support.fleetapi import served
+from tools.support.lab import Lab, LabError, preflight
+from tools.support.procs import started
 
 OLD = "b9de406"  # main before routers kept routes across a restart; protocol v1
 
@@ -138,7 +139,7 @@ def _whole(lab: Lab, timeout: float = 90) -> None:
 
 def _engines(lab: Lab) -> dict[int, str]:
     """Every engine's pid, with when it started (a restarted one is another process)."""
-    return {pid: _started(pid) for node in lab.state["nodes"] for pid in lab.engine_pids(node)}
+    return {pid: started(pid) for node in lab.state["nodes"] for pid in lab.engine_pids(node)}
 
 
 @pytest.fixture
@@ -184,7 +185,7 @@ def test_a_fleet_upgraded_one_daemon_at_a_time_fails_no_request_restarts_no_engi
             traffic.take_out(url)  # the load balancer first: what it sent there ends
             lab.restart(router, program)
             deadline = time.monotonic() + 120
-            while not _served(url, lab.key):
+            while not served(url, lab.key):
                 assert time.monotonic() < deadline, f"{router} does not serve: see its log"
                 time.sleep(0.2)
             traffic.put_back(url)

@@ -21,7 +21,7 @@ from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.engines.test_tinymodel import llama_server
 from tests.realparts import needs_server
 from tests.router.test_app import serve
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 KEY = "llmgw-test-key"
 CACHED = re.compile(r"cached=(\d+)/(\d+) end=ok")

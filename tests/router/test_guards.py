@@ -17,7 +17,7 @@ from tests.conftest import Pki
 from tests.engines.test_tinymodel import llama_server
 from tests.realparts import needs_server
 from tests.router.gateway import gateway
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 HI = [{"role": "user", "content": "hi"}]
 

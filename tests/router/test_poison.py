@@ -21,8 +21,8 @@ from tests.realparts import needs_server
 from tests.router.gateway import gateway
 from tests.router.test_guards import HI, deep_grammar
 from tests.router.test_resume import LONGER, LONGER_CONTEXT, MESSAGES, front, llama_routes
-from tools.bench_failover import decoded
-from tools.tinymodel import write_model
+from tools.support.llama import decoded
+from tools.support.tinymodel import write_model
 
 # the guard off: what llama-server dies of reaches it (no other known input does)
 UNGUARDED = "max_grammar_depth = 0\nmax_grammar_kb = 0\n"

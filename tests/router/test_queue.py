@@ -20,7 +20,7 @@ from tests.engines.test_tinymodel import llama_server
 from tests.realparts import needs_server
 from tests.router.test_app import AUTH, KEY, serve
 from tests.router.test_resume import MESSAGES
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 
 @needs_server

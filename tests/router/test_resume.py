@@ -24,7 +24,7 @@ from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.engines.test_tinymodel import PROMPT, llama_server
 from tests.realparts import needs_server
 from tests.router.test_app import AUTH, KEY, serve
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 MESSAGES = [{"role": r, "content": c} for r, c in PROMPT]
 LONG = 1500  # tokens: long enough to kill the engine well before its end

@@ -26,7 +26,7 @@ from tests.ports import own_port
 from tests.realparts import needs_server
 from tests.router.test_app import AUTH, KEY, serve
 from tests.router.test_resume import llama_routes
-from tools.tinymodel import write_model
+from tools.support.tinymodel import write_model
 
 NOW = 1000.0
 

@@ -1,7 +1,7 @@
 """Generate a tiny but real llama-architecture GGUF model for tests.
 
-    python tools/tinymodel.py OUT.gguf [--seed N] [--vocab N] [--context N]
-                                       [--ends-early | --ends-after N | --never-ends]
+    python -m tools.support.tinymodel OUT.gguf [--seed N] [--vocab N] [--context N]
+                                               [--ends-early | --ends-after N | --never-ends]
 
 The model is what llama.cpp's ``llama-server`` loads like any chat model:
 llama architecture, n_embd 64, 2 layers, 4 heads (2 KV heads), context 512
@@ -504,7 +504,8 @@ def chatml(messages: Sequence[tuple[str, str]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="tinymodel.py", description="Generate a tiny llama GGUF model for tests."
+        prog="python -m tools.support.tinymodel",
+        description="Generate a tiny llama GGUF model for tests.",
     )
     parser.add_argument("out", type=Path, help="the .gguf file to write")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)

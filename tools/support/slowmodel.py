@@ -1,9 +1,9 @@
 """Generate a llama GGUF model that is slow per token, for throughput benchmarks.
 
-    python tools/slowmodel.py OUT.gguf [--seed N] [--embd N] [--layers N] [--ff N]
-                                       [--f32] [--context N]
+    python -m tools.support.slowmodel OUT.gguf [--seed N] [--embd N] [--layers N]
+                                               [--ff N] [--f32] [--context N] [--measure]
 
-The tiny test model (``tools/tinymodel.py``) makes llama-server generate
+The tiny test model (``tinymodel``) makes llama-server generate
 thousands of tokens per second on one thread, so a benchmark client that runs
 on the same few CPUs spends about as much CPU per token as the server and its
 own cost shows in the figures. This model has the tiny model's vocabulary,
@@ -40,8 +40,8 @@ import numpy as np
 import numpy.typing as npt
 from gguf.constants import MODEL_TENSOR
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import tinymodel as tm
+from tools.support import tinymodel as tm
+from tools.support.llama import llama_server
 
 DEFAULT_SEED = 0
 N_EMBD = 768
@@ -162,8 +162,6 @@ def measure(model: Path, tokens: int = 256, threads: int = 1) -> dict[str, float
     """Start llama-server on ``model`` (one slot, ``threads`` threads), send one chat
     request for ``tokens`` tokens after a warm-up, and return its own timings
     (prompt and output tokens per second) and the reply's printable share."""
-    from tools.bench_crosscheck import llama_server
-
     with llama_server(model, parallel=1, workdir=model.parent, threads=threads) as url:
 
         def ask(prompt: str) -> dict[str, object]:
@@ -199,7 +197,8 @@ def measure(model: Path, tokens: int = 256, threads: int = 1) -> dict[str, float
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="slowmodel.py", description="Generate a slow llama GGUF model for benchmarks."
+        prog="python -m tools.support.slowmodel",
+        description="Generate a slow llama GGUF model for benchmarks.",
     )
     parser.add_argument("out", type=Path, help="the .gguf file to write")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)

@@ -22,9 +22,9 @@ Limits: the delay is constant (no jitter, so no reordering) and the same for eve
 frame; loss is independent per frame (no bursts); at most ``--limit`` frames wait in
 each direction (more are dropped, as netem's limit); throughput is that of one
 Python process (tens of MB/s, plenty for the lab); ARP and every other frame is
-delayed and dropped too, as on a real lossy link. Root only. Standard library only.
+delayed and dropped too, as on a real lossy link. Root only. The standard library (and ``procs``) only.
 
-    python -m tools.labwire run --ns NS --veth VETH --bridge BR --tap TAP \\
+    python -m tools.support.labwire run --ns NS --veth VETH --bridge BR --tap TAP \\
         --delay-ms 100 --loss 0.05      # 100 ms each way: the round trip grows by 200 ms
 """
 
@@ -49,6 +49,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from tools.support.procs import alive, python_path, started
 
 CLONE_NEWNET = 0x40000000
 ETH_P_ALL = 0x0003
@@ -348,28 +350,12 @@ def tap_name(veth: str) -> str:
     return name
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _started(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
 def _reap(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # ours: no zombie left behind
-        if not _alive(pid):
+        if not alive(pid):
             return True
         if time.monotonic() > deadline:
             return False
@@ -398,7 +384,7 @@ def impair(
     restore(lab_state, node)
     tap = tap_name(n["veth"])
     record("links", tap)
-    argv = [sys.executable, str(Path(__file__).resolve()), "run", "--ns", n["ns"],
+    argv = [sys.executable, "-m", "tools.support.labwire", "run", "--ns", n["ns"],
             "--veth", n["veth"], "--bridge", lab_state["bridge"], "--tap", tap,
             "--delay-ms", str(delay_ms), "--loss", str(loss)]  # fmt: skip
     if delay_back_ms is not None:
@@ -416,13 +402,14 @@ def impair(
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 pass_fds=(w,),
+                env=dict(os.environ, **python_path()),  # this checkout's tools, wherever
                 start_new_session=True,  # outlives a `tools/lab netem` that started it
             )
         os.close(w)
         w = -1
         lab_state.setdefault("wires", {})[node] = {
             "pid": p.pid,
-            "started": _started(p.pid),
+            "started": started(p.pid),
             "tap": tap,
             "delay_ms": delay_ms,
             "delay_back_ms": delay_ms if delay_back_ms is None else delay_back_ms,
@@ -466,7 +453,7 @@ def restore(lab_state: dict[str, Any], node: str) -> None:
     if wire is None:
         return
     pid = int(wire["pid"])
-    if _started(pid) == wire.get("started"):
+    if started(pid) == wire.get("started"):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
@@ -494,7 +481,7 @@ def restore_all(lab_state: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m tools.labwire",
+        prog="python -m tools.support.labwire",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
