@@ -102,7 +102,13 @@ class Sizes:
     turns: int = 4
     doc_chars: int = 600  # about 440 tokens of this model, 3.6 MiB of its KV
     think_s: float = 10.0  # a user reads the reply and types the next question
-    multiturn_load: float = 3.0
+    # conversations start at this many times the rate the fleet could serve if their
+    # turns came back to back, every prompt computed whole; they do not (a turn waits
+    # for the reply and the think time), so the load offered is less: at 3.0 eight
+    # conversations of four turns offered 0.88 of the fleet's uncached capacity over
+    # the run (144 replica-seconds of misses in 82 s on two replicas), at 5.0 about
+    # 1.1, the regime routing by cache is for (see the module docstring)
+    multiturn_load: float = 5.0
     systems: int = 8
     skew: float = 1.0  # Zipf exponent of the system prompts' popularity (0: all alike)
     system_chars: int = 600
