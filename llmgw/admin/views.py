@@ -297,7 +297,7 @@ class CandidateView(msgspec.Struct, kw_only=True):
     profile: str
     ok: bool
     reason: str  # rejected: why; accepted: how it scored
-    kind: str  # ``placement.Kind``'s value: fits, or the filter it failed
+    kind: str  # ``filters.Kind``'s value: fits, or the filter it failed
     score: float = 0.0
     memory_bytes: int | None = None  # what the node has
     held_bytes: int | None = None  # what the shards already there need

@@ -29,9 +29,10 @@ from collections.abc import Collection, Mapping
 from llmgw.controlplane import moves
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Catalog, Model
+from llmgw.controlplane.filters import NodeFacts, PlacementCache
 from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node, NodeState
-from llmgw.controlplane.placement import Decision, NodeFacts, PlacementCache, place
+from llmgw.controlplane.placement import Decision, place
 from llmgw.controlplane.replicas import Replica
 
 

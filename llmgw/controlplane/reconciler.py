@@ -65,9 +65,10 @@ from llmgw.controlplane.acts import Acts
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.backoff import CrashLoops
 from llmgw.controlplane.catalog import Catalog, Model, Profile
+from llmgw.controlplane.filters import PlacementCache
 from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node, NodeState, awaited
-from llmgw.controlplane.placement import Decision, PlacementCache, failure_kind
+from llmgw.controlplane.placement import Decision, failure_kind
 from llmgw.controlplane.placing import PassPlacement, allocated
 from llmgw.controlplane.plan import (
     Note,

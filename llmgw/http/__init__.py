@@ -28,16 +28,13 @@ __all__ = [
     "printable",
 ]
 
-from .client import (
-    ClientLimits,
+from .client import ClientLimits, ResponseBody, UpstreamPool, UpstreamResponse
+from .upstream_errors import (
     ConnectFailed,
     ConnectTimeout,
-    ResponseBody,
     UpstreamError,
-    UpstreamPool,
     UpstreamProtocolError,
     UpstreamReset,
-    UpstreamResponse,
     UpstreamTimeout,
 )
 

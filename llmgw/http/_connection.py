@@ -1,37 +1,63 @@
-"""One client connection: read requests, run the handler, write responses.
+"""One client connection: read a request, have it answered, again until it should close.
 
-See the theory of operation at the top of ``server.py``. Everything here runs
-on a non-blocking stdlib socket driven with ``trio.lowlevel.wait_readable`` /
-``wait_writable``: a read or write that can complete at once costs one system
-call and no trip through trio's scheduler.
+``Connection.run`` is the connection's main loop; the theory of operation of
+the server as a whole is at the top of ``server.py``. This module reads; the
+other parts of a connection have modules of their own: writing and closing
+(``_writing.py``), the rules shared with the other connections (``_shared.py``:
+the connection limit, reserved connections, dropped bodies) and watching for
+the client to leave while a handler runs (``_watch.py``).
+
+Reading. Everything runs on a non-blocking stdlib socket driven with
+``trio.lowlevel.wait_readable``: a read that can complete at once costs one
+system call and no trip through trio's scheduler. Bytes go to the
+connection's ``RequestParser`` (``_parsing.py``), which queues the messages
+it completes, so pipelined requests wait in order and no early byte is lost;
+bytes the watcher read while a handler ran (``early``) come first. Each wait
+has its deadline:
+
+- the first byte of the next request: ``keepalive_timeout_s`` on a kept-alive
+  connection, ``header_timeout_s`` on a fresh one. This is the common wait, so
+  it takes no cancel scope but one of ``SocketDeadlines``' (``_deadlines.py``),
+  and ends quietly, as does ``drain()``;
+- the rest of the head: ``header_timeout_s`` from its first byte (else 408);
+- the body: ``body_timeout_s`` in all, and once its first
+  ``body_rate_window_s`` are over, each window must bring
+  ``min_body_rate`` bytes a second (else 408, counted as ``body_too_slow``),
+  so a client cannot hold a body's share of the budget by trickling it.
+
+A read is also ended from outside: by ``evict`` (the connection is closed to
+make room; the read ends as at EOF) and by ``interrupt`` (the budget dropped
+the body being read; the parser's ``failure`` says what to answer).
+
+Answering. A head ``admit`` answered is written without running the
+handler, and no watcher reads a body that was refused. Otherwise the body is
+joined into the request (one copy), the handler runs in a cancel scope the
+watcher cancels if the client leaves, and its response is framed and
+written; a handler that raises, or returns what cannot be framed, gets a
+logged 500. The body's bytes go back to the budget once the response is
+written. Pipelined requests served from buffered bytes, without the task
+ever blocking, are separated by a checkpoint so that one client cannot
+monopolise the scheduler.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import AsyncIterable
-from typing import Any
+import types
 
 import trio
 
 from . import _wire
-from ._budget import BodyBudget
-from ._deadlines import SocketDeadlines
-from ._framing import BadResponse, Framed, frame_response
-from ._parsing import FULL, Message, RequestParser
-from ._throttle import Throttled
+from ._framing import BadResponse, frame_response
+from ._parsing import Message, RequestParser
+from ._shared import Shared, gate, interrupt
+from ._watch import wake_watcher
+from ._wire import RECV_SIZE
+from ._writing import PeerGone, close_body, linger, send_all, send_error, write
 from .logsafe import printable
-from .types import Admit, ErrorBody, Handler, Request, Response, ServerLimits, default_error_body
 
 logger = logging.getLogger("llmgw.http")
-
-_RECV_SIZE = 65536
-_LARGE_BODY = 65536  # above this, head and body are sent separately rather than copied together
-_LINGER_S = 2.0  # after a server-side close, how long to drain what the client still sends
-_LINGER_BYTES = 1024 * 1024
-_EARLY_BYTES = 256 * 1024  # pipelined bytes read while a handler runs, before watching pauses
-_VICTIM_SCAN = 64  # connections looked at, oldest first, for one to close at the limit
 
 
 class _Timeout(Exception):
@@ -44,101 +70,6 @@ class _Interrupted(Exception):
 
 class _TooSlow(Exception):
     """A request body arrived slower than ``min_body_rate``."""
-
-
-class _PeerGone(Exception):
-    """The client reset or closed the connection under a write, or a write timed out."""
-
-
-class Shared:
-    """What a server shares with its connections: all a connection reads of its
-    server, and the things it changes (``in_flight``; the bytes charged to
-    ``budget``; ``deadlines``' waits)."""
-
-    __slots__ = (
-        "_error_body",
-        "admit",
-        "budget",
-        "deadlines",
-        "draining",
-        "handler",
-        "in_flight",
-        "limits",
-        "name",
-        "reserve_answer",
-        "reserve_from",
-        "untrusted",
-        "warn_dropped",
-        "warn_full",
-        "warn_reserve",
-        "warn_slow_body",
-        "warn_slow_reader",
-    )
-
-    def __init__(
-        self,
-        handler: Handler,
-        limits: ServerLimits,
-        name: str,
-        error_body: ErrorBody,
-        deadlines: SocketDeadlines[Connection],
-        admit: Admit | None = None,
-    ) -> None:
-        self.handler = handler
-        self.limits = limits
-        self.name = name
-        self.admit = admit
-        self.budget = BodyBudget(limits.max_bodies_bytes)  # request bodies held, all connections
-        self._error_body = error_body
-        self.deadlines = deadlines  # waits for a kept-alive connection's next request
-        self.draining = False
-        self.in_flight = 0  # requests whose handler runs or whose response is being written
-        # Connections none of whose requests proved who sent them, oldest first: the
-        # ones closed to make room at the connection limit, and the ones kept out of
-        # the reserved connections.
-        self.untrusted: dict[Connection, None] = {}
-        self.reserve_from = limits.max_connections - limits.reserved_connections
-        content_type, body = self.error_body(
-            503, "the server keeps its last connections for requests with credentials; retry"
-        )
-        self.reserve_answer = (content_type, body)
-        self.warn_reserve = Throttled(
-            "%s: %d connections prove nobody, the most it lets in before its reserved"
-            " ones; refused a request from %s that proves nobody"
-        )
-        self.warn_slow_body = Throttled(
-            "%s: cut the request body from %s: %d bytes in the last %g s, under the floor"
-            " of %g bytes/s; it got a 408"
-        )
-        self.warn_dropped = Throttled(
-            "%s: dropped a request body still arriving from %s (%s): a client holding"
-            " less of the %d MiB for request bodies needed room; it got a 503"
-        )
-        self.warn_full = Throttled(
-            "%s: the %d MiB for request bodies is full; refused a body from %s (%s) with 503"
-        )
-        self.warn_slow_reader = Throttled(
-            "%s: %s took no response bytes for %g s; its connection is cut and its"
-            " request cancelled"
-        )
-
-    def victim(self, sparing: Connection | None = None) -> Connection | None:
-        """The connection to close for another: the oldest that proved nobody and waits
-        for a request head (``sparing`` aside); None when there is none."""
-        for i, conn in enumerate(self.untrusted):
-            if i >= _VICTIM_SCAN:
-                break
-            if conn.awaiting_head and not conn.evicted and conn is not sparing:
-                return conn
-        return None
-
-    def error_body(self, status: int, message: str) -> tuple[str, bytes]:
-        """The configured error body; the default one if it fails."""
-        try:
-            return self._error_body(status, message)
-        except Exception:
-            logger.exception("%s: error_body failed", self.name)
-            return default_error_body(status, message)
 
 
 class Connection:
@@ -155,8 +86,9 @@ class Connection:
             client,
             server.admit,
             server.budget,
-            self._gate,
-            self._interrupt,
+            # Bound to this connection: called as a method is (a partial costs more).
+            types.MethodType(gate, self),
+            types.MethodType(interrupt, self),
         )
         self.trusted = False  # one of its requests proved who sent it
         self.awaiting_head = False  # reading a request head (or waiting for one)
@@ -167,7 +99,7 @@ class Connection:
         # deadline, and whether it passed (or drain() ended the wait).
         self.deadline = 0.0
         self.expired = False
-        # Disconnect watching (see server.py).
+        # Disconnect watching (_watch.py).
         self.nursery: trio.Nursery | None = None
         self.handler_scope: trio.CancelScope | None = None
         self.watch_scope: trio.CancelScope | None = None
@@ -183,49 +115,6 @@ class Connection:
         self.requests.dispose()
         self.early.clear()
 
-    # ----------------------------------------------------------------- fairness
-    def _gate(self, request: Request) -> Response | None:
-        """After ``admit``: a request that proved someone trusts its connection. One that
-        proved nobody, while such connections fill all but the reserved ones, takes the
-        place of an idle one of them (a health check during a flood of idle connections
-        is served), or, with none idle, is a 503."""
-        if self.trusted:
-            return None
-        server = self.server
-        if request.principal:
-            self.trusted = True
-            server.untrusted.pop(self, None)
-            return None
-        if len(server.untrusted) > server.reserve_from:
-            victim = server.victim(self)
-            if victim is not None:
-                victim.evict()
-                return None
-            server.warn_reserve.warn(server.name, server.reserve_from, self.client[0])
-            content_type, body = server.reserve_answer
-            return Response(503, [("content-type", content_type), ("connection", "close")], body)
-        return None
-
-    def evict(self) -> None:
-        """Close this idle connection to make room for a new one (it ends quietly)."""
-        self.evicted = True
-        self.server.untrusted.pop(self, None)
-        trio.lowlevel.notify_closing(self.sock)
-
-    def _interrupt(self) -> None:
-        """The budget dropped the body being read: wake the read to answer it."""
-        dropped = self.requests.dropped
-        request = dropped.request if dropped is not None else None
-        server = self.server
-        server.warn_dropped.warn(
-            server.name,
-            self.client[0],
-            f"key {request.principal}" if request is not None and request.principal else "no key",
-            server.budget.limit >> 20,
-        )
-        if self.read_scope is not None:
-            self.read_scope.cancel()
-
     # ------------------------------------------------------------------- reading
     async def _recv(self, deadline: float, *, idle: bool = False) -> bytes:
         """Next bytes from the client (b"" at EOF); `_Timeout` past `deadline`."""
@@ -239,7 +128,7 @@ class Connection:
             if self.evicted:
                 return b""
             try:
-                return sock.recv(_RECV_SIZE)
+                return sock.recv(RECV_SIZE)
             except BlockingIOError:
                 pass
             except OSError:
@@ -336,85 +225,6 @@ class Connection:
             pass  # dropped by the budget: requests.failure says what to answer
         return True
 
-    # ------------------------------------------------------------------- writing
-    async def _send_all(self, data: bytes) -> None:
-        """Write all of `data`; one system call when the socket buffer has room."""
-        try:
-            sent = self.sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError as exc:
-            raise _PeerGone from exc
-        if sent < len(data):
-            await self._send_rest(memoryview(data)[sent:])
-
-    async def _send_rest(self, view: memoryview) -> None:
-        sock = self.sock
-        while view:
-            with trio.move_on_after(self.limits.write_timeout_s) as scope:
-                await trio.lowlevel.wait_writable(sock)
-            if scope.cancelled_caught:
-                server = self.server
-                server.warn_slow_reader.warn(
-                    server.name, self.client[0], self.limits.write_timeout_s
-                )
-                raise _PeerGone("write timed out")
-            try:
-                sent = sock.send(view)
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise _PeerGone from exc
-            view = view[sent:]
-
-    async def _linger(self) -> None:
-        """Half-close, then drain what the client still sends before the close.
-
-        Closing with unread input makes the kernel send a reset, which can
-        destroy the response we just wrote before the client reads it."""
-        sock = self.sock
-        try:
-            sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            return
-        total = 0
-        with trio.move_on_after(_LINGER_S):
-            while total < _LINGER_BYTES:
-                try:
-                    data = sock.recv(_RECV_SIZE)
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(sock)
-                    continue
-                except OSError:
-                    return
-                if not data:
-                    return
-                total += len(data)
-
-    async def _send_error(self, status: int, message: str) -> None:
-        """Answer a protocol error or timeout, then close (lingering)."""
-        if status == 0:
-            return
-        if message is FULL:
-            server = self.server
-            who = self.requests.refused
-            server.warn_full.warn(
-                server.name,
-                server.budget.limit >> 20,
-                self.client[0],
-                f"key {who}" if who else "no key",
-            )
-        logger.debug(
-            "%s: %d to %s:%d: %s", self.server.name, status, *self.client, printable(message)
-        )
-        try:
-            await self._send_all(
-                _wire.error_response(self.server.error_body, status, message, keep_alive=False)
-            )
-        except _PeerGone:
-            return
-        await self._linger()
-
     # ---------------------------------------------------------------- main loop
     async def run(self) -> None:
         """Serve requests one at a time until the connection should close."""
@@ -430,44 +240,45 @@ class Connection:
                         if not await self._read_head(first):
                             return
                     except _Timeout:
-                        await self._send_error(408, "timed out reading the request head")
+                        await send_error(self, 408, "timed out reading the request head")
                         return
                 if not (msgs and msgs[0].head_done):
                     assert requests.failure is not None
-                    await self._send_error(*requests.failure)
+                    await send_error(self, *requests.failure)
                     return
             first = False
             msg = msgs[0]
             if not msg.done:
                 try:
                     if msg.expect_continue and requests.failure is None:
-                        await self._send_all(_wire.CONTINUE)
+                        await send_all(self, _wire.CONTINUE)
                     if not await self._read_body(msg):
                         return
                 except _Timeout:
-                    await self._send_error(408, "timed out reading the request body")
+                    await send_error(self, 408, "timed out reading the request body")
                     return
                 except _TooSlow:
-                    await self._send_error(
+                    await send_error(
+                        self,
                         408,
                         "the request body arrived too slowly (under"
                         f" {self.limits.min_body_rate:g} bytes/s); send it faster or smaller",
                     )
                     return
-                except _PeerGone:
+                except PeerGone:
                     return
                 if not msg.done:
                     assert requests.failure is not None
-                    await self._send_error(*requests.failure)
+                    await send_error(self, *requests.failure)
                     return
             msgs.popleft()
             try:
                 keep_alive = await self._respond(msg)
-            except _PeerGone:
+            except PeerGone:
                 return
             if not keep_alive:
                 if not self.peer_gone:
-                    await self._linger()
+                    await linger(self)
                 return
             if not self.waited:
                 # Pipelined requests were served from buffered bytes without ever
@@ -497,18 +308,19 @@ class Connection:
             logger.exception(
                 "%s: invalid answer to %s %s", self.server.name, msg.method, printable(msg.path)
             )
-            await _close_body(msg.answer.body)
-            await self._send_all(
+            await close_body(msg.answer.body)
+            await send_all(
+                self,
                 _wire.error_response(
                     self.server.error_body,
                     500,
                     "internal server error",
                     keep_alive=False,
                     head_only=msg.method == "HEAD",
-                )
+                ),
             )
             return False
-        await self._write(framed, msg)
+        await write(self, framed, msg)
         return framed.keep_alive
 
     async def _handle(self, msg: Message) -> bool:
@@ -525,7 +337,7 @@ class Connection:
         try:
             with trio.CancelScope() as scope:
                 self.handler_scope = scope
-                self._wake_watcher()
+                wake_watcher(self)
                 try:
                     response = await server.handler(request)
                 except Exception:
@@ -545,7 +357,7 @@ class Connection:
                             printable(msg.path),
                             exc,
                         )
-                        await _close_body(response.body)
+                        await close_body(response.body)
                     except Exception:
                         logger.exception(
                             "%s: invalid response to %s %s",
@@ -553,19 +365,20 @@ class Connection:
                             msg.method,
                             printable(msg.path),
                         )
-                        await _close_body(getattr(response, "body", None))
+                        await close_body(getattr(response, "body", None))
                     else:
-                        await self._write(framed, msg)
+                        await write(self, framed, msg)
                         return framed.keep_alive
                 keep_alive = keep_alive and not server.draining
-                await self._send_all(
+                await send_all(
+                    self,
                     _wire.error_response(
                         server.error_body,
                         500,
                         "internal server error",
                         keep_alive=keep_alive,
                         head_only=msg.method == "HEAD",
-                    )
+                    ),
                 )
                 return keep_alive
             return False  # cancelled: the client went away
@@ -574,127 +387,3 @@ class Connection:
             self.handler_scope = None
             if self.watch_scope is not None:
                 self.watch_scope.cancel()
-
-    async def _write(self, framed: Framed, msg: Message) -> None:
-        """Write a framed response; a streamed body chunk by chunk as it is produced."""
-        head = framed.head
-        streamed = framed.streamed
-        if streamed is None:
-            payload = framed.payload
-            if len(payload) <= _LARGE_BODY:
-                await self._send_all(head + payload if payload else head)
-            else:
-                await self._send_all(head)
-                await self._send_all(payload)
-            return
-        try:
-            await self._send_all(head)
-        except BaseException:
-            await _close_body(streamed)  # never read: it may hold a connection of its own
-            raise
-        await self._stream(streamed, framed.mode, framed.length, msg)
-
-    async def _stream(
-        self, body: AsyncIterable[bytes], mode: str, length: int, msg: Message
-    ) -> None:
-        """Write each chunk as soon as the handler yields it."""
-        sent = 0
-        finished = False
-        try:
-            async for chunk in body:
-                if not chunk:
-                    continue
-                if mode == "chunked":
-                    await self._send_all(b"".join((b"%x\r\n" % len(chunk), chunk, _wire.CRLF)))
-                else:
-                    sent += len(chunk)
-                    if mode == "length" and sent > length:
-                        raise BadResponse(f"streamed body exceeds content-length {length}")
-                    await self._send_all(bytes(chunk))
-            finished = True
-            if mode == "chunked":
-                await self._send_all(_wire.LAST_CHUNK)
-            elif mode == "length" and sent != length:
-                raise BadResponse(f"streamed body of {sent} bytes, content-length {length}")
-        except (_PeerGone, trio.Cancelled):
-            raise
-        except Exception as exc:
-            # The head is out: nothing to do but cut the connection, so the client
-            # sees a truncated body rather than a complete wrong one.
-            logger.error(
-                "%s: response stream for %s %s failed",
-                self.server.name,
-                msg.method,
-                printable(msg.path),
-                exc_info=exc,
-            )
-            raise _PeerGone("response stream failed") from exc
-        finally:
-            if not finished:
-                await _close_body(body)
-
-    # ------------------------------------------------------- disconnect watching
-    def _wake_watcher(self) -> None:
-        if not self.watcher_spawned:
-            self.watcher_spawned = True
-            assert self.nursery is not None
-            self.nursery.start_soon(self._watch)
-        elif self.watcher_parked:
-            self.watcher_parked = False
-            assert self.watcher is not None
-            trio.lowlevel.reschedule(self.watcher)
-
-    def _abort_park(self, _: Any) -> trio.lowlevel.Abort:
-        self.watcher_parked = False
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    async def _watch(self) -> None:
-        """Watcher task: while a handler runs, read the socket to notice the client leave."""
-        self.watcher = trio.lowlevel.current_task()
-        last: trio.CancelScope | None = None
-        while True:
-            scope = self.handler_scope
-            if scope is None or scope is last:
-                self.watcher_parked = True
-                await trio.lowlevel.wait_task_rescheduled(self._abort_park)
-                continue
-            last = scope
-            await self._watch_one(scope)
-
-    async def _watch_one(self, handler_scope: trio.CancelScope) -> None:
-        sock = self.sock
-        with trio.CancelScope() as scope:
-            self.watch_scope = scope
-            try:
-                # Checked before every read: once the request is over, the main
-                # task owns the socket's input again.
-                while not scope.cancel_called and self.handler_scope is handler_scope:
-                    try:
-                        data = sock.recv(_RECV_SIZE)
-                    except BlockingIOError:
-                        await trio.lowlevel.wait_readable(sock)
-                        continue
-                    except OSError:
-                        data = b""
-                    if not data:
-                        self.peer_gone = True
-                        handler_scope.cancel()
-                        return
-                    # Pipelined bytes: kept for the main task, in order.
-                    self.early.append(data)
-                    self.early_len += len(data)
-                    if self.early_len >= _EARLY_BYTES:
-                        return  # stop reading until the next request
-            finally:
-                if self.watch_scope is scope:
-                    self.watch_scope = None
-
-
-async def _close_body(body: object) -> None:
-    """Close an async generator body the server will not finish iterating."""
-    aclose = getattr(body, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception:
-            logger.exception("closing a response body failed")

@@ -1,4 +1,4 @@
-"""Response heads and the few byte strings the server writes on its own."""
+"""Response heads, the few byte strings the server writes on its own, and how much it reads."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from http import HTTPStatus
 from .types import ErrorBody
 
 _STATUS_LINES: dict[int, str] = {int(s): f"HTTP/1.1 {int(s)} {s.phrase}\r\n" for s in HTTPStatus}
+
+RECV_SIZE = 65536  # bytes asked of the kernel per read of a client connection
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"

@@ -5,12 +5,14 @@ Used by the router to proxy requests to engines on a private network.
 Theory of operation
 ===================
 
-Connections. One ``_Conn`` per TCP connection: a non-blocking stdlib socket
-(TCP_NODELAY) and one ``httptools.HttpResponseParser`` kept for the life of
-the connection. As in the server (``_connection.py``), sockets are driven
-with ``trio.lowlevel.wait_readable`` / ``wait_writable``: an operation that
-can complete at once is one system call, and a task blocks only when the
-kernel says it must. Every blocking wait has a deadline from
+Connections. One ``UpstreamConn`` per TCP connection: a non-blocking stdlib
+socket (TCP_NODELAY) and one ``httptools.HttpResponseParser`` kept for the
+life of the connection (``_upstream_conn.py``: the request head's framing and
+the response's parsing; ``upstream_errors.py``: what can fail, by phase). As
+in the server (``_connection.py``), sockets are driven with
+``trio.lowlevel.wait_readable`` / ``wait_writable``: an operation that can
+complete at once is one system call, and a task blocks only when the kernel
+says it must. Every blocking wait has a deadline from
 ``ClientLimits`` and maps to ``UpstreamTimeout`` with its phase. Connecting
 sits in a cancel scope; socket waits (send, head, and body: one wait per
 streamed chunk) go through ``SocketDeadlines`` (``_deadlines.py``), one
@@ -64,28 +66,24 @@ import weakref
 from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import attrs
-import httptools
 import trio
 
-from llmgw.addr import join_hostport
-
 from ._deadlines import SocketDeadlines
+from ._upstream_conn import UpstreamConn, request_head
 from .types import Headers
-
-Phase = Literal["connect", "send", "head", "body"]
+from .upstream_errors import (
+    ConnectFailed,
+    ConnectTimeout,
+    Phase,
+    UpstreamReset,
+    UpstreamTimeout,
+)
 
 _RECV_SIZE = 65536
 _LARGE_BODY = 65536  # above this, head and body are sent separately rather than copied together
-_BODY_METHODS = frozenset(("POST", "PUT", "PATCH"))  # send content-length: 0 for an empty body
-# Lengths of the request header names the pool looks at: host, connection,
-# content-length, transfer-encoding. Only names of these lengths are lowered.
-_SPECIAL_LENGTHS = frozenset((4, 10, 14, 17))
-# Response header names decoded and lowered once, then shared.
-_NAMES: dict[bytes, str] = {}
-_NAMES_MAX = 512
 
 
 @attrs.frozen
@@ -108,196 +106,6 @@ class ClientLimits:
     """Response head (status line and headers) -> ``UpstreamProtocolError`` beyond it."""
 
 
-class UpstreamError(Exception):
-    """An exchange with an upstream failed; ``phase`` says where.
-
-    "connect": nothing was sent. "send": writing the request. "head": waiting
-    for or reading the response head. "body": reading the response body."""
-
-    def __init__(self, message: str, phase: Phase) -> None:
-        super().__init__(message)
-        self.phase: Phase = phase
-
-
-class ConnectFailed(UpstreamError):
-    """No connection could be made: nothing was sent, always safe to retry elsewhere."""
-
-    def __init__(self, message: str, phase: Phase = "connect") -> None:
-        super().__init__(message, phase)
-
-
-class UpstreamTimeout(UpstreamError):
-    """A wait bounded by ``ClientLimits`` ran out; ``phase`` says which."""
-
-
-class ConnectTimeout(ConnectFailed, UpstreamTimeout):
-    """Connecting timed out: both a ``ConnectFailed`` and an ``UpstreamTimeout``."""
-
-
-class UpstreamReset(UpstreamError):
-    """The upstream closed or reset the connection.
-
-    ``before_response``: no byte of the response had arrived, so the client
-    can still be answered by retrying elsewhere (the upstream may have seen
-    the request, though, unless ``phase`` is "send" on a fresh connection)."""
-
-    def __init__(self, message: str, phase: Phase, before_response: bool) -> None:
-        super().__init__(message, phase)
-        self.before_response = before_response
-
-
-class UpstreamProtocolError(UpstreamError):
-    """The upstream's response is not valid HTTP/1.x, or exceeds a limit."""
-
-
-class _Fail(Exception):
-    """Raised inside a parser callback to stop parsing with a protocol error."""
-
-
-def _header_name(raw: bytes) -> str:
-    name = _NAMES.get(raw)
-    if name is None:
-        name = raw.decode("latin-1").lower()
-        if len(_NAMES) < _NAMES_MAX:
-            _NAMES[raw] = name
-    return name
-
-
-class _Conn:
-    """One upstream connection: socket, parser, and the state of the response being read."""
-
-    __slots__ = (
-        "__weakref__",
-        "body_seen",
-        "broken",
-        "chunks",
-        "closed",
-        "deadline",
-        "done",
-        "expired",
-        "first_deadline",
-        "framed",
-        "head_done",
-        "head_only",
-        "headers",
-        "idle_since",
-        "interim",
-        "keep_alive",
-        "key",
-        "name",
-        "parser",
-        "received",
-        "renew",
-        "reused",
-        "sock",
-        "status",
-    )
-
-    def __init__(self, sock: socket.socket, key: tuple[str, int]) -> None:
-        self.sock = sock
-        self.key = key
-        self.name = f"{key[0]}:{key[1]}"
-        self.parser: Any = httptools.HttpResponseParser(self)
-        self.reused = False  # a response was read on it before: a stale close is possible
-        self.closed = False
-        self.broken = False  # bytes followed a response: never reuse
-        self.renew = False  # the parser must be replaced before the next response
-        self.idle_since = 0.0
-        self.deadline = 0.0  # of the socket wait pending now (SocketDeadlines)
-        self.expired = False  # that wait timed out, and the connection was closed
-        self.start(False)
-
-    def start(self, head_only: bool) -> None:
-        """Reset the per-response state for the next exchange."""
-        if self.renew:
-            self.parser = httptools.HttpResponseParser(self)
-            self.renew = False
-        self.head_only = head_only
-        self.status = 0
-        self.headers: list[tuple[str, str]] = []
-        self.chunks: list[bytes] = []
-        self.received = 0  # bytes of this response (and interim ones) read so far
-        self.first_deadline = 0.0  # the first-byte deadline, which the first body byte keeps
-        self.body_seen = False
-        self.head_done = False
-        self.done = False
-        self.interim = False  # inside a 1xx response
-        self.framed = False  # content-length or chunked: EOF before the end is a cut
-        self.keep_alive = False
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        if self.done:
-            # A second response nobody asked for: stop parsing (`feed` marks the
-            # connection broken), so nothing of it reaches this response.
-            raise _Fail("bytes after the response")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        key = _header_name(name)
-        text = value.decode("latin-1")
-        self.headers.append((key, text))
-        if key == "content-length" or (key == "transfer-encoding" and "chunked" in text.lower()):
-            self.framed = True
-
-    def on_headers_complete(self) -> None:
-        parser = self.parser
-        status = parser.get_status_code()
-        if status < 200:
-            if status == 101:
-                raise _Fail("unexpected 101 Switching Protocols")
-            self.interim = True  # llhttp ends a 1xx at its head; the real one follows
-            return
-        self.status = status
-        self.keep_alive = parser.should_keep_alive()
-        self.head_done = True
-        if self.head_only:
-            # A HEAD response has no body whatever its headers say; llhttp cannot
-            # be told so, hence a fresh parser for the next response.
-            self.done = True
-            self.renew = True
-
-    def on_body(self, data: bytes) -> None:
-        if self.head_only:
-            self.broken = True
-            return
-        self.body_seen = True
-        self.chunks.append(data)
-
-    def on_message_complete(self) -> None:
-        if self.interim:
-            self.interim = False
-            self.headers = []
-            self.framed = False
-            return
-        self.done = True
-
-    def feed(self, data: bytes, phase: Phase, max_header_bytes: int) -> None:
-        """Parse `data`; protocol errors and an oversized head raise."""
-        self.received += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            if not self.done:
-                raise UpstreamProtocolError(
-                    f"{self.name}: unexpected protocol upgrade", phase
-                ) from None
-            self.broken = True
-        except httptools.HttpParserError as exc:
-            if self.done:
-                self.broken = True  # garbage after a complete response
-                return
-            cause = exc.__context__
-            if isinstance(cause, _Fail):
-                message = str(cause)
-            elif isinstance(cause, Exception):
-                message = f"response parsing failed: {cause!r}"
-            else:
-                message = f"malformed response: {exc}"
-            raise UpstreamProtocolError(f"{self.name}: {message}", phase) from None
-        if not self.head_done and self.received > max_header_bytes:
-            raise UpstreamProtocolError(f"{self.name}: response head too large", phase)
-
-
 class ResponseBody:
     """The body of an `UpstreamResponse`: an async iterator of raw bytes, as they arrive.
 
@@ -308,7 +116,7 @@ class ResponseBody:
 
     __slots__ = ("_chunks", "_conn", "_pool")
 
-    def __init__(self, pool: UpstreamPool, conn: _Conn | None, chunks: list[bytes]) -> None:
+    def __init__(self, pool: UpstreamPool, conn: UpstreamConn | None, chunks: list[bytes]) -> None:
         self._pool = pool
         self._conn = conn  # None once the message is complete (or abandoned)
         self._chunks = chunks  # bytes parsed and not yet handed out
@@ -437,45 +245,6 @@ class _Stream:
             response.body_iter.close()
 
 
-def _request_head(
-    method: str,
-    host: str,
-    port: int,
-    target: str,
-    headers: Iterable[tuple[str, str]],
-    body_len: int,
-) -> tuple[bytes, bool]:
-    """-> (request head, whether the caller asked for Connection: close)."""
-    lines = [f"{method} {target} HTTP/1.1\r\n"]
-    has_host = False
-    close = False
-    for name, value in headers:
-        if len(name) in _SPECIAL_LENGTHS:
-            key = name.lower()
-            if key == "host":
-                has_host = True
-            elif key == "content-length" or key == "transfer-encoding":
-                continue  # the pool frames the body
-            elif key == "connection":
-                close = "close" in value.lower()
-        lines.append(f"{name}: {value}\r\n")
-    if not has_host:
-        lines.append(f"host: {join_hostport(host, port)}\r\n")
-    if body_len or method in _BODY_METHODS:
-        lines.append(f"content-length: {body_len}\r\n")
-    lines.append("\r\n")
-    text = "".join(lines)
-    # Every element of `lines` holds exactly one CRLF; more would smuggle in a line.
-    if (
-        text.count("\n") != len(lines)
-        or text.count("\r") != len(lines)
-        or " " in target
-        or " " in method
-    ):
-        raise ValueError("CR, LF or space in the request line or a header")
-    return text.encode("latin-1"), close
-
-
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections to upstreams; see the module docstring.
 
@@ -485,13 +254,13 @@ class UpstreamPool:
     def __init__(self, limits: ClientLimits = ClientLimits()) -> None:
         self.limits = limits
         self.connections_opened = 0
-        self._idle: dict[tuple[str, int], collections.deque[_Conn]] = {}
+        self._idle: dict[tuple[str, int], collections.deque[UpstreamConn]] = {}
         # Weak: a response dropped unread and unclosed must not pin its socket forever
         # (the garbage collector closes it, with a ResourceWarning).
-        self._open: weakref.WeakSet[_Conn] = weakref.WeakSet()
+        self._open: weakref.WeakSet[UpstreamConn] = weakref.WeakSet()
         self._closed = False
         shortest = min(limits.idle_timeout_s, limits.first_byte_timeout_s, limits.write_timeout_s)
-        self._deadlines: SocketDeadlines[_Conn] = SocketDeadlines(
+        self._deadlines: SocketDeadlines[UpstreamConn] = SocketDeadlines(
             min(1.0, shortest / 4), self._close
         )
 
@@ -521,7 +290,7 @@ class UpstreamPool:
         Read the body (``read()`` or ``body_iter``) or ``aclose()`` the
         response; ``stream`` does the latter for you. Raises `UpstreamError`
         subclasses, and `ValueError` for a request that cannot be framed."""
-        head, close = _request_head(method, host, port, target, headers, len(body))
+        head, close = request_head(method, host, port, target, headers, len(body))
         head_only = method == "HEAD"
         key = (host, port)
         idle = self._idle.get(key)
@@ -576,7 +345,7 @@ class UpstreamPool:
 
     # ------------------------------------------------------------- internals
     async def _wait(
-        self, conn: _Conn, readable: bool, deadline: float, phase: Phase, late: str
+        self, conn: UpstreamConn, readable: bool, deadline: float, phase: Phase, late: str
     ) -> None:
         """Wait until `conn` can be read (or written), by ``deadline``.
 
@@ -591,7 +360,7 @@ class UpstreamPool:
         if conn.closed:
             raise UpstreamReset(f"{conn.name}: the pool was closed", phase, False)
 
-    def _take(self, idle: collections.deque[_Conn]) -> _Conn | None:
+    def _take(self, idle: collections.deque[UpstreamConn]) -> UpstreamConn | None:
         """The most recently pooled connection still within idle_keepalive_s."""
         horizon = trio.current_time() - self.limits.idle_keepalive_s
         conn = idle.pop()
@@ -603,7 +372,7 @@ class UpstreamPool:
             self._close(idle.popleft())
         return None
 
-    def _release(self, conn: _Conn) -> None:
+    def _release(self, conn: UpstreamConn) -> None:
         """A response completed: pool its connection, or close it."""
         if not conn.keep_alive or conn.broken or self._closed:
             self._close(conn)
@@ -623,7 +392,7 @@ class UpstreamPool:
         conn.reused = True
         idle.append(conn)
 
-    def _close(self, conn: _Conn) -> None:
+    def _close(self, conn: UpstreamConn) -> None:
         if conn.closed:
             return
         conn.closed = True
@@ -634,7 +403,7 @@ class UpstreamPool:
         conn.parser = None  # break the parser <-> callbacks cycle
         conn.chunks = []
 
-    async def _connect(self, host: str, port: int, key: tuple[str, int]) -> _Conn:
+    async def _connect(self, host: str, port: int, key: tuple[str, int]) -> UpstreamConn:
         try:
             with trio.fail_after(self.limits.connect_timeout_s):
                 stream = await trio.open_tcp_stream(host, port)
@@ -649,7 +418,7 @@ class UpstreamPool:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-        conn = _Conn(sock, key)
+        conn = UpstreamConn(sock, key)
         self.connections_opened += 1
         self._open.add(conn)
         if self._closed:  # closed while connecting
@@ -658,7 +427,7 @@ class UpstreamPool:
         return conn
 
     async def _exchange(
-        self, conn: _Conn, head: bytes, body: bytes, head_only: bool, close: bool
+        self, conn: UpstreamConn, head: bytes, body: bytes, head_only: bool, close: bool
     ) -> UpstreamResponse:
         """Send the request on `conn` and read the response head."""
         conn.start(head_only)
@@ -680,7 +449,7 @@ class UpstreamPool:
             self._release(conn)
         return UpstreamResponse(conn.status, Headers(conn.headers), reader)
 
-    async def _send(self, conn: _Conn, data: bytes) -> None:
+    async def _send(self, conn: UpstreamConn, data: bytes) -> None:
         """Write all of `data`; one system call when the socket buffer has room."""
         sock = conn.sock
         try:
@@ -704,7 +473,7 @@ class UpstreamPool:
                 raise UpstreamReset(f"{conn.name}: send failed: {exc}", "send", True) from exc
             view = view[sent:]
 
-    async def _read_head(self, conn: _Conn) -> None:
+    async def _read_head(self, conn: UpstreamConn) -> None:
         """Read until the response head is parsed (interim 1xx responses skipped)."""
         sock = conn.sock
         limits = self.limits

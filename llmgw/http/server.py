@@ -17,13 +17,13 @@ cannot shut out a client that sends its request at once. And connections that
 prove nobody may hold all but ``reserved_connections``: past that, a request
 that proves nobody takes the place of an idle such connection (so a health
 check is still served), or, with none idle, is answered 503 and its
-connection closed.
+connection closed (``_shared.py``).
 
 The connection loop. A connection serves one request at a time:
 
 1. Read until a request head is complete. Bytes go to one
    ``httptools.HttpRequestParser`` per connection; its callbacks build a
-   ``_Message`` per request in a queue. The parser may complete several
+   ``Message`` per request in a queue. The parser may complete several
    pipelined requests from one read; they wait in the queue, in order, so no
    early byte is lost. Waiting for the first byte of a request is bounded by
    ``keepalive_timeout_s`` (``header_timeout_s`` on a fresh connection) and
@@ -50,7 +50,8 @@ The connection loop. A connection serves one request at a time:
 4. Keep the connection or close it. Any error the server answers itself
    (400, 408, 413, 431, 501, ...) closes the connection; a server-side close
    half-closes first and drains input for a moment, so the kernel does not
-   answer unread input with a reset that would destroy the response.
+   answer unread input with a reset that would destroy the response
+   (``_writing.py``).
 
 Sockets are non-blocking stdlib sockets driven with
 ``trio.lowlevel.wait_readable`` / ``wait_writable``: an operation that can
@@ -62,9 +63,9 @@ one timer task, and the connection is closed when it expires, within a
 quarter of the shorter of the header and keep-alive timeouts, at most 1 s,
 after its deadline); the others in a cancel scope.
 
-Disconnect watching. While a handler runs (including while its streamed
-body is written), a second task per connection, the watcher, reads the
-socket. EOF or a reset cancels the handler's cancel scope at once, which is
+Disconnect watching (``_watch.py``). While a handler runs (including while
+its streamed body is written), a second task per connection, the watcher,
+reads the socket. EOF or a reset cancels the handler's cancel scope at once, which is
 how an abandoned request cancels its upstream work. Bytes that arrive
 instead (pipelined requests) are kept for the main task, in order. The
 watcher is spawned once per connection and parked between requests: waking
@@ -92,8 +93,9 @@ from typing import Any
 import trio
 
 from . import _wire
-from ._connection import Connection, Shared
+from ._connection import Connection
 from ._deadlines import SocketDeadlines
+from ._shared import Shared, evict
 from ._throttle import Throttled
 from .types import Admit, ErrorBody, Handler, ServerLimits, default_error_body
 
@@ -298,7 +300,7 @@ class HttpServer:
                     _refuse(sock, self._busy)
                     continue
                 self._warn_evicted.warn(self.name, limit, victim.client[0])
-                victim.evict()
+                evict(victim)
             if isinstance(address, tuple):
                 client = (str(address[0]), int(address[1]))
             else:

@@ -1,6 +1,6 @@
 """One attempt on one replica: its lease on the replica, and its failures in words.
 
-The upstream pool raises its own exceptions (``llmgw.http.client``); the
+The upstream pool raises its own exceptions (``llmgw.http.upstream_errors``); the
 verdict, which is pure, takes a ``Failure`` instead, and the metrics a
 ``kind`` label. Both translations are here, next to each other, so that the
 proxy and the relay name a failure the same way.
@@ -8,7 +8,7 @@ proxy and the relay name a failure the same way.
 
 from __future__ import annotations
 
-from llmgw.http.client import (
+from llmgw.http.upstream_errors import (
     ConnectFailed,
     ConnectTimeout,
     UpstreamError,

@@ -67,7 +67,8 @@ import trio
 
 from llmgw.engines.base import prompt_reuse
 from llmgw.http import Request, Response
-from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamTimeout
+from llmgw.http.client import UpstreamPool
+from llmgw.http.upstream_errors import UpstreamError, UpstreamTimeout
 from llmgw.router import attempt, poison, resume
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose

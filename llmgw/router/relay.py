@@ -33,7 +33,8 @@ import msgspec
 import trio
 
 from llmgw.engines.base import REUSE_MARKERS, prompt_reuse
-from llmgw.http.client import UpstreamError, UpstreamResponse
+from llmgw.http.client import UpstreamResponse
+from llmgw.http.upstream_errors import UpstreamError
 from llmgw.router import attempt
 from llmgw.router.attempt import Lease
 from llmgw.router.breaker import Outcome

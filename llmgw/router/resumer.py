@@ -39,7 +39,8 @@ import msgspec
 import trio
 
 from llmgw import engines
-from llmgw.http.client import UpstreamError, UpstreamPool, UpstreamReset, UpstreamResponse
+from llmgw.http.client import UpstreamPool, UpstreamResponse
+from llmgw.http.upstream_errors import UpstreamError, UpstreamReset
 from llmgw.router import attempt, poison, resume
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Endpoint, RetryBudget, choose

@@ -12,14 +12,9 @@ from hypothesis import strategies as st
 
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.catalog import Model, Profile
+from llmgw.controlplane.filters import Kind, NodeFacts
 from llmgw.controlplane.nodes import Node, NodeState
-from llmgw.controlplane.placement import (
-    Decision,
-    Kind,
-    NodeFacts,
-    failure_kind,
-    place,
-)
+from llmgw.controlplane.placement import Decision, failure_kind, place
 from llmgw.protocol.messages import Engine, Gpu, Inventory, Memory, WeightCopy
 
 GIB = 2**30

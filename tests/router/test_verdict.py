@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmgw.http.client import (
+from llmgw.http.upstream_errors import (
     ConnectFailed,
     ConnectTimeout,
     UpstreamError,
