@@ -159,12 +159,16 @@ async def test_a_model_removed_from_the_catalog_drains_and_its_stream_finishes(
 async def test_replicas_crowded_on_one_node_spread_after_an_uncordon(
     tmp_path: Path, pki: Pki
 ) -> None:
-    async with cluster(tmp_path, pki, replicas=2, settle_s=5) as c:
+    # the settle time (from the server's start) must outlast two agents registering
+    # and a ctl process starting: 5 s did not on a loaded machine, and the replicas
+    # were placed on both nodes before the cordon
+    async with cluster(tmp_path, pki, replicas=2, settle_s=12) as c:
         c.agent("n1")
         c.agent("n2")
         await c.server.wait_node("n1", "Ready")
         await c.server.wait_node("n2", "Ready")
         await c.server.ctl("cordon", "n2")  # within the settle time: nothing placed yet
+        assert "is starting" not in c.server.log(), c.server.log()  # else: raise settle_s
         first = await c.wait_ready(2)
         assert [r["shards"][0]["node_id"] for r in first] == ["n1", "n1"]
         await c.server.ctl("uncordon", "n2")

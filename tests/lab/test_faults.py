@@ -34,6 +34,7 @@ import pytest
 
 from tests.lab.test_lab import _base36
 from tests.realparts import needs_server
+from tools.support import fleetapi
 from tools.support.faults import (
     MODEL,
     Outcome,
@@ -86,7 +87,7 @@ def _whole(lab: Lab, timeout: float = 60) -> None:
 
 def _wait_healthy(lab: Lab, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
-    while not lab._healthy():
+    while not fleetapi.up(lab.admin_url):
         if time.monotonic() > deadline:
             pytest.fail(f"the control plane does not answer {timeout:g} s on")
         time.sleep(0.1)
