@@ -184,3 +184,11 @@ async def http_server(port: int) -> AsyncIterator[subprocess.Popen[bytes]]:
         if proc.poll() is None:
             await terminate_group(proc.pid, grace=1.0)
         proc.wait(5)
+
+
+def lasting(pid: int) -> tuple[int, tuple[str, ...]] | None:
+    """What stays the same for as long as ``pid`` is the process it was (its start
+    time and command line; not its state, 'R' or 'S' by when /proc is read); None
+    when it is gone."""
+    found = identity(pid)
+    return None if found is None else (found.start_time, found.cmdline)

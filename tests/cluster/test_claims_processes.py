@@ -22,7 +22,6 @@ import openai
 import trio
 from trio_websocket import WebSocketConnection, wrap_client_stream
 
-from llmgw.agent.procs import identity
 from llmgw.http import Request, Response
 from llmgw.protocol import SUBPROTOCOL, decode, encode
 from llmgw.protocol.messages import (
@@ -37,6 +36,7 @@ from llmgw.protocol.messages import (
 )
 from llmgw.tls import client_context
 from llmgw.wsio import single_error
+from tests.cluster.procs import lasting
 from tests.cluster.test_control_plane_processes import Cluster, engine_pid
 from tests.cluster.test_router_processes import admin_metrics, routed
 from tests.conftest import Pki
@@ -156,7 +156,7 @@ async def test_a_node_reporting_another_nodes_shards_moves_nothing(
         before = {s["shard_id"]: s for r in await c.wait_ready(2) for s in r["shards"]}
         assert {s["node_id"] for s in before.values()} == {"n1", "n2"}
         pids = {sid: engine_pid(tmp_path, s["node_id"], sid) for sid, s in before.items()}
-        starts = {pid: identity(pid) for pid in pids.values()}
+        starts = {pid: lasting(pid) for pid in pids.values()}
         fake = FakeEngine("k-liar")
         fake_port = await serve(nursery, fake)
         # one spec stolen as it is (it names its node), one with its node and seal cut off
@@ -195,7 +195,7 @@ async def test_a_node_reporting_another_nodes_shards_moves_nothing(
             assert {sid: (s["node_id"], s["port"]) for sid, s in after.items()} == {
                 sid: (s["node_id"], s["port"]) for sid, s in before.items()
             }
-            assert {pid: identity(pid) for pid in pids.values()} == starts
+            assert {pid: lasting(pid) for pid in pids.values()} == starts
             samples = await admin_metrics(c)
             assert samples("llmgw_report_conflicts_total", node="n3") >= 2
         log = c.server.log()

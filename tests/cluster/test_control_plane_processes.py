@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
-from llmgw.agent.procs import alive, identity
-from tests.cluster.procs import Daemon, Server, write_agent_config, write_server_config
+from llmgw.agent.procs import alive
+from tests.cluster.procs import Daemon, Server, lasting, write_agent_config, write_server_config
 from tests.conftest import Pki
 from tests.realparts import LLAMA_SERVER, needs_server
 from tools.support.tinymodel import write_model
@@ -197,7 +197,7 @@ async def test_placed_then_adopted_across_a_control_plane_restart(tmp_path: Path
             )
             for r in before
         }
-        starts = {pid: identity(pid) for pid in pids.values()}
+        starts = {pid: lasting(pid) for pid in pids.values()}
         for r in before:
             await chat(tmp_path, r["shards"][0])
 
@@ -206,7 +206,7 @@ async def test_placed_then_adopted_across_a_control_plane_restart(tmp_path: Path
         assert {r["replica_id"] for r in after} == set(pids)  # the same replicas came back
         assert all(r["adopted"] for r in after)
         assert len(await c.replicas()) == 2  # and nothing else was placed
-        assert {pid: identity(pid) for pid in pids.values()} == starts  # no engine restarted
+        assert {pid: lasting(pid) for pid in pids.values()} == starts  # no engine restarted
         held = [(r["shards"][0]["node_id"], g) for r in after for g in r["shards"][0]["gpus"]]
         assert len(held) == len(set(held))  # no GPU allocated twice
 

@@ -24,9 +24,9 @@ import attrs
 import openai
 import trio
 
-from llmgw.agent.procs import alive, identity
+from llmgw.agent.procs import alive
 from llmgw.router.keys import hash_key, new_key
-from tests.cluster.procs import Daemon, Server, write_server_config
+from tests.cluster.procs import Daemon, Server, lasting, write_server_config
 from tests.cluster.test_control_plane_processes import Cluster, engine_pid
 from tests.conftest import Pki
 from tests.ports import own_port
@@ -150,12 +150,12 @@ async def fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[tuple[Cluster, Daemon
 
 
 async def _engines(c: Cluster) -> dict[str, tuple[str, int, object]]:
-    """replica id -> (model, engine pid, the engine's process identity)."""
+    """replica id -> (model, engine pid, what stays while it is the same process)."""
     out = {}
     for r in await c.replicas():
         shard = r["shards"][0]
         pid = engine_pid(c.tmp, shard["node_id"], shard["shard_id"])
-        out[r["replica_id"]] = (r["model"], pid, identity(pid))
+        out[r["replica_id"]] = (r["model"], pid, lasting(pid))
     return out
 
 
