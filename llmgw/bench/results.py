@@ -82,12 +82,18 @@ def capacity_level(levels: list[Level]) -> Level | None:
     return best
 
 
+def kv_ceiling(kv: float) -> float:
+    """A KV-cache reading as a ceiling: rounded up to 5 %, and never 0 (a ceiling of 0
+    would refuse everything)."""
+    return min(1.0, math.ceil(kv * 20 - 1e-9) / 20) or 0.05
+
+
 def recommend(levels: list[Level]) -> Recommendation | None:
     """From the levels that met the SLO, the capacity last; None when none did."""
     if not levels:
         return None
     kvs = [lv.kv_max for lv in levels if lv.kv_max is not None]
-    kv = min(1.0, math.ceil(max(kvs) * 20 - 1e-9) / 20) or 0.05 if kvs else None
+    kv = kv_ceiling(max(kvs)) if kvs else None
     waits = [lv.waiting_max for lv in levels if lv.waiting_max is not None]
     waiting = math.ceil(max(waits)) if waits else 0
     return Recommendation(

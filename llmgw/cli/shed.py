@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from llmgw.bench.ladder import Level
-from llmgw.bench.results import Recommendation, Run, capacity_level
+from llmgw.bench.results import Recommendation, Run, capacity_level, kv_ceiling
 from llmgw.engines.base import LoadSignals
 from llmgw.router.balancer import Admission, Endpoint, above_thresholds
 
@@ -75,7 +75,7 @@ def _fix(lv: Level, load: LoadSignals, rec: Recommendation, per: int) -> str:
     """The least settings under which the router takes the level's load."""
     kv = rec.kv_ceiling
     if kv is not None and lv.kv_max is not None and lv.kv_max > kv:
-        kv = min(1.0, math.ceil(lv.kv_max * 20 - 1e-9) / 20)
+        kv = kv_ceiling(lv.kv_max)
     waiting, most = rec.target_waiting, per + math.ceil(load.waiting or 0)
     while refusal(load, Admission(target_waiting=waiting, kv_ceiling=kv), per) and waiting < most:
         waiting += 1
