@@ -49,10 +49,14 @@ class Lease:
     """One request on one replica: counted from the start, ended exactly once; its end
     wakes the requests queued in its model's ``room`` (``llmgw.router.room``)."""
 
-    __slots__ = ("endpoint", "open", "room", "seq", "sole")
+    __slots__ = ("endpoint", "open", "room", "seq", "sole", "suspect")
 
-    def __init__(self, endpoint: Endpoint, now: float, room: Room) -> None:
+    def __init__(
+        self, endpoint: Endpoint, now: float, room: Room, *, suspect: bool = False
+    ) -> None:
         endpoint.start(now)
+        self.suspect = suspect  # counted in ``endpoint.suspects`` while open
+        endpoint.suspects += suspect
         self.endpoint = endpoint
         self.room = room
         self.open = True
@@ -67,6 +71,7 @@ class Lease:
         """Tell the replica the request ended (``None``: abandoned, no verdict)."""
         if self.open:
             self.open = False
+            self.endpoint.suspects -= self.suspect
             self.endpoint.finish(now, outcome)
             self.room.wake()
 

@@ -89,6 +89,10 @@ class Endpoint:
     draining: bool = False  # no new requests; in-flight ones finish
     in_flight: int = 0  # this router's own count, always fresh
     sent: int = 0  # requests sent to it, ever (who was in flight when its engine died)
+    # requests in flight on it that were in flight at another engine's death
+    # (``llmgw.router.poison``): two such are not sent to one replica while another holds
+    # none, so that a second death tells which of them killed the engines
+    suspects: int = 0
     load: LoadSignals | None = None
     load_at: float | None = None  # when ``load`` was scraped
     in_flight_at_load: int = 0  # ``in_flight`` when ``load`` was read
@@ -157,6 +161,8 @@ class Choice:
     panic: bool = False
     # how affinity placed it (None: by load alone)
     affinity: Pick | None = None
+    # asked to keep apart from other suspects, and every candidate holds one
+    crowded: bool = False
 
 
 def fresh_load(endpoint: Endpoint, now: float, stale_after_s: float) -> LoadSignals | None:
@@ -376,6 +382,7 @@ def choose(
     model: str | None = None,
     rng_value: float | None = None,
     key: PromptKey | None = None,
+    apart: bool = False,
 ) -> Choice:
     """Pick the replica for one request (or one retry of it).
 
@@ -397,6 +404,10 @@ def choose(
     admissible replicas, ``affinity.pick`` decides (the one holding the most of
     it, within a load bound) in place of the least score; None, or no candidate
     routing by affinity, and the choice is by load alone, as described above.
+
+    ``apart``: the request was in flight at an engine's death (``poison``): only the
+    admissible replicas where no other such request is in flight are considered,
+    while there is one; when there is none, the pick is as without, and ``crowded``.
 
     Calling this may move a breaker from open to half-open (its cool-down is
     over); it does not count the request: call ``Endpoint.start`` on the
@@ -435,12 +446,17 @@ def choose(
             continue
         admissible.append((score(endpoint, load), endpoint, load))
 
+    crowded = False
+    if apart and admissible:
+        clear = [entry for entry in admissible if entry[1].suspects == 0]
+        crowded = not clear
+        admissible = clear or admissible
     if admissible:
         if key is not None:
             found = prefer(admissible, key)
             if found is not None:
                 why = f"{found.why}: {_describe(found.endpoint, found.load, now, found.value)}"
-                return Choice(found.endpoint, why, affinity=found)
+                return Choice(found.endpoint, why, affinity=found, crowded=crowded)
         best = min(s for s, _, _ in admissible)
         tied = sorted(
             (entry for entry in admissible if entry[0] <= best + 1e-9),
@@ -449,7 +465,8 @@ def choose(
         r = random.random() if rng_value is None else rng_value
         index = min(int(r * len(tied)), len(tied) - 1)
         value, endpoint, load = tied[index]
-        return Choice(endpoint, f"least loaded: {_describe(endpoint, load, now, value)}")
+        why = f"least loaded: {_describe(endpoint, load, now, value)}"
+        return Choice(endpoint, why, crowded=crowded)
     if saturated:
         return Choice(
             None,

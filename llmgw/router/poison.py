@@ -25,6 +25,15 @@ so that a client sending it again kills nothing. An innocent request whose
 engine was killed by something else is moved once and goes on; at most two
 engines die per poison request.
 
+Which of two suspects killed the second engine cannot be told when both were on
+it: a good request waiting beside the poison one on the first engine is as
+suspect as it, and moved to the same replica it is found poison too, and its
+body refused (measured: a good client's plain "hi" refused for ten minutes). So
+suspects are kept apart: a suspect is sent to a replica where no other suspect
+is in flight (``balancer.choose``'s ``apart``, counted in ``Endpoint.suspects``
+by its ``Lease``), and where every replica holds one it waits for one to clear,
+up to ``APART_S``, before it shares.
+
 A stream carried on from another replica (``resume``) keeps its suspicion: its
 continuation dying too makes it poison, and it ends with an error event that
 says so. What a replica found wedged (stopped, hung) cuts was at no death: its
@@ -53,6 +62,7 @@ log = logging.getLogger("llmgw.router")
 DEATHS = frozenset((Failure.UNANSWERED, Failure.RESET))
 REMEMBER_S = 600.0  # a body that crashed two engines is refused at once for this long
 REMEMBER_MOST = 1024  # bodies remembered at once (the oldest is forgotten first)
+APART_S = 10.0  # the longest a suspect waits for a replica no other suspect is on
 
 
 class Crashes:

@@ -179,8 +179,10 @@ class Proxy:
         failed: _Failed | None = None
         held: Endpoint | None = None  # where ``failed``, a suspect fault, waits to be settled
         attempts = 0
+        apart_until: float | None = None  # a suspect waits this long for a replica of its own
         while True:
             now = trio.current_time()
+            suspect = record.suspect
             choice = choose(
                 endpoints,
                 now,
@@ -188,7 +190,15 @@ class Proxy:
                 exclude=frozenset(tried),
                 model=model,
                 key=key,
+                apart=suspect,
             )
+            if choice.crowded:
+                if apart_until is None:
+                    apart_until = now + poison.APART_S
+                if now < apart_until:
+                    await room.wait(apart_until)
+                    endpoints = self.table.endpoints.get(model, [])  # as it is now
+                    continue
             ep = choice.endpoint
             if ep is None:
                 deadline = started + self.queue_timeout_s
@@ -221,7 +231,7 @@ class Proxy:
                 record.affinity(ep.key, ep.prefix, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
                     ep.prefix.record(key.blocks)
-            lease = Lease(ep, now, room)
+            lease = Lease(ep, now, room, suspect=suspect)
             try:
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:

@@ -100,6 +100,11 @@ class Record:
         return self.crashes.died(replica, answered=answered, alone=alone)
 
     @property
+    def suspect(self) -> bool:
+        """Found suspect at an engine's death (``llmgw.router.poison``)."""
+        return self.crashes is not None and self.crashes.suspect_at is not None
+
+    @property
     def poison(self) -> bool:
         return self.crashes is not None and self.crashes.poison
 

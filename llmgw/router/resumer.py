@@ -95,14 +95,20 @@ class Resumer:
         failures: list[str] = []
         for _ in range(self._budget.max_attempts):
             now = trio.current_time()
+            suspect = record.suspect
             choice = choose(
-                same, now, admission=_NO_THRESHOLDS, exclude=frozenset(tried), model=model
+                same,
+                now,
+                admission=_NO_THRESHOLDS,
+                exclude=frozenset(tried),
+                model=model,
+                apart=suspect,
             )
             ep = choice.endpoint
             if ep is None:
                 break
             tried.add(ep.key)
-            lease = Lease(ep, now, room)
+            lease = Lease(ep, now, room, suspect=suspect)
             try:
                 found = await self._continue_on(ep, t)
             except BaseException:

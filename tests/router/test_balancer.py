@@ -122,6 +122,18 @@ def test_exclude_sends_the_retry_elsewhere() -> None:
     assert "already tried" in none_left.reason
 
 
+def test_a_suspect_goes_where_no_other_suspect_is_however_loaded() -> None:
+    """``apart``: a request in flight at an engine's death is not sent where another
+    such is in flight while some replica holds none; where all do, it is ``crowded``."""
+    eps = [ep("a", in_flight=1, suspects=1), ep("b", in_flight=5)]
+    assert choose(eps, NOW, admission=OPEN).endpoint is eps[0]  # by load
+    apart = choose(eps, NOW, admission=OPEN, apart=True)
+    assert apart.endpoint is eps[1] and not apart.crowded
+    eps[1].suspects = 2
+    crowded = choose(eps, NOW, admission=OPEN, apart=True)
+    assert crowded.endpoint is eps[0] and crowded.crowded
+
+
 def test_no_replicas_at_all() -> None:
     choice = choose([], NOW, admission=STRICT, model="llama")
     assert choice.endpoint is None

@@ -13,6 +13,8 @@ import openai
 import pytest
 import trio
 
+from llmgw.engines.base import LoadSignals
+from llmgw.router import guards
 from llmgw.router.poison import Crashes, Remembered
 from llmgw.router.table import RoutingTable
 from tests.conftest import Pki
@@ -20,7 +22,7 @@ from tests.engines.test_tinymodel import llama_server
 from tests.realparts import needs_server
 from tests.router.gateway import gateway
 from tests.router.test_guards import HI, deep_grammar
-from tests.router.test_resume import LONGER, LONGER_CONTEXT, MESSAGES, front, llama_routes
+from tests.router.test_resume import LONG, LONGER, LONGER_CONTEXT, MESSAGES, front, llama_routes
 from tools.support.llama import decoded
 from tools.support.tinymodel import write_model
 
@@ -102,6 +104,64 @@ async def test_a_request_that_crashes_engines_kills_two_and_good_clients_go_on(
     lines = [x for x in gw.server.log().splitlines() if "as their engines died" in x]
     assert len(lines) == 1, lines
     assert "Traceback" not in gw.server.log()
+
+
+@needs_server
+async def test_a_good_request_beside_the_poison_one_is_kept_apart_from_it(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """The race CI met: a good request waiting on the first engine as the poison one
+    killed it is as suspect as the poison; sent to the same replica next, it was in
+    flight at the second death too and was found poison itself (a good client's
+    request refused). Here the replicas' load makes both go to B without the rule
+    (A weighs most and is idle, B's engine reads a little work, C more on a tenth of
+    the weight): kept apart, the good one goes to C and is answered whole, and the
+    poison one alone is refused."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=LONGER_CONTEXT)
+    procs: list[trio.Process] = []
+    async with (
+        llama_server(model, tmp_path, name="a", procs=procs, parallel=2, context=8192) as a,
+        llama_server(model, tmp_path, name="b", procs=procs, parallel=2, context=8192) as b,
+        llama_server(model, tmp_path, name="c", procs=procs, parallel=2, context=8192) as c,
+    ):
+        table = RoutingTable()  # not run: no scrape overwrites the readings set below
+        snapshot = llama_routes(("a", a), ("b", b), ("c", c))
+        for route, weight in zip(snapshot.routes, (10.0, 10.0, 1.0), strict=True):
+            route.weight, route.affinity = weight, "off"  # by load alone
+        table.apply(snapshot)
+        app, client = await front(nursery, table, limits=guards.OFF)
+        ep = {e.key: e for e in table.endpoints["m"]}
+        now = trio.current_time()
+        for key, running in (("b", 2.0), ("c", 1.0)):  # scores: a 0, b 0.2, c 1
+            ep[key].load, ep[key].load_at = LoadSignals(running=running, waiting=0.0), now
+        good: list[str] = []
+
+        async def ask_long() -> None:
+            reply = await client.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=LONG, temperature=0
+            )
+            assert reply.usage is not None
+            good.append(f"{reply.choices[0].finish_reason} {reply.usage.completion_tokens}")
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as inner:
+                inner.start_soon(ask_long)
+                while ep["a"].in_flight < 1:  # the good one is on a, at work
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.chat.completions.create(
+                        model="m",
+                        messages=HI,
+                        max_tokens=4,
+                        extra_body={"grammar": deep_grammar(25_000)},
+                    )
+        assert "is taken for what crashed them" in str(refused.value)
+        assert good == [f"length {LONG}"], good
+        dead = [p.returncode for p in procs if p.poll() is not None]
+        assert dead == [-signal.SIGSEGV] * 2, [p.returncode for p in procs]
+        assert app.metrics.poisoned.labels("m", "crashed")._value.get() == 1
+        assert all(e.suspects == 0 and e.in_flight == 0 for e in ep.values()), ep
 
 
 # --------------------------------------------------------------------------- the rule

@@ -16,6 +16,7 @@ import pytest
 import trio
 
 from llmgw.http.client import ClientLimits, UpstreamPool
+from llmgw.router import guards
 from llmgw.router.app import RouterApp
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
 from llmgw.router.resume import Transcript, plan
@@ -57,10 +58,13 @@ def llama_routes(*urls: tuple[str, str], unready: frozenset[str] = frozenset()) 
 
 
 async def front(
-    nursery: trio.Nursery, table: RoutingTable, pool: UpstreamPool | None = None
+    nursery: trio.Nursery,
+    table: RoutingTable,
+    pool: UpstreamPool | None = None,
+    limits: guards.Limits = guards.Limits(),  # noqa: B008 (frozen)
 ) -> tuple[RouterApp, openai.AsyncOpenAI]:
     """The router over ``table`` on loopback, and the openai client that talks to it."""
-    app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), pool)
+    app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), pool, limits=limits)
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
         api_key=KEY,
