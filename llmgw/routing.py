@@ -26,6 +26,7 @@ over (the node is then Lost).
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Iterable
 
 import msgspec
@@ -68,12 +69,46 @@ def kept_ready(route: Route, url: str, engine_key: str, ready: bool) -> bool:
     return route.ready
 
 
+KEY_PREFIX = "llmgw-"
+
+
+def hash_key(key: str) -> str:
+    """An API key as it is kept and compared: its SHA-256 (keys are long and random)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+class Limits(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a tenant, or one of its keys, may use; None: no such limit."""
+
+    rpm: int | None = None  # requests begun per minute (a sliding minute)
+    in_flight: int | None = None  # requests at once
+
+
+LIMIT_NAMES = {"rpm": "requests per minute", "in_flight": "requests in flight"}
+
+
 class RouterKey(msgspec.Struct, kw_only=True):
-    """An API key as the control plane's config lists it: its hash, never the key."""
+    """An API key as the control plane knows it: its hash, never the key."""
 
     name: str
     sha256: str
     models: list[str] = []  # empty: every model
+    # the tenant it belongs to ("": a key of the server's config, no tenant's); when it
+    # stops working (unix time; None: never); limits of its own, within its tenant's
+    tenant: str = ""
+    expires: float | None = None
+    limits: Limits | None = None
+
+
+class TenantRouting(msgspec.Struct, kw_only=True):
+    """A tenant as routers need it: its limits, shared by all its keys."""
+
+    name: str
+    limits: Limits = msgspec.field(default_factory=Limits)
 
 
 class ModelRouting(msgspec.Struct, kw_only=True):
@@ -93,9 +128,12 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # the nodes that have registered with that control plane since it started, while
     # it is not settled (empty once it is)
     heard: list[str] = []
-    # the API keys of the control plane's config ([[router.keys]]), which standalone
-    # routers accept besides their own; empty from one that lists none (or is older)
+    # the API keys of the control plane's config ([[router.keys]]) and its tenants'
+    # keys, which standalone routers accept besides their own; empty from one that
+    # lists none (or is older)
     keys: list[RouterKey] = []
+    # the tenants the keys belong to, with their limits
+    tenants: list[TenantRouting] = []
 
 
 def versioned(
@@ -105,6 +143,7 @@ def versioned(
     settled: bool = True,
     heard: Iterable[str] = (),
     keys: Iterable[RouterKey] = (),
+    tenants: Iterable[TenantRouting] = (),
 ) -> Snapshot:
     """A snapshot whose version is the hash of what it says (routes in key order)."""
     snap = Snapshot(
@@ -113,6 +152,7 @@ def versioned(
         settled=settled,
         heard=[] if settled else sorted(heard),
         keys=sorted(keys, key=lambda k: (k.name, k.sha256)),
+        tenants=sorted(tenants, key=lambda t: t.name),
     )
     snap.version = hashlib.sha256(msgspec.json.encode(snap)).hexdigest()[:16]
     return snap

@@ -14,17 +14,17 @@ import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import parse_qs
 
 import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmgw.admin.answers import error, json_body, json_response
 from llmgw.admin.reload import NotReloaded, Reloaded, Reloader
+from llmgw.admin.tenancy import ArgHandler, Handler, TenancyApi
 from llmgw.admin.views import (
-    ErrorAnswer,
-    ErrorDetail,
     GpuViews,
     IntentAnswer,
     ModelList,
@@ -52,25 +52,6 @@ from llmgw.version import describe
 log = logging.getLogger("llmgw.admin")
 
 _JSON = [("content-type", "application/json")]
-_T = TypeVar("_T")
-
-
-def json_response(status: int, body: object) -> Response:
-    return Response(status=status, headers=list(_JSON), body=msgspec.json.encode(body))
-
-
-def error(status: int, message: str) -> Response:
-    return json_response(status, ErrorAnswer(error=ErrorDetail(message=message, code=status)))
-
-
-def json_body(request: Request, kind: type[_T], what: str) -> _T | Response:
-    """The request's JSON body as ``kind``, or the 400 that says it must be ``what``."""
-    try:
-        return msgspec.json.decode(request.body or b"{}", type=kind)
-    except msgspec.DecodeError as exc:
-        return error(400, f"body must be {what}: {exc}")
-    except RecursionError:  # the decoder's bound on nesting: a client's error, not ours
-        return error(400, f"body must be {what}: it nests too deep")
 
 
 class AdminApi:
@@ -83,6 +64,7 @@ class AdminApi:
         traffic: Callable[[float], Mapping[str, TrafficView]] | None = None,
         reload: Callable[[], Awaitable[Reloaded]] | None = None,
         routers: RouterReports | None = None,
+        tenancy: TenancyApi | None = None,
     ) -> None:
         """``reload`` reads again what the server can change without a restart (the
         catalog, the API keys); without it a reload is the fleet's catalog alone."""
@@ -102,7 +84,7 @@ class AdminApi:
         self._traffic = traffic  # the in-process router's view of each replica
         self._token = token.encode()
         self._gpu_views = GpuViews()
-        self._routes = {
+        self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/v1/nodes"): self.nodes,
             ("GET", "/v1/status"): self.status,
             ("GET", "/metrics"): self.metrics,
@@ -113,10 +95,13 @@ class AdminApi:
             ("POST", REPORT_PATH): self.router_report,
         }
         # /v1/nodes/{node} (POST {"intent": ...}) and /v1/models/{model}/placement (GET)
-        self._patterns = [
+        self._patterns: list[tuple[str, tuple[str | None, ...], ArgHandler]] = [
             ("POST", ("v1", "nodes", None), self.node_intent),
             ("GET", ("v1", "models", None, "placement"), self.placement),
         ]
+        if tenancy is not None:  # tenants and their keys (``tenancy``)
+            self._routes.update(tenancy.routes())
+            self._patterns.extend(tenancy.patterns())
 
     def admit(self, request: Request) -> Response | bool:
         """Judge a request by its head, before any byte of its body is read: without

@@ -19,8 +19,9 @@ import msgspec
 from llmgw.controlplane.failures import Failure
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica
+from llmgw.controlplane.tenants import Key, Tenant
 from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
-from llmgw.routing import TrafficView
+from llmgw.routing import Limits, TrafficView
 
 if TYPE_CHECKING:  # ctl imports these views: it need not load placement for a type
     from llmgw.controlplane.placement import Decision
@@ -347,3 +348,67 @@ class ErrorAnswer(msgspec.Struct, kw_only=True):
     """Any answer but a 200: what went wrong, in words."""
 
     error: ErrorDetail
+
+
+# --- tenants and their keys (``llmgw.controlplane.tenants``) ---------------------------
+
+
+class KeyView(msgspec.Struct, kw_only=True):
+    name: str
+    tenant: str
+    hint: str  # the key's first characters, to tell it apart: not enough to use it
+    models: list[str]  # its own narrowing of its tenant's; empty: its tenant's
+    expires: float | None  # unix time; None: never
+    expired: bool
+    limits: Limits | None
+    created: float
+
+
+class TenantView(msgspec.Struct, kw_only=True):
+    name: str
+    models: list[str]  # empty: every model
+    limits: Limits
+    created: float
+    keys: list[KeyView]
+
+
+class TenantList(msgspec.Struct, kw_only=True):
+    tenants: list[TenantView]
+
+
+class KeyList(msgspec.Struct, kw_only=True):
+    keys: list[KeyView]
+
+
+class KeyCreated(msgspec.Struct, kw_only=True):
+    key: str  # the key itself: shown in this answer only, never kept
+    view: KeyView
+
+
+class TenancyAnswer(msgspec.Struct, kw_only=True):
+    """A change done: what it did, in words."""
+
+    message: str
+
+
+def key_view(k: Key, wall: float) -> KeyView:
+    return KeyView(
+        name=k.name,
+        tenant=k.tenant,
+        hint=k.hint,
+        models=k.models,
+        expires=k.expires,
+        expired=k.expires is not None and wall >= k.expires,
+        limits=k.limits,
+        created=k.created,
+    )
+
+
+def tenant_view(t: Tenant, keys: list[Key], wall: float) -> TenantView:
+    return TenantView(
+        name=t.name,
+        models=t.models,
+        limits=t.limits,
+        created=t.created,
+        keys=[key_view(k, wall) for k in keys],
+    )

@@ -130,6 +130,6 @@ def api_key(path: Path | None) -> str:
     if not key:
         raise CtlError(
             "no API key for the router: --api-key-file FILE, or set LLMGW_API_KEY "
-            "(`llmgw ctl key NAME` makes one)"
+            "(`llmgw ctl key create NAME` makes one)"
         )
     return key

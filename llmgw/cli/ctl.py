@@ -277,27 +277,3 @@ def reload(*, target: Target | None = None, json: bool = False) -> int:
     """
     path = "/v1/catalog/reload"
     return _show("reload", target, path, ReloadAnswer, json, render_reload, method="POST")
-
-
-@ctl_app.command
-def key(name: str, *, models: list[str] | None = None) -> int:
-    """Make an API key for the OpenAI-compatible endpoint. Prints the key (shown this
-    once: give it to the client) and the lines to add to the server's config, which
-    hold only its SHA-256.
-
-    Parameters
-    ----------
-    models
-        Limit the key to these models (repeatable); default: every model.
-    """
-    from llmgw.router.keys import hash_key, new_key
-
-    secret = new_key()
-    allowed = ", ".join(f'"{m}"' for m in models or [])
-    print(f"key: {secret}")
-    print(
-        "\n# add to the server's config (the key itself is not stored), then llmgw ctl"
-        " reload:\n# every llmgw router that follows the server takes it within moments"
-    )
-    print(f'[[router.keys]]\nname = "{name}"\nsha256 = "{hash_key(secret)}"\nmodels = [{allowed}]')
-    return 0

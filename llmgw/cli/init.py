@@ -135,7 +135,7 @@ token_file = "admin-token"        # llmgw ctl --config this file reads it; so do
 # token_file = "metrics-token"
 
 # The API keys of the endpoint: every llmgw router following this server takes them
-# (hashes only) within moments of llmgw ctl reload. llmgw ctl key NAME makes another
+# (hashes only) within moments of llmgw ctl reload. llmgw ctl key create NAME makes another
 # key and prints its lines.
 [[router.keys]]
 name = "first"

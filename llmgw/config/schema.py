@@ -116,7 +116,7 @@ class ReconcileConfig(_Section):
 
 class KeyConfig(_Section):
     name: str  # who holds the key: logs and metrics say this, never the key
-    sha256: str  # of the key; `llmgw ctl key NAME` makes one
+    sha256: str  # of the key; `llmgw ctl key create NAME` makes one
     models: list[str] = []  # empty: every model
 
 
@@ -124,7 +124,7 @@ class RouterConfig(_Section):
     """The OpenAI-compatible endpoint: keys, limits and timeouts."""
 
     listen: str = ""  # the OpenAI-compatible endpoint, e.g. "0.0.0.0:8000"; empty: none
-    # API keys, as hashes (`llmgw ctl key NAME`). The server's go to every standalone
+    # API keys, as hashes (`llmgw ctl key create NAME`). The server's go to every standalone
     # router with its routing (`llmgw ctl reload` after a change); a standalone router
     # takes those and its own. With none at all, every request is refused (401)
     keys: list[KeyConfig] = []

@@ -19,7 +19,7 @@ from llmgw.controlplane.catalog import Catalog, routing_for
 from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica, ReplicaState
-from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, versioned
+from llmgw.routing import ModelRouting, Route, RouterKey, Snapshot, TenantRouting, versioned
 
 _ROUTED = (ReplicaState.READY, ReplicaState.DRAINING)
 
@@ -32,13 +32,15 @@ def build_snapshot(
     settled: bool = True,
     heard: Iterable[str] = (),
     keys: Iterable[RouterKey] = (),
+    tenants: Iterable[TenantRouting] = (),
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
     each Ready or Draining replica at its head shard's node address (a Ready one
     that is unhealthy, or not yet verified, as not ready); ``settled`` and ``heard``:
     whether the control plane has been up for its lost-node timeout, and if not, the
     nodes it has heard from since it started (``llmgw.routing.carried``); ``keys``:
-    the API keys of the control plane's config, for standalone routers."""
+    the API keys of the control plane's config and its tenants', for standalone
+    routers, and ``tenants`` their limits."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     needs = Needs(lambda: [n.inventory for n in nodes.values()])
@@ -95,7 +97,7 @@ def build_snapshot(
                 cache_tokens=holds,
             )
         )
-    return versioned(models, routes, settled=settled, heard=heard, keys=keys)
+    return versioned(models, routes, settled=settled, heard=heard, keys=keys, tenants=tenants)
 
 
 def engine_url(node: Node, host: str, port: int) -> str:
@@ -111,7 +113,9 @@ class RoutingPublisher:
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         self.snapshot = snapshot or versioned({}, [])
         # the API keys every snapshot carries (hashes: the config's [[router.keys]])
-        self.keys: list[RouterKey] = list(self.snapshot.keys)
+        self.keys: list[RouterKey] = [k for k in self.snapshot.keys if not k.tenant]
+        self.tenant_keys: list[RouterKey] = [k for k in self.snapshot.keys if k.tenant]
+        self.tenants: list[TenantRouting] = list(self.snapshot.tenants)
         self.body = msgspec.json.encode(self.snapshot)  # what every watcher is sent
         self._changed = trio.Event()
 
@@ -126,12 +130,34 @@ class RoutingPublisher:
         return True
 
     def set_keys(self, keys: list[RouterKey]) -> bool:
-        """Carry ``keys`` from now on (in this snapshot and every one after); True when
-        that changed what routers are sent."""
+        """Carry ``keys`` (the config's) from now on (in this snapshot and every one
+        after); True when that changed what routers are sent."""
         self.keys = list(keys)
+        return self._again()
+
+    def set_tenancy(self, keys: list[RouterKey], tenants: list[TenantRouting]) -> bool:
+        """Carry the tenants' ``keys`` and ``tenants`` from now on, beside the config's
+        keys; True when that changed what routers are sent."""
+        self.tenant_keys = list(keys)
+        self.tenants = list(tenants)
+        return self._again()
+
+    @property
+    def all_keys(self) -> list[RouterKey]:
+        """Every key routers are sent: the config's and the tenants'."""
+        return [*self.keys, *self.tenant_keys]
+
+    def _again(self) -> bool:
         s = self.snapshot
         return self.publish(
-            versioned(s.models, s.routes, settled=s.settled, heard=s.heard, keys=self.keys)
+            versioned(
+                s.models,
+                s.routes,
+                settled=s.settled,
+                heard=s.heard,
+                keys=self.all_keys,
+                tenants=self.tenants,
+            )
         )
 
     @property

@@ -13,8 +13,12 @@ the body read (its bytes shared fairly per key and per address, see
 forwarded as is), and for what engines are known to choke on (``guards``: JSON
 nested too deep, a grammar or schema too deep or too large), which is refused
 with a 400 that names the field and the limit. A model the table does not know is 404; one it knows that
-the key may not use is 403. A model the key may use and the table knows is
-routed: ``Proxy`` sends it to a replica and says what the client gets.
+the key may not use is 403. A key that has expired is 401, and says when. A
+key of a tenant is held to its tenant's limits and its own (``quota``): past
+one, 429 with ``Retry-After`` and the limit named, its body unread; within,
+the answer carries OpenAI's ``x-ratelimit-*`` headers for a per-minute limit. A
+model the key may use and the table knows is routed: ``Proxy`` sends it to a
+replica and says what the client gets.
 
 Each request has one ``Record``, opened as its head is admitted and ended
 exactly once: at once for an answer from the head, here for a whole reply,
@@ -28,6 +32,9 @@ stops counting the request.
 
 from __future__ import annotations
 
+import math
+import time
+
 import msgspec
 import trio
 
@@ -39,6 +46,7 @@ from llmgw.router.errors import error_body, openai_error
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.proxy import Proxy
+from llmgw.router.quota import Quotas, Refusal, ratelimit_headers
 from llmgw.router.record import Record
 from llmgw.router.relay import Relay
 from llmgw.router.table import RoutingTable
@@ -65,6 +73,7 @@ class RouterApp:
         self.table = table
         self.limits = limits
         self.keys = keys
+        self.quotas = Quotas()  # what tenants' keys use here, against their limits
         self.metrics = metrics or RouterMetrics()
         self.access_log = access_log
         self.proxy = Proxy(
@@ -98,6 +107,12 @@ class RouterApp:
         except trio.Cancelled:
             record.left(trio.current_time())
             raise
+        except Exception:
+            if record.ticket is not None:  # the server answers 500; the tenant's count frees
+                record.ticket.release()
+            raise
+        if record.ticket is not None:
+            response.headers.extend(record.ticket.headers())
         record.respond(response.status)
         if not isinstance(response.body, Relay):  # a relay ends the record when it ends
             record.end(trio.current_time())
@@ -110,8 +125,8 @@ class RouterApp:
             if request.method != "POST":
                 return openai_error(405, f"{path} takes POST")
             key = self._key(request, record)
-            if key is None:
-                return self._unauthorized()
+            if isinstance(key, Response):
+                return key
             if key.models and not any(self.table.known(m) for m in key.models):
                 return openai_error(
                     403,
@@ -119,18 +134,18 @@ class RouterApp:
                     f" ({', '.join(sorted(key.models))})",
                     code="model_not_allowed",
                 )
-            return key
+            return self._admit(key, record)
         if path == "/healthz":
             return Response(200, [("content-type", "application/json")], b'{"status":"ok"}')
         if path == "/v1/models" and request.method == "GET":
             key = self._key(request, record)
-            if key is None:
-                return self._unauthorized()
+            if isinstance(key, Response):
+                return key
             return self._models(key.models)
         if path.startswith("/v1/models/") and request.method == "GET":
             key = self._key(request, record)
-            if key is None:
-                return self._unauthorized()
+            if isinstance(key, Response):
+                return key
             # ids may hold a slash ("org/name"), sent as is or percent-encoded (the
             # server has decoded the path)
             name = path[len("/v1/models/") :]
@@ -157,12 +172,42 @@ class RouterApp:
         record.route(trio.current_time())
         return await self.proxy(request, body.stream, record)
 
-    def _key(self, request: Request, record: Record) -> ApiKey | None:
-        """The request's API key, if it holds a good one (the record gets its name)."""
+    def _key(self, request: Request, record: Record) -> ApiKey | Response:
+        """The request's API key, if it holds a good one (the record gets its name);
+        else the 401 that says why."""
         key = self.keys.check(request.headers.get("authorization"))
-        if key is not None:
-            record.key = key.name
-            request.principal = key.name  # the HTTP server shares its budgets per key
+        if key is None:
+            return self._unauthorized()
+        record.key = key.name
+        request.principal = key.name  # the HTTP server shares its budgets per key
+        if key.tenant:
+            record.tenant = key.tenant
+        if key.expired(time.time()):
+            assert key.expires is not None
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(key.expires))
+            return openai_error(
+                401,
+                f"the API key {key.name!r} expired at {when}: ask for a new one "
+                f"(llmgw ctl key create --tenant {key.tenant or '...'})",
+                code="invalid_api_key",
+            )
+        return key
+
+    def _admit(self, key: ApiKey, record: Record) -> ApiKey | Response:
+        """``key`` if its tenant's limits and its own take one more request now (the
+        record holds its ticket), else the 429 that names the limit (``quota``)."""
+        if not key.tenant:
+            return key
+        held = self.quotas.admit(key, self.table.tenants, trio.current_time())
+        if isinstance(held, Refusal):
+            self.metrics.tenant_refused.labels(key.tenant, held.limit, held.scope).inc()
+            r = openai_error(429, held.message, "requests", code="rate_limit_exceeded")
+            r.headers.append(("retry-after", str(max(1, math.ceil(held.retry_after_s)))))
+            if held.limit == "rpm":
+                r.headers.extend(ratelimit_headers(held.value, 0, held.retry_after_s))
+            return r
+        self.metrics.tenant_requests.labels(key.tenant).inc()
+        record.ticket = held
         return key
 
     def _not_allowed(self, key: ApiKey, model: str) -> Response:

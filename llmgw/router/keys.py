@@ -13,16 +13,14 @@ key in both is limited as the router's own file says.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import secrets
 
 import attrs
 
 from llmgw.config.schema import RouterConfig
-from llmgw.routing import RouterKey
+from llmgw.routing import KEY_PREFIX, Limits, RouterKey, hash_key, new_key
 
-KEY_PREFIX = "llmgw-"
+__all__ = ["KEY_PREFIX", "ApiKey", "KeyRing", "hash_key", "new_key"]
 
 
 @attrs.frozen
@@ -30,9 +28,15 @@ class ApiKey:
     name: str
     sha256: str
     models: frozenset[str] = frozenset()  # empty: every model
+    tenant: str = ""  # "": a key of a config file, no tenant's
+    expires: float | None = None  # unix time; None: never
+    limits: Limits | None = None  # its own, within its tenant's
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def expired(self, wall: float) -> bool:
+        return self.expires is not None and wall >= self.expires
 
 
 def api_keys(config: RouterConfig) -> list[ApiKey]:
@@ -41,21 +45,15 @@ def api_keys(config: RouterConfig) -> list[ApiKey]:
 
 
 def published(keys: list[ApiKey]) -> list[RouterKey]:
-    """Keys as the routing snapshot carries them (hashes, never keys)."""
+    """A config's keys as the routing snapshot carries them (hashes, never keys)."""
     return [RouterKey(name=k.name, sha256=k.sha256, models=sorted(k.models)) for k in keys]
 
 
 def followed(keys: list[RouterKey]) -> list[ApiKey]:
-    """The control plane's keys, from its routing snapshot."""
-    return [ApiKey(k.name, k.sha256, frozenset(k.models)) for k in keys]
-
-
-def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def new_key() -> str:
-    return KEY_PREFIX + secrets.token_urlsafe(32)
+    """The control plane's keys (its config's and its tenants'), from its routing."""
+    return [
+        ApiKey(k.name, k.sha256, frozenset(k.models), k.tenant, k.expires, k.limits) for k in keys
+    ]
 
 
 class KeyRing:

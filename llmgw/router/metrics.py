@@ -138,6 +138,19 @@ class RouterMetrics:
             ["why"],
             registry=r,
         )
+        self.tenant_requests = Counter(
+            "llmgw_router_tenant_requests",
+            "Requests of tenants' keys admitted within their limits, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_refused = Counter(
+            "llmgw_router_tenant_refused",
+            "Requests of tenants' keys refused with 429 at a limit, by tenant and limit "
+            "(rpm, in_flight), and whether the tenant's or the key's own",
+            ["tenant", "limit", "scope"],
+            registry=r,
+        )
         self.poisoned = Counter(
             "llmgw_router_poisoned",
             "Requests taken for their own fault and sent to no other replica, by how: "

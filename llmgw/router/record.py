@@ -35,6 +35,7 @@ from llmgw.router.breaker import Outcome
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.poison import Crashes
 from llmgw.router.prefix import PrefixIndex, PromptKey, Reading
+from llmgw.router.quota import Ticket
 
 access_log = logging.getLogger("llmgw.router.access")
 
@@ -66,6 +67,8 @@ class Record:
         "request",
         "started",
         "status",
+        "tenant",
+        "ticket",
         "tokens",
         "ttft",
     )
@@ -76,6 +79,8 @@ class Record:
         self.metrics = metrics
         self.arrived = arrived
         self.key = "-"  # the API key's name, once checked
+        self.tenant = "-"  # the tenant the key belongs to ("-": none)
+        self.ticket: Ticket | None = None  # what it holds of its tenant's limits (``quota``)
         self.model = "-"  # as asked, known or not
         self.replica = "-"  # the replica whose answer the client gets
         self.started: float | None = None  # when it was routed; None: it was not
@@ -187,6 +192,8 @@ class Record:
         if self.done:
             return
         self.done = True
+        if self.ticket is not None:
+            self.ticket.release()
         if self.started is not None:
             m = self.metrics
             m.latency.labels(self.model).observe(now - self.started)
@@ -201,6 +208,8 @@ class Record:
         if self.done:
             return
         self.done = True
+        if self.ticket is not None:
+            self.ticket.release()
         self.replica = "-"
         self.respond(499)
         if self.arrived is not None:
@@ -213,13 +222,14 @@ class Record:
         ttft = "-" if self.ttft is None else f"{self.ttft:.3f}s"
         cached = "-" if self.cached is None else f"{self.cached}/{self.prompt_tokens}"
         access_log.info(
-            "%s %s %s status=%d key=%s model=%s replica=%s time=%.3fs ttft=%s tokens=%d "
-            "cached=%s end=%s",
+            "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
+            "tokens=%d cached=%s end=%s",
             client,
             request.method,
             printable(request.path, field=True),
             self.status,
             self.key,
+            self.tenant,
             printable(self.model[:200], field=True),
             self.replica,
             now - self.arrived,

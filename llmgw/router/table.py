@@ -37,7 +37,7 @@ from llmgw.engines.load import read_load
 from llmgw.router.balancer import Admission, Endpoint, note_heard, note_progress, silent, wedged
 from llmgw.router.prefix import MODES, ROUTER_BLOCKS, Mode, blocks_for
 from llmgw.router.room import Rooms
-from llmgw.routing import RouterKey, Snapshot, TrafficView, carried, kept_ready
+from llmgw.routing import Limits, RouterKey, Snapshot, TrafficView, carried, kept_ready
 
 log = logging.getLogger("llmgw.router")
 
@@ -73,6 +73,7 @@ class RoutingTable:
         # told the control plane's API keys when they change (a standalone router's ring)
         self.on_keys = on_keys
         self._keys: list[RouterKey] | None = None
+        self.tenants: dict[str, Limits] = {}  # each tenant's limits (``quota``)
         self.version = ""
         self.carried: frozenset[str] = frozenset()  # routes kept that the snapshot lacks
         self.endpoints: dict[str, list[Endpoint]] = {}
@@ -140,6 +141,7 @@ class RoutingTable:
         self._known = frozenset(snap.models)
         self.endpoints = table
         self.version = snap.version
+        self.tenants = {t.name: t.limits for t in snap.tenants}
         if snap.keys != self._keys:
             self._keys = list(snap.keys)
             self.on_keys(self._keys)

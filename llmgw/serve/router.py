@@ -118,7 +118,7 @@ async def reuseport_listeners(host: str, port: int) -> list[trio.SocketListener]
 
 NO_KEYS = (
     "no API keys, neither in this router's config nor in the control plane's: every "
-    "request is refused (401); add one with llmgw ctl key NAME to the server's config "
+    "request is refused (401); add one with llmgw ctl key create NAME to the server's config "
     "and llmgw ctl reload"
 )
 

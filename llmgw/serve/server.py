@@ -16,6 +16,7 @@ import trio
 from llmgw.addr import advertised_host, is_wildcard, join_hostport
 from llmgw.admin.api import AdminApi
 from llmgw.admin.reload import NotReloaded, Reloader, unknown_settings
+from llmgw.admin.tenancy import TenancyApi
 from llmgw.agent.discovery.address import route_address
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
@@ -31,11 +32,14 @@ from llmgw.controlplane.replicas import ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
+from llmgw.controlplane.tenants import FILE as TENANTS_FILE
+from llmgw.controlplane.tenants import TenantError, TenantStore
 from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
-from llmgw.router.keys import KeyRing, api_keys, published
+from llmgw.router.keys import KeyRing, api_keys, followed, published
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
+from llmgw.routing import RouterKey
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import admin_limits, metrics_server, process_shares
 from llmgw.serve.router import router_app
@@ -112,6 +116,12 @@ def advertised_metrics(bound: str, stream_host: str, cert: Path) -> str:
     return join_hostport(chosen, port) if chosen else bound
 
 
+def _follow(ring: KeyRing, published: list[RouterKey]) -> None:
+    """The in-process router takes the keys the routing carries (the tenants') besides
+    its own; the control plane logged each change as it made it."""
+    ring.follow(followed(published))
+
+
 def _show(listener: trio.SocketListener) -> str:
     host, port, *_ = listener.socket.getsockname()
     return join_hostport(host, port)
@@ -130,6 +140,11 @@ async def serve(
     catalog_path = resolve(base, config.catalog) if config.catalog else None
     catalog = load_catalog(catalog_path) if catalog_path is not None else None
     token, _ = admin_token(config, base)
+    tenants_path = resolve(base, config.state_dir) / TENANTS_FILE
+    try:  # tenants and their keys, as the last confirmed change left them
+        tenants = TenantStore(tenants_path)
+    except TenantError as exc:
+        raise ConfigError(str(tenants_path), "", str(exc)) from None
     mc = config.metrics
     metrics_token = (
         token_from_file(base, mc.token_file, "metrics.token_file") if mc.token_file else ""
@@ -162,12 +177,16 @@ async def serve(
     routing = fleet.routing if fleet is not None else RoutingPublisher()
     routers = fleet.routers if fleet is not None else RouterReports()
     got = process_shares(config.router.max_connections if config.router.listen else 0)
-    # the API keys of [[router.keys]] go to standalone routers with the routing, as hashes
+    # the API keys of [[router.keys]] go to standalone routers with the routing, as
+    # hashes; so do the tenants' keys, and the tenants' limits, on every change
     routing.set_keys(published(api_keys(config.router)))
+    routing.set_tenancy(*tenants.published())
     router = None
     keys = None
     if config.router.listen:
         metrics = RouterMetrics(control.metrics.registry)
+        keys = KeyRing(api_keys(config.router))
+        ring = keys
         table = RoutingTable(
             routing.next,
             routing.snapshot,
@@ -175,12 +194,20 @@ async def serve(
             wedged_after_s=config.router.wedged_after_s,
             silent_after_s=config.router.silent_after_s,
             on_wedged=lambda ids: routers.report_wedged("in-process", ids, trio.current_time()),
+            on_keys=lambda published: _follow(ring, published),
         )
-        keys = KeyRing(api_keys(config.router))
         router = (table, router_app(config.router, table, metrics, keys, got))
     reload = Reloader(fleet, keys, reread, routing)
+    tenancy = TenancyApi(tenants, lambda: routing.set_tenancy(*tenants.published()))
     admin_api = AdminApi(
-        control, token, fleet, routing, router[0].traffic if router else None, reload, routers
+        control,
+        token,
+        fleet,
+        routing,
+        router[0].traffic if router else None,
+        reload,
+        routers,
+        tenancy,
     )
     admin = HttpServer(admin_api, limits=admin_limits(got), name="admin", admit=admin_api.admit)
     watched = {"admin": admin} if router is None else {"router": router[1], "admin": admin}

@@ -233,8 +233,8 @@ async def test_errors_in_openais_format(tmp_path: Path, pki: Pki) -> None:
             assert "error" in huge.json()
         log = c.server.log()
         assert "413" in log  # debug logging was on and saw these requests
-        assert "status=401 key=- model=-" in log  # and the access log
-        assert "status=404 key=tester model=nope" in log
+        assert "status=401 key=- tenant=- model=-" in log  # and the access log
+        assert "status=404 key=tester tenant=- model=nope" in log
         assert key not in log and "llmgw-wrong" not in log
         assert hash_key(key) in (tmp_path / "server.toml").read_text()  # only its hash is kept
 

@@ -467,12 +467,12 @@ async def test_the_access_log_has_a_line_per_request_and_no_key(
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
     assert len(lines) == 4, lines
     whole, refused, streamed, left = lines
-    assert "POST /v1/chat/completions status=200 key=t model=m replica=a" in whole
+    assert "POST /v1/chat/completions status=200 key=t tenant=- model=m replica=a" in whole
     assert "tokens=3 cached=- end=ok" in whole and "ttft=- " in whole
-    assert "status=401 key=- model=- replica=-" in refused
-    assert "status=200 key=t model=m replica=a" in streamed
+    assert "status=401 key=- tenant=- model=- replica=-" in refused
+    assert "status=200 key=t tenant=- model=m replica=a" in streamed
     assert "tokens=5 cached=- end=ok" in streamed and "ttft=-" not in streamed
-    assert "status=499 key=t model=m" in left and "end=client left" in left
+    assert "status=499 key=t tenant=- model=m" in left and "end=client left" in left
     assert not any(KEY in line or "llmgw-not-a-key" in line for line in lines)
 
 

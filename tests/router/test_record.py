@@ -49,7 +49,7 @@ def test_a_record_ends_once_with_one_line_and_one_latency(
     record.end(13.0, "upstream cut")  # a second end, however it comes, is ignored
     record.left(14.0)
     assert lines(caplog) == [
-        "10.0.0.9:4242 POST /v1/chat/completions status=200 key=k model=m replica=r1 "
+        "10.0.0.9:4242 POST /v1/chat/completions status=200 key=k tenant=- model=m replica=r1 "
         "time=2.500s ttft=0.500s tokens=7 cached=- end=ok"
     ]
     assert count(m, "200") == 1
@@ -84,7 +84,7 @@ def test_a_client_that_left_before_a_response_is_a_499_without_latency(
     assert latencies(m) == 0
     [line] = lines(caplog)
     assert (
-        "status=499 key=k model=m replica=- time=1.000s ttft=- tokens=0 cached=- end=client left"
+        "status=499 key=k tenant=- model=m replica=- time=1.000s ttft=- tokens=0 cached=- end=client left"
         in line
     )
 
@@ -99,7 +99,7 @@ def test_a_request_never_routed_is_logged_but_not_counted(
     record.respond(404)
     record.end(1.25)
     [line] = lines(caplog)
-    assert line.startswith("[::1]:4242 POST /v1/chat/completions status=404 key=- model=x")
+    assert line.startswith("[::1]:4242 POST /v1/chat/completions status=404 key=- tenant=- model=x")
     assert f"model={'x' * 200} replica=-" in line
     [requests] = m.requests.collect()
     [latency] = m.latency.collect()

@@ -1,0 +1,358 @@
+"""``llmgw ctl tenant ...`` and ``llmgw ctl key ...``: tenants and their API keys.
+
+Through the management API (``llmgw.admin.tenancy``): every change is saved by
+the control plane before it answers, and reaches every router within a second.
+``ctl key create`` without ``--tenant`` makes a key for a config file instead
+(``[[router.keys]]``), as before tenants: printed, not sent anywhere.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from urllib.parse import quote
+
+import cyclopts
+
+from llmgw.admin.views import KeyCreated, KeyList, KeyView, TenancyAnswer, TenantList, TenantView
+from llmgw.cli.admin_client import AdminClient, CtlError, Target, run_command
+from llmgw.cli.ctl import _show as show
+from llmgw.cli.render import emit, table
+
+tenant_app = cyclopts.App(
+    name="tenant",
+    help="Tenants: who keys belong to, the models they may use, their limits.",
+)
+key_app = cyclopts.App(name="key", help="API keys: make one, list them, revoke one.")
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
+_UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """ "30d", "12h", "90m", "3600s" or "3600" as seconds.
+
+    Raises:
+        CtlError: not a duration.
+    """
+    m = _DURATION.fullmatch(text.strip())
+    if m is None or float(m.group(1)) <= 0:
+        raise CtlError(f"--expires {text!r}: give a duration like 30d, 12h, 90m or 3600s")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+def _limits(rpm: int | None, in_flight: int | None, *, clear: bool) -> dict[str, int | None]:
+    """The limits named on the command line (``clear``: 0 stands for none)."""
+    said: dict[str, int | None] = {}
+    for name, value in (("rpm", rpm), ("in_flight", in_flight)):
+        if value is None:
+            continue
+        if value < 0 or (value == 0 and not clear):
+            raise CtlError(f"--{name.replace('_', '-')} {value}: give a number of at least 1")
+        said[name] = value or None
+    return said
+
+
+def _when(wall: float | None) -> str:
+    if wall is None:
+        return "never"
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(wall))
+
+
+def _limits_text(limits: object) -> str:
+    if limits is None:
+        return "-"
+    fields = getattr(limits, "__struct_fields__", ())
+    said = [f"{f}={getattr(limits, f)}" for f in fields if getattr(limits, f) is not None]
+    return " ".join(said) or "-"
+
+
+def render_tenants(tenants: list[TenantView]) -> str:
+    if not tenants:
+        return "no tenants (llmgw ctl tenant create NAME)"
+    rows = [["TENANT", "MODELS", "LIMITS", "KEYS", "CREATED"]]
+    for t in tenants:
+        live = sum(1 for k in t.keys if not k.expired)
+        keys = f"{live}" if live == len(t.keys) else f"{live} (+{len(t.keys) - live} expired)"
+        rows.append(
+            [t.name, ", ".join(t.models) or "all", _limits_text(t.limits), keys, _when(t.created)]
+        )
+    return table(rows)
+
+
+def render_keys(keys: list[KeyView]) -> str:
+    if not keys:
+        return "no keys"
+    rows = [["KEY", "TENANT", "BEGINS", "MODELS", "LIMITS", "EXPIRES"]]
+    for k in keys:
+        expires = _when(k.expires) + (" (expired)" if k.expired else "")
+        rows.append(
+            [
+                k.name,
+                k.tenant,
+                k.hint + "...",
+                ", ".join(k.models) or "tenant's",
+                _limits_text(k.limits),
+                expires,
+            ]
+        )
+    return table(rows)
+
+
+def render_tenant(t: TenantView) -> str:
+    head = [
+        f"tenant   {t.name}",
+        f"models   {', '.join(t.models) or 'every model'}",
+        f"limits   {_limits_text(t.limits)}",
+        f"created  {_when(t.created)}",
+        "",
+    ]
+    return "\n".join(head) + render_keys(t.keys)
+
+
+# --- tenant ---------------------------------------------------------------------------
+
+
+@tenant_app.command
+def create(
+    name: str,
+    *,
+    models: list[str] | None = None,
+    rpm: int | None = None,
+    in_flight: int | None = None,
+    target: Target | None = None,
+    json: bool = False,
+) -> int:
+    """Create a tenant. Its keys are made with llmgw ctl key create --tenant NAME.
+
+    Parameters
+    ----------
+    models
+        The models its keys may use (repeatable); default: every model.
+    rpm
+        Requests per minute, across all its keys, at each router.
+    in_flight
+        Requests at once, across all its keys, at each router.
+    json
+        Print the API's JSON instead of a table.
+    """
+
+    def make() -> None:
+        limits = _limits(rpm, in_flight, clear=False)
+        body = {"name": name, "models": models or [], "limits": limits}
+        answer = AdminClient(target).request("POST", "/v1/tenants", TenantView, body)
+        emit(answer, json, render_tenant)
+
+    return run_command("llmgw ctl tenant create", make)
+
+
+@tenant_app.command(name="list")
+def list_(*, target: Target | None = None, json: bool = False) -> int:
+    """List the tenants: their models, limits and keys.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a table.
+    """
+    return show(
+        "tenant list", target, "/v1/tenants", TenantList, json, lambda v: render_tenants(v.tenants)
+    )
+
+
+@tenant_app.command(name="show")
+def show_(name: str, *, target: Target | None = None, json: bool = False) -> int:
+    """One tenant: its models, limits, and every key (never the keys themselves).
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a table.
+    """
+    return show(
+        "tenant show", target, f"/v1/tenants/{quote(name)}", TenantView, json, render_tenant
+    )
+
+
+@tenant_app.command(name="set")
+def set_(
+    name: str,
+    *,
+    models: list[str] | None = None,
+    rpm: int | None = None,
+    in_flight: int | None = None,
+    target: Target | None = None,
+    json: bool = False,
+) -> int:
+    """Change a tenant's models or limits; what is not named stays. Every router holds
+    the new limits within a second.
+
+    Parameters
+    ----------
+    models
+        The models its keys may use from now on (repeatable).
+    rpm
+        Requests per minute (0: no limit).
+    in_flight
+        Requests at once (0: no limit).
+    json
+        Print the API's JSON instead of a table.
+    """
+    body: dict[str, object] = {}
+    if models is not None:
+        body["models"] = models
+    return run_command(
+        "llmgw ctl tenant set",
+        lambda: _set(name, body, rpm, in_flight, target, json),
+    )
+
+
+def _set(
+    name: str,
+    body: dict[str, object],
+    rpm: int | None,
+    in_flight: int | None,
+    target: Target | None,
+    json: bool,
+) -> None:
+    limits = _limits(rpm, in_flight, clear=True)
+    if limits:
+        body["limits"] = limits
+    if not body:
+        raise CtlError("nothing to change: name --models, --rpm or --in-flight")
+    answer = AdminClient(target).request("PATCH", f"/v1/tenants/{quote(name)}", TenantView, body)
+    emit(answer, json, render_tenant)
+
+
+@tenant_app.command
+def delete(name: str, *, target: Target | None = None, json: bool = False) -> int:
+    """Delete a tenant; its keys stop working at every router within a second.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a line.
+    """
+    return show(
+        "tenant delete",
+        target,
+        f"/v1/tenants/{quote(name)}",
+        TenancyAnswer,
+        json,
+        lambda v: v.message,
+        "DELETE",
+    )
+
+
+# --- key ------------------------------------------------------------------------------
+
+
+@key_app.command(name="create")
+def create_key(
+    name: str = "",
+    *,
+    tenant: str = "",
+    expires: str = "",
+    models: list[str] | None = None,
+    rpm: int | None = None,
+    in_flight: int | None = None,
+    target: Target | None = None,
+    json: bool = False,
+) -> int:
+    """Make an API key. With --tenant: the control plane keeps its hash and every router
+    takes it within a second; the key is printed this once. Without: the lines to add
+    to a config's [[router.keys]] (then llmgw ctl reload).
+
+    Parameters
+    ----------
+    name
+        Its name (default with --tenant: the tenant's name and a few letters).
+    tenant
+        The tenant it belongs to (llmgw ctl tenant create).
+    expires
+        It stops working after this long: 30d, 12h, 90m, 3600s.
+    models
+        Limit the key to these models (repeatable); default: its tenant's, or every model.
+    rpm
+        Its own requests per minute, within its tenant's.
+    in_flight
+        Its own requests at once, within its tenant's.
+    json
+        Print the API's JSON instead of the key and a line.
+    """
+
+    def make() -> None:
+        if not tenant:
+            if not name or expires or rpm is not None or in_flight is not None or json:
+                raise CtlError(
+                    "a key of no tenant goes in a config file: name it, and give only "
+                    "--models (or give --tenant)"
+                )
+            _config_key(name, models)
+            return
+        body: dict[str, object] = {"tenant": tenant, "name": name, "models": models or []}
+        if expires:
+            body["expires_in_s"] = parse_duration(expires)
+        limits = _limits(rpm, in_flight, clear=False)
+        if limits:
+            body["limits"] = limits
+        answer = AdminClient(target).request("POST", "/v1/keys", KeyCreated, body)
+        emit(answer, json, _created)
+
+    return run_command("llmgw ctl key create", make)
+
+
+def _created(k: KeyCreated) -> str:
+    v = k.view
+    return (
+        f"key: {k.key}\n\n# key {v.name} of tenant {v.tenant}, expires {_when(v.expires)}: "
+        "shown this once (only its hash is kept); every router takes it within a second"
+    )
+
+
+def _config_key(name: str, models: list[str] | None) -> None:
+    from llmgw.router.keys import hash_key, new_key
+
+    secret = new_key()
+    allowed = ", ".join(f'"{m}"' for m in models or [])
+    print(f"key: {secret}")
+    print(
+        "\n# add to the server's config (the key itself is not stored), then llmgw ctl"
+        " reload:\n# every llmgw router that follows the server takes it within moments"
+    )
+    print(f'[[router.keys]]\nname = "{name}"\nsha256 = "{hash_key(secret)}"\nmodels = [{allowed}]')
+
+
+@key_app.command(name="list")
+def list_keys(*, tenant: str = "", target: Target | None = None, json: bool = False) -> int:
+    """List the tenants' keys (names, first letters, expiry; never the keys).
+
+    Parameters
+    ----------
+    tenant
+        Only this tenant's.
+    json
+        Print the API's JSON instead of a table.
+    """
+    path = f"/v1/keys?tenant={quote(tenant)}" if tenant else "/v1/keys"
+    return show("key list", target, path, KeyList, json, lambda v: render_keys(v.keys))
+
+
+@key_app.command
+def revoke(name: str, *, target: Target | None = None, json: bool = False) -> int:
+    """Revoke a tenant's key: every router refuses it within a second.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead of a line.
+    """
+    return show(
+        "key revoke",
+        target,
+        f"/v1/keys/{quote(name)}",
+        TenancyAnswer,
+        json,
+        lambda v: v.message,
+        "DELETE",
+    )

@@ -1,0 +1,237 @@
+"""Tenants and their keys through real processes: ``llmgw ctl tenant``/``key`` against
+``llmgw server``, its in-process router and a standalone ``llmgw router`` of two
+workers, a real llama-server behind them and the real openai client in front."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.cluster.procs import Daemon
+from tests.cluster.test_router_processes import reserved_port, stopped_with_sigterm
+from tests.conftest import Pki
+from tests.engines.test_tinymodel import llama_server
+from tests.realparts import needs_server
+from tests.router.gateway import Gateway, gateway
+from tools.support.tinymodel import write_model
+
+pytestmark = needs_server
+
+HI: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+
+
+async def chat(base: str, key: str, max_tokens: int = 4) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await client.post(
+            base + "/chat/completions",
+            json={"model": "m", "messages": HI, "max_tokens": max_tokens},
+            headers={"authorization": f"Bearer {key}"},
+        )
+
+
+async def status_within(
+    bases: list[str], key: str, status: int, within: float, times: int = 4
+) -> float:
+    """Seconds until a chat with ``key`` answers ``status`` through every one of
+    ``bases``, ``times`` over (a standalone router's connections land on either of
+    its workers); fails past ``within``."""
+    start = trio.current_time()
+    for base in bases:
+        for _ in range(times):
+            while (got := (await chat(base, key)).status_code) != status:
+                took = trio.current_time() - start
+                assert took < within, f"{base}: still {got} after {took:.2f} s, not {status}"
+                await trio.sleep(0.02)
+    return trio.current_time() - start
+
+
+async def ctl_json(gw: Gateway, *args: str) -> dict[str, object]:
+    out = (await gw.server.ctl(*args, "--json")).stdout.decode()
+    answer = json.loads(out)
+    assert isinstance(answer, dict)
+    return answer
+
+
+@asynccontextmanager
+async def fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[tuple[Gateway, str]]:
+    """A server routing model ``m`` to a llama-server, and a standalone router of two
+    workers following it: the gateway and the router's base URL."""
+    model = write_model(tmp_path / "tiny.gguf", ends_after=None)
+    async with (
+        llama_server(model, tmp_path, parallel=2) as url,
+        gateway(tmp_path, pki, [url]) as gw,
+    ):
+        held = reserved_port()
+        port = held.getsockname()[1]
+        (tmp_path / "router.toml").write_text(
+            f'admin_url = "{gw.server.admin_url}"\n'
+            'admin_token_file = "state/admin-token"\n'
+            "workers = 2\n"
+            f'[router]\nlisten = "127.0.0.1:{port}"\naccess_log = true\n'
+        )
+        router = Daemon("router", ["router", "--config", "router.toml"], tmp_path)
+        async with stopped_with_sigterm(router.start()):
+            await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+            yield gw, f"http://127.0.0.1:{port}/v1"
+        held.close()
+
+
+async def test_a_tenants_key_is_made_used_revoked_and_kept_across_a_restart(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """``ctl tenant create`` and ``ctl key create --tenant``: the key, shown once, works
+    at the in-process router and at every worker of a standalone router within a
+    second, names its tenant in the access log, is listed by its first letters only;
+    revoked, every router refuses it within a second; one that expires is refused
+    after, saying so; and the server restarted keeps every confirmed change."""
+    async with fleet(tmp_path, pki) as (gw, edge):
+        made = await gw.server.ctl("tenant", "create", "acme", "--rpm", "1000")
+        assert "acme" in made.stdout.decode() and "rpm=1000" in made.stdout.decode()
+        answer = await ctl_json(gw, "key", "create", "--tenant", "acme", "--name", "acme-ci")
+        key = str(answer["key"])
+        assert key.startswith("llmgw-")
+        took = await status_within([gw.base, edge], key, 200, within=1.0)
+        client = openai.AsyncOpenAI(base_url=edge, api_key=key, max_retries=0)
+        reply = await client.chat.completions.create(model="m", messages=HI, max_tokens=4)
+        assert reply.choices[0].message.content
+
+        listed = (await gw.server.ctl("key", "list")).stdout.decode()
+        assert "acme-ci" in listed and key[:12] in listed and key not in listed
+        shown = json.dumps(await ctl_json(gw, "tenant", "show", "acme"))
+        assert key not in shown and "sha256" not in shown
+        state = (tmp_path / "state" / "tenants.json").read_text()
+        assert key not in state
+        assert re.search(r"status=200 key=acme-ci tenant=acme model=m", gw.server.log())
+
+        revoked = await gw.server.ctl("key", "revoke", "acme-ci")
+        assert "key acme-ci of tenant acme revoked" in revoked.stdout.decode()
+        took = max(took, await status_within([gw.base, edge], key, 401, within=1.0))
+
+        # a key that expires works until then, and is refused after, saying so
+        brief = str(
+            (await ctl_json(gw, "key", "create", "--tenant", "acme", "--expires", "3s"))["key"]
+        )
+        await status_within([gw.base, edge], brief, 200, within=1.0)
+        await trio.sleep(3.1)
+        gone = await chat(edge, brief)
+        assert gone.status_code == 401 and "expired at" in gone.json()["error"]["message"]
+
+        # the server restarted: the tenant and a key made before it are there still
+        kept = str((await ctl_json(gw, "key", "create", "--tenant", "acme"))["key"])
+        gw.server.kill()
+        gw.server.start()
+        await gw.server.ready(count=2)
+        m = await gw.server.wait_log(r"OpenAI-compatible endpoint on (http://\S+/v1)", count=2)
+        with trio.fail_after(20):
+            while (await chat(m.group(1), kept)).status_code != 200:
+                await trio.sleep(0.1)
+        await status_within([edge], kept, 200, within=10.0)
+        assert (await chat(m.group(1), key)).status_code == 401  # revoked stays revoked
+        tenants = (await gw.server.ctl("tenant", "list")).stdout.decode()
+        assert re.search(r"acme\s+all\s+rpm=1000\s+1 \(\+1 expired\)", tenants), tenants
+        for secret in (key, brief, kept):
+            assert secret not in gw.server.log()
+    print(f"a made or revoked key reached every router in {took:.2f} s at most")
+
+
+async def test_a_tenants_limits_hold_at_the_router_and_say_which(tmp_path: Path, pki: Pki) -> None:
+    """In flight 1: a second request while a stream runs is 429 naming the limit, with
+    Retry-After, until the stream ends. Then 3 a minute, set on the running tenant
+    (``ctl tenant set``): three answered with OpenAI's x-ratelimit headers counting
+    down, the fourth 429 with its reset; counted per tenant in the metrics. A key's
+    own limit holds within its tenant's."""
+    async with fleet(tmp_path, pki) as (gw, _):
+        await gw.server.ctl("tenant", "create", "busy", "--in-flight", "1")
+        key = str((await ctl_json(gw, "key", "create", "--tenant", "busy"))["key"])
+        await status_within([gw.base], key, 200, within=1.0, times=1)
+        client = openai.AsyncOpenAI(base_url=gw.base, api_key=key, max_retries=0)
+        stream = await client.chat.completions.create(
+            model="m", messages=HI, max_tokens=400, stream=True
+        )
+        refused = await chat(gw.base, key)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded"
+        assert "tenant 'busy' is at its limit of 1 requests in flight" in error["message"]
+        assert refused.headers["retry-after"] == "1"
+        async for _ in stream:
+            pass
+        assert (await chat(gw.base, key)).status_code == 200  # the stream's slot is free
+
+        await gw.server.ctl("tenant", "set", "busy", "--in-flight", "0", "--rpm", "3")
+        with trio.fail_after(5):  # the new limits reach the router
+            while "rpm" not in json.dumps(await ctl_json(gw, "tenant", "show", "busy")):
+                await trio.sleep(0.05)
+        await trio.sleep(0.5)
+        left = []
+        for _ in range(3):
+            r = await chat(gw.base, key)
+            if r.status_code == 429:
+                break
+            assert r.status_code == 200
+            left.append(int(r.headers["x-ratelimit-remaining-requests"]))
+            assert r.headers["x-ratelimit-limit-requests"] == "3"
+        assert left == [2, 1, 0][: len(left)] and left, left
+        over = await chat(gw.base, key)
+        assert over.status_code == 429
+        assert "limit of 3 requests per minute: it resets in" in over.json()["error"]["message"]
+        assert int(over.headers["retry-after"]) >= 1
+        assert over.headers["x-ratelimit-remaining-requests"] == "0"
+        assert await gw.sample("llmgw_router_tenant_refused_total", tenant="busy", limit="rpm") == 1
+        assert await gw.sample("llmgw_router_tenant_refused_total", limit="in_flight") == 1
+
+        # a key's own limit, within its tenant's
+        await gw.server.ctl("tenant", "set", "busy", "--rpm", "0")
+        own = await ctl_json(gw, "key", "create", "--tenant", "busy", "--rpm", "1")
+        await status_within([gw.base], str(own["key"]), 200, within=1.0, times=1)
+        mine = await chat(gw.base, str(own["key"]))
+        assert mine.status_code == 429 and "key " in mine.json()["error"]["message"]
+        assert (await chat(gw.base, key)).status_code == 200  # the tenant's other key
+
+
+async def test_tenant_commands_say_what_is_wrong_in_one_line(tmp_path: Path, pki: Pki) -> None:
+    """Refusals an operator meets: each one line, exit 2, nothing changed."""
+    model = write_model(tmp_path / "tiny.gguf", ends_after=None)
+    async with llama_server(model, tmp_path) as url, gateway(tmp_path, pki, [url]) as gw:
+        await gw.server.ctl("tenant", "create", "acme", "--models", "m")
+        for args, said in [
+            (("tenant", "create", "acme"), "tenant 'acme' exists already"),
+            (("tenant", "create", "Bad Name"), "tenant name 'Bad Name': use lowercase"),
+            (("tenant", "show", "nobody"), "no tenant 'nobody'"),
+            (("key", "create", "--tenant", "nobody"), "no tenant 'nobody'"),
+            (("key", "create", "--tenant", "acme", "--models", "x"), "may use only m"),
+            (("key", "create", "--tenant", "acme", "--expires", "soon"), "--expires 'soon'"),
+            (("key", "revoke", "nope"), "no key 'nope'"),
+            (("tenant", "set", "acme"), "nothing to change"),
+            (("tenant", "create", "zero", "--rpm", "0"), "--rpm 0: give a number of at least 1"),
+        ]:
+            result = await gw.server.ctl(*args, check=False)
+            err = result.stderr.decode().strip()
+            assert result.returncode == 2 and said in err, (args, err)
+            assert len(err.splitlines()) == 1, err
+        listed = json.loads((await gw.server.ctl("tenant", "list", "--json")).stdout)
+        assert [t["name"] for t in listed["tenants"]] == ["acme"]
+        # a key of no tenant: the config lines, as before tenants
+        lines = (await gw.server.ctl("key", "create", "edge")).stdout.decode()
+        assert "[[router.keys]]" in lines and 'name = "edge"' in lines
+
+
+@pytest.mark.parametrize("broken", [b"{not json", b'{"tenants": 3}'])
+async def test_a_tenants_file_the_server_cannot_read_stops_it_with_one_line(
+    tmp_path: Path, pki: Pki, broken: bytes
+) -> None:
+    """Rather than start with no tenants and refuse every tenant's key."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "tenants.json").write_bytes(broken)
+    with pytest.raises(Exception, match="tenants file is not valid"):
+        async with gateway(tmp_path, pki, ["http://127.0.0.1:9"]):
+            pass
