@@ -85,10 +85,15 @@ class Limits(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a tenant, or one of its keys, may use; None: no such limit."""
 
     rpm: int | None = None  # requests begun per minute (a sliding minute)
+    tpm: int | None = None  # tokens (prompt and completion) per minute
     in_flight: int | None = None  # requests at once
 
 
-LIMIT_NAMES = {"rpm": "requests per minute", "in_flight": "requests in flight"}
+LIMIT_NAMES = {
+    "rpm": "requests per minute",
+    "tpm": "tokens per minute",
+    "in_flight": "requests in flight",
+}
 
 
 class RouterKey(msgspec.Struct, kw_only=True):

@@ -41,10 +41,12 @@ def parse_duration(text: str) -> float:
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
-def _limits(rpm: int | None, in_flight: int | None, *, clear: bool) -> dict[str, int | None]:
+def _limits(
+    rpm: int | None, tpm: int | None, in_flight: int | None, *, clear: bool
+) -> dict[str, int | None]:
     """The limits named on the command line (``clear``: 0 stands for none)."""
     said: dict[str, int | None] = {}
-    for name, value in (("rpm", rpm), ("in_flight", in_flight)):
+    for name, value in (("rpm", rpm), ("tpm", tpm), ("in_flight", in_flight)):
         if value is None:
             continue
         if value < 0 or (value == 0 and not clear):
@@ -119,6 +121,7 @@ def create(
     *,
     models: list[str] | None = None,
     rpm: int | None = None,
+    tpm: int | None = None,
     in_flight: int | None = None,
     target: Target | None = None,
     json: bool = False,
@@ -131,6 +134,10 @@ def create(
         The models its keys may use (repeatable); default: every model.
     rpm
         Requests per minute, across all its keys, at each router.
+    tpm
+        Tokens (prompt and completion) per minute, across all its keys, at each
+        router: a request reserves its prompt and max_tokens, and settles on what
+        it used.
     in_flight
         Requests at once, across all its keys, at each router.
     json
@@ -138,7 +145,7 @@ def create(
     """
 
     def make() -> None:
-        limits = _limits(rpm, in_flight, clear=False)
+        limits = _limits(rpm, tpm, in_flight, clear=False)
         body = {"name": name, "models": models or [], "limits": limits}
         answer = AdminClient(target).request("POST", "/v1/tenants", TenantView, body)
         emit(answer, json, render_tenant)
@@ -180,6 +187,7 @@ def set_(
     *,
     models: list[str] | None = None,
     rpm: int | None = None,
+    tpm: int | None = None,
     in_flight: int | None = None,
     target: Target | None = None,
     json: bool = False,
@@ -193,6 +201,8 @@ def set_(
         The models its keys may use from now on (repeatable).
     rpm
         Requests per minute (0: no limit).
+    tpm
+        Tokens per minute (0: no limit).
     in_flight
         Requests at once (0: no limit).
     json
@@ -203,7 +213,7 @@ def set_(
         body["models"] = models
     return run_command(
         "llmgw ctl tenant set",
-        lambda: _set(name, body, rpm, in_flight, target, json),
+        lambda: _set(name, body, rpm, tpm, in_flight, target, json),
     )
 
 
@@ -211,15 +221,16 @@ def _set(
     name: str,
     body: dict[str, object],
     rpm: int | None,
+    tpm: int | None,
     in_flight: int | None,
     target: Target | None,
     json: bool,
 ) -> None:
-    limits = _limits(rpm, in_flight, clear=True)
+    limits = _limits(rpm, tpm, in_flight, clear=True)
     if limits:
         body["limits"] = limits
     if not body:
-        raise CtlError("nothing to change: name --models, --rpm or --in-flight")
+        raise CtlError("nothing to change: name --models, --rpm, --tpm or --in-flight")
     answer = AdminClient(target).request("PATCH", f"/v1/tenants/{quote(name)}", TenantView, body)
     emit(answer, json, render_tenant)
 
@@ -255,6 +266,7 @@ def create_key(
     expires: str = "",
     models: list[str] | None = None,
     rpm: int | None = None,
+    tpm: int | None = None,
     in_flight: int | None = None,
     target: Target | None = None,
     json: bool = False,
@@ -275,6 +287,8 @@ def create_key(
         Limit the key to these models (repeatable); default: its tenant's, or every model.
     rpm
         Its own requests per minute, within its tenant's.
+    tpm
+        Its own tokens per minute, within its tenant's.
     in_flight
         Its own requests at once, within its tenant's.
     json
@@ -283,7 +297,7 @@ def create_key(
 
     def make() -> None:
         if not tenant:
-            if not name or expires or rpm is not None or in_flight is not None or json:
+            if not name or expires or json or any(x is not None for x in (rpm, tpm, in_flight)):
                 raise CtlError(
                     "a key of no tenant goes in a config file: name it, and give only "
                     "--models (or give --tenant)"
@@ -293,7 +307,7 @@ def create_key(
         body: dict[str, object] = {"tenant": tenant, "name": name, "models": models or []}
         if expires:
             body["expires_in_s"] = parse_duration(expires)
-        limits = _limits(rpm, in_flight, clear=False)
+        limits = _limits(rpm, tpm, in_flight, clear=False)
         if limits:
             body["limits"] = limits
         answer = AdminClient(target).request("POST", "/v1/keys", KeyCreated, body)

@@ -169,6 +169,11 @@ class RouterApp:
             )
         if not key.allows(body.model):
             return self._not_allowed(key, body.model)
+        ticket = record.ticket
+        if ticket is not None and ticket.usages:  # a tenant's tokens per minute
+            over = ticket.reserve(len(request.body), body.completion_bound, trio.current_time())
+            if over is not None:
+                return self._over(over, key)
         record.route(trio.current_time())
         return await self.proxy(request, body.stream, record)
 
@@ -200,15 +205,19 @@ class RouterApp:
             return key
         held = self.quotas.admit(key, self.table.tenants, trio.current_time())
         if isinstance(held, Refusal):
-            self.metrics.tenant_refused.labels(key.tenant, held.limit, held.scope).inc()
-            r = openai_error(429, held.message, "requests", code="rate_limit_exceeded")
-            r.headers.append(("retry-after", str(max(1, math.ceil(held.retry_after_s)))))
-            if held.limit == "rpm":
-                r.headers.extend(ratelimit_headers(held.value, 0, held.retry_after_s))
-            return r
+            return self._over(held, key)
         self.metrics.tenant_requests.labels(key.tenant).inc()
         record.ticket = held
         return key
+
+    def _over(self, refusal: Refusal, key: ApiKey) -> Response:
+        """A tenant's limit refuses the request: 429, the limit named, when to retry."""
+        self.metrics.tenant_refused.labels(key.tenant, refusal.limit, refusal.scope).inc()
+        kind = "tokens" if refusal.limit == "tpm" else "requests"
+        r = openai_error(429, refusal.message, kind, code="rate_limit_exceeded")
+        r.headers.append(("retry-after", str(max(1, math.ceil(refusal.retry_after_s)))))
+        r.headers.extend(ratelimit_headers(refusal))
+        return r
 
     def _not_allowed(self, key: ApiKey, model: str) -> Response:
         """A model that exists, but not for this key: 403 (an unknown one is 404)."""

@@ -79,6 +79,18 @@ class Body(msgspec.Struct):
 
     model: str = ""
     stream: bool = False
+    # what it may generate at most (a tenant's tokens per minute reserve it)
+    max_tokens: int | float | None = None
+    max_completion_tokens: int | float | None = None
+
+    @property
+    def completion_bound(self) -> int | None:
+        """The most tokens it asks to generate; None: it sets no bound."""
+        bound = self.max_completion_tokens
+        if bound is None:
+            bound = self.max_tokens
+        return None if bound is None else max(0, int(bound))
+
     # held as their JSON text, checked by ``read``
     grammar: msgspec.Raw = _NONE
     json_schema: msgspec.Raw = _NONE

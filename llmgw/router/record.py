@@ -192,7 +192,8 @@ class Record:
         if self.done:
             return
         self.done = True
-        if self.ticket is not None:
+        if self.ticket is not None:  # what it used replaces what it reserved
+            self.ticket.settle(self.prompt_tokens, self.tokens)
             self.ticket.release()
         if self.started is not None:
             m = self.metrics
@@ -208,7 +209,8 @@ class Record:
         if self.done:
             return
         self.done = True
-        if self.ticket is not None:
+        if self.ticket is not None:  # left before any answer: the prompt as estimated
+            self.ticket.settle(0, 0)
             self.ticket.release()
         self.replica = "-"
         self.respond(499)

@@ -65,9 +65,10 @@ async def ctl_json(gw: Gateway, *args: str) -> dict[str, object]:
 async def fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[tuple[Gateway, str]]:
     """A server routing model ``m`` to a llama-server, and a standalone router of two
     workers following it: the gateway and the router's base URL."""
-    model = write_model(tmp_path / "tiny.gguf", ends_after=None)
+    # a model that never ends early, with room for a stream of seconds
+    model = write_model(tmp_path / "tiny.gguf", ends_after=None, context_length=4096)
     async with (
-        llama_server(model, tmp_path, parallel=2) as url,
+        llama_server(model, tmp_path, parallel=2, context=8192) as url,
         gateway(tmp_path, pki, [url]) as gw,
     ):
         held = reserved_port()
@@ -155,7 +156,7 @@ async def test_a_tenants_limits_hold_at_the_router_and_say_which(tmp_path: Path,
         await status_within([gw.base], key, 200, within=1.0, times=1)
         client = openai.AsyncOpenAI(base_url=gw.base, api_key=key, max_retries=0)
         stream = await client.chat.completions.create(
-            model="m", messages=HI, max_tokens=400, stream=True
+            model="m", messages=HI, max_tokens=3000, stream=True
         )
         refused = await chat(gw.base, key)
         assert refused.status_code == 429, refused.text
@@ -196,6 +197,30 @@ async def test_a_tenants_limits_hold_at_the_router_and_say_which(tmp_path: Path,
         mine = await chat(gw.base, str(own["key"]))
         assert mine.status_code == 429 and "key " in mine.json()["error"]["message"]
         assert (await chat(gw.base, key)).status_code == 200  # the tenant's other key
+
+        # tokens a minute: each request reserves its worst case and settles on its usage
+        await gw.server.ctl("tenant", "create", "wordy", "--tpm", "300")
+        wordy = str((await ctl_json(gw, "key", "create", "--tenant", "wordy"))["key"])
+        await status_within([gw.base], wordy, 200, within=1.0, times=1)
+        big = await chat(gw.base, wordy, max_tokens=1000)
+        assert big.status_code == 429 and "lower max_tokens" in big.json()["error"]["message"]
+        used, remaining = 0, []
+        for _ in range(40):
+            r = await chat(gw.base, wordy, max_tokens=16)
+            if r.status_code == 429:
+                break
+            assert r.status_code == 200, r.text
+            used += r.json()["usage"]["total_tokens"]
+            remaining.append(int(r.headers["x-ratelimit-remaining-tokens"]))
+        assert r.status_code == 429 and "300 tokens per minute: it resets in" in r.text
+        assert r.headers["x-ratelimit-limit-tokens"] == "300"
+        assert remaining == sorted(remaining, reverse=True) and len(remaining) >= 3, remaining
+        first = 0  # what status_within's request used is within the 300 too
+        reserve = len(json.dumps({"model": "m", "messages": HI, "max_tokens": 16})) // 3 + 17
+        assert 300 - reserve - 40 <= used + first <= 300, (used, reserve)
+        assert (
+            await gw.sample("llmgw_router_tenant_refused_total", tenant="wordy", limit="tpm") == 2
+        )
 
 
 async def test_tenant_commands_say_what_is_wrong_in_one_line(tmp_path: Path, pki: Pki) -> None:
