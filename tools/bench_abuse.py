@@ -74,7 +74,7 @@ from llmgw.agent.discovery.engines import find_llama_server
 from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_server, load_ca
 from tools.support.benchlib import free_port
-from tools.support.procs import Failed, Procs, llmgw
+from tools.support.procs import Failed, Procs, interrupt_on_sigterm, llmgw
 from tools.support.tinymodel import write_model
 
 MIB = 1024 * 1024
@@ -852,4 +852,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

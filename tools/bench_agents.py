@@ -84,7 +84,7 @@ from llmgw.protocol.messages import (
 from llmgw.tls import client_context, init_ca, issue_agent, issue_server, load_ca
 from llmgw.wsio import close_quietly, close_ws
 from tools.support.benchlib import cpu_seconds, percentile
-from tools.support.procs import ROOT, Failed, Proc, llmgw, python_path
+from tools.support.procs import ROOT, Failed, Proc, interrupt_on_sigterm, llmgw, python_path
 
 PKI_DIR = ROOT / ".llmgw" / "bench-pki"
 HOST = "127.0.0.1"
@@ -1092,4 +1092,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     sys.exit(main())

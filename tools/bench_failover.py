@@ -62,7 +62,7 @@ import trio
 from tools import bench_router as br
 from tools.support.benchlib import percentile
 from tools.support.llama import decoded, start_servers
-from tools.support.procs import Procs
+from tools.support.procs import Procs, interrupt_on_sigterm
 from tools.support.slowmodel import write_slow_model
 from tools.support.tinymodel import write_model as write_tiny
 
@@ -407,4 +407,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     sys.exit(main())

@@ -65,6 +65,7 @@ from tools.support.faults import (
     wait_whole,
 )
 from tools.support.lab import Lab, LabError, preflight
+from tools.support.procs import interrupt_on_sigterm
 
 # -- scenarios --------------------------------------------------------------------
 
@@ -408,4 +409,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     sys.exit(main())

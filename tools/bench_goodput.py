@@ -76,7 +76,7 @@ import trio
 from tools import bench_router as br
 from tools.support.benchlib import cpu_seconds, free_port, percentile
 from tools.support.llama import start_servers
-from tools.support.procs import Procs
+from tools.support.procs import Procs, interrupt_on_sigterm
 from tools.support.slowmodel import write_slow_model
 from tools.support.tinymodel import write_model as write_tiny_model
 
@@ -659,4 +659,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     sys.exit(main())

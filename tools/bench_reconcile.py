@@ -68,6 +68,7 @@ from llmgw.protocol.messages import (
     ShardStatus,
 )
 from tools.support.benchlib import percentile
+from tools.support.procs import interrupt_on_sigterm
 
 GPUS_PER_NODE = 8
 HEARTBEAT_S = 5.0  # config.schema liveness.heartbeat_interval_s default
@@ -539,4 +540,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     raise SystemExit(main())

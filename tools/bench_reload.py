@@ -36,7 +36,7 @@ import httpx
 from llmgw.controlplane.catalog import MAX_CATALOG_BYTES
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
 from tools.support.catalogs import catalog_of
-from tools.support.procs import Failed, Proc, llmgw
+from tools.support.procs import Failed, Proc, interrupt_on_sigterm, llmgw
 
 HOST = "127.0.0.1"
 NODES = ("b1", "b2")
@@ -195,4 +195,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     sys.exit(main())

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from tools.support.benchlib import cpu_seconds, free_port, percentile, tree_cpu
-from tools.support.procs import ROOT, Procs, llmgw, python_path
+from tools.support.procs import ROOT, Procs, interrupt_on_sigterm, llmgw, python_path
 
 VENV_ASGI = ROOT / ".llmgw" / "bench-venv-asgi"
 VENV_LITELLM = ROOT / ".llmgw" / "bench-venv-litellm"
@@ -784,4 +784,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

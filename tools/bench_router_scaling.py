@@ -49,7 +49,7 @@ from typing import Any
 
 from tools import bench_router as br
 from tools.support.benchlib import descendants, free_port, tree_cpu
-from tools.support.procs import ROOT, Procs, llmgw
+from tools.support.procs import ROOT, Procs, interrupt_on_sigterm, llmgw
 
 WORKERS = (1, 2)
 
@@ -409,4 +409,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    interrupt_on_sigterm()
     main()

@@ -26,7 +26,9 @@ whatever is left of its group is killed too (a tool's worker processes that outl
 their leader). A ``pipes`` process is first asked by closing its stdin.
 ``TrioProc.stop`` times the exit under trio and fails when it is late: a test's claim.
 
-``Procs`` holds one run's processes by name and ends them all on the way out. ``alive``
+``Procs`` holds one run's processes by name and ends them all on the way out; a tool
+that calls ``interrupt_on_sigterm`` first ends them on SIGTERM too (``timeout``, a
+killed job), as on Ctrl-C, rather than dying with its children left running. ``alive``
 and ``started`` read /proc for a process some other process started (the lab's record
 of its daemons, kept across commands): whether it runs, and when it started, which
 tells it from a later process that has its number.
@@ -68,6 +70,16 @@ def python_path() -> dict[str, str]:
     ``tools``: the child is told where it is, nothing edits its ``sys.path``."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path}
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM to this process raises KeyboardInterrupt, as Ctrl-C does: the ``finally``
+    blocks that stop its children run (Python's default for SIGTERM runs none)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def alive(pid: int) -> bool:
