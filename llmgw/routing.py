@@ -192,6 +192,22 @@ class RouterReport(msgspec.Struct, kw_only=True, frozen=True):
     metrics: str = ""
     # the replicas it holds wedged now (work in flight, no progress); empty: none
     wedged: list[str] = []
+    # what tenants' keys used through it since it started (counts that only grow: the
+    # control plane adds what grew since its last report)
+    usage: list[UsageRow] = []
+
+
+class UsageRow(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one tenant's keys used of one model: requests answered, tokens, and requests
+    refused at a limit, by limit ("rpm", "tpm", "in_flight"). ``model`` is "" for
+    refusals before the body named one."""
+
+    tenant: str
+    model: str = ""
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    refused: dict[str, int] = {}
 
 
 class TrafficView(msgspec.Struct, kw_only=True):

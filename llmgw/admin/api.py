@@ -45,6 +45,8 @@ from llmgw.controlplane.followers import ReportRefused, RouterReports
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
+from llmgw.controlplane.usage import UsageRefused
+from llmgw.controlplane.usage import check as check_usage
 from llmgw.http import Request, Response, admission
 from llmgw.routing import REPORT_PATH, RouterReport, TrafficView
 from llmgw.version import describe
@@ -99,6 +101,7 @@ class AdminApi:
             ("POST", ("v1", "nodes", None), self.node_intent),
             ("GET", ("v1", "models", None, "placement"), self.placement),
         ]
+        self._tenancy = tenancy
         if tenancy is not None:  # tenants and their keys (``tenancy``)
             self._routes.update(tenancy.routes())
             self._patterns.extend(tenancy.patterns())
@@ -293,9 +296,12 @@ class AdminApi:
         if isinstance(report, Response):
             return report
         try:
+            check_usage(report.usage)
             self._routers.take(report, request.client[0], trio.current_time())
-        except ReportRefused as exc:
+        except (ReportRefused, UsageRefused) as exc:
             return error(400, str(exc))
+        if self._tenancy is not None and report.router and report.usage:
+            self._tenancy.ledger.take(report.router, report.usage, time.time())
         return Response(status=204, headers=[], body=b"")
 
     async def reload(self, request: Request) -> Response:

@@ -15,10 +15,14 @@ every router as soon as its routing watch wakes (well within a second).
     POST   /v1/keys                  {"tenant", "name"?, "models"?, "expires_in_s"?,
                                       "limits"?}: the key, shown this once
     DELETE /v1/keys/{name}           revoked
+    GET    /v1/usage[?tenant=T][&since=UNIX]
+                                     what tenants used, per model (default: the
+                                     last 24 h); routers' reports feed it
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs
@@ -32,12 +36,14 @@ from llmgw.admin.views import (
     TenancyAnswer,
     TenantList,
     TenantView,
+    UsageList,
     key_view,
     tenant_view,
 )
 from llmgw.controlplane.tenants import TenantError, TenantStore
+from llmgw.controlplane.usage import DAY, UsageLedger
 from llmgw.http import Request, Response
-from llmgw.routing import Limits
+from llmgw.routing import Limits, UsageRow
 
 Handler = Callable[[Request], Awaitable[Response]]
 ArgHandler = Callable[[Request, str], Awaitable[Response]]
@@ -65,9 +71,19 @@ class _KeyBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class TenancyApi:
     """The handlers; ``changed`` is called after every change the store saved."""
 
-    def __init__(self, store: TenantStore, changed: Callable[[], object]) -> None:
+    def __init__(
+        self,
+        store: TenantStore,
+        changed: Callable[[], object],
+        ledger: UsageLedger | None = None,
+        in_process: Callable[[], list[UsageRow]] | None = None,
+    ) -> None:
+        """``ledger``: what tenants used, fleet-wide; ``in_process``: the counts of the
+        router inside the server, read before each answer."""
         self.store = store
         self.changed = changed
+        self.ledger = ledger or UsageLedger(None)
+        self.in_process = in_process
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {
@@ -75,6 +91,7 @@ class TenancyApi:
             ("POST", "/v1/tenants"): self.create_tenant,
             ("GET", "/v1/keys"): self.list_keys,
             ("POST", "/v1/keys"): self.create_key,
+            ("GET", "/v1/usage"): self.usage,
         }
 
     def patterns(self) -> list[tuple[str, tuple[str | None, ...], ArgHandler]]:
@@ -171,3 +188,18 @@ class TenancyApi:
         return json_response(
             200, TenancyAnswer(message=f"key {name} of tenant {key.tenant} revoked")
         )
+
+    async def usage(self, request: Request) -> Response:
+        params = parse_qs(request.query)
+        wall = time.time()
+        try:
+            since = float(params.get("since", [wall - DAY])[0])
+        except ValueError:
+            since = math.nan
+        if not math.isfinite(since):
+            return error(400, "since must be a unix time (seconds)")
+        if self.in_process is not None:  # what the server's own router counted, as of now
+            self.ledger.take("in-process", self.in_process(), wall)
+        tenant = params.get("tenant", [None])[0]
+        rows = self.ledger.rows(since, wall, tenant)
+        return json_response(200, UsageList(since=since, rows=rows))

@@ -21,7 +21,7 @@ from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica
 from llmgw.controlplane.tenants import Key, Tenant
 from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
-from llmgw.routing import Limits, TrafficView
+from llmgw.routing import Limits, TrafficView, UsageRow
 
 if TYPE_CHECKING:  # ctl imports these views: it need not load placement for a type
     from llmgw.controlplane.placement import Decision
@@ -412,3 +412,10 @@ def tenant_view(t: Tenant, keys: list[Key], wall: float) -> TenantView:
         created=t.created,
         keys=[key_view(k, wall) for k in keys],
     )
+
+
+class UsageList(msgspec.Struct, kw_only=True):
+    """What tenants used of each model since ``since`` (unix time), fleet-wide."""
+
+    since: float
+    rows: list[UsageRow]

@@ -14,7 +14,15 @@ from urllib.parse import quote
 
 import cyclopts
 
-from llmgw.admin.views import KeyCreated, KeyList, KeyView, TenancyAnswer, TenantList, TenantView
+from llmgw.admin.views import (
+    KeyCreated,
+    KeyList,
+    KeyView,
+    TenancyAnswer,
+    TenantList,
+    TenantView,
+    UsageList,
+)
 from llmgw.cli.admin_client import AdminClient, CtlError, Target, run_command
 from llmgw.cli.ctl import _show as show
 from llmgw.cli.render import emit, table
@@ -29,7 +37,7 @@ _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw]?)")
 _UNIT_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, option: str = "--expires") -> float:
     """ "30d", "12h", "90m", "3600s" or "3600" as seconds.
 
     Raises:
@@ -37,7 +45,7 @@ def parse_duration(text: str) -> float:
     """
     m = _DURATION.fullmatch(text.strip())
     if m is None or float(m.group(1)) <= 0:
-        raise CtlError(f"--expires {text!r}: give a duration like 30d, 12h, 90m or 3600s")
+        raise CtlError(f"{option} {text!r}: give a duration like 30d, 12h, 90m or 3600s")
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
@@ -370,3 +378,50 @@ def revoke(name: str, *, target: Target | None = None, json: bool = False) -> in
         lambda v: v.message,
         "DELETE",
     )
+
+
+# --- usage ----------------------------------------------------------------------------
+
+
+def usage(
+    *, tenant: str = "", since: str = "24h", target: Target | None = None, json: bool = False
+) -> int:
+    """What tenants used, fleet-wide: requests answered, prompt and completion tokens,
+    and requests refused at a limit, per model.
+
+    Parameters
+    ----------
+    tenant
+        Only this tenant's.
+    since
+        How far back: 90m, 24h, 7d (by the hour within two days, else by the day).
+    json
+        Print the API's JSON instead of a table.
+    """
+
+    def ask() -> None:
+        start = time.time() - parse_duration(since, "--since")
+        path = f"/v1/usage?since={start:.0f}" + (f"&tenant={quote(tenant)}" if tenant else "")
+        emit(AdminClient(target).request("GET", path, UsageList), json, render_usage)
+
+    return run_command("llmgw ctl usage", ask)
+
+
+def render_usage(u: UsageList) -> str:
+    head = f"since {_when(u.since)}"
+    if not u.rows:
+        return f"{head}: no tenant's key was used"
+    rows = [["TENANT", "MODEL", "REQUESTS", "PROMPT", "COMPLETION", "REFUSED"]]
+    for r in u.rows:
+        refused = " ".join(f"{k}={v}" for k, v in sorted(r.refused.items())) or "-"
+        rows.append(
+            [
+                r.tenant,
+                r.model or "-",
+                str(r.requests),
+                str(r.prompt_tokens),
+                str(r.completion_tokens),
+                refused,
+            ]
+        )
+    return f"{head}\n" + table(rows)

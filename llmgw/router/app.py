@@ -50,6 +50,7 @@ from llmgw.router.quota import Quotas, Refusal, ratelimit_headers
 from llmgw.router.record import Record
 from llmgw.router.relay import Relay
 from llmgw.router.table import RoutingTable
+from llmgw.router.tally import Tally
 
 __all__ = ["ROUTES", "RouterApp", "error_body"]
 
@@ -69,11 +70,13 @@ class RouterApp:
         access_log: bool = False,
         resume_streams: bool = True,
         limits: guards.Limits = guards.Limits(),  # noqa: B008 (frozen)
+        tally: Tally | None = None,
     ) -> None:
         self.table = table
         self.limits = limits
         self.keys = keys
         self.quotas = Quotas()  # what tenants' keys use here, against their limits
+        self.tally = tally or Tally()  # and what they used, for the control plane's ledger
         self.metrics = metrics or RouterMetrics()
         self.access_log = access_log
         self.proxy = Proxy(
@@ -170,10 +173,11 @@ class RouterApp:
         if not key.allows(body.model):
             return self._not_allowed(key, body.model)
         ticket = record.ticket
-        if ticket is not None and ticket.usages:  # a tenant's tokens per minute
+        if ticket is not None and key.tenant:  # a tenant's tokens per minute
             over = ticket.reserve(len(request.body), body.completion_bound, trio.current_time())
             if over is not None:
-                return self._over(over, key)
+                return self._over(over, key, body.model)
+            ticket.tally, ticket.model = self.tally, body.model  # counted at its end
         record.route(trio.current_time())
         return await self.proxy(request, body.stream, record)
 
@@ -210,9 +214,10 @@ class RouterApp:
         record.ticket = held
         return key
 
-    def _over(self, refusal: Refusal, key: ApiKey) -> Response:
+    def _over(self, refusal: Refusal, key: ApiKey, model: str = "") -> Response:
         """A tenant's limit refuses the request: 429, the limit named, when to retry."""
         self.metrics.tenant_refused.labels(key.tenant, refusal.limit, refusal.scope).inc()
+        self.tally.refused(key.tenant, model, refusal.limit)
         kind = "tokens" if refusal.limit == "tpm" else "requests"
         r = openai_error(429, refusal.message, kind, code="rate_limit_exceeded")
         r.headers.append(("retry-after", str(max(1, math.ceil(refusal.retry_after_s)))))

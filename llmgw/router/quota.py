@@ -40,6 +40,7 @@ from collections.abc import Mapping
 import attrs
 
 from llmgw.router.keys import ApiKey
+from llmgw.router.tally import Tally
 from llmgw.routing import LIMIT_NAMES, Limits
 
 MINUTE = 60.0
@@ -127,6 +128,9 @@ class Ticket:
     asked: int = 0  # tokens reserved
     prompt: int = 0  # of which, the prompt's estimate
     headers_: list[tuple[str, str]] = attrs.Factory(list)
+    # where what it used is counted, once it was sent to an engine of ``model``
+    tally: Tally | None = None
+    model: str = ""
 
     def reserve(self, prompt_bytes: int, completion: int | None, now: float) -> Refusal | None:
         """Reserve the request's worst case against every tokens-per-minute limit it is
@@ -160,6 +164,9 @@ class Ticket:
         """What the request used (``prompt`` 0: the engine did not say; the estimate
         stands) replaces what it reserved."""
         used = (prompt or self.prompt) + completion
+        if self.tally is not None and self.model:
+            self.tally.answered(self.tenant, self.model, prompt or self.prompt, completion)
+            self.tally = None
         for usage, spent in self.reserved:
             if spent.counted:  # still in the window: its total moves with it
                 usage.tokens += used - spent.tokens

@@ -7,8 +7,11 @@ and fails a replica that routers hold wedged (work in flight, no progress) for
 long enough. Both come from the router's ``routing.RouterReport``, which
 ``Reporter`` posts to ``routing.REPORT_PATH``: at once when it starts, when its
 metrics listener is open, when what its table holds wedged changes (the table
-judges after every scrape), and otherwise every ``every_s``, well within the
-time after which the control plane forgets a router it has not heard from.
+judges after every scrape), within ``USAGE_S`` when what tenants' keys used
+through it has grown (``tally``: counts since it started, which the control
+plane's usage ledger turns into what grew), and otherwise every ``every_s``,
+well within the time after which the control plane forgets a router it has not
+heard from.
 Each report says everything again, under the router's own id (each worker of a
 router reports for its own table).
 
@@ -30,11 +33,13 @@ import httpx
 import msgspec
 import trio
 
+from llmgw.router.tally import Tally
 from llmgw.routing import REPORT_PATH, RouterReport
 
 log = logging.getLogger("llmgw.router")
 
 REPORT_S = 20.0  # the control plane forgets a router not heard from for 75 s
+USAGE_S = 5.0  # what tenants used reaches the control plane this soon after
 RETRY_CAP_S = 2.0
 
 
@@ -49,10 +54,14 @@ class Reporter:
         self._headers = {"authorization": f"Bearer {token}"}
         self._changed = trio.Event()
         self._refused = False
+        self.tally = Tally()  # what tenants' keys used here (the router app's)
 
     def report(self) -> RouterReport:
         return RouterReport(
-            router=self.router_id, metrics=self.metrics_address, wedged=sorted(self._wedged)
+            router=self.router_id,
+            metrics=self.metrics_address,
+            wedged=sorted(self._wedged),
+            usage=self.tally.rows(),
         )
 
     def serves_metrics(self, address: str) -> None:
@@ -81,10 +90,16 @@ class Reporter:
             delay = 0.5
             while True:
                 self._changed = trio.Event()
+                counted = self.tally.changes
                 sent = await self._send(client)
                 delay = 0.5 if sent else min(delay * 2, RETRY_CAP_S)
-                with trio.move_on_after(self.every_s if sent else delay):
-                    await self._changed.wait()
+                until = trio.current_time() + (self.every_s if sent else delay)
+                while not self._changed.is_set() and trio.current_time() < until:
+                    # tenants' usage is news too, told at most every USAGE_S
+                    if sent and self.tally.changes != counted:
+                        until = min(until, trio.current_time() + USAGE_S)
+                    with trio.move_on_at(min(until, trio.current_time() + USAGE_S)):
+                        await self._changed.wait()
 
     async def _send(self, client: httpx.AsyncClient) -> bool:
         """One report; False when the control plane could not be reached."""

@@ -35,6 +35,7 @@ from llmgw.router.keys import KeyRing, api_keys, followed
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.report import Reporter
 from llmgw.router.table import HttpWatch, RoutingTable
+from llmgw.router.tally import Tally
 from llmgw.routing import RouterKey
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import Shares, capped_line, metrics_server, process_shares, router_limits
@@ -49,10 +50,13 @@ def router_app(
     metrics: RouterMetrics,
     keys: KeyRing,
     got: Shares | None = None,
+    tally: Tally | None = None,
 ) -> HttpServer:
     """The endpoint's HTTP server, as ``llmgw server`` and ``llmgw router`` both run it;
     ``keys`` may be replaced while it serves. ``got``: the process's connection shares
-    (made here when not given); a cut ``max_connections`` is said in one line."""
+    (made here when not given); a cut ``max_connections`` is said in one line.
+    ``tally``: where what tenants' keys use is counted (the control plane's ledger
+    reads it)."""
     if got is None:
         got = process_shares(config.max_connections)
     if line := capped_line("router.max_connections", config.max_connections, got):
@@ -74,6 +78,7 @@ def router_app(
         access_log=config.access_log,
         resume_streams=config.resume_streams,
         limits=guard_limits(config),
+        tally=tally,
     )
     return HttpServer(
         app,
@@ -206,7 +211,7 @@ async def serve(
         on_keys=_follow_keys(keys, worker),
     )
     got = process_shares(config.router.max_connections)
-    server = router_app(config.router, table, metrics, keys, got)
+    server = router_app(config.router, table, metrics, keys, got, reporter.tally)
     watch_listeners(metrics.registry, {"router": server})
     host, port = parse_hostport(config.router.listen, key="router.listen")
     # bound before any worker starts: a port held elsewhere is one line, from worker 0

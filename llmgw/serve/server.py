@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,11 +35,14 @@ from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.controlplane.tenants import FILE as TENANTS_FILE
 from llmgw.controlplane.tenants import TenantError, TenantStore
+from llmgw.controlplane.usage import FILE as USAGE_FILE
+from llmgw.controlplane.usage import UsageLedger
 from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router.keys import KeyRing, api_keys, followed, published
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.table import RoutingTable
+from llmgw.router.tally import Tally
 from llmgw.routing import RouterKey
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import admin_limits, metrics_server, process_shares
@@ -183,6 +187,7 @@ async def serve(
     routing.set_tenancy(*tenants.published())
     router = None
     keys = None
+    tally = Tally()  # what tenants' keys use through the router in this process
     if config.router.listen:
         metrics = RouterMetrics(control.metrics.registry)
         keys = KeyRing(api_keys(config.router))
@@ -196,9 +201,13 @@ async def serve(
             on_wedged=lambda ids: routers.report_wedged("in-process", ids, trio.current_time()),
             on_keys=lambda published: _follow(ring, published),
         )
-        router = (table, router_app(config.router, table, metrics, keys, got))
+        router = (table, router_app(config.router, table, metrics, keys, got, tally))
     reload = Reloader(fleet, keys, reread, routing)
-    tenancy = TenancyApi(tenants, lambda: routing.set_tenancy(*tenants.published()))
+    ledger = UsageLedger(resolve(base, config.state_dir) / USAGE_FILE)
+    in_process = tally.rows if config.router.listen else None
+    tenancy = TenancyApi(
+        tenants, lambda: routing.set_tenancy(*tenants.published()), ledger, in_process
+    )
     admin_api = AdminApi(
         control,
         token,
@@ -228,6 +237,7 @@ async def serve(
         )
         log.info("agent stream listening on %s", ", ".join(_show(x) for x in listeners))
         await nursery.start(control.run_liveness)
+        nursery.start_soon(ledger.run, in_process, time.time)
         if reload is not None:
             nursery.start_soon(_reload_on_sighup, reload)
         if fleet is not None:

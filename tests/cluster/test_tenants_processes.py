@@ -9,6 +9,7 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -61,6 +62,14 @@ async def ctl_json(gw: Gateway, *args: str) -> dict[str, object]:
     return answer
 
 
+async def usage(gw: Gateway, tenant: str) -> list[dict[str, Any]]:
+    """``ctl usage --tenant T --json``'s rows."""
+    out = (await gw.server.ctl("usage", "--tenant", tenant, "--json")).stdout
+    rows = json.loads(out)["rows"]
+    assert isinstance(rows, list)
+    return rows
+
+
 @asynccontextmanager
 async def fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[tuple[Gateway, str]]:
     """A server routing model ``m`` to a llama-server, and a standalone router of two
@@ -104,6 +113,16 @@ async def test_a_tenants_key_is_made_used_revoked_and_kept_across_a_restart(
         client = openai.AsyncOpenAI(base_url=edge, api_key=key, max_retries=0)
         reply = await client.chat.completions.create(model="m", messages=HI, max_tokens=4)
         assert reply.choices[0].message.content
+        # what it used, fleet-wide: 4 answers in process, 5 through the standalone
+        # router's workers, which report theirs within seconds
+        with trio.fail_after(15):
+            while not (rows := await usage(gw, "acme")) or rows[0]["requests"] != 9:
+                await trio.sleep(0.2)
+        [row] = rows
+        assert row["model"] == "m" and row["completion_tokens"] == 9 * 4, row
+        assert row["prompt_tokens"] >= 9, row
+        table = (await gw.server.ctl("usage")).stdout.decode()
+        assert re.search(r"acme\s+m\s+9\s+\d+\s+36\s+-", table), table
 
         listed = (await gw.server.ctl("key", "list")).stdout.decode()
         assert "acme-ci" in listed and key[:12] in listed and key not in listed
@@ -221,6 +240,10 @@ async def test_a_tenants_limits_hold_at_the_router_and_say_which(tmp_path: Path,
         assert (
             await gw.sample("llmgw_router_tenant_refused_total", tenant="wordy", limit="tpm") == 2
         )
+        [row] = await usage(gw, "wordy")  # the in-process router's, read as asked
+        assert row["requests"] == len(remaining) + 1, row
+        assert row["prompt_tokens"] + row["completion_tokens"] >= used, row
+        assert row["refused"] == {"tpm": 2}, row
 
 
 async def test_tenant_commands_say_what_is_wrong_in_one_line(tmp_path: Path, pki: Pki) -> None:
