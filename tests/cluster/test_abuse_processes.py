@@ -145,7 +145,9 @@ async def test_bodies_of_requests_without_a_key_are_never_held(tmp_path: Path, p
     assert served_during >= 10
     assert peak - before < 8, f"RSS {before:.0f} -> {peak:.0f} MiB"
     log = c.server.log()
-    assert log.count("status=401 key=- model=-") >= 60  # each one answered, in the access log
+    assert (
+        log.count("status=401 key=- tenant=- model=-") >= 60
+    )  # each one answered, in the access log
 
 
 async def test_one_address_holding_connections_shuts_no_one_else_out(
@@ -237,8 +239,12 @@ async def test_a_path_or_a_model_with_a_newline_forges_no_log_line(
     lines = log.splitlines()
     assert not [line for line in lines if line.startswith("2099-")], log[-3000:]
     escaped = FORGED.replace(" ", "\\x20")
-    assert any(f"GET /v1/nothing\\x0a{escaped} status=404 key=- model=-" in line for line in lines)
-    assert any(f"status=404 key=tester model=tiny\\x0a{escaped} " in line for line in lines)
+    assert any(
+        f"GET /v1/nothing\\x0a{escaped} status=404 key=- tenant=- model=-" in line for line in lines
+    )
+    assert any(
+        f"status=404 key=tester tenant=- model=tiny\\x0a{escaped} " in line for line in lines
+    )
     assert any(f"/v1/chat/completions\\x0d\\x0a{escaped} status=404" in line for line in lines)
 
 
@@ -397,7 +403,7 @@ async def test_stalled_bodies_of_any_key_shut_no_other_client_out(tmp_path: Path
     log = c.server.log()
     assert "under the floor of 8192 bytes/s" in log
     assert "MiB for request bodies is full; refused a body from 127.0.0." in log
-    assert "status=403 key=elsewhere model=-" in log
+    assert "status=403 key=elsewhere tenant=- model=-" in log
 
 
 _CUTS = ("bodies_full", "body_dropped", "body_too_slow", "reader_too_slow", "idle_closed")
