@@ -217,7 +217,10 @@ def _carried(
     lines (each ends with its request: its time, and how long it took), within
     ``window_s`` seconds after the first ``skip_s`` of the first request's start."""
     spans: list[tuple[str, float, float]] = []
-    pattern = r"^(\S+ \S+) .*POST \S+ status=200 \S+ \S+ replica=(\S+) time=([\d.]+)s"
+    pattern = (
+        r"^(\S+ \S+) .*POST \S+ status=200 key=\S+ tenant=\S+ model=\S+ replica=(\S+) "
+        r"time=([\d.]+)s"
+    )
     for when, rid, took in re.findall(pattern, log, re.MULTILINE):
         end = datetime.datetime.strptime(when, "%Y-%m-%d %H:%M:%S,%f").timestamp()
         spans.append((rid, end - float(took), end))
