@@ -43,7 +43,7 @@ from llmgw.admin.views import (
 from llmgw.controlplane.tenants import TenantError, TenantStore
 from llmgw.controlplane.usage import DAY, UsageLedger
 from llmgw.http import Request, Response
-from llmgw.routing import Limits, UsageRow
+from llmgw.routing import Limits
 
 Handler = Callable[[Request], Awaitable[Response]]
 ArgHandler = Callable[[Request, str], Awaitable[Response]]
@@ -76,14 +76,12 @@ class TenancyApi:
         store: TenantStore,
         changed: Callable[[], object],
         ledger: UsageLedger | None = None,
-        in_process: Callable[[], list[UsageRow]] | None = None,
     ) -> None:
-        """``ledger``: what tenants used, fleet-wide; ``in_process``: the counts of the
-        router inside the server, read before each answer."""
+        """``ledger``: what tenants used, fleet-wide (the in-process router's counts
+        read before each answer)."""
         self.store = store
         self.changed = changed
         self.ledger = ledger or UsageLedger(None)
-        self.in_process = in_process
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {
@@ -198,8 +196,7 @@ class TenancyApi:
             since = math.nan
         if not math.isfinite(since):
             return error(400, "since must be a unix time (seconds)")
-        if self.in_process is not None:  # what the server's own router counted, as of now
-            self.ledger.take("in-process", self.in_process(), wall)
+        self.ledger.refresh(wall)  # what the server's own router counted, as of now
         tenant = params.get("tenant", [None])[0]
         rows = self.ledger.rows(since, wall, tenant)
         return json_response(200, UsageList(since=since, rows=rows))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -107,6 +108,7 @@ class UsageLedger:
         self._routers: dict[str, _Seen] = {}
         self._dirty = False
         self._unsaved = ""  # why the last save failed ("" once one succeeds)
+        self._in_process: tuple[str, Callable[[], list[UsageRow]]] | None = None
         if path is not None:
             self._load(path)
 
@@ -207,20 +209,27 @@ class UsageLedger:
         self._unsaved = ""
         self._dirty = False
 
-    async def run(
-        self, in_process: Callable[[], list[UsageRow]] | None, wall: Callable[[], float]
-    ) -> None:
+    def read_in_process(self, counts: Callable[[], list[UsageRow]]) -> None:
+        """The router inside this server: its counts are read by ``refresh``, under an
+        id of this process's own (its counts start again with the process)."""
+        self._in_process = (f"in-process-{secrets.token_hex(6)}", counts)
+
+    def refresh(self, wall: float) -> None:
+        """Take what the in-process router counted, as of now."""
+        if self._in_process is not None:
+            router, counts = self._in_process
+            self.take(router, counts(), wall)
+
+    async def run(self, wall: Callable[[], float]) -> None:
         """Read the in-process router's counts, prune and save, every ``SAVE_S``."""
         try:
             while True:
                 await trio.sleep(SAVE_S)
-                if in_process is not None:
-                    self.take("in-process", in_process(), wall())
+                self.refresh(wall())
                 self.prune(wall())
                 self.save()  # a small file, fsync-ed: a few ms every SAVE_S
         finally:
-            if in_process is not None:
-                self.take("in-process", in_process(), wall())
+            self.refresh(wall())
             self.save()
 
 

@@ -204,10 +204,9 @@ async def serve(
         router = (table, router_app(config.router, table, metrics, keys, got, tally))
     reload = Reloader(fleet, keys, reread, routing)
     ledger = UsageLedger(resolve(base, config.state_dir) / USAGE_FILE)
-    in_process = tally.rows if config.router.listen else None
-    tenancy = TenancyApi(
-        tenants, lambda: routing.set_tenancy(*tenants.published()), ledger, in_process
-    )
+    if config.router.listen:
+        ledger.read_in_process(tally.rows)
+    tenancy = TenancyApi(tenants, lambda: routing.set_tenancy(*tenants.published()), ledger)
     admin_api = AdminApi(
         control,
         token,
@@ -237,7 +236,7 @@ async def serve(
         )
         log.info("agent stream listening on %s", ", ".join(_show(x) for x in listeners))
         await nursery.start(control.run_liveness)
-        nursery.start_soon(ledger.run, in_process, time.time)
+        nursery.start_soon(ledger.run, time.time)
         if reload is not None:
             nursery.start_soon(_reload_on_sighup, reload)
         if fleet is not None:

@@ -78,3 +78,18 @@ def test_old_buckets_and_routers_not_heard_from_are_forgotten(tmp_path: Path) ->
     assert ledger.rows(T0 + 3 * DAY - HOUR, T0 + 3 * DAY) == []  # its hours are not
     ledger.take("r1", [row("acme", "m", 1)], T0 + 3 * DAY)  # forgotten: counted anew
     assert summed(ledger, T0 - 1, T0 + 3 * DAY)[0][2] == 2
+
+
+def test_the_in_process_routers_counts_start_again_with_the_server(tmp_path: Path) -> None:
+    """Its counts start at 0 in each server process: read under an id of the process's
+    own, a restart's small counts add to what was kept, never go below it."""
+    path = tmp_path / "usage.json"
+    counts = [row("acme", "m", 5, 10)]
+    ledger = UsageLedger(path)
+    ledger.read_in_process(lambda: counts)
+    ledger.refresh(T0)
+    ledger.save()
+    again = UsageLedger(path)  # restarted: its router counted 1 since
+    again.read_in_process(lambda: [row("acme", "m", 1, 2)])
+    again.refresh(T0 + 60)
+    assert summed(again, T0 - 1, T0 + 120) == [("acme", "m", 6, 12, 24, {})]
