@@ -133,11 +133,13 @@ class Snapshot(msgspec.Struct, kw_only=True):
     # the nodes that have registered with that control plane since it started, while
     # it is not settled (empty once it is)
     heard: list[str] = []
-    # the API keys of the control plane's config ([[router.keys]]) and its tenants'
-    # keys, which standalone routers accept besides their own; empty from one that
-    # lists none (or is older)
+    # the API keys of the control plane's config ([[router.keys]]), which standalone
+    # routers accept besides their own; empty from one that lists none (or is older)
     keys: list[RouterKey] = []
-    # the tenants the keys belong to, with their limits
+    # its tenants' keys, and the tenants with their limits: apart from ``keys``, so
+    # that a router older than tenants, which would take them for plain keys (no
+    # limits, no expiry), knows nothing of them and refuses them
+    tenant_keys: list[RouterKey] = []
     tenants: list[TenantRouting] = []
 
 
@@ -148,6 +150,7 @@ def versioned(
     settled: bool = True,
     heard: Iterable[str] = (),
     keys: Iterable[RouterKey] = (),
+    tenant_keys: Iterable[RouterKey] = (),
     tenants: Iterable[TenantRouting] = (),
 ) -> Snapshot:
     """A snapshot whose version is the hash of what it says (routes in key order)."""
@@ -157,6 +160,7 @@ def versioned(
         settled=settled,
         heard=[] if settled else sorted(heard),
         keys=sorted(keys, key=lambda k: (k.name, k.sha256)),
+        tenant_keys=sorted(tenant_keys, key=lambda k: (k.name, k.sha256)),
         tenants=sorted(tenants, key=lambda t: t.name),
     )
     snap.version = hashlib.sha256(msgspec.json.encode(snap)).hexdigest()[:16]

@@ -412,7 +412,8 @@ class FleetManager:
                 nodes,
                 settled=self.settled(),
                 heard=[n for n, node in nodes.items() if not node.awaited],
-                keys=self.routing.all_keys,
+                keys=self.routing.keys,
+                tenant_keys=self.routing.tenant_keys,
                 tenants=self.routing.tenants,
             )
         )

@@ -32,6 +32,7 @@ def build_snapshot(
     settled: bool = True,
     heard: Iterable[str] = (),
     keys: Iterable[RouterKey] = (),
+    tenant_keys: Iterable[RouterKey] = (),
     tenants: Iterable[TenantRouting] = (),
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
@@ -39,8 +40,8 @@ def build_snapshot(
     that is unhealthy, or not yet verified, as not ready); ``settled`` and ``heard``:
     whether the control plane has been up for its lost-node timeout, and if not, the
     nodes it has heard from since it started (``llmgw.routing.carried``); ``keys``:
-    the API keys of the control plane's config and its tenants', for standalone
-    routers, and ``tenants`` their limits."""
+    the API keys of the control plane's config, for standalone routers;
+    ``tenant_keys`` and ``tenants``: its tenants' keys and limits."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     needs = Needs(lambda: [n.inventory for n in nodes.values()])
@@ -97,7 +98,15 @@ def build_snapshot(
                 cache_tokens=holds,
             )
         )
-    return versioned(models, routes, settled=settled, heard=heard, keys=keys, tenants=tenants)
+    return versioned(
+        models,
+        routes,
+        settled=settled,
+        heard=heard,
+        keys=keys,
+        tenant_keys=tenant_keys,
+        tenants=tenants,
+    )
 
 
 def engine_url(node: Node, host: str, port: int) -> str:
@@ -113,8 +122,8 @@ class RoutingPublisher:
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         self.snapshot = snapshot or versioned({}, [])
         # the API keys every snapshot carries (hashes: the config's [[router.keys]])
-        self.keys: list[RouterKey] = [k for k in self.snapshot.keys if not k.tenant]
-        self.tenant_keys: list[RouterKey] = [k for k in self.snapshot.keys if k.tenant]
+        self.keys: list[RouterKey] = list(self.snapshot.keys)
+        self.tenant_keys: list[RouterKey] = list(self.snapshot.tenant_keys)
         self.tenants: list[TenantRouting] = list(self.snapshot.tenants)
         self.body = msgspec.json.encode(self.snapshot)  # what every watcher is sent
         self._changed = trio.Event()
@@ -142,11 +151,6 @@ class RoutingPublisher:
         self.tenants = list(tenants)
         return self._again()
 
-    @property
-    def all_keys(self) -> list[RouterKey]:
-        """Every key routers are sent: the config's and the tenants'."""
-        return [*self.keys, *self.tenant_keys]
-
     def _again(self) -> bool:
         s = self.snapshot
         return self.publish(
@@ -155,7 +159,8 @@ class RoutingPublisher:
                 s.routes,
                 settled=s.settled,
                 heard=s.heard,
-                keys=self.all_keys,
+                keys=self.keys,
+                tenant_keys=self.tenant_keys,
                 tenants=self.tenants,
             )
         )

@@ -142,9 +142,10 @@ class RoutingTable:
         self.endpoints = table
         self.version = snap.version
         self.tenants = {t.name: t.limits for t in snap.tenants}
-        if snap.keys != self._keys:
-            self._keys = list(snap.keys)
-            self.on_keys(self._keys)
+        keys = [*snap.keys, *snap.tenant_keys]
+        if keys != self._keys:
+            self._keys = keys
+            self.on_keys(keys)
         self.rooms.wake_all()  # a replica may be Ready, back from draining, or new
 
     def _say_carried(self, keep: frozenset[str], listed: set[str], snap: Snapshot) -> None:

@@ -7,11 +7,13 @@ import errno
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from llmgw.controlplane import tenants as tenants_mod
+from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.tenants import TenantError, TenantStore, allowed
-from llmgw.routing import Limits, hash_key
+from llmgw.routing import Limits, RouterKey, hash_key
 
 
 def test_every_confirmed_change_is_read_back_by_a_new_store(tmp_path: Path) -> None:
@@ -89,3 +91,22 @@ def test_a_file_that_is_not_the_stores_is_refused_at_start(tmp_path: Path) -> No
     path.write_text(json.dumps({"tenants": [{"nom": 1}]}))
     with pytest.raises(TenantError, match=r"not valid .*move it aside"):
         TenantStore(path)
+
+
+def test_a_router_older_than_tenants_knows_nothing_of_their_keys(tmp_path: Path) -> None:
+    """It would take a tenant's key for a plain one (no limits, no expiry): the
+    routing carries tenants' keys apart from the config's, where it does not look."""
+
+    class OlderSnapshot(msgspec.Struct):  # what such a router decodes
+        version: str = ""
+        keys: list[RouterKey] = []
+
+    store = TenantStore(tmp_path / "t.json")
+    store.create_tenant("acme", [], Limits(rpm=1))
+    store.create_key("acme", expires=4_000_000_000.0)
+    routing = RoutingPublisher()
+    routing.set_keys([RouterKey(name="cfg", sha256="h")])
+    routing.set_tenancy(*store.published())
+    older = msgspec.json.decode(routing.body, type=OlderSnapshot)
+    assert [k.name for k in older.keys] == ["cfg"]
+    assert [k.tenant for k in routing.snapshot.tenant_keys] == ["acme"]
