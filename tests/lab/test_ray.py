@@ -171,9 +171,11 @@ def test_a_rank_killed_fails_the_replica_stops_every_rank_and_frees_its_gpus(lab
     lab.kill(worker, engine=True, shard=rid)
     new = _wait("a replacement Ready", lambda: _wide(lab, not_id=rid), timeout=60)
     log = _log(lab, "cp")
-    assert (
-        f"replica {rid} failed: shard {rid}-1 on {worker} failed: engine killed by signal 9" in log
-    )
+    # the replica fails for its killed rank, or for its head, which exits as its worker
+    # dies: whichever of the two nodes' reports arrives first (the suite saw the head's)
+    killed = f"replica {rid} failed: shard {rid}-1 on {worker} failed: engine killed by signal 9"
+    head_exit = f"replica {rid} failed: shard {rid}-0 on {head} failed: engine exited"
+    assert killed in log or head_exit in log, log[-3000:]
     # rank 0 on the other node was stopped, with the Ray head it daemonized
     assert not alive(head_pid)
     assert not alive(ray_head)
