@@ -60,8 +60,8 @@ async def test_a_hung_engine_is_taken_out_of_routing_and_comes_back(
     tmp_path: Path, pki: Pki
 ) -> None:
     key = new_key()
-    router = (
-        '[router]\nlisten = "127.0.0.1:0"\n'
+    router = (  # the access log says where each request went, should one fail
+        '[router]\nlisten = "127.0.0.1:0"\naccess_log = true\n'
         f'[[router.keys]]\nname = "tester"\nsha256 = "{hash_key(key)}"\n'
     )
     async with cluster(tmp_path, pki, 2, ends_after=None, server_extra=router, settle_s=1) as c:
@@ -123,7 +123,7 @@ async def test_a_hung_engine_is_taken_out_of_routing_and_comes_back(
                             async with trio.open_nursery() as burst:
                                 for _ in range(4):
                                     burst.start_soon(one, client)
-                assert answered == [200] * 12
+                assert answered == [200] * 12, (answered, c.server.log()[-4000:])
             finally:
                 os.killpg(pid, signal.SIGCONT)
             back = await wait_health(c, hung["replica_id"], True)
