@@ -184,16 +184,29 @@ class UsageLedger:
 
     def save(self) -> None:
         """Write the ledger if it changed; a failure is said once, and tried again."""
+        data = self._encoded()
+        if data is not None:
+            self._write(data)
+
+    def _encoded(self) -> bytes | None:
+        """The ledger as saved, if it changed since the last save (then counted saved:
+        a failed write marks it changed again)."""
         if not self._dirty or self.path is None:
-            return
+            return None
+        self._dirty = False
         saved = _Saved(
             hours=_buckets(self._hours.items()),
             days=_buckets(self._days.items()),
             routers=self._routers,
         )
+        return msgspec.json.encode(saved)
+
+    def _write(self, data: bytes) -> None:
+        assert self.path is not None
         try:
-            write_atomic(self.path, msgspec.json.encode(saved))
+            write_atomic(self.path, data)
         except OSError as exc:
+            self._dirty = True
             why = f"{exc.strerror or exc}"
             if why != self._unsaved:
                 log.error(
@@ -207,7 +220,6 @@ class UsageLedger:
         if self._unsaved:
             log.info("tenants' usage saved to %s again", self.path)
         self._unsaved = ""
-        self._dirty = False
 
     def read_in_process(self, counts: Callable[[], list[UsageRow]]) -> None:
         """The router inside this server: its counts are read by ``refresh``, under an
@@ -227,7 +239,9 @@ class UsageLedger:
                 await trio.sleep(SAVE_S)
                 self.refresh(wall())
                 self.prune(wall())
-                self.save()  # a small file, fsync-ed: a few ms every SAVE_S
+                data = self._encoded()  # read here; written and fsync-ed off the loop
+                if data is not None:
+                    await trio.to_thread.run_sync(self._write, data)
         finally:
             self.refresh(wall())
             self.save()
