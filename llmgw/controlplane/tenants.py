@@ -34,7 +34,7 @@ from pathlib import Path
 import msgspec
 
 from llmgw.files import write_atomic
-from llmgw.routing import Limits, RouterKey, TenantRouting, hash_key, new_key
+from llmgw.routing import KEY_PREFIX, Limits, RouterKey, TenantRouting, hash_key, new_key
 
 log = logging.getLogger("llmgw.tenants")
 
@@ -139,11 +139,7 @@ class TenantStore:
     # ------------------------------------------------------------------- changing
 
     def create_tenant(self, name: str, models: list[str], limits: Limits) -> Tenant:
-        if not NAME.fullmatch(name):
-            raise TenantError(
-                f"tenant name {name!r}: use lowercase letters, digits, '.', '_' or '-' "
-                "(at most 63, starting with a letter or digit)"
-            )
+        _check_name("tenant", name)
         if name in self._tenants:
             raise TenantError(f"tenant {name!r} exists already (llmgw ctl tenant set)", 409)
         _check_limits(limits)
@@ -197,12 +193,8 @@ class TenantStore:
         owner = self.tenant(tenant)
         secret = new_key()
         if not name:
-            name = f"{tenant}-{secret[len('llmgw-') :][:6].lower()}"
-        if not NAME.fullmatch(name):
-            raise TenantError(
-                f"key name {name!r}: use lowercase letters, digits, '.', '_' or '-' "
-                "(at most 63, starting with a letter or digit)"
-            )
+            name = f"{tenant}-{secret[len(KEY_PREFIX) :][:6].lower()}"
+        _check_name("key", name)
         if name in self._keys:
             raise TenantError(f"key {name!r} exists already (revoke it, or name another)", 409)
         wanted = sorted(set(models or []))
@@ -263,6 +255,14 @@ def allowed(tenant: list[str], key: list[str]) -> list[str]:
     if not key:
         return list(tenant)
     return sorted(set(tenant) & set(key))
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise TenantError(
+            f"{kind} name {name!r}: use lowercase letters, digits, '.', '_' or '-' "
+            "(at most 63, starting with a letter or digit)"
+        )
 
 
 def _check_limits(limits: Limits) -> None:

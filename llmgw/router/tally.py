@@ -11,6 +11,8 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import msgspec
+
 from llmgw.routing import UsageRow
 
 
@@ -43,14 +45,4 @@ class Tally:
 
     def rows(self) -> list[UsageRow]:
         """Every count so far (copies: the caller may keep them)."""
-        return [
-            UsageRow(
-                tenant=r.tenant,
-                model=r.model,
-                requests=r.requests,
-                prompt_tokens=r.prompt_tokens,
-                completion_tokens=r.completion_tokens,
-                refused=dict(r.refused),
-            )
-            for r in self._rows.values()
-        ]
+        return [msgspec.structs.replace(r, refused=dict(r.refused)) for r in self._rows.values()]
