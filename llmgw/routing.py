@@ -87,13 +87,19 @@ class Limits(msgspec.Struct, kw_only=True, omit_defaults=True):
     rpm: int | None = None  # requests begun per minute (a sliding minute)
     tpm: int | None = None  # tokens (prompt and completion) per minute
     in_flight: int | None = None  # requests at once
+    # tokens (prompt and completion) per calendar day, per calendar month (UTC)
+    budget_day: int | None = None
+    budget_month: int | None = None
 
 
 LIMIT_NAMES = {
     "rpm": "requests per minute",
     "tpm": "tokens per minute",
     "in_flight": "requests in flight",
+    "budget_day": "tokens a day",
+    "budget_month": "tokens a month",
 }
+BUDGETS = ("budget_day", "budget_month")
 
 
 class RouterKey(msgspec.Struct, kw_only=True):
@@ -114,6 +120,7 @@ class TenantRouting(msgspec.Struct, kw_only=True):
 
     name: str
     limits: Limits = msgspec.field(default_factory=Limits)
+    weight: float = 1.0  # its turn in a full model's queue against others' (``fair``)
 
 
 class ModelRouting(msgspec.Struct, kw_only=True):
@@ -231,3 +238,81 @@ class TrafficView(msgspec.Struct, kw_only=True):
     # the share of the requests that preferred it that went elsewhere, as it was
     # past its load bound (None: none preferred it)
     affinity_overruled: float | None = None
+
+
+LEASE_PATH = "/v1/leases"
+
+
+class LeaseAsk(msgspec.Struct, kw_only=True, frozen=True):
+    """A router asks for ``units`` more of a tenant's (or key's) limit ``kind``, of
+    which ``needed`` for requests waiting on it now (0: ahead of need)."""
+
+    scope: str  # "tenant" or "key"
+    owner: str  # the tenant's or key's name
+    kind: str  # a field of ``Limits``
+    units: int
+    needed: int = 0
+
+
+class LeaseBack(msgspec.Struct, kw_only=True, frozen=True):
+    """Units of a grant a router gives back unspent (in flight: slots it no longer
+    holds)."""
+
+    scope: str
+    owner: str
+    kind: str
+    units: int
+    grant: int  # the grant's id, as the control plane gave it
+
+
+class LeaseGrant(msgspec.Struct, kw_only=True, frozen=True):
+    """Units a router may spend within ``ttl_s`` (in flight: slots it holds until it
+    gives them back); ``left``: what the limit had left after this grant."""
+
+    scope: str
+    owner: str
+    kind: str
+    units: int
+    grant: int
+    ttl_s: float
+    left: int = 0
+
+
+class LeaseDenied(msgspec.Struct, kw_only=True, frozen=True):
+    """The limit has nothing left for what was needed: try again in ``retry_after_s``.
+    Not ``final``: other routers hold enough of it unspent, and are told to give it
+    back (``LeaseAnswer.contended``): ask again in a moment."""
+
+    scope: str
+    owner: str
+    kind: str
+    limit: int
+    retry_after_s: float
+    final: bool = True
+
+
+class LeaseHold(msgspec.Struct, kw_only=True, frozen=True):
+    """What a router holds of a limit and has not spent (in flight: slots not in
+    use); ``units`` 0 in ``LeaseAnswer.contended``."""
+
+    scope: str
+    owner: str
+    kind: str
+    units: int = 0
+
+
+class LeaseExchange(msgspec.Struct, kw_only=True, frozen=True):
+    """What a router says to the control plane about its leases (``POST LEASE_PATH``)."""
+
+    router: str  # its own id, random per process (as in ``RouterReport``)
+    asks: list[LeaseAsk] = []
+    backs: list[LeaseBack] = []
+    holds: list[LeaseHold] = []  # everything it holds unspent, after its backs
+
+
+class LeaseAnswer(msgspec.Struct, kw_only=True, frozen=True):
+    grants: list[LeaseGrant] = []
+    denied: list[LeaseDenied] = []
+    # limits another router waits on: give back what is not needed now, ask no more
+    # ahead, for a moment
+    contended: list[LeaseHold] = []

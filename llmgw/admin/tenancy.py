@@ -6,9 +6,10 @@ before it takes effect, and then to every router with the routing snapshot
 every router as soon as its routing watch wakes (well within a second).
 
     GET    /v1/tenants               every tenant, with its keys
-    POST   /v1/tenants               {"name", "models"?, "limits"?}
+    POST   /v1/tenants               {"name", "models"?, "limits"?, "weight"?}
     GET    /v1/tenants/{name}
-    PATCH  /v1/tenants/{name}        {"models"?, "limits"?: {"rpm": 60, "in_flight": null}}
+    PATCH  /v1/tenants/{name}        {"models"?, "limits"?: {"rpm": 60, "in_flight": null},
+                                      "weight"?}
                                      (a limit named is set, null clears it; others stay)
     DELETE /v1/tenants/{name}        its keys are revoked with it
     GET    /v1/keys[?tenant=T]
@@ -18,6 +19,9 @@ every router as soon as its routing watch wakes (well within a second).
     GET    /v1/usage[?tenant=T][&since=UNIX]
                                      what tenants used, per model (default: the
                                      last 24 h); routers' reports feed it
+    POST   /v1/leases                a router's ``LeaseExchange``: what it asks of
+                                     tenants' limits and gives back
+                                     (``llmgw.controlplane.leases``)
 """
 
 from __future__ import annotations
@@ -40,10 +44,11 @@ from llmgw.admin.views import (
     key_view,
     tenant_view,
 )
+from llmgw.controlplane.leases import LeaseBank, LeaseRefused
 from llmgw.controlplane.tenants import TenantError, TenantStore
 from llmgw.controlplane.usage import DAY, UsageLedger
 from llmgw.http import Request, Response
-from llmgw.routing import Limits
+from llmgw.routing import LEASE_PATH, LeaseExchange, Limits
 
 Handler = Callable[[Request], Awaitable[Response]]
 ArgHandler = Callable[[Request, str], Awaitable[Response]]
@@ -53,11 +58,13 @@ class _TenantBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     models: list[str] = []
     limits: Limits = msgspec.field(default_factory=Limits)
+    weight: float = 1.0
 
 
 class _TenantPatch(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     models: list[str] | None = None
     limits: dict[str, int | None] | None = None
+    weight: float | None = None
 
 
 class _KeyBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -76,12 +83,14 @@ class TenancyApi:
         store: TenantStore,
         changed: Callable[[], object],
         ledger: UsageLedger | None = None,
+        bank: LeaseBank | None = None,
     ) -> None:
         """``ledger``: what tenants used, fleet-wide (the in-process router's counts
-        read before each answer)."""
+        read before each answer); ``bank``: the routers' leases of their limits."""
         self.store = store
         self.changed = changed
         self.ledger = ledger or UsageLedger(None)
+        self.bank = bank or LeaseBank(store.limits)
 
     def routes(self) -> dict[tuple[str, str], Handler]:
         return {
@@ -90,6 +99,7 @@ class TenancyApi:
             ("GET", "/v1/keys"): self.list_keys,
             ("POST", "/v1/keys"): self.create_key,
             ("GET", "/v1/usage"): self.usage,
+            ("POST", LEASE_PATH): self.leases,
         }
 
     def patterns(self) -> list[tuple[str, tuple[str | None, ...], ArgHandler]]:
@@ -100,8 +110,26 @@ class TenancyApi:
             ("DELETE", ("v1", "keys", None), self.revoke_key),
         ]
 
+    async def leases(self, request: Request) -> Response:
+        ex = json_body(request, LeaseExchange, "a router's lease exchange, as JSON")
+        if isinstance(ex, Response):
+            return ex
+        try:
+            return json_response(200, await self.bank.serve(ex, time.time()))
+        except LeaseRefused as exc:
+            return error(400, str(exc))
+
     def _view(self, name: str) -> TenantView:
-        return tenant_view(self.store.tenant(name), self.store.keys(name), time.time())
+        wall = time.time()
+        tenant = self.store.tenant(name)
+        view = tenant_view(tenant, self.store.keys(name), wall)
+        limits = tenant.limits
+        view.counted = {
+            kind: self.bank.used("tenant", name, kind, wall)
+            for kind in limits.__struct_fields__
+            if getattr(limits, kind) is not None
+        }
+        return view
 
     async def list_tenants(self, request: Request) -> Response:
         wall = time.time()
@@ -119,7 +147,7 @@ class TenancyApi:
         if isinstance(body, Response):
             return body
         try:
-            self.store.create_tenant(body.name, body.models, body.limits)
+            self.store.create_tenant(body.name, body.models, body.limits, body.weight)
         except TenantError as exc:
             return error(exc.status, str(exc))
         self.changed()
@@ -137,7 +165,7 @@ class TenancyApi:
                     known = ", ".join(Limits.__struct_fields__)
                     return error(400, f"no such limit: {', '.join(unknown)} (limits: {known})")
                 limits = msgspec.structs.replace(self.store.tenant(name).limits, **body.limits)
-            self.store.set_tenant(name, models=body.models, limits=limits)
+            self.store.set_tenant(name, models=body.models, limits=limits, weight=body.weight)
         except TenantError as exc:
             return error(exc.status, str(exc))
         self.changed()

@@ -370,6 +370,11 @@ class TenantView(msgspec.Struct, kw_only=True):
     limits: Limits
     created: float
     keys: list[KeyView]
+    # what each of its limits counts now, fleet-wide (``ctl tenant show``): granted to
+    # routers and not given back (a per-minute one over its last 70 s, a budget over
+    # its day or month)
+    counted: dict[str, int] = {}
+    weight: float = 1.0  # its turn in a full model's queue against others'
 
 
 class TenantList(msgspec.Struct, kw_only=True):
@@ -411,6 +416,7 @@ def tenant_view(t: Tenant, keys: list[Key], wall: float) -> TenantView:
         limits=t.limits,
         created=t.created,
         keys=[key_view(k, wall) for k in keys],
+        weight=t.weight,
     )
 
 

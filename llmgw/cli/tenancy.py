@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from urllib.parse import quote
 
 import cyclopts
@@ -49,12 +50,39 @@ def parse_duration(text: str, option: str = "--expires") -> float:
     return float(m.group(1)) * _UNIT_S[m.group(2)]
 
 
-def _limits(
-    rpm: int | None, tpm: int | None, in_flight: int | None, *, clear: bool
-) -> dict[str, int | None]:
+@cyclopts.Parameter(name="*")
+@dataclass
+class LimitOptions:
+    """A tenant's limits, or a key's own within its tenant's. Each holds across every
+    router at once (each spends leases of it from the control plane).
+
+    Parameters
+    ----------
+    rpm
+        Requests per minute (tenant set: 0 removes the limit).
+    tpm
+        Tokens (prompt and completion) per minute: a request reserves its prompt and
+        max_tokens, and settles on what it used (tenant set: 0 removes it).
+    in_flight
+        Requests at once (tenant set: 0 removes it).
+    budget_day
+        Tokens per calendar day (UTC); past it, requests are refused with
+        insufficient_quota until the day ends (tenant set: 0 removes it).
+    budget_month
+        Tokens per calendar month (UTC), as --budget-day (tenant set: 0 removes it).
+    """
+
+    rpm: int | None = None
+    tpm: int | None = None
+    in_flight: int | None = None
+    budget_day: int | None = None
+    budget_month: int | None = None
+
+
+def _limits(given: LimitOptions | None, *, clear: bool) -> dict[str, int | None]:
     """The limits named on the command line (``clear``: 0 stands for none)."""
     said: dict[str, int | None] = {}
-    for name, value in (("rpm", rpm), ("tpm", tpm), ("in_flight", in_flight)):
+    for name, value in vars(given or LimitOptions()).items():
         if value is None:
             continue
         if value < 0 or (value == 0 and not clear):
@@ -109,11 +137,22 @@ def render_keys(keys: list[KeyView]) -> str:
     return table(rows)
 
 
+def _counted(t: TenantView) -> str:
+    """What each limit counts now, against the limit: "rpm 3/600, budget_day 1200/5000"."""
+    if not t.counted:
+        return "-"
+    return ", ".join(
+        f"{kind} {n}/{getattr(t.limits, kind, '?')}" for kind, n in sorted(t.counted.items())
+    )
+
+
 def render_tenant(t: TenantView) -> str:
     head = [
         f"tenant   {t.name}",
         f"models   {', '.join(t.models) or 'every model'}",
         f"limits   {_limits_text(t.limits)}",
+        f"counted  {_counted(t)}",
+        f"weight   {t.weight:g}",
         f"created  {_when(t.created)}",
         "",
     ]
@@ -128,9 +167,8 @@ def create(
     name: str,
     *,
     models: list[str] | None = None,
-    rpm: int | None = None,
-    tpm: int | None = None,
-    in_flight: int | None = None,
+    limits: LimitOptions | None = None,
+    weight: float = 1.0,
     target: Target | None = None,
     json: bool = False,
 ) -> int:
@@ -140,21 +178,21 @@ def create(
     ----------
     models
         The models its keys may use (repeatable); default: every model.
-    rpm
-        Requests per minute, across all its keys, at each router.
-    tpm
-        Tokens (prompt and completion) per minute, across all its keys, at each
-        router: a request reserves its prompt and max_tokens, and settles on what
-        it used.
-    in_flight
-        Requests at once, across all its keys, at each router.
+    weight
+        Its turn when a model is full and requests queue (router.queue_timeout_s):
+        tenants go in order of their recent tokens over their weight; 2 is twice
+        the share of 1.
     json
         Print the API's JSON instead of a table.
     """
 
     def make() -> None:
-        limits = _limits(rpm, tpm, in_flight, clear=False)
-        body = {"name": name, "models": models or [], "limits": limits}
+        body = {
+            "name": name,
+            "models": models or [],
+            "limits": _limits(limits, clear=False),
+            "weight": weight,
+        }
         answer = AdminClient(target).request("POST", "/v1/tenants", TenantView, body)
         emit(answer, json, render_tenant)
 
@@ -194,51 +232,49 @@ def set_(
     name: str,
     *,
     models: list[str] | None = None,
-    rpm: int | None = None,
-    tpm: int | None = None,
-    in_flight: int | None = None,
+    limits: LimitOptions | None = None,
+    weight: float | None = None,
     target: Target | None = None,
     json: bool = False,
 ) -> int:
-    """Change a tenant's models or limits; what is not named stays. Every router holds
-    the new limits within a second.
+    """Change a tenant's models, limits or weight; what is not named stays. Every router
+    holds the new limits within a second.
 
     Parameters
     ----------
     models
         The models its keys may use from now on (repeatable).
-    rpm
-        Requests per minute (0: no limit).
-    tpm
-        Tokens per minute (0: no limit).
-    in_flight
-        Requests at once (0: no limit).
+    weight
+        Its turn when a model is full, against other tenants' (1: an equal turn).
     json
         Print the API's JSON instead of a table.
     """
     body: dict[str, object] = {}
     if models is not None:
         body["models"] = models
+    if weight is not None:
+        body["weight"] = weight
     return run_command(
         "llmgw ctl tenant set",
-        lambda: _set(name, body, rpm, tpm, in_flight, target, json),
+        lambda: _set(name, body, limits, target, json),
     )
 
 
 def _set(
     name: str,
     body: dict[str, object],
-    rpm: int | None,
-    tpm: int | None,
-    in_flight: int | None,
+    given: LimitOptions | None,
     target: Target | None,
     json: bool,
 ) -> None:
-    limits = _limits(rpm, tpm, in_flight, clear=True)
+    limits = _limits(given, clear=True)
     if limits:
         body["limits"] = limits
     if not body:
-        raise CtlError("nothing to change: name --models, --rpm, --tpm or --in-flight")
+        raise CtlError(
+            "nothing to change: name --models, --weight, --rpm, --tpm, --in-flight, "
+            "--budget-day or --budget-month"
+        )
     answer = AdminClient(target).request("PATCH", f"/v1/tenants/{quote(name)}", TenantView, body)
     emit(answer, json, render_tenant)
 
@@ -273,9 +309,7 @@ def create_key(
     tenant: str = "",
     expires: str = "",
     models: list[str] | None = None,
-    rpm: int | None = None,
-    tpm: int | None = None,
-    in_flight: int | None = None,
+    limits: LimitOptions | None = None,
     target: Target | None = None,
     json: bool = False,
 ) -> int:
@@ -293,19 +327,13 @@ def create_key(
         It stops working after this long: 30d, 12h, 90m, 3600s.
     models
         Limit the key to these models (repeatable); default: its tenant's, or every model.
-    rpm
-        Its own requests per minute, within its tenant's.
-    tpm
-        Its own tokens per minute, within its tenant's.
-    in_flight
-        Its own requests at once, within its tenant's.
     json
         Print the API's JSON instead of the key and a line.
     """
 
     def make() -> None:
         if not tenant:
-            if not name or expires or json or any(x is not None for x in (rpm, tpm, in_flight)):
+            if not name or expires or json or _limits(limits, clear=False):
                 raise CtlError(
                     "a key of no tenant goes in a config file: name it, and give only "
                     "--models (or give --tenant)"
@@ -315,9 +343,8 @@ def create_key(
         body: dict[str, object] = {"tenant": tenant, "name": name, "models": models or []}
         if expires:
             body["expires_in_s"] = parse_duration(expires)
-        limits = _limits(rpm, tpm, in_flight, clear=False)
-        if limits:
-            body["limits"] = limits
+        if own := _limits(limits, clear=False):
+            body["limits"] = own
         answer = AdminClient(target).request("POST", "/v1/keys", KeyCreated, body)
         emit(answer, json, _created)
 

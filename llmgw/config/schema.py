@@ -213,7 +213,7 @@ class RouterConfig(_Section):
 
 
 class ServerConfig(_Section):
-    state_dir: str = "state"  # the admin token and the operator's cordons and drains
+    state_dir: str = "state"  # the admin token, the operator's cordons and drains, tenants and their keys (tenants.json), their usage (usage.json) and the routers' leases of their limits (leases.json)
     catalog: str = ""  # the models to run; empty: no placement (a plain control plane)
     log_level: str = "info"  # debug, info, warning or error
     agent_stream: AgentStreamConfig = msgspec.field(default_factory=AgentStreamConfig)

@@ -48,6 +48,7 @@ class Tenant(msgspec.Struct, kw_only=True):
     models: list[str] = []  # empty: every model
     limits: Limits = msgspec.field(default_factory=Limits)
     created: float = 0.0  # unix time
+    weight: float = 1.0  # its turn in a full model's queue against others'
 
 
 class Key(msgspec.Struct, kw_only=True):
@@ -118,6 +119,15 @@ class TenantStore:
             key=lambda k: (k.tenant, k.name),
         )
 
+    def limits(self, scope: str, owner: str) -> Limits | None:
+        """A tenant's (``scope`` "tenant") or a key's own limits; None: no such owner,
+        or a key with none of its own."""
+        if scope == "tenant":
+            tenant = self._tenants.get(owner)
+            return None if tenant is None else tenant.limits
+        key = self._keys.get(owner)
+        return None if key is None else key.limits
+
     def published(self) -> tuple[list[RouterKey], list[TenantRouting]]:
         """What routers are told: every key (the models it may use, within its
         tenant's) and every tenant's limits."""
@@ -133,23 +143,40 @@ class TenantStore:
             for k in self._keys.values()
             if k.tenant in self._tenants
         ]
-        tenants = [TenantRouting(name=t.name, limits=t.limits) for t in self._tenants.values()]
+        tenants = [
+            TenantRouting(name=t.name, limits=t.limits, weight=t.weight)
+            for t in self._tenants.values()
+        ]
         return keys, tenants
 
     # ------------------------------------------------------------------- changing
 
-    def create_tenant(self, name: str, models: list[str], limits: Limits) -> Tenant:
+    def create_tenant(
+        self, name: str, models: list[str], limits: Limits, weight: float = 1.0
+    ) -> Tenant:
         _check_name("tenant", name)
         if name in self._tenants:
             raise TenantError(f"tenant {name!r} exists already (llmgw ctl tenant set)", 409)
         _check_limits(limits)
-        tenant = Tenant(name=name, models=sorted(set(models)), limits=limits, created=time.time())
+        _check_weight(weight)
+        tenant = Tenant(
+            name=name,
+            models=sorted(set(models)),
+            limits=limits,
+            created=time.time(),
+            weight=weight,
+        )
         self._save({**self._tenants, name: tenant}, self._keys)
         log.info("tenant %s created (%s)", name, describe(tenant.models, limits))
         return tenant
 
     def set_tenant(
-        self, name: str, *, models: list[str] | None = None, limits: Limits | None = None
+        self,
+        name: str,
+        *,
+        models: list[str] | None = None,
+        limits: Limits | None = None,
+        weight: float | None = None,
     ) -> Tenant:
         old = self.tenant(name)
         new = msgspec.structs.replace(old)
@@ -166,6 +193,9 @@ class TenantStore:
         if limits is not None:
             _check_limits(limits)
             new.limits = limits
+        if weight is not None:
+            _check_weight(weight)
+            new.weight = weight
         self._save({**self._tenants, name: new}, self._keys)
         log.info("tenant %s changed (%s)", name, describe(new.models, new.limits))
         return new
@@ -270,6 +300,11 @@ def _check_limits(limits: Limits) -> None:
         value = getattr(limits, field)
         if value is not None and value < 1:
             raise TenantError(f"limit {field} must be at least 1 (leave it out for none)")
+
+
+def _check_weight(weight: float) -> None:
+    if not 0.01 <= weight <= 100:
+        raise TenantError(f"weight {weight:g}: give a number from 0.01 to 100 (1: an equal turn)")
 
 
 def describe(models: list[str], limits: Limits) -> str:

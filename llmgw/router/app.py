@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 import trio
@@ -44,17 +46,22 @@ from llmgw.router import guards
 from llmgw.router.balancer import RetryBudget
 from llmgw.router.errors import error_body, openai_error
 from llmgw.router.keys import ApiKey, KeyRing
+from llmgw.router.leases import RETRY_S, WAIT_S, LeaseClient, Unreachable
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.proxy import Proxy
-from llmgw.router.quota import Quotas, Refusal, ratelimit_headers
+from llmgw.router.quota import Quotas, Refusal, Short, Ticket, ratelimit_headers
 from llmgw.router.record import Record
 from llmgw.router.relay import Relay
 from llmgw.router.table import RoutingTable
 from llmgw.router.tally import Tally
+from llmgw.routing import LeaseAnswer, LeaseExchange
 
 __all__ = ["ROUTES", "RouterApp", "error_body"]
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+
+T = TypeVar("T")
 
 
 class RouterApp:
@@ -71,11 +78,15 @@ class RouterApp:
         resume_streams: bool = True,
         limits: guards.Limits = guards.Limits(),  # noqa: B008 (frozen)
         tally: Tally | None = None,
+        leases: LeaseClient | None = None,
     ) -> None:
         self.table = table
         self.limits = limits
         self.keys = keys
-        self.quotas = Quotas()  # what tenants' keys use here, against their limits
+        # what tenants' keys may spend here, from leases of the control plane's (none
+        # given: no control plane, and a tenant's key past nothing is refused)
+        self.leases = leases or LeaseClient(Quotas(), _nowhere, "alone")
+        self.quotas = self.leases.quotas
         self.tally = tally or Tally()  # and what they used, for the control plane's ledger
         self.metrics = metrics or RouterMetrics()
         self.access_log = access_log
@@ -93,6 +104,7 @@ class RouterApp:
         the record and key of a request to read and route."""
         arrived = trio.current_time() if self.access_log else None
         record = Record(request, self.metrics, arrived)
+        record.shares = self.proxy.shares
         verdict = self._head(request, record)
         if isinstance(verdict, Response):
             record.respond(verdict.status)
@@ -112,7 +124,7 @@ class RouterApp:
             raise
         except Exception:
             if record.ticket is not None:  # the server answers 500; the tenant's count frees
-                record.ticket.release()
+                record.ticket.release(trio.current_time())
             raise
         if record.ticket is not None:
             response.headers.extend(record.ticket.headers())
@@ -159,6 +171,15 @@ class RouterApp:
 
     async def _route(self, request: Request, record: Record, key: ApiKey) -> Response:
         """A request with a good key for an endpoint that routes: read the model, send it on."""
+        if record.short is not None:  # its head waits on a lease
+            got = await self._lease(
+                lambda: self.quotas.admit(key, self.table.tenants, trio.current_time()),
+                record.short,
+            )
+            record.short = None
+            if isinstance(got, Refusal):
+                return self._over(got, key)
+            self._admitted(got, key, record)
         body = guards.read(request.body, self.limits)
         if isinstance(body, guards.Refusal):
             self.metrics.refused.labels(body.why).inc()
@@ -173,8 +194,13 @@ class RouterApp:
         if not key.allows(body.model):
             return self._not_allowed(key, body.model)
         ticket = record.ticket
-        if ticket is not None and key.tenant:  # a tenant's tokens per minute
-            over = ticket.reserve(len(request.body), body.completion_bound, trio.current_time())
+        if ticket is not None and key.tenant:  # a tenant's tokens a minute, a day, a month
+            t = ticket
+            over = await self._lease(
+                lambda: self.quotas.reserve(
+                    t, len(request.body), body.completion_bound, trio.current_time()
+                )
+            )
             if over is not None:
                 return self._over(over, key, body.model)
             ticket.tally, ticket.model = self.tally, body.model  # counted at its end
@@ -210,16 +236,44 @@ class RouterApp:
         held = self.quotas.admit(key, self.table.tenants, trio.current_time())
         if isinstance(held, Refusal):
             return self._over(held, key)
-        self.metrics.tenant_requests.labels(key.tenant).inc()
-        record.ticket = held
+        if isinstance(held, Short):
+            record.short = held  # judged again once an exchange went through (``_route``)
+        else:
+            self._admitted(held, key, record)
         return key
+
+    def _admitted(self, ticket: Ticket, key: ApiKey, record: Record) -> None:
+        self.metrics.tenant_requests.labels(key.tenant).inc()
+        record.ticket = ticket
+
+    async def _lease(
+        self, judge: Callable[[], T | Refusal | Short], first: Short | None = None
+    ) -> T | Refusal:
+        """What ``judge`` says once it waits on no lease: each time it does, wait for an
+        exchange with the control plane that asks for it, within ``WAIT_S`` in all."""
+        deadline = trio.current_time() + WAIT_S
+        got = judge() if first is None else first
+        while isinstance(got, Short):
+            failure = await self.leases.fill(got, deadline)
+            if failure:
+                return got.refusal(failure)
+            got = judge()
+            if isinstance(got, Short):
+                if trio.current_time() >= deadline:
+                    return got.denied() or got.refusal("the control plane did not answer in time")
+                if got.waits():  # other routers give back what it needs within a second
+                    await trio.sleep(RETRY_S)
+        return got
 
     def _over(self, refusal: Refusal, key: ApiKey, model: str = "") -> Response:
         """A tenant's limit refuses the request: 429, the limit named, when to retry."""
         self.metrics.tenant_refused.labels(key.tenant, refusal.limit, refusal.scope).inc()
         self.tally.refused(key.tenant, model, refusal.limit)
-        kind = "tokens" if refusal.limit == "tpm" else "requests"
-        r = openai_error(429, refusal.message, kind, code="rate_limit_exceeded")
+        if refusal.budget:  # OpenAI's word for a quota spent
+            r = openai_error(429, refusal.message, "insufficient_quota", code="insufficient_quota")
+        else:
+            kind = "tokens" if refusal.limit == "tpm" else "requests"
+            r = openai_error(429, refusal.message, kind, code="rate_limit_exceeded")
         r.headers.append(("retry-after", str(max(1, math.ceil(refusal.retry_after_s)))))
         r.headers.extend(ratelimit_headers(refusal))
         return r
@@ -266,3 +320,7 @@ class RouterApp:
 
 def _model_object(name: str) -> dict[str, object]:
     return {"id": name, "object": "model", "created": 0, "owned_by": "llmgw"}
+
+
+async def _nowhere(ex: LeaseExchange) -> LeaseAnswer:
+    raise Unreachable("this router follows no control plane")

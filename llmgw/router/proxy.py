@@ -74,6 +74,7 @@ from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
+from llmgw.router.fair import Shares
 from llmgw.router.prefix import prompt_key
 from llmgw.router.record import Record
 from llmgw.router.relay import Relay
@@ -146,6 +147,7 @@ class Proxy:
         self.resume_streams = resume_streams
         self._panicking: set[str] = set()  # models whose last pick was in panic
         self.poison = poison.Watch()  # bodies that crashed engines lately
+        self.shares = Shares()  # tenants' recent tokens: who goes first in a full model
         self.resumer = Resumer(table, pool, budget, self.poison)  # broken streams go on
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
@@ -180,9 +182,18 @@ class Proxy:
         held: Endpoint | None = None  # where ``failed``, a suspect fault, waits to be settled
         attempts = 0
         apart_until: float | None = None  # a suspect waits this long for a replica of its own
+        rank: tuple[float, int] | None = None  # its place among those waiting (``fair``)
         while True:
             now = trio.current_time()
             suspect = record.suspect
+            if len(room) and not suspect:  # others wait for room: the better-ranked first
+                if rank is None:
+                    rank = self.shares.rank(record.owner, self.table.weight(record.tenant))
+                if room.ahead(rank) and now < started + self.queue_timeout_s:
+                    await room.wait(started + self.queue_timeout_s, rank)
+                    endpoints = self.table.endpoints.get(model, [])
+                    admission = self.table.admission.get(model, _NO_THRESHOLDS)
+                    continue
             choice = choose(
                 endpoints,
                 now,
@@ -203,7 +214,9 @@ class Proxy:
             if ep is None:
                 deadline = started + self.queue_timeout_s
                 if choice.shed and trio.current_time() < deadline:
-                    await room.wait(deadline)  # queue for a bounded time before shedding
+                    if rank is None:
+                        rank = self.shares.rank(record.owner, self.table.weight(record.tenant))
+                    await room.wait(deadline, rank)  # queue for a bounded time, in rank
                     endpoints = self.table.endpoints.get(model, [])  # as it is now
                     admission = self.table.admission.get(model, _NO_THRESHOLDS)
                     continue
@@ -232,6 +245,9 @@ class Proxy:
                 if key.blocks:
                     ep.prefix.record(key.blocks)
             lease = Lease(ep, now, room, suspect=suspect)
+            record.sent.append(ep.key)
+            if rank is not None and len(room):
+                room.wake_first()  # it took room: the next in rank looks (there may be more)
             try:
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:

@@ -32,10 +32,11 @@ from llmgw.addr import join_hostport
 from llmgw.http import Request, printable
 from llmgw.router.affinity import Pick
 from llmgw.router.breaker import Outcome
+from llmgw.router.fair import Shares
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.poison import Crashes
 from llmgw.router.prefix import PrefixIndex, PromptKey, Reading
-from llmgw.router.quota import Ticket
+from llmgw.router.quota import Short, Ticket
 
 access_log = logging.getLogger("llmgw.router.access")
 
@@ -65,6 +66,9 @@ class Record:
         "prompt_tokens",
         "replica",
         "request",
+        "sent",
+        "shares",
+        "short",
         "started",
         "status",
         "tenant",
@@ -81,8 +85,11 @@ class Record:
         self.key = "-"  # the API key's name, once checked
         self.tenant = "-"  # the tenant the key belongs to ("-": none)
         self.ticket: Ticket | None = None  # what it holds of its tenant's limits (``quota``)
+        self.short: Short | None = None  # what it waits on of them, judged by its head
         self.model = "-"  # as asked, known or not
         self.replica = "-"  # the replica whose answer the client gets
+        self.sent: list[str] = []  # the replicas it was sent to, in order
+        self.shares: Shares | None = None  # where what it used counts for its turn (``fair``)
         self.started: float | None = None  # when it was routed; None: it was not
         self.status = 0
         self.ttft: float | None = None
@@ -103,6 +110,11 @@ class Record:
         if self.crashes is None:
             self.crashes = Crashes()
         return self.crashes.died(replica, answered=answered, alone=alone)
+
+    @property
+    def owner(self) -> str:
+        """Whose turn it is in a full model's queue: its tenant, or its key's own name."""
+        return self.tenant if self.tenant != "-" else f"key:{self.key}"
 
     @property
     def suspect(self) -> bool:
@@ -193,8 +205,10 @@ class Record:
             return
         self.done = True
         if self.ticket is not None:  # what it used replaces what it reserved
-            self.ticket.settle(self.prompt_tokens, self.tokens)
-            self.ticket.release()
+            self.ticket.settle(self.prompt_tokens, self.tokens, now)
+            self.ticket.release(now)
+        if self.shares is not None and self.started is not None:
+            self.shares.spent(self.owner, self.prompt_tokens + self.tokens, now)
         if self.started is not None:
             m = self.metrics
             m.latency.labels(self.model).observe(now - self.started)
@@ -210,8 +224,8 @@ class Record:
             return
         self.done = True
         if self.ticket is not None:  # left before any answer: the prompt as estimated
-            self.ticket.settle(0, 0)
-            self.ticket.release()
+            self.ticket.settle(0, 0, now)
+            self.ticket.release(now)
         self.replica = "-"
         self.respond(499)
         if self.arrived is not None:
@@ -223,9 +237,12 @@ class Record:
         client = join_hostport(*request.client)
         ttft = "-" if self.ttft is None else f"{self.ttft:.3f}s"
         cached = "-" if self.cached is None else f"{self.cached}/{self.prompt_tokens}"
+        # where it went, when that is not only the replica that answered: a request
+        # that failed over, or ended with no replica's answer
+        sent = "" if self.sent in ([], [self.replica]) else f" sent={','.join(self.sent)}"
         access_log.info(
             "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
-            "tokens=%d cached=%s end=%s",
+            "tokens=%d cached=%s end=%s%s",
             client,
             request.method,
             printable(request.path, field=True),
@@ -239,4 +256,5 @@ class Record:
             self.tokens,
             cached,
             ended,
+            sent,
         )

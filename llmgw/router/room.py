@@ -18,7 +18,9 @@ wakes every request waiting there, each of which chooses again
 
 A woken request that is given a replica counts on it before the next one
 chooses (no await between the choice and ``Lease``), so one free slot admits
-one request however many were woken.
+one request however many were woken. Waiters go in the order of their rank
+(``llmgw.router.fair``): one that is not first waits again while a better one
+waits, and one that took room wakes the next in rank.
 
 Every wait has a bound: a waiter chooses again at least every ``RECHECK_S``, in
 case something changed that nothing here was told of, and leaves at its
@@ -27,6 +29,9 @@ deadline.
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import trio
 
 # the longest a queued request waits before choosing again, woken or not
@@ -34,26 +39,44 @@ RECHECK_S = 1.0
 
 
 class Room:
-    """Where one model's queued requests wait for room."""
+    """Where one model's queued requests wait for room, each with its rank
+    (``llmgw.router.fair``): the lower, the sooner."""
 
-    __slots__ = ("_lot",)
+    __slots__ = ("_order", "_waiting")
 
     def __init__(self) -> None:
-        self._lot = trio.lowlevel.ParkingLot()
+        self._waiting: dict[tuple[float, int], trio.Event] = {}
+        self._order = itertools.count()
 
     def __len__(self) -> int:
         """How many requests wait here now."""
-        return len(self._lot)
+        return len(self._waiting)
 
     def wake(self) -> None:
         """There may be room now: every waiter chooses again."""
-        if len(self._lot):  # nobody waiting, the common case: nothing to do
-            self._lot.unpark_all()
+        for event in self._waiting.values():
+            event.set()
 
-    async def wait(self, deadline: float) -> None:
-        """Until woken, ``RECHECK_S`` has passed, or ``deadline``, whichever is first."""
-        with trio.move_on_at(min(deadline, trio.current_time() + RECHECK_S)):
-            await self._lot.park()
+    def wake_first(self) -> None:
+        """A waiter took room: the next in rank looks at once (there may be more)."""
+        if self._waiting:
+            self._waiting[min(self._waiting)].set()
+
+    def ahead(self, rank: tuple[float, int]) -> bool:
+        """Whether a request of a better rank waits here (it goes first)."""
+        return bool(self._waiting) and min(self._waiting) < rank
+
+    async def wait(self, deadline: float, rank: tuple[float, int] | None = None) -> None:
+        """Until woken, ``RECHECK_S`` has passed, or ``deadline``, whichever is first.
+        ``rank``: its place in the queue; None: it keeps no one waiting (it is last)."""
+        if rank is None:
+            rank = (math.inf, next(self._order))
+        event = self._waiting[rank] = trio.Event()
+        try:
+            with trio.move_on_at(min(deadline, trio.current_time() + RECHECK_S)):
+                await event.wait()
+        finally:
+            del self._waiting[rank]
 
 
 class Rooms:

@@ -74,6 +74,7 @@ class RoutingTable:
         self.on_keys = on_keys
         self._keys: list[RouterKey] | None = None
         self.tenants: dict[str, Limits] = {}  # each tenant's limits (``quota``)
+        self._weights: dict[str, float] = {}  # tenants' weights other than 1 (``fair``)
         self.version = ""
         self.carried: frozenset[str] = frozenset()  # routes kept that the snapshot lacks
         self.endpoints: dict[str, list[Endpoint]] = {}
@@ -86,6 +87,10 @@ class RoutingTable:
         self.rooms = Rooms()  # where each model's queued requests wait for room
         if initial is not None:
             self.apply(initial)
+
+    def weight(self, tenant: str) -> float:
+        """A tenant's weight in a full model's queue (``fair``); 1 for any other."""
+        return self._weights.get(tenant, 1.0)
 
     def known(self, model: str) -> bool:
         return model in self._known
@@ -142,6 +147,7 @@ class RoutingTable:
         self.endpoints = table
         self.version = snap.version
         self.tenants = {t.name: t.limits for t in snap.tenants}
+        self._weights = {t.name: t.weight for t in snap.tenants if t.weight != 1.0}
         keys = [*snap.keys, *snap.tenant_keys]
         if keys != self._keys:
             self._keys = keys

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import trio
 
 from llmgw.addr import advertised_host, is_wildcard, join_hostport, url_host
@@ -32,7 +33,9 @@ from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.guards import Limits
 from llmgw.router.keys import KeyRing, api_keys, followed
+from llmgw.router.leases import SEND_S, LeaseClient, http_send
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.quota import Quotas
 from llmgw.router.report import Reporter
 from llmgw.router.table import HttpWatch, RoutingTable
 from llmgw.router.tally import Tally
@@ -51,12 +54,13 @@ def router_app(
     keys: KeyRing,
     got: Shares | None = None,
     tally: Tally | None = None,
+    leases: LeaseClient | None = None,
 ) -> HttpServer:
     """The endpoint's HTTP server, as ``llmgw server`` and ``llmgw router`` both run it;
     ``keys`` may be replaced while it serves. ``got``: the process's connection shares
     (made here when not given); a cut ``max_connections`` is said in one line.
     ``tally``: where what tenants' keys use is counted (the control plane's ledger
-    reads it)."""
+    reads it); ``leases``: where tenants' limits are spent from (``router.leases``)."""
     if got is None:
         got = process_shares(config.max_connections)
     if line := capped_line("router.max_connections", config.max_connections, got):
@@ -79,6 +83,7 @@ def router_app(
         resume_streams=config.resume_streams,
         limits=guard_limits(config),
         tally=tally,
+        leases=leases,
     )
     return HttpServer(
         app,
@@ -211,7 +216,11 @@ async def serve(
         on_keys=_follow_keys(keys, worker),
     )
     got = process_shares(config.router.max_connections)
-    server = router_app(config.router, table, metrics, keys, got, reporter.tally)
+    lease_client = httpx.AsyncClient(timeout=SEND_S)
+    leases = LeaseClient(
+        Quotas(), http_send(config.admin_url, token, lease_client), reporter.router_id
+    )
+    server = router_app(config.router, table, metrics, keys, got, reporter.tally, leases)
     watch_listeners(metrics.registry, {"router": server})
     host, port = parse_hostport(config.router.listen, key="router.listen")
     # bound before any worker starts: a port held elsewhere is one line, from worker 0
@@ -232,11 +241,12 @@ async def serve(
                 )
             )
     try:
-        async with watch, trio.open_nursery() as nursery:
+        async with watch, lease_client, trio.open_nursery() as nursery:
             if reread is not None:
                 nursery.start_soon(_reload_keys_on_sighup, keys, reread, children, worker)
             await nursery.start(table.run)
             await nursery.start(reporter.run)
+            await nursery.start(leases.run)
             await nursery.start(server.serve, listeners)
             where = ", ".join(
                 f"http://{x.socket.getsockname()[0]}:{x.socket.getsockname()[1]}/v1"

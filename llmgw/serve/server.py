@@ -26,6 +26,8 @@ from llmgw.config.schema import is_loopback, resolve, token_from_file
 from llmgw.controlplane.catalog import load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.followers import RouterReports
+from llmgw.controlplane.leases import FILE as LEASES_FILE
+from llmgw.controlplane.leases import LeaseBank, LeaseRefused
 from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import LivenessPolicy, scrape_targets
 from llmgw.controlplane.reconciler import Timing
@@ -40,10 +42,12 @@ from llmgw.controlplane.usage import UsageLedger
 from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router.keys import KeyRing, api_keys, followed, published
+from llmgw.router.leases import LeaseClient, Unreachable
 from llmgw.router.metrics import RouterMetrics
+from llmgw.router.quota import Quotas
 from llmgw.router.table import RoutingTable
 from llmgw.router.tally import Tally
-from llmgw.routing import RouterKey
+from llmgw.routing import LeaseAnswer, LeaseExchange, RouterKey
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import admin_limits, metrics_server, process_shares
 from llmgw.serve.router import router_app
@@ -188,6 +192,16 @@ async def serve(
     router = None
     keys = None
     tally = Tally()  # what tenants' keys use through the router in this process
+    bank = LeaseBank(tenants.limits, resolve(base, config.state_dir) / LEASES_FILE)
+
+    async def lease_here(ex: LeaseExchange) -> LeaseAnswer:
+        """The in-process router's exchanges: a call, not a request."""
+        try:
+            return await bank.serve(ex, time.time())
+        except LeaseRefused as exc:
+            raise Unreachable(str(exc)) from None
+
+    leases = LeaseClient(Quotas(), lease_here, f"in-process-{secrets.token_hex(6)}")
     if config.router.listen:
         metrics = RouterMetrics(control.metrics.registry)
         keys = KeyRing(api_keys(config.router))
@@ -201,12 +215,12 @@ async def serve(
             on_wedged=lambda ids: routers.report_wedged("in-process", ids, trio.current_time()),
             on_keys=lambda published: _follow(ring, published),
         )
-        router = (table, router_app(config.router, table, metrics, keys, got, tally))
+        router = (table, router_app(config.router, table, metrics, keys, got, tally, leases))
     reload = Reloader(fleet, keys, reread, routing)
     ledger = UsageLedger(resolve(base, config.state_dir) / USAGE_FILE)
     if config.router.listen:
         ledger.read_in_process(tally.rows)
-    tenancy = TenancyApi(tenants, lambda: routing.set_tenancy(*tenants.published()), ledger)
+    tenancy = TenancyApi(tenants, lambda: routing.set_tenancy(*tenants.published()), ledger, bank)
     admin_api = AdminApi(
         control,
         token,
@@ -298,6 +312,7 @@ async def serve(
         watch_listeners(control.metrics.registry, watched)
         if router is not None:
             await nursery.start(router[0].run)
+            await nursery.start(leases.run)
             r_host, r_port = parse_hostport(config.router.listen, key="router.listen")
             r_listeners = await open_listeners(
                 "router.listen",

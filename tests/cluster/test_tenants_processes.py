@@ -148,6 +148,14 @@ async def test_a_tenants_key_is_made_used_revoked_and_kept_across_a_restart(
         # the server restarted: the tenant and a key made before it are there still
         kept = str((await ctl_json(gw, "key", "create", "--tenant", "acme"))["key"])
         gw.server.kill()
+        # back where the standalone router looks for it (its leases come from there)
+        config = tmp_path / "server.toml"
+        admin = gw.server.admin_url.rsplit(":", 1)[1]
+        config.write_text(
+            config.read_text().replace(
+                '[admin]\nlisten = "127.0.0.1:0"', f'[admin]\nlisten = "127.0.0.1:{admin}"'
+            )
+        )
         gw.server.start()
         await gw.server.ready(count=2)
         m = await gw.server.wait_log(r"OpenAI-compatible endpoint on (http://\S+/v1)", count=2)
@@ -244,6 +252,67 @@ async def test_a_tenants_limits_hold_at_the_router_and_say_which(tmp_path: Path,
         assert row["requests"] == len(remaining) + 1, row
         assert row["prompt_tokens"] + row["completion_tokens"] >= used, row
         assert row["refused"] == {"tpm": 2}, row
+
+
+async def test_a_tenants_limits_hold_across_every_router_process(tmp_path: Path, pki: Pki) -> None:
+    """12 a minute, sent through the in-process router and the two workers of a
+    standalone router in turn: exactly 12 answered, however they fall, each router
+    spending leases of the one limit. Then a budget of tokens a day: what is served
+    stays within it, and past it every router refuses with insufficient_quota. With
+    the control plane killed, a router serves what its leases hold, then refuses
+    saying why."""
+    async with fleet(tmp_path, pki) as (gw, edge):
+        await gw.server.ctl("tenant", "create", "shared")
+        key = str((await ctl_json(gw, "key", "create", "--tenant", "shared"))["key"])
+        await status_within([gw.base, edge], key, 200, within=1.0)
+        await gw.server.ctl("tenant", "set", "shared", "--rpm", "12")
+        await trio.sleep(1.0)  # the limit reaches every router
+        got = [(await chat(base, key)).status_code for _ in range(12) for base in (gw.base, edge)]
+        assert got.count(200) == 12 and got.count(429) == 12, got
+        over = await chat(edge, key)
+        assert over.status_code == 429
+        assert "tenant 'shared' is at its limit of 12 requests per minute" in over.text
+        leases = json.loads((tmp_path / "state" / "leases.json").read_text())
+        assert any(k.startswith("tenant/shared/rpm") for k in leases["pots"]), leases
+
+        await gw.server.ctl("tenant", "create", "thrifty", "--budget-day", "600")
+        thrifty = str((await ctl_json(gw, "key", "create", "--tenant", "thrifty"))["key"])
+        served, answers = 0, []
+        with trio.fail_after(60):
+            for i in range(200):
+                r = await chat((gw.base, edge)[i % 2], thrifty, max_tokens=16)
+                answers.append(r.status_code)
+                if r.status_code == 200:
+                    served += r.json()["usage"]["total_tokens"]
+                elif r.status_code == 429:
+                    error = r.json()["error"]
+                    if error["code"] == "insufficient_quota":
+                        break
+                    assert "cannot ask" not in error["message"], error
+        assert error["type"] == "insufficient_quota", error
+        assert "has used its budget of 600 tokens a day: it resets in" in error["message"]
+        reserve = len(json.dumps({"model": "m", "messages": HI, "max_tokens": 16})) // 3 + 17
+        assert 600 - 2 * reserve <= served <= 600, (served, answers)
+        for base in (gw.base, edge):  # spent, at every router
+            assert (await chat(base, thrifty)).json()["error"]["code"] == "insufficient_quota"
+        shown = (await gw.server.ctl("tenant", "show", "thrifty")).stdout.decode()
+        counted = re.search(r"counted\s+budget_day (\d+)/600", shown)
+        assert counted and served <= int(counted.group(1)) <= 600, shown
+
+        # the control plane killed: the standalone router spends what it holds, then
+        # refuses in words; it never serves what it was not granted
+        await gw.server.ctl("tenant", "create", "steady", "--rpm", "600")
+        steady = str((await ctl_json(gw, "key", "create", "--tenant", "steady"))["key"])
+        await status_within([edge], steady, 200, within=1.0)
+        for _ in range(10):  # busy: it holds requests ahead of need
+            assert (await chat(edge, steady)).status_code == 200
+        gw.server.kill()
+        after = [await chat(edge, steady) for _ in range(40)]
+        codes = [r.status_code for r in after]
+        assert codes[0] == 200 and 429 in codes, codes
+        refused = next(r for r in after if r.status_code == 429).json()["error"]["message"]
+        assert "cannot ask for more" in refused and "control plane" in refused, refused
+        assert codes.index(429) <= 30, codes  # what it held: a few seconds' worth
 
 
 async def test_tenant_commands_say_what_is_wrong_in_one_line(tmp_path: Path, pki: Pki) -> None:

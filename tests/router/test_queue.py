@@ -88,3 +88,64 @@ async def test_a_queued_request_starts_the_moment_room_frees(
         # sent as the stream ended on its replica (just before the client read its end),
         # not at the queue's next re-check, 30 s on
         assert abs(sent_b[0] - done_at) < 1.0, sent_b[0] - done_at
+
+
+@needs_server
+async def test_a_full_model_serves_the_quiet_client_before_the_one_that_floods_it(
+    tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    """One slot, nothing admitted that would wait on the engine: while a stream of the
+    noisy key holds the slot, three more of its requests queue, then one of a quiet key.
+    When the slot frees, the quiet one goes first (the noisy key used tokens lately,
+    the quiet none), then the noisy ones in the order they came: first come, first
+    served would have put the quiet one last."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None)
+    async with llama_server(model, tmp_path, context=2048, name="a") as url:
+        table = RoutingTable(scrape_s=60)
+        table.apply(
+            Snapshot(
+                version="1",
+                models={"m": ModelRouting(target_waiting=0)},
+                routes=[Route(key="a", model="m", url=url, engine="llama.cpp")],
+            )
+        )
+        await nursery.start(table.run)
+        [ep] = table.endpoints["m"]
+        with trio.fail_after(5):
+            while ep.load is None:
+                await trio.sleep(0.01)
+        quiet = "llmgw-quiet-key"
+        keys = KeyRing([ApiKey("noisy", hash_key(KEY)), ApiKey("quiet", hash_key(quiet))])
+        app = RouterApp(table, keys, queue_timeout_s=30.0)
+        base = f"http://127.0.0.1:{await serve(nursery, app)}/v1"
+        queue = table.rooms("m")
+        done: list[str] = []
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+
+        async def ask(client: httpx.AsyncClient, who: str, key: str) -> None:
+            auth = {"authorization": f"Bearer {key}"}
+            r = await client.post(base + "/chat/completions", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+            done.append(who)
+
+        with trio.fail_after(30):
+            async with httpx.AsyncClient(timeout=30) as client:
+                await ask(client, "warm", KEY)  # the noisy key has used tokens lately
+                done.clear()
+                async with trio.open_nursery() as inner:
+                    first = {**body, "max_tokens": 400, "stream": True}
+                    async with client.stream(
+                        "POST", base + "/chat/completions", json=first, headers=AUTH
+                    ) as r:
+                        lines = r.aiter_lines()
+                        await lines.__anext__()  # the stream holds the slot
+                        for i in range(3):
+                            inner.start_soon(ask, client, f"noisy{i}", KEY)
+                            while len(queue) < i + 1:
+                                await trio.sleep(0.002)
+                        inner.start_soon(ask, client, "quiet", quiet)
+                        while len(queue) < 4:
+                            await trio.sleep(0.002)
+                        async for _ in lines:
+                            pass
+        assert done == ["quiet", "noisy0", "noisy1", "noisy2"], done

@@ -78,15 +78,35 @@ def test_a_client_that_left_before_a_response_is_a_499_without_latency(
     m = RouterMetrics()
     record = routed(m)
     record.replica = "r1"  # an attempt was under way
+    record.sent.append("r1")
     record.left(11.0)
     record.end(12.0)
     assert count(m, "499", replica="-") == 1
     assert latencies(m) == 0
     [line] = lines(caplog)
     assert (
-        "status=499 key=k tenant=- model=m replica=- time=1.000s ttft=- tokens=0 cached=- end=client left"
-        in line
+        "status=499 key=k tenant=- model=m replica=- time=1.000s ttft=- tokens=0 cached=- "
+        "end=client left sent=r1" in line  # where it waited
     )
+
+
+def test_a_request_that_failed_over_names_every_replica_it_was_sent_to(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="llmgw.router.access")
+    record = routed(RouterMetrics())
+    record.sent += ["r1", "r2"]
+    record.replica = "r2"
+    record.respond(200)
+    record.end(11.0)
+    alone = routed(RouterMetrics())
+    alone.sent.append("r1")
+    alone.replica = "r1"
+    alone.respond(200)
+    alone.end(11.0)
+    failed_over, answered = lines(caplog)
+    assert "replica=r2" in failed_over and failed_over.endswith("end=ok sent=r1,r2")
+    assert answered.endswith("end=ok")  # only where it was answered: nothing more
 
 
 def test_a_request_never_routed_is_logged_but_not_counted(
