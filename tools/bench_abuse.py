@@ -72,8 +72,7 @@ from typing import Any
 
 from llmgw.agent.discovery.engines import find_llama_server
 from llmgw.router.keys import hash_key, new_key
-from llmgw.tls import init_ca, issue_server, load_ca
-from tools.support.benchlib import free_port
+from tools.support.benchlib import free_port, server_head
 from tools.support.procs import Failed, Procs, interrupt_on_sigterm, llmgw
 from tools.support.tinymodel import write_model
 
@@ -136,10 +135,6 @@ def start_fleet(procs: Fleet, args: argparse.Namespace) -> tuple[int, int, str]:
     )
     procs.wait_until("engine", lambda: http_status(engine_port, "/health") == 200, 60, "health")
 
-    pki = d / "pki"
-    pki.mkdir()
-    init_ca(pki)
-    cert, cert_key = issue_server(load_ca(pki), ["127.0.0.1"], pki)
     key = new_key()
     (d / "catalog.toml").write_text(
         f'[models.tiny]\nstatic_endpoints = ["http://127.0.0.1:{engine_port}"]\n'
@@ -151,16 +146,8 @@ def start_fleet(procs: Fleet, args: argparse.Namespace) -> tuple[int, int, str]:
     keys = abuse_keys(procs)
     (d / "metrics-token").write_text("prometheus\n")
     (d / "server.toml").write_text(
-        f"""state_dir = "state"
-catalog = "catalog.toml"
-[agent_stream]
-listen = "127.0.0.1:0"
-ca = "{pki / "ca.pem"}"
-cert = "{cert}"
-key = "{cert_key}"
-[admin]
-listen = "127.0.0.1:0"
-[metrics]
+        server_head(d)
+        + f"""[metrics]
 listen = "127.0.0.1:0"
 token_file = "metrics-token"
 [router]

@@ -54,7 +54,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tools.support.benchlib import cpu_seconds, free_port, percentile, tree_cpu
+from tools.support.benchlib import cpu_seconds, free_port, percentile, server_head, tree_cpu
 from tools.support.procs import ROOT, Procs, interrupt_on_sigterm, llmgw, python_path
 
 VENV_ASGI = ROOT / ".llmgw" / "bench-venv-asgi"
@@ -292,29 +292,17 @@ def start_llmgw(
     """``llmgw server`` routing the ``tiny`` model to the engine on ``engine_port`` (or
     what ``catalog`` says): its pid, the router's port, and an API key it accepts."""
     from llmgw.router.keys import hash_key, new_key
-    from llmgw.tls import init_ca, issue_server, load_ca
 
     d = procs.workdir / "llmgw-server"
-    pki = d / "pki"
-    pki.mkdir(parents=True)
-    init_ca(pki)
-    cert, key_path = issue_server(load_ca(pki), ["127.0.0.1"], pki)
+    d.mkdir(parents=True, exist_ok=True)
     key = new_key()
     port = free_port()
     (d / "catalog.toml").write_text(
         catalog or f'[models.tiny]\nstatic_endpoints = ["http://127.0.0.1:{engine_port}"]\n'
     )
     (d / "server.toml").write_text(
-        f"""state_dir = "state"
-catalog = "catalog.toml"
-[agent_stream]
-listen = "127.0.0.1:0"
-ca = "{pki / "ca.pem"}"
-cert = "{cert}"
-key = "{key_path}"
-[admin]
-listen = "127.0.0.1:0"
-[router]
+        server_head(d)
+        + f"""[router]
 listen = "127.0.0.1:{port}"
 [[router.keys]]
 name = "bench"

@@ -68,6 +68,9 @@ RATE_S = 5.0  # at the rate it spent over this long
 IDLE_S = 5.0  # a pot untouched this long gives back what it holds
 SPARE_SLOTS = 1  # in flight: slots held beyond those in use, while busy
 CONTENDED_S = 3.0  # keep nothing ahead of a limit the control plane says is contended
+# a need the control plane denied for good is refused here without asking again for
+# this long (what other routers give back, or a window that empties, may meet it after)
+DENIED_S = 1.0
 _TOKENS = ("tpm", *BUDGETS)
 
 
@@ -101,6 +104,7 @@ class _Pot:
     # it denied a need while others held enough unspent: the limit and when
     soft: tuple[float, float] | None = None  # (when, retry_after)
     back: list[tuple[int, int]] = attrs.Factory(list)  # (grant, units) to give back
+    peaks: deque[tuple[float, int]] = attrs.Factory(deque)  # in flight: (when, in use)
 
     def have(self, now: float) -> int:
         """Units spendable now (grants past their time set aside to give back)."""
@@ -119,6 +123,8 @@ class _Pot:
         self.spent.append((now, units))
         if self.kind == "in_flight":
             self.in_use += units
+            if not self.peaks or self.peaks[-1][1] < self.in_use or self.peaks[-1][0] < now - 1:
+                self.peaks.append((now, self.in_use))
             return []
         taken = []
         for chunk in self.chunks:
@@ -153,7 +159,9 @@ class _Pot:
         calm = now >= self.contended
         if self.kind == "in_flight":
             busy = (self.in_use or self.needed) and calm
-            want = self.in_use + self.needed + (SPARE_SLOTS if busy else 0) - self.slots
+            peak = self.peak(now) if calm else 0
+            spare = SPARE_SLOTS if busy else 0
+            want = max(self.in_use + self.needed, peak) + spare - self.slots
         else:
             ahead = math.ceil(sum(n for _, n in self.spent) / RATE_S * AHEAD_S) if calm else 0
             want = self.needed + ahead - have
@@ -177,7 +185,8 @@ class _Pot:
         calm = now >= self.contended
         if self.kind == "in_flight":
             spare = SPARE_SLOTS if not idle and self.in_use and calm else 0
-            keep = self.in_use + self.needed + spare
+            peak = self.peak(now) if calm and not idle else 0
+            keep = max(self.in_use + self.needed, peak) + spare
             if self.slots > keep:
                 self.back.append((0, self.slots - keep))
                 self.slots = keep
@@ -197,6 +206,13 @@ class _Pot:
                 scope=self.scope, owner=self.owner, kind=self.kind, units=units, grant=grant
             )
         self.back = []
+
+    def peak(self, now: float) -> int:
+        """In flight: the most requests in use at once over the last ``RATE_S`` (slots
+        held for them, so that a steady load does not ask for a slot each request)."""
+        while self.peaks and self.peaks[0][0] < now - RATE_S:
+            self.peaks.popleft()
+        return max((n for _, n in self.peaks), default=0)
 
     def unspent(self, now: float) -> LeaseHold | None:
         have = self.have(now)
@@ -469,9 +485,9 @@ class Quotas:
         for d in answer.denied:
             pot = self._pot(d.scope, d.owner, d.kind)
             pot.left = 0
-            if d.final:
-                pot.denied, pot.retry_after = sent + d.retry_after_s, d.retry_after_s
-                pot.denied_units = pot.asked
+            if d.final:  # remembered a moment: others give back, windows empty
+                pot.denied = sent + min(d.retry_after_s, DENIED_S)
+                pot.retry_after, pot.denied_units = d.retry_after_s, pot.asked
             else:  # others hold it unspent, and give it back: ask again in a moment
                 pot.soft = (sent, d.retry_after_s)
         again = False

@@ -108,3 +108,22 @@ def test_bench_goodput_runs_every_workload_and_policy() -> None:
     assert all(ok == total for ok, total in answered), text
     assert "goal: unique: TTFT p95 within 5% of load-only:" in text
     assert "choice: shared: by load" in text
+
+
+@needs_server
+def test_bench_tenants_runs_and_holds_budgets_across_killed_routers() -> None:
+    """Small: what it prints is the issue's table; a budget overspent or a request
+    refused within one fails here too (the design says none, whatever the size)."""
+    text = run_tool(
+        "tools.bench_tenants",
+        "--quick",
+        "--tenants=5",
+        "--requests=400",
+        "--outage-s=3",
+        "--only=budgets,outage,cpu,fair",
+        timeout=400,
+    )
+    assert "budgets: 0 tokens served past budgets" in text, text
+    assert " 0 false refusals (goal 0: met)" in text, text
+    assert "outage:" in text and "cpu: tenants on / off =" in text, text
+    assert "fair: steady TTFT p95 with noisy / without =" in text, text

@@ -1,8 +1,8 @@
 """What the benchmarks under ``tools/`` measure with: process CPU, percentiles, ports.
 (The processes they start are ``procs``'s.)
 
-Standard library only: ``tools/bench_router.py``'s load generator imports it from
-another virtualenv.
+Standard library only at import: ``tools/bench_router.py``'s load generator imports it
+from another virtualenv (``server_head`` imports llmgw when it is called).
 """
 
 from __future__ import annotations
@@ -79,3 +79,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def server_head(workdir: Path, admin: str = "127.0.0.1:0") -> str:
+    """The start of a benchmark's ``server.toml``: its state and catalog in ``workdir``,
+    an agent stream on a free loopback port with a CA and certificate made under
+    ``workdir/pki``, and the admin listener at ``admin``; the caller adds the rest."""
+    from llmgw.tls import init_ca, issue_server, load_ca
+
+    pki = workdir / "pki"
+    pki.mkdir(parents=True, exist_ok=True)
+    init_ca(pki)
+    cert, key = issue_server(load_ca(pki), ["127.0.0.1"], pki)
+    return f"""state_dir = "state"
+catalog = "catalog.toml"
+[agent_stream]
+listen = "127.0.0.1:0"
+ca = "{pki / "ca.pem"}"
+cert = "{cert}"
+key = "{key}"
+[admin]
+listen = "{admin}"
+"""
