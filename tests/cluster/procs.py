@@ -192,3 +192,13 @@ def lasting(pid: int) -> tuple[int, tuple[str, ...]] | None:
     when it is gone."""
     found = identity(pid)
     return None if found is None else (found.start_time, found.cmdline)
+
+
+async def workers_route(router: Daemon, routes: int, workers: int = 2, start: int = 1) -> None:
+    """Until every worker of a standalone router (started ``start`` times) serves and
+    the routing holds ``routes``: each worker past the first says it serves (by then
+    its SIGHUP handler is in place), and the routes line has come once per worker
+    (two lines of one worker's, for two versions, are not enough alone)."""
+    for i in range(1, workers):
+        await router.wait_log(rf"router worker {i} serving on", count=start)
+    await router.wait_log(rf"routing table now version \w+: {routes} routes", count=workers * start)

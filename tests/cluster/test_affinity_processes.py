@@ -22,7 +22,7 @@ import openai
 import trio
 
 from llmgw.router.keys import hash_key, new_key
-from tests.cluster.procs import Daemon
+from tests.cluster.procs import Daemon, workers_route
 from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_key
 from tests.cluster.test_router_processes import Samples, admin_metrics, reserved_port
 from tests.conftest import Pki
@@ -297,7 +297,7 @@ async def test_two_workers_of_a_standalone_router_send_a_conversation_to_one_rep
         router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
         c.agents["router"] = router  # killed with the rest
         try:
-            await router.wait_log(r"routing table now version \w+: 2 routes", count=2)
+            await workers_route(router, 2)
             m = await router.wait_log(r"router metrics on (http://127\.0\.0\.1:\d+/metrics)")
             metrics_url = m.group(1)
             # the kernel picks a worker by a hash of each connection's ports: 16 turns

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from llmgw.engines import adapters
 from llmgw.router.keys import hash_key, new_key
-from tests.cluster.procs import Daemon
+from tests.cluster.procs import Daemon, workers_route
 from tests.cluster.test_control_plane_processes import cluster
 from tests.cluster.test_router_processes import reserved_port, routed, stopped_with_sigterm
 from tests.conftest import Pki
@@ -119,7 +119,7 @@ async def test_sighup_reloads_the_keys_of_every_standalone_router_worker(
         router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
         c.agents["router"] = router  # killed with the rest
         base = f"http://127.0.0.1:{port}/v1"
-        await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
+        await workers_route(router, 1)  # both workers
         other = new_key()
         assert (await chat(base, other)).status_code == 401
 
@@ -176,7 +176,7 @@ async def test_a_key_reloaded_on_the_server_reaches_every_standalone_router_work
         router = Daemon("router", ["router", "--config", "router.toml"], tmp_path)
         async with stopped_with_sigterm(router.start()):
             base = f"http://127.0.0.1:{port}/v1"
-            await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+            await workers_route(router, 1)
             for _ in range(4):  # connections land on both workers: its own key, and the server's
                 assert (await chat(base, edge)).status_code == 200
                 assert (await chat(base, key)).status_code == 200

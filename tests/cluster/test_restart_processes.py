@@ -26,7 +26,7 @@ import trio
 
 from llmgw.agent.procs import alive
 from llmgw.router.keys import hash_key, new_key
-from tests.cluster.procs import Daemon, Server, lasting, write_server_config
+from tests.cluster.procs import Daemon, Server, lasting, workers_route, write_server_config
 from tests.cluster.test_control_plane_processes import Cluster, engine_pid
 from tests.conftest import Pki
 from tests.ports import own_port
@@ -131,7 +131,7 @@ async def fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[tuple[Cluster, Daemon
         c.agent("n2")
         await c.wait_ready(2)
         c.agents["router"] = router.start()  # killed with the rest
-        await router.wait_log(r"routing table now version \w+: 2 routes", count=2)
+        await workers_route(router, 2)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(traffic.run)
             yield c, router, traffic

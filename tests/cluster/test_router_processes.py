@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from llmgw.router.keys import hash_key, new_key
-from tests.cluster.procs import Daemon
+from tests.cluster.procs import Daemon, workers_route
 from tests.cluster.proxy import Proxy
 from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_key, engine_pid
 from tests.conftest import Pki
@@ -508,8 +508,6 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
 ) -> None:
     """`llmgw router` on its own (two processes sharing the port) follows the routing
     table over the admin API, and keeps serving while the control plane is away."""
-    from tests.cluster.procs import Daemon
-
     # (a [metrics] table among the [router] keys: the server's own metrics listener)
     metrics = '[metrics]\nlisten = "127.0.0.1:0"\n'
     async with routed(tmp_path, pki, router_extra=metrics) as (c, _, key):
@@ -526,7 +524,7 @@ async def test_a_standalone_router_with_two_workers_follows_the_control_plane(
         router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
         c.agents["router"] = router  # killed with the rest
         base = f"http://127.0.0.1:{port}/v1"
-        await router.wait_log(r"routing table now version \w+: 1 routes", count=2)  # both workers
+        await workers_route(router, 1)  # both workers
         m = await router.wait_log(r"router metrics on (http://127\.0\.0\.1:\d+/metrics)")
         metrics_url = m.group(1)
         # the control plane's service discovery lists the router, as it said in its report
@@ -619,7 +617,7 @@ async def test_every_worker_of_a_standalone_router_logs_at_the_level_asked(
         )
         args = ["router", "--config", "router.toml", "--log-level", "debug"]
         async with stopped_with_sigterm(Daemon("router", args, tmp_path).start()) as router:
-            await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+            await workers_route(router, 1)
             reports = r"router (\w+) reported to the control plane"
             with trio.move_on_after(10):
                 while len(set(re.findall(reports, router.log()))) < 2:

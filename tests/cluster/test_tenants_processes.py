@@ -17,7 +17,7 @@ import pytest
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.cluster.procs import Daemon
+from tests.cluster.procs import Daemon, workers_route
 from tests.cluster.test_router_processes import reserved_port, stopped_with_sigterm
 from tests.conftest import Pki
 from tests.engines.test_tinymodel import llama_server
@@ -90,7 +90,7 @@ async def fleet(tmp_path: Path, pki: Pki) -> AsyncIterator[tuple[Gateway, str]]:
         )
         router = Daemon("router", ["router", "--config", "router.toml"], tmp_path)
         async with stopped_with_sigterm(router.start()):
-            await router.wait_log(r"routing table now version \w+: 1 routes", count=2)
+            await workers_route(router, 1)
             yield gw, f"http://127.0.0.1:{port}/v1"
         held.close()
 
@@ -309,10 +309,13 @@ async def test_a_tenants_limits_hold_across_every_router_process(tmp_path: Path,
         gw.server.kill()
         after = [await chat(edge, steady) for _ in range(40)]
         codes = [r.status_code for r in after]
-        assert codes[0] == 200 and 429 in codes, codes
-        refused = next(r for r in after if r.status_code == 429).json()["error"]["message"]
-        assert "cannot ask for more" in refused and "control plane" in refused, refused
-        assert codes.index(429) <= 30, codes  # what it held: a few seconds' worth
+        # each connection lands on either worker, each with leases of its own
+        assert 200 in codes and 429 in codes and set(codes) == {200, 429}, codes
+        for r in after:
+            if r.status_code == 429:
+                refused = r.json()["error"]["message"]
+                assert "cannot ask for more" in refused and "control plane" in refused, refused
+        assert codes.count(200) <= 30, codes  # what they held: a few seconds' worth
 
 
 async def test_tenant_commands_say_what_is_wrong_in_one_line(tmp_path: Path, pki: Pki) -> None:
