@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -34,3 +35,33 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+class KeptFile:
+    """A file saved whole (``write_atomic``) again and again, as its owner changes: a
+    save that fails is said once in ``log`` (not at every try, while the reason stays
+    the same), and the first that succeeds after, once. ``what``: the file in words
+    ("tenants' usage"); ``kept``: what its owner does meanwhile, in words."""
+
+    def __init__(self, path: Path, what: str, kept: str, log: logging.Logger) -> None:
+        self.path = path
+        self.what = what
+        self.kept = kept
+        self.log = log
+        self.unsaved = ""  # why the last save failed ("" once one succeeds)
+
+    def save(self, data: bytes) -> bool:
+        """Write ``data``; False when it could not be (said, the first time)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.path, data)
+        except OSError as exc:
+            why = f"{exc.strerror or exc}"
+            if why != self.unsaved:
+                self.log.error("%s not saved to %s: %s; %s", self.what, self.path, why, self.kept)
+            self.unsaved = why
+            return False
+        if self.unsaved:
+            self.log.info("%s saved to %s again", self.what, self.path)
+        self.unsaved = ""
+        return True

@@ -56,7 +56,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from llmgw.files import write_atomic
+from llmgw.files import KeptFile
 from llmgw.routing import (
     BUDGETS,
     LeaseAnswer,
@@ -153,7 +153,17 @@ class LeaseBank:
         self._contended: dict[str, float] = {}  # until (wall)
         self._changes = 0  # grows with every change: what a save covers
         self._saved = 0
-        self._unsaved = ""  # why the last save failed ("" once one succeeds)
+        self._file = (
+            None
+            if path is None
+            else KeptFile(
+                path,
+                "tenants' leases",
+                "what was granted is kept in memory (a restart now would forget it) and "
+                "saved when it can be",
+                log,
+            )
+        )
         self._lock = trio.Lock()
         if path is not None:
             self._load(path)
@@ -338,22 +348,5 @@ class LeaseBank:
         return answer
 
     def _write(self, data: bytes) -> bool:
-        assert self.path is not None
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(self.path, data)
-        except OSError as exc:
-            why = f"{exc.strerror or exc}"
-            if why != self._unsaved:
-                log.error(
-                    "tenants' leases not saved to %s: %s; what was granted is kept in memory "
-                    "(a restart now would forget it) and saved when it can be",
-                    self.path,
-                    why,
-                )
-            self._unsaved = why
-            return False
-        if self._unsaved:
-            log.info("tenants' leases saved to %s again", self.path)
-        self._unsaved = ""
-        return True
+        assert self._file is not None
+        return self._file.save(data)

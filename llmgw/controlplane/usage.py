@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from llmgw.files import write_atomic
+from llmgw.files import KeptFile
 from llmgw.routing import UsageRow
 
 log = logging.getLogger("llmgw.tenants")
@@ -107,7 +107,13 @@ class UsageLedger:
         self._days: dict[tuple[float, str, str], UsageRow] = {}
         self._routers: dict[str, _Seen] = {}
         self._dirty = False
-        self._unsaved = ""  # why the last save failed ("" once one succeeds)
+        self._file = (
+            None
+            if path is None
+            else KeptFile(
+                path, "tenants' usage", "it is kept in memory and saved when it can be", log
+            )
+        )
         self._in_process: tuple[str, Callable[[], list[UsageRow]]] | None = None
         if path is not None:
             self._load(path)
@@ -202,24 +208,9 @@ class UsageLedger:
         return msgspec.json.encode(saved)
 
     def _write(self, data: bytes) -> None:
-        assert self.path is not None
-        try:
-            write_atomic(self.path, data)
-        except OSError as exc:
+        assert self._file is not None
+        if not self._file.save(data):
             self._dirty = True
-            why = f"{exc.strerror or exc}"
-            if why != self._unsaved:
-                log.error(
-                    "tenants' usage not saved to %s: %s; it is kept in memory and saved "
-                    "when it can be",
-                    self.path,
-                    why,
-                )
-            self._unsaved = why
-            return
-        if self._unsaved:
-            log.info("tenants' usage saved to %s again", self.path)
-        self._unsaved = ""
 
     def read_in_process(self, counts: Callable[[], list[UsageRow]]) -> None:
         """The router inside this server: its counts are read by ``refresh``, under an
