@@ -50,7 +50,8 @@ import trio
 from llmgw.router.keys import hash_key, new_key
 from tools.support.benchlib import cpu_seconds, free_port, percentile, server_head
 from tools.support.llama import start_servers
-from tools.support.procs import Procs, interrupt_on_sigterm, llmgw
+from tools.support.procs import Procs, interrupt_on_sigterm, llmgw, python_path
+from tools.support.slowmodel import write_slow_model
 from tools.support.tinymodel import write_model
 
 HI = [{"role": "user", "content": "hi"}]
@@ -74,19 +75,23 @@ class Run:
         model = d / "tiny.gguf"
         write_model(model, ends_after=None, context_length=2048)
         options = ["--ctx-size", "2048", "--parallel", str(self.args.parallel)]
-        options += ["--threads", "1", "--threads-batch", "1"]
+        options += ["--threads", "1", "--threads-batch", "1", "--metrics", "--slots"]
         urls = start_servers(self.procs, ["engine-a", "engine-b"], model, options)
         admin_port = free_port()
-        quoted = ", ".join(f'"{u}"' for u in urls)
-        (d / "catalog.toml").write_text(
-            f'[models.tiny]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n'
-            "[models.tiny.routing]\ntarget_waiting = 0\n"
-        )
+        catalog = _static("tiny", urls)
+        if "fair" in self.args.only:  # a model the clients fill: one slot per engine
+            slow = write_slow_model(d / "slow.gguf", context_length=2048)
+            options = ["--ctx-size", "1024", "--parallel", "1", "--threads", "1",
+                       "--threads-batch", "1", "--metrics", "--slots"]  # fmt: skip
+            urls = start_servers(self.procs, ["slow-a", "slow-b"], slow, options)
+            catalog += _static("slow", urls)
+        (d / "catalog.toml").write_text(catalog)
         (d / "server.toml").write_text(
             server_head(d, f"127.0.0.1:{admin_port}")
             + f"""[router]
 listen = "127.0.0.1:0"
 queue_timeout_s = 30
+access_log = {"true" if self.args.access_log else "false"}
 [[router.keys]]
 name = "config"
 sha256 = "{hash_key(self.config_key)}"
@@ -147,6 +152,16 @@ sha256 = "{hash_key(self.config_key)}"
         return str(self.admin_call("POST", "/v1/keys", {"tenant": name})["key"])
 
 
+def _static(model: str, urls: list[str]) -> str:
+    """The catalog entry of a model served by ``urls``, admitting nothing that would
+    wait on an engine (the router queues it)."""
+    quoted = ", ".join(f'"{u}"' for u in urls)
+    return (
+        f'[models.{model}]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n'
+        f"[models.{model}.routing]\ntarget_waiting = 0\n"
+    )
+
+
 def _serves(port: int) -> bool:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
@@ -154,8 +169,8 @@ def _serves(port: int) -> bool:
         return False
 
 
-def request_body(max_tokens: int, stream: bool = False) -> bytes:
-    body = {"model": "tiny", "messages": HI, "max_tokens": max_tokens, "stream": stream}
+def request_body(max_tokens: int, stream: bool = False, model: str = "tiny") -> bytes:
+    body = {"model": model, "messages": HI, "max_tokens": max_tokens, "stream": stream}
     return json.dumps(body).encode()
 
 
@@ -166,10 +181,15 @@ def reservation(max_tokens: int) -> int:
 
 
 async def chat(
-    client: httpx.AsyncClient, base: str, key: str, max_tokens: int, stream: bool = False
+    client: httpx.AsyncClient,
+    base: str,
+    key: str,
+    max_tokens: int,
+    stream: bool = False,
+    model: str = "tiny",
 ) -> tuple[int, dict[str, Any], float | None]:
     """(status, body or error, time to first token for a stream)."""
-    body = request_body(max_tokens, stream)
+    body = request_body(max_tokens, stream, model)
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     started = trio.current_time()
     try:
@@ -285,6 +305,9 @@ async def outage(run: Run, outage_s: float) -> dict[str, Any]:
 
 
 async def fairness(run: Run, rounds: int) -> dict[str, Any]:
+    """The steady tenants' TTFT on the full ``slow`` model, alone, then with the noisy
+    tenant's 90 streams at once sent by a process of its own (``noisy``), so the
+    clients that measure share no event loop with the load."""
     steady = {f"s{i}": run.tenant(f"s{i}", {}) for i in range(9)}
     noisy = run.tenant("noisy", {})
     await trio.sleep(1.0)
@@ -292,28 +315,28 @@ async def fairness(run: Run, rounds: int) -> dict[str, Any]:
 
     async def measure(with_noisy: bool) -> list[float]:
         ttfts: list[float] = []
-        stop = trio.Event()
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=200)) as c:
+        if with_noisy:
+            spec = {"base": base, "key": noisy, "streams": 90, "for_s": 120}
+            argv = llmgw("--noisy", json.dumps(spec), module="tools.bench_tenants")
+            run.procs.start("noisy", argv, env=python_path())
+            await trio.sleep(3.0)  # the model is full, and the noisy one has used tokens
+        try:
+            async with httpx.AsyncClient(timeout=60) as c:
 
-            async def steady_client(key: str) -> None:
-                for _ in range(rounds):
-                    status, _, ttft = await chat(c, base, key, 16, stream=True)
-                    if status == 200 and ttft is not None:
-                        ttfts.append(ttft)
+                async def steady_client(key: str) -> None:
+                    for _ in range(rounds):
+                        status, _, ttft = await chat(c, base, key, 16, True, "slow")
+                        if status == 200 and ttft is not None:
+                            ttfts.append(ttft)
 
-            async def noisy_client() -> None:
-                while not stop.is_set():
-                    await chat(c, base, noisy, 16, stream=True)
-
-            async with trio.open_nursery() as nursery:
-                if with_noisy:
-                    for _ in range(90):  # ten times the nine steady ones' one each
-                        nursery.start_soon(noisy_client)
-                    await trio.sleep(2.0)  # the noisy one has used tokens lately
-                async with trio.open_nursery() as inner:
+                async with trio.open_nursery() as nursery:
                     for key in steady.values():
-                        inner.start_soon(steady_client, key)
-                stop.set()
+                        nursery.start_soon(steady_client, key)
+        finally:
+            if with_noisy:
+                noisy_ended = run.procs.procs.pop("noisy")
+                noisy_ended.signal_group(signal.SIGTERM)
+                noisy_ended.popen.wait(10)
         return ttfts
 
     alone = await measure(False)
@@ -321,12 +344,32 @@ async def fairness(run: Run, rounds: int) -> dict[str, Any]:
     p_alone, p_shared = percentile(alone, 0.95), percentile(shared, 0.95)
     ratio = p_shared / p_alone if p_alone and p_shared else None
     return {
-        "steady_requests": len(alone),
+        "steady_requests": [len(alone), len(shared)],
         "ttft_p95_alone_s": p_alone,
         "ttft_p95_with_noisy_s": p_shared,
         "ratio": ratio,
         "goal": "met" if ratio is not None and ratio <= 1.2 else "NOT met",
     }
+
+
+def noisy_load(spec: dict[str, Any]) -> None:
+    """``spec["streams"]`` streams at once, one after another each, for ``for_s`` at
+    most (or until SIGTERM): the noisy tenant of ``fair``, in a process of its own."""
+
+    async def load() -> None:
+        limits = httpx.Limits(max_connections=spec["streams"] + 10)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as c:
+
+            async def one() -> None:
+                while True:
+                    await chat(c, spec["base"], spec["key"], 16, True, "slow")
+
+            with trio.move_on_after(spec["for_s"]):
+                async with trio.open_nursery() as nursery:
+                    for _ in range(spec["streams"]):
+                        nursery.start_soon(one)
+
+    trio.run(load)
 
 
 # --------------------------------------------------------------------------- cpu
@@ -371,7 +414,12 @@ def main() -> None:
     ap.add_argument("--outage-s", type=float, default=None)
     ap.add_argument("--parallel", type=int, default=4, help="slots per engine")
     ap.add_argument("--only", default="budgets,outage,fair,cpu")
+    ap.add_argument("--access-log", action="store_true", help="the server's, in its log")
+    ap.add_argument("--noisy", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.noisy:
+        noisy_load(json.loads(args.noisy))
+        return
     quick = args.quick
     tenants = args.tenants or (10 if quick else 50)
     requests = args.requests or (1500 if quick else 20_000)

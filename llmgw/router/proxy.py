@@ -80,6 +80,7 @@ from llmgw.router.record import Record
 from llmgw.router.relay import Relay
 from llmgw.router.resume import NotResumed, Transcript
 from llmgw.router.resumer import ResumableRelay, Resumer
+from llmgw.router.room import Room
 from llmgw.router.table import RoutingTable
 from llmgw.router.verdict import Failure, Verdict, poisoned, verdict
 
@@ -148,6 +149,7 @@ class Proxy:
         self._panicking: set[str] = set()  # models whose last pick was in panic
         self.poison = poison.Watch()  # bodies that crashed engines lately
         self.shares = Shares()  # tenants' recent tokens: who goes first in a full model
+        table.rooms.value = lambda owner: self.shares.value(owner, table.weight(owner))
         self.resumer = Resumer(table, pool, budget, self.poison)  # broken streams go on
 
     async def __call__(self, request: Request, stream: bool, record: Record) -> Response:
@@ -182,15 +184,15 @@ class Proxy:
         held: Endpoint | None = None  # where ``failed``, a suspect fault, waits to be settled
         attempts = 0
         apart_until: float | None = None  # a suspect waits this long for a replica of its own
-        rank: tuple[float, int] | None = None  # its place among those waiting (``fair``)
+        place: int | None = None  # where it came among those waiting (``room``)
         while True:
             now = trio.current_time()
             suspect = record.suspect
-            if len(room) and not suspect:  # others wait for room: the better-ranked first
-                if rank is None:
-                    rank = self.shares.rank(record.owner, self.table.weight(record.tenant))
-                if room.ahead(rank) and now < started + self.queue_timeout_s:
-                    await room.wait(started + self.queue_timeout_s, rank)
+            if len(room) and not suspect:  # others wait for room: those before it first
+                if place is None:
+                    place = room.place()
+                if room.ahead(record.owner, place) and now < started + self.queue_timeout_s:
+                    await _wait(room, record, started + self.queue_timeout_s, place)
                     endpoints = self.table.endpoints.get(model, [])
                     admission = self.table.admission.get(model, _NO_THRESHOLDS)
                     continue
@@ -207,16 +209,18 @@ class Proxy:
                 if apart_until is None:
                     apart_until = now + poison.APART_S
                 if now < apart_until:
-                    await room.wait(apart_until)
+                    await _wait(room, record, apart_until, None)
                     endpoints = self.table.endpoints.get(model, [])  # as it is now
                     continue
             ep = choice.endpoint
             if ep is None:
                 deadline = started + self.queue_timeout_s
                 if choice.shed and trio.current_time() < deadline:
-                    if rank is None:
-                        rank = self.shares.rank(record.owner, self.table.weight(record.tenant))
-                    await room.wait(deadline, rank)  # queue for a bounded time, in rank
+                    if place is None:
+                        place = room.place()
+                    elif tried:  # the room may be where it already failed: those after look
+                        room.wake(after=place)
+                    await _wait(room, record, deadline, place)  # a bounded time, in turn
                     endpoints = self.table.endpoints.get(model, [])  # as it is now
                     admission = self.table.admission.get(model, _NO_THRESHOLDS)
                     continue
@@ -245,9 +249,9 @@ class Proxy:
                 if key.blocks:
                     ep.prefix.record(key.blocks)
             lease = Lease(ep, now, room, suspect=suspect)
-            record.sent.append(ep.key)
-            if rank is not None and len(room):
-                room.wake_first()  # it took room: the next in rank looks (there may be more)
+            record.sent_to(ep.key, now)
+            if place is not None and len(room):
+                room.wake()  # it took room: the next in turn looks (there may be more)
             try:
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:
@@ -403,6 +407,19 @@ class Proxy:
         if reuse is not None:
             record.reused(*reuse)
         return Response(status, out_headers, data)
+
+
+async def _wait(room: Room, record: Record, deadline: float, place: int | None) -> None:
+    """Wait in the model's room (``Room.wait``) at ``place`` in its owner's line (None:
+    in none), the time counted in the access log."""
+    began = trio.current_time()
+    try:
+        if place is None:
+            await room.wait(deadline)
+        else:
+            await room.wait(deadline, record.owner, place)
+    finally:
+        record.queued += trio.current_time() - began
 
 
 def _fault(

@@ -74,6 +74,12 @@ DENIED_S = 1.0
 _TOKENS = ("tpm", *BUDGETS)
 
 
+def prompt_estimate(body_bytes: int) -> int:
+    """A prompt's tokens as told before any engine has read it: at most its body's
+    bytes over ``BYTES_PER_TOKEN``, plus one (never fewer than it has)."""
+    return body_bytes // BYTES_PER_TOKEN + 1
+
+
 @attrs.define(eq=False)
 class _Chunk:
     grant: int  # the control plane's id for it
@@ -435,7 +441,7 @@ class Quotas:
     ) -> Refusal | Short | None:
         """Reserve the request's worst case against every token limit it is held to,
         or say which refuses it or what it waits on (nothing reserved then)."""
-        ticket.prompt = prompt_bytes // BYTES_PER_TOKEN + 1
+        ticket.prompt = prompt_estimate(prompt_bytes)
         ticket.asked = ticket.prompt + (UNBOUNDED if completion is None else max(completion, 0))
         judged = self._judge(ticket, _TOKENS, ticket.asked, now)
         if not isinstance(judged, list):

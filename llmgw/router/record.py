@@ -36,7 +36,7 @@ from llmgw.router.fair import Shares
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.poison import Crashes
 from llmgw.router.prefix import PrefixIndex, PromptKey, Reading
-from llmgw.router.quota import Short, Ticket
+from llmgw.router.quota import Short, Ticket, prompt_estimate
 
 access_log = logging.getLogger("llmgw.router.access")
 
@@ -57,6 +57,7 @@ class Record:
     __slots__ = (
         "arrived",
         "cached",
+        "charged",
         "crashes",
         "done",
         "estimate",
@@ -64,6 +65,7 @@ class Record:
         "metrics",
         "model",
         "prompt_tokens",
+        "queued",
         "replica",
         "request",
         "sent",
@@ -89,7 +91,9 @@ class Record:
         self.model = "-"  # as asked, known or not
         self.replica = "-"  # the replica whose answer the client gets
         self.sent: list[str] = []  # the replicas it was sent to, in order
+        self.queued = 0.0  # seconds it waited for room on the model's replicas
         self.shares: Shares | None = None  # where what it used counts for its turn (``fair``)
+        self.charged = 0  # what it counted there when first sent (its prompt, estimated)
         self.started: float | None = None  # when it was routed; None: it was not
         self.status = 0
         self.ttft: float | None = None
@@ -110,6 +114,14 @@ class Record:
         if self.crashes is None:
             self.crashes = Crashes()
         return self.crashes.died(replica, answered=answered, alone=alone)
+
+    def sent_to(self, replica: str, now: float) -> None:
+        """It is sent to ``replica`` (first, or again after a failure): the first time,
+        its prompt as estimated counts for its owner's turn (``fair``)."""
+        self.sent.append(replica)
+        if self.shares is not None and not self.charged:
+            self.charged = prompt_estimate(len(self.request.body))
+            self.shares.charge(self.owner, self.charged, now)
 
     @property
     def owner(self) -> str:
@@ -207,8 +219,8 @@ class Record:
         if self.ticket is not None:  # what it used replaces what it reserved
             self.ticket.settle(self.prompt_tokens, self.tokens, now)
             self.ticket.release(now)
-        if self.shares is not None and self.started is not None:
-            self.shares.spent(self.owner, self.prompt_tokens + self.tokens, now)
+        if self.shares is not None and self.charged:  # what it used, for what was counted
+            self.shares.charge(self.owner, self.prompt_tokens + self.tokens - self.charged, now)
         if self.started is not None:
             m = self.metrics
             m.latency.labels(self.model).observe(now - self.started)
@@ -240,6 +252,8 @@ class Record:
         # where it went, when that is not only the replica that answered: a request
         # that failed over, or ended with no replica's answer
         sent = "" if self.sent in ([], [self.replica]) else f" sent={','.join(self.sent)}"
+        if self.queued:  # it waited for room (the queue) before it was sent
+            sent += f" queued={self.queued:.3f}s"
         access_log.info(
             "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
             "tokens=%d cached=%s end=%s%s",
