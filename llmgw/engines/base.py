@@ -233,6 +233,13 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
 
+def reported_prompt(data: bytes) -> int | None:
+    """The prompt's tokens as a reply's ``usage`` says (``prompt_tokens``), or None."""
+    if b'"prompt_tokens"' in data and (found := _PROMPT_TOKENS.search(data)):
+        return int(found[1])
+    return None
+
+
 def prompt_reuse(data: bytes) -> tuple[int, int] | None:
     """(tokens reused from the cache, prompt tokens in all) as the reply says, or None."""
     if b'"timings"' in data:

@@ -97,7 +97,10 @@ class RouterApp:
             queue_timeout_s,
             resume_streams=resume_streams,
         )
-        self.metrics.watch(lambda: [e for eps in self.table.endpoints.values() for e in eps])
+        self.metrics.watch(
+            lambda: [e for eps in self.table.endpoints.values() for e in eps],
+            self.table.rooms.sizes,
+        )
 
     def admit(self, request: Request) -> Response | tuple[Record, ApiKey]:
         """Judge a request by its head (its body is not read yet): an answer, or

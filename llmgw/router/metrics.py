@@ -21,10 +21,24 @@ _SIGNALS = ("waiting", "running", "kv_usage", "slots", "progress", "cache_hits",
 
 
 class _EndpointsCollector(Collector):
-    def __init__(self, endpoints: Callable[[], Iterable[Endpoint]]) -> None:
+    def __init__(
+        self,
+        endpoints: Callable[[], Iterable[Endpoint]],
+        queued: Callable[[], Iterable[tuple[str, int]]],
+    ) -> None:
         self._endpoints = endpoints
+        self._queued = queued
 
     def collect(self) -> Iterable[Metric]:
+        queued = GaugeMetricFamily(
+            "llmgw_router_queued",
+            "Requests waiting in this router for room on the model's replicas (the queue: "
+            "router.queue_timeout_s), served by their tenants' recent tokens",
+            labels=["model"],
+        )
+        for model, waiting in self._queued():
+            queued.add_metric([model], waiting)
+        yield queued
         breaker = GaugeMetricFamily(
             "llmgw_router_breaker_open",
             "1 when the replica's circuit breaker is open, 0.5 half-open, 0 closed",
@@ -224,6 +238,14 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.queue_wait = Histogram(
+            "llmgw_router_queue_seconds",
+            "Time a request waited in this router for room on the model's replicas, of "
+            "those that waited",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.panic = Gauge(
             "llmgw_router_panic",
             "1 while every replica of the model is refused by its breaker and requests "
@@ -253,5 +275,11 @@ class RouterMetrics:
             ):
                 counter.remove_by_labels({"replica": replica})
 
-    def watch(self, endpoints: Callable[[], Iterable[Endpoint]]) -> None:
-        self.registry.register(_EndpointsCollector(endpoints))
+    def watch(
+        self,
+        endpoints: Callable[[], Iterable[Endpoint]],
+        queued: Callable[[], Iterable[tuple[str, int]]] = tuple,
+    ) -> None:
+        """Read the replicas' series from ``endpoints``, and each model's queue length
+        from ``queued`` ((model, requests waiting) pairs), at every scrape."""
+        self.registry.register(_EndpointsCollector(endpoints, queued))

@@ -65,11 +65,10 @@ import logging
 import msgspec
 import trio
 
-from llmgw.engines.base import prompt_reuse
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamPool
 from llmgw.http.upstream_errors import UpstreamError, UpstreamTimeout
-from llmgw.router import attempt, poison, resume
+from llmgw.router import attempt, poison, resume, usage
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
@@ -330,13 +329,25 @@ class Proxy:
                     "engine", f"its engine ({ep.engine or 'unknown'}) gives no token ids"
                 )
             else:
-                body, transcript = asking, plan
+                body, transcript = asking, plan  # asking for the usage too (``usage``)
+        unasked = False
+        if transcript is None and stream and request.path in _STREAMED:
+            body, unasked = usage.ask(body)  # what it used, for its tenant's limits
         waiting = _Attempt()
         ep.streams.add(waiting)
         try:
             with waiting.scope:
                 return await self._exchange(
-                    request, headers, body, stream, lease, record, transcript, why_not, tried
+                    request,
+                    headers,
+                    body,
+                    stream,
+                    lease,
+                    record,
+                    transcript,
+                    why_not,
+                    tried,
+                    unasked,
                 )
             return _fault(  # cut: the replica is wedged
                 lease, record, UpstreamTimeout(waiting.why, "head"), Failure.WEDGED
@@ -357,6 +368,7 @@ class Proxy:
         transcript: Transcript | None,
         why_not: NotResumed,
         tried: set[str],
+        unasked: bool,
     ) -> Response | _Failed:
         ep = lease.endpoint
         host, port = hostport(ep.url)
@@ -394,7 +406,7 @@ class Proxy:
                     request.body,
                 )
                 if transcript is not None and status < 300
-                else Relay(upstream, lease, judged.outcome, record, stream, why_not)
+                else Relay(upstream, lease, judged.outcome, record, stream, why_not, unasked)
             )
             return Response(status, out_headers, relay)
         try:
@@ -403,9 +415,7 @@ class Proxy:
             return _fault(lease, record, exc, attempt.failure(exc), started=True)
         lease.finish(trio.current_time(), judged.outcome)
         record.tokens = _completion_tokens(data)
-        reuse = prompt_reuse(data)
-        if reuse is not None:
-            record.reused(*reuse)
+        record.reply_says(data)
         return Response(status, out_headers, data)
 
 

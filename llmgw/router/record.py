@@ -29,6 +29,7 @@ import logging
 from typing import Literal
 
 from llmgw.addr import join_hostport
+from llmgw.engines.base import prompt_reuse, reported_prompt
 from llmgw.http import Request, printable
 from llmgw.router.affinity import Pick
 from llmgw.router.breaker import Outcome
@@ -173,6 +174,15 @@ class Record:
                 preferred.prefix.overruled += 1
         self.estimate = (replica, index, key, pick.held)
 
+    def reply_says(self, data: bytes) -> None:
+        """Note what a reply (or a stream's event) says of the prompt: what the engine
+        reused of it, else at least how many tokens it was (a usage without details)."""
+        found = prompt_reuse(data)
+        if found is not None:
+            self.reused(*found)
+        elif not self.prompt_tokens and (prompt := reported_prompt(data)):
+            self.prompt_tokens = prompt
+
     def reused(self, cached: int, prompt: int) -> None:
         """The engine said it reused ``cached`` of the prompt's ``prompt`` tokens."""
         self.cached, self.prompt_tokens = cached, prompt
@@ -227,6 +237,8 @@ class Record:
             # tokens of an answer that completed as a success only
             if self.tokens and ended in ("ok", "resumed") and self.status < 400:
                 m.tokens.labels(self.model).observe(self.tokens)
+            if self.queued:
+                m.queue_wait.labels(self.model).observe(self.queued)
         if self.arrived is not None:
             self._write(now, ended)
 

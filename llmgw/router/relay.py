@@ -32,7 +32,7 @@ import re
 import msgspec
 import trio
 
-from llmgw.engines.base import REUSE_MARKERS, prompt_reuse
+from llmgw.engines.base import REUSE_MARKERS
 from llmgw.http.client import UpstreamResponse
 from llmgw.http.upstream_errors import UpstreamError
 from llmgw.router import attempt
@@ -40,6 +40,7 @@ from llmgw.router.attempt import Lease
 from llmgw.router.breaker import Outcome
 from llmgw.router.record import ENDED, Ended, Record
 from llmgw.router.resume import NotResumed
+from llmgw.router.usage import Unasked
 from llmgw.router.verdict import verdict
 
 # Streamed tokens: the usage a stream reports (``stream_options.include_usage``),
@@ -67,6 +68,7 @@ class Relay:
         "_record",
         "_stream",
         "_text_events",
+        "_unasked",
         "_upstream",
         "_usage",
         "_why_not",
@@ -80,7 +82,10 @@ class Relay:
         record: Record,
         stream: bool,
         why_not: NotResumed = _OFF,
+        unasked: bool = False,
     ) -> None:
+        """``unasked``: the engine was asked for the stream's usage and the client
+        was not (``usage``): it is taken out of what the client gets."""
         self._upstream = upstream
         self._lease = lease
         self._outcome = outcome
@@ -92,6 +97,7 @@ class Relay:
         self._usage = 0
         self._cut = ""  # why the stream was cut from outside (a wedged replica)
         self._why_not = why_not
+        self._unasked = Unasked() if unasked else None
         if stream:
             lease.endpoint.streams.add(self)
 
@@ -99,6 +105,20 @@ class Relay:
         return self
 
     async def __anext__(self) -> bytes:
+        unasked = self._unasked
+        if unasked is None:
+            return await self._read()
+        while True:  # never an empty chunk: that would end the body
+            try:
+                shown = unasked.feed(await self._read())
+            except StopAsyncIteration:
+                if rest := unasked.rest():
+                    return rest
+                raise
+            if shown:
+                return shown
+
+    async def _read(self) -> bytes:
         try:
             chunk = await self._upstream.body_iter.__anext__()
         except StopAsyncIteration:
@@ -110,6 +130,8 @@ class Relay:
             if not self._stream:
                 raise
             self._record.not_resumed(self._why_not.label)
+            if self._unasked is not None:
+                self._unasked.rest()  # a part of an event: the error event follows
             # then the body is over
             return cut_short(self._lease.endpoint.key, self._cut or str(exc), self._why_not.words)
         except BaseException:
@@ -139,21 +161,19 @@ class Relay:
             self._text_events += n
         elif _COMPLETION_TEXT in chunk:
             self._text_events += chunk.count(_COMPLETION_TEXT) - chunk.count(_EMPTY_COMPLETION)
-        elif _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
-            self._usage = int(found[1])  # a usage event carries no text
-        # what the engine reused: llama.cpp's last event (which may come in one read with
-        # the last token's), or a usage event (no text)
-        if _TIMINGS in chunk or (not n and _CACHED in chunk):
-            self._reuse(chunk)
+        # the usage event (which may come in one read with the last token's)
+        if _USAGE in chunk and (found := _STREAM_USAGE.search(chunk)):
+            self._usage = int(found[1])
+            self._record.reply_says(chunk)  # the prompt's tokens, and what was reused
+        elif _TIMINGS in chunk or (not n and _CACHED in chunk):
+            self._record.reply_says(chunk)  # what the engine reused: llama.cpp's last event
         if DONE in chunk[-16:]:  # the last event: done on the replica
             self._lease.finish(trio.current_time(), self._outcome)
 
     def _reuse(self, data: bytes) -> None:
-        """Note what the engine said it reused of the prompt, when ``data`` says it."""
-        if _TIMINGS in data or _CACHED in data:
-            found = prompt_reuse(data)
-            if found is not None:
-                self._record.reused(*found)
+        """Note what the engine said of the prompt, when ``data`` says it."""
+        if _TIMINGS in data or _CACHED in data or _USAGE in data:
+            self._record.reply_says(data)
 
     async def aclose(self) -> None:
         self._end(None)

@@ -48,6 +48,7 @@ import msgspec
 
 from llmgw import engines
 from llmgw.engines.tokens import Tokens
+from llmgw.router import usage
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
@@ -115,6 +116,7 @@ class Transcript:
         "_reasoning",
         "_text",
         "_tokens",
+        "_usage_asked",
     )
 
     def __init__(self, body: dict[str, Any], chat: bool) -> None:
@@ -122,6 +124,7 @@ class Transcript:
         self._chat = chat
         self._tokens: Tokens | None = None  # its engine family's, once one is asked
         self._keep = bool(body.get("return_token_ids"))  # the client asked for token ids
+        self._usage_asked = usage.asked(body)  # else the engine is asked, the client not told
         self._id: Any = None
         self._created: Any = None
         self._model: Any = None
@@ -175,13 +178,19 @@ class Transcript:
         if found is None:
             return None
         self._tokens = found
-        return _encode({**self._body, **found.asking})
+        body = {**self._body, **found.asking}
+        if not self._usage_asked:  # what it used, for its tenant
+            usage.ask_of(body)
+        return _encode(body)
 
-    def observe(self, event: bytes) -> bytes:
-        """An event of the stream's first replica, as the client gets it."""
+    def observe(self, event: bytes) -> bytes | None:
+        """An event of the stream's first replica, as the client gets it (None: one
+        that carried only the usage the client did not ask for)."""
         if not event.startswith(b"data: {"):
             return event
         obj = _decode(event[6:])
+        if not self._usage_asked and usage.unasked(obj):
+            return None
         if self._id is None:
             self._id = obj.get("id")
             self._created = obj.get("created")

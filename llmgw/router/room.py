@@ -179,6 +179,10 @@ class Rooms:
             room = self._rooms[model] = Room(self.value)
         return room
 
+    def sizes(self) -> list[tuple[str, int]]:
+        """(model, requests waiting) for every model that has had a queue."""
+        return [(model, len(room)) for model, room in self._rooms.items()]
+
     def wake(self, model: str) -> None:
         """One more request of ``model`` may go (``Room.wake``)."""
         room = self._rooms.get(model)

@@ -355,3 +355,70 @@ async def test_a_tenants_file_the_server_cannot_read_stops_it_with_one_line(
     with pytest.raises(Exception, match="tenants file is not valid"):
         async with gateway(tmp_path, pki, ["http://127.0.0.1:9"]):
             pass
+
+
+async def test_a_full_model_serves_the_quiet_tenant_before_the_one_that_floods_it(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A one-slot engine, nothing admitted that would wait on it, the router's queue
+    on: while a stream of the noisy tenant holds the slot, three more of its requests
+    queue, then one of the quiet tenant (new: it used nothing). When the slot frees,
+    the quiet one goes first, then the noisy ones in the order they came; the access
+    log says how long each waited for room (``queued=``)."""
+    model = write_model(tmp_path / "tiny.gguf", ends_after=None, context_length=4096)
+    async with (
+        llama_server(model, tmp_path, parallel=1, context=4096) as url,
+        gateway(
+            tmp_path,
+            pki,
+            [url],
+            router_extra="queue_timeout_s = 30",
+            model_extra="[models.m.routing]\ntarget_waiting = 0\n",
+        ) as gw,
+    ):
+        keys = {}
+        for tenant in ("noisy", "quiet"):
+            await gw.server.ctl("tenant", "create", tenant)
+            keys[tenant] = str((await ctl_json(gw, "key", "create", "--tenant", tenant))["key"])
+        await status_within([gw.base], keys["quiet"], 200, within=2.0, times=1)
+
+        async def ask(key: str) -> None:
+            r = await chat(gw.base, key, max_tokens=8)
+            assert r.status_code == 200, r.text
+
+        async def queued() -> int:
+            samples = await gw.metrics()
+            return int(samples.get(("llmgw_router_queued", frozenset({("model", "m")})), 0))
+
+        async def until_queued(n: int) -> None:
+            while await queued() < n:
+                await trio.sleep(0.01)
+
+        # long enough to outlast the queueing below on a slow machine
+        body = {"model": "m", "messages": HI, "max_tokens": 3000, "stream": True}
+        auth = {"authorization": f"Bearer {keys['noisy']}"}
+        with trio.fail_after(60):
+            async with httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as inner:
+                async with client.stream(
+                    "POST", gw.base + "/chat/completions", json=body, headers=auth
+                ) as r:
+                    lines = r.aiter_lines()
+                    await lines.__anext__()  # the stream holds the slot
+                    for i in range(3):
+                        inner.start_soon(ask, keys["noisy"])
+                        await until_queued(i + 1)  # each queued before the next is sent
+                    inner.start_soon(ask, keys["quiet"])
+                    await until_queued(4)
+                    async for _ in lines:
+                        pass
+                assert await queued() == 0
+        # in the order the one slot served them: the quiet one, then the noisy ones,
+        # each of which waited less than the one before (it came later)
+        waited = re.findall(r"tenant=(\w+) .* queued=([\d.]+)s", gw.server.log())
+        assert [who for who, _ in waited] == ["quiet", "noisy", "noisy", "noisy"], waited
+        noisy = [float(s) for _, s in waited[1:]]
+        assert noisy[0] > noisy[1] > noisy[2] > 0, waited
+        waits = (await gw.metrics())[
+            "llmgw_router_queue_seconds_count", frozenset({("model", "m")})
+        ]
+        assert waits == 4, waits

@@ -48,14 +48,16 @@ class Gateway:
 
 @asynccontextmanager
 async def gateway(
-    workdir: Path, pki: Pki, urls: list[str], router_extra: str = ""
+    workdir: Path, pki: Pki, urls: list[str], router_extra: str = "", model_extra: str = ""
 ) -> AsyncIterator[Gateway]:
     """``llmgw server`` routing model ``m`` to ``urls`` (llama.cpp endpoints), its
-    router on a free loopback port; stopped on the way out, however the test ends."""
+    router on a free loopback port; stopped on the way out, however the test ends.
+    ``router_extra``: more of ``[router]``; ``model_extra``: more of the catalog, after
+    ``[models.m]``'s keys."""
     key = new_key()
     quoted = ", ".join(f'"{u}"' for u in urls)
     (workdir / "catalog.toml").write_text(
-        f'[models.m]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n'
+        f'[models.m]\nstatic_endpoints = [{quoted}]\nstatic_engine = "llama.cpp"\n' + model_extra
     )
     (workdir / "server.toml").write_text(
         f"""state_dir = "state"

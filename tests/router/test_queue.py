@@ -96,9 +96,10 @@ async def test_a_full_model_serves_the_quiet_client_before_the_one_that_floods_i
 ) -> None:
     """One slot, nothing admitted that would wait on the engine: while a stream of the
     noisy key holds the slot, three more of its requests queue, then one of a quiet key.
-    When the slot frees, the quiet one goes first (the noisy key used tokens lately,
-    the quiet none), then the noisy ones in the order they came: first come, first
-    served would have put the quiet one last."""
+    When the slot frees, the quiet one goes first (the noisy key's stream counted when
+    it was sent, though it has not ended; the quiet key used nothing), then the noisy
+    ones in the order they came: first come, first served would have put the quiet one
+    last, and so would counting a request only when it ends."""
     model = write_model(tmp_path / "never.gguf", ends_after=None)
     async with llama_server(model, tmp_path, context=2048, name="a") as url:
         table = RoutingTable(scrape_s=60)
@@ -129,23 +130,20 @@ async def test_a_full_model_serves_the_quiet_client_before_the_one_that_floods_i
             done.append(who)
 
         with trio.fail_after(30):
-            async with httpx.AsyncClient(timeout=30) as client:
-                await ask(client, "warm", KEY)  # the noisy key has used tokens lately
-                done.clear()
-                async with trio.open_nursery() as inner:
-                    first = {**body, "max_tokens": 400, "stream": True}
-                    async with client.stream(
-                        "POST", base + "/chat/completions", json=first, headers=AUTH
-                    ) as r:
-                        lines = r.aiter_lines()
-                        await lines.__anext__()  # the stream holds the slot
-                        for i in range(3):
-                            inner.start_soon(ask, client, f"noisy{i}", KEY)
-                            while len(queue) < i + 1:
-                                await trio.sleep(0.002)
-                        inner.start_soon(ask, client, "quiet", quiet)
-                        while len(queue) < 4:
+            async with httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as inner:
+                first = {**body, "max_tokens": 400, "stream": True}
+                async with client.stream(
+                    "POST", base + "/chat/completions", json=first, headers=AUTH
+                ) as r:
+                    lines = r.aiter_lines()
+                    await lines.__anext__()  # the stream holds the slot
+                    for i in range(3):
+                        inner.start_soon(ask, client, f"noisy{i}", KEY)
+                        while len(queue) < i + 1:
                             await trio.sleep(0.002)
-                        async for _ in lines:
-                            pass
+                    inner.start_soon(ask, client, "quiet", quiet)
+                    while len(queue) < 4:
+                        await trio.sleep(0.002)
+                    async for _ in lines:
+                        pass
         assert done == ["quiet", "noisy0", "noisy1", "noisy2"], done
