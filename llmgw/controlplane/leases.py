@@ -36,7 +36,9 @@ make it fit either (in flight: their slots not in use when they last said, a
 second ago at most); otherwise the limit is ``contended`` for
 ``CONTENDED_S``: every router told so in its next exchange (within a second)
 gives back what it does not need now and asks for nothing ahead, and the
-waiting request asks again.
+waiting request asks again. A limit that becomes contended is logged, once a
+minute at most (``TELL_S``); ``stats``, ``contended`` and ``routers`` are for
+the metrics (``llmgw_leases_*``).
 
 The counts live in ``leases.json`` in the state directory, written
 (``files.write_atomic``) before an answer that grants anything leaves: a
@@ -53,6 +55,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import msgspec
 import trio
 
@@ -77,6 +80,7 @@ LEASE_S = 10.0  # how long a router may spend a per-minute grant
 COUNTED_S = WINDOW_S + LEASE_S  # how long a per-minute grant counts here
 GONE_S = 30.0  # a router not heard from this long holds no slots
 CONTENDED_S = 3.0  # routers keep nothing ahead of a limit another waits on, this long
+TELL_S = 60.0  # a limit's contention is logged once in this long at most
 DAY = 86400
 KINDS = ("rpm", "tpm", "in_flight", *BUDGETS)
 SCOPES = ("tenant", "key")
@@ -137,6 +141,15 @@ def check(ex: LeaseExchange) -> None:
         raise LeaseRefused("needed must be between 0 and units")
 
 
+@attrs.define
+class LeaseStats:
+    """What the bank did since it started, for the metrics."""
+
+    exchanges: int = 0
+    granted: dict[str, int] = attrs.Factory(dict)  # units, by kind of limit
+    denied: dict[tuple[str, str], int] = attrs.Factory(dict)  # (kind, why)
+
+
 class LeaseBank:
     """Every limit's grants, against the limits as ``limits`` says them now
     (``(scope, owner)``: its ``Limits``, or None for an owner unknown)."""
@@ -151,6 +164,8 @@ class LeaseBank:
         # what each router said it holds unspent, by limit; and limits another waits on
         self._unspent: dict[str, dict[str, int]] = {}
         self._contended: dict[str, float] = {}  # until (wall)
+        self._told: dict[str, float] = {}  # when each limit's contention was logged
+        self.stats = LeaseStats()
         self._changes = 0  # grows with every change: what a save covers
         self._saved = 0
         self._file = (
@@ -202,6 +217,7 @@ class LeaseBank:
             LeaseRefused: the exchange is not well formed; nothing changed.
         """
         check(ex)
+        self.stats.exchanges += 1
         self._seen[ex.router] = wall
         self._forget(wall)
         for unspent in self._unspent.values():
@@ -245,7 +261,9 @@ class LeaseBank:
                 others = sum(n for r, n in elsewhere.items() if r != ex.router)
                 final = free + others < ask.needed
                 if not final:  # held unspent elsewhere: they give it back
-                    self._contended[key] = wall + CONTENDED_S
+                    self._contend(key, limit, others, wall)
+                why = "limit" if final else "held_elsewhere"
+                self.stats.denied[ask.kind, why] = self.stats.denied.get((ask.kind, why), 0) + 1
                 denied.append(
                     LeaseDenied(
                         scope=ask.scope,
@@ -279,6 +297,7 @@ class LeaseBank:
                 maybe = self._unspent.setdefault(key, {})
                 maybe[ex.router] = maybe.get(ex.router, 0) + units
             self._changes += 1
+            self.stats.granted[ask.kind] = self.stats.granted.get(ask.kind, 0) + units
             grants.append(
                 LeaseGrant(
                     scope=ask.scope,
@@ -297,6 +316,33 @@ class LeaseBank:
             for scope, owner, kind in [key.split("/")]
         ]
         return LeaseAnswer(grants=grants, denied=denied, contended=contended)
+
+    def _contend(self, key: str, limit: int, others: int, wall: float) -> None:
+        """A request waits on a limit that other routers hold unspent: they are told to
+        give it back (for ``CONTENDED_S``), and the operator once a minute at most."""
+        if self._contended.get(key, 0.0) <= wall and self._told.get(key, 0.0) <= wall - TELL_S:
+            self._told[key] = wall
+            scope, owner, kind = key.split("/")
+            log.info(
+                "%s %r: its %s limit (%d) is contended: a request waits while other routers "
+                "hold %d of it unspent; they give it back within a second (routers that "
+                "share a tenant's traffic unevenly do this; see `llmgw ctl tenant show %s`)",
+                scope,
+                owner,
+                kind,
+                limit,
+                others,
+                owner,
+            )
+        self._contended[key] = wall + CONTENDED_S
+
+    def contended(self, wall: float) -> int:
+        """How many limits are contended now."""
+        return sum(1 for until in self._contended.values() if until > wall)
+
+    def routers(self) -> int:
+        """How many routers exchanged leases lately (within ``GONE_S``)."""
+        return len(self._seen)
 
     def _retry_after(self, scope: str, owner: str, kind: str, wall: float) -> float:
         """Seconds until the limit may have room again: the oldest per-minute grant
@@ -320,6 +366,7 @@ class LeaseBank:
             for unspent in self._unspent.values():
                 unspent.pop(router, None)
         self._contended = {k: t for k, t in self._contended.items() if t > wall}
+        self._told = {k: t for k, t in self._told.items() if t > wall - TELL_S}
         self._unspent = {k: held for k, held in self._unspent.items() if held}
         for key, pot in list(self._pots.items()):
             kind = key.rsplit("/", 1)[1]

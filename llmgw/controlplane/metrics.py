@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from llmgw.controlplane.leases import LeaseBank
 from llmgw.controlplane.nodes import NodeState
 
 
@@ -27,6 +28,50 @@ class _NodesCollector(Collector):
         for state, n in self._counts().items():
             family.add_metric([state.value], n)
         yield family
+
+
+class _LeasesCollector(Collector):
+    def __init__(self, bank: LeaseBank, wall: Callable[[], float]) -> None:
+        self._bank = bank
+        self._wall = wall
+
+    def collect(self) -> Iterable[Metric]:
+        bank, stats = self._bank, self._bank.stats
+        yield CounterMetricFamily(
+            "llmgw_leases_exchanges",
+            "Lease exchanges with routers (each router's every second or so while it "
+            "serves a tenant's keys, and when a request waits on a limit)",
+            value=stats.exchanges,
+        )
+        granted = CounterMetricFamily(
+            "llmgw_leases_granted_units",
+            "Units of tenants' limits granted to routers (requests, tokens, slots), by "
+            "kind of limit",
+            labels=["kind"],
+        )
+        for kind, units in sorted(stats.granted.items()):
+            granted.add_metric([kind], units)
+        yield granted
+        denied = CounterMetricFamily(
+            "llmgw_leases_denied",
+            "Asks for a waiting request denied, by kind of limit and why: limit (the "
+            "limit is spent: the request is refused) or held_elsewhere (other routers "
+            "hold it unspent and give it back; the request asks again)",
+            labels=["kind", "why"],
+        )
+        for (kind, why), n in sorted(stats.denied.items()):
+            denied.add_metric([kind, why], n)
+        yield denied
+        yield GaugeMetricFamily(
+            "llmgw_leases_contended",
+            "Tenants' limits a request waits on while other routers hold them unspent",
+            value=bank.contended(self._wall()),
+        )
+        yield GaugeMetricFamily(
+            "llmgw_leases_routers",
+            "Routers that exchanged leases within the last 30 s",
+            value=bank.routers(),
+        )
 
 
 class _ReplicasCollector(Collector):
@@ -131,3 +176,7 @@ class ControlPlaneMetrics:
 
     def watch_nodes(self, counts: Callable[[], dict[NodeState, int]]) -> None:
         self.registry.register(_NodesCollector(counts))
+
+    def watch_leases(self, bank: LeaseBank, wall: Callable[[], float]) -> None:
+        """The lease bank's series, read at each scrape (``wall``: the time now)."""
+        self.registry.register(_LeasesCollector(bank, wall))

@@ -193,6 +193,7 @@ async def serve(
     keys = None
     tally = Tally()  # what tenants' keys use through the router in this process
     bank = LeaseBank(tenants.limits, resolve(base, config.state_dir) / LEASES_FILE)
+    control.metrics.watch_leases(bank, time.time)
 
     async def lease_here(ex: LeaseExchange) -> LeaseAnswer:
         """The in-process router's exchanges: a call, not a request."""

@@ -274,6 +274,13 @@ async def test_a_tenants_limits_hold_across_every_router_process(tmp_path: Path,
         assert "tenant 'shared' is at its limit of 12 requests per minute" in over.text
         leases = json.loads((tmp_path / "state" / "leases.json").read_text())
         assert any(k.startswith("tenant/shared/rpm") for k in leases["pots"]), leases
+        # the operator's view: every router exchanging, the minute's 12 granted
+        samples = await gw.metrics()
+        no_labels: frozenset[tuple[str, str]] = frozenset()
+        assert samples["llmgw_leases_routers", no_labels] == 3, samples  # 1 + 2 workers
+        assert samples["llmgw_leases_exchanges_total", no_labels] > 3
+        assert samples["llmgw_leases_granted_units_total", frozenset({("kind", "rpm")})] >= 12
+        assert samples["llmgw_leases_denied_total", frozenset({("kind", "rpm"), ("why", "limit")})]
 
         await gw.server.ctl("tenant", "create", "thrifty", "--budget-day", "600")
         thrifty = str((await ctl_json(gw, "key", "create", "--tenant", "thrifty"))["key"])

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from llmgw.controlplane.leases import COUNTED_S, GONE_S, LeaseBank, LeaseRefused, period_end
 from llmgw.router.keys import ApiKey
 from llmgw.router.quota import Quotas, Refusal, Short, Ticket
-from llmgw.routing import LeaseAsk, LeaseBack, LeaseExchange, Limits
+from llmgw.routing import LeaseAsk, LeaseBack, LeaseExchange, LeaseHold, Limits
 
 WALL = 1_700_000_000.0
 KEY = ApiKey("k", "h", tenant="acme")
@@ -131,6 +131,38 @@ def test_a_router_denied_while_another_holds_unspent_is_served_once_that_comes_b
     served = [fleet.request(1, 0.2, 1, 1) for _ in range(3)]
     assert all(isinstance(t, Ticket) for t in served), served
     assert isinstance(fleet.request(1, 0.3, 1, 1), Refusal)  # ten in the minute: now it is
+    # what the operator sees: the contention counted, and said once in a line
+    stats = fleet.bank.stats
+    assert stats.denied.get(("rpm", "held_elsewhere"), 0) >= 1, stats
+    assert stats.denied.get(("rpm", "limit"), 0) >= 1, stats
+    assert stats.granted["rpm"] >= 10 and stats.exchanges > 0, stats
+    assert fleet.bank.routers() == 2
+
+
+def test_a_contended_limit_is_said_once_a_minute_and_counted_while_it_lasts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Router 0 holds what router 1's requests need, again and again: one log line
+    names the limit and what to look at, not one per contention; the gauge counts
+    the limit contended for a few seconds after."""
+    limits = Limits(rpm=10)
+    bank = LeaseBank(lambda scope, owner: limits)
+    rpm = {"scope": "tenant", "owner": "acme", "kind": "rpm"}
+    grab = LeaseExchange(router="r0", asks=[LeaseAsk(**rpm, units=10, needed=10)])
+    assert bank.exchange(grab, WALL).grants[0].units == 10  # router 0 takes all there is
+    for round in range(5):  # contended five times within a few seconds
+        now = WALL + round * 0.5
+        bank.exchange(LeaseExchange(router="r0", holds=[LeaseHold(**rpm, units=10)]), now)
+        need = LeaseExchange(router="r1", asks=[LeaseAsk(**rpm, units=1, needed=1)])
+        with caplog.at_level("INFO", "llmgw.tenants"):
+            answer = bank.exchange(need, now)
+        assert answer.denied and not answer.denied[0].final, answer
+        assert bank.contended(now) == 1
+    said = [r.getMessage() for r in caplog.records if "contended" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "tenant 'acme': its rpm limit (10) is contended" in said[0]
+    assert "llmgw ctl tenant show acme" in said[0]
+    assert bank.contended(WALL + 100) == 0
 
 
 def test_in_flight_across_routers_holds_and_a_killed_router_frees_its_slots() -> None:
