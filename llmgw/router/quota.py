@@ -65,6 +65,7 @@ UNBOUNDED = 4096
 BYTES_PER_TOKEN = 3  # the prompt's reservation: its body's bytes over this
 AHEAD_S = 2.0  # ask for what this router will spend this far ahead
 RATE_S = 5.0  # at the rate it spent over this long
+RATE_MIN_S = 0.25  # or over as long as it has been spending, this long at least
 IDLE_S = 5.0  # a pot untouched this long gives back what it holds
 SPARE_SLOTS = 1  # in flight: slots held beyond those in use, while busy
 CONTENDED_S = 3.0  # keep nothing ahead of a limit the control plane says is contended
@@ -169,7 +170,7 @@ class _Pot:
             spare = SPARE_SLOTS if busy else 0
             want = max(self.in_use + self.needed, peak) + spare - self.slots
         else:
-            ahead = math.ceil(sum(n for _, n in self.spent) / RATE_S * AHEAD_S) if calm else 0
+            ahead = math.ceil(self.rate(now) * AHEAD_S) if calm else 0
             want = self.needed + ahead - have
         needed = max(0, self.needed - max(have, 0))
         if (want <= 0 and not needed) or (not needed and now < self.denied):
@@ -182,6 +183,15 @@ class _Pot:
             units=max(want, needed),
             needed=needed,
         )
+
+    def rate(self, now: float) -> float:
+        """Units spent a second lately: over the last ``RATE_S``, or over as long as it
+        has been spending, when that is shorter (``RATE_MIN_S`` at least), so that a
+        tenant that starts to send is not judged by the idle seconds before it."""
+        if not self.spent:
+            return 0.0
+        span = min(RATE_S, max(RATE_MIN_S, now - self.spent[0][0]))
+        return sum(n for _, n in self.spent) / span
 
     def backs(self, now: float) -> Iterator[LeaseBack]:
         """What to give back: grants past their time, slots not in use, and what an
@@ -362,12 +372,20 @@ class Ticket:
         return self.headers_
 
 
+_NAMES = {
+    what: (
+        f"x-ratelimit-limit-{what}",
+        f"x-ratelimit-remaining-{what}",
+        f"x-ratelimit-reset-{what}",
+    )
+    for what in ("requests", "tokens")
+}
+_RESET = f"{MINUTE:.0f}s"
+
+
 def _headers(what: str, limit: int, remaining: int) -> list[tuple[str, str]]:
-    return [
-        (f"x-ratelimit-limit-{what}", str(limit)),
-        (f"x-ratelimit-remaining-{what}", str(max(0, remaining))),
-        (f"x-ratelimit-reset-{what}", f"{MINUTE:.0f}s"),
-    ]
+    limit_, remaining_, reset = _NAMES[what]  # every request's: made once
+    return [(limit_, str(limit)), (remaining_, str(max(0, remaining))), (reset, _RESET)]
 
 
 def ratelimit_headers(refusal: Refusal) -> list[tuple[str, str]]:
