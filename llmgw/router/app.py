@@ -198,12 +198,12 @@ class RouterApp:
             return self._not_allowed(key, body.model)
         ticket = record.ticket
         if ticket is not None and key.tenant:  # a tenant's tokens a minute, a day, a month
-            t = ticket
-            over = await self._lease(
-                lambda: self.quotas.reserve(
-                    t, len(request.body), body.completion_bound, trio.current_time()
+            t, size, bound = ticket, len(request.body), body.completion_bound
+            over = self.quotas.reserve(t, size, bound, trio.current_time())
+            if isinstance(over, Short):  # waits on a lease: no coroutine unless it does
+                over = await self._lease(
+                    lambda: self.quotas.reserve(t, size, bound, trio.current_time()), over
                 )
-            )
             if over is not None:
                 return self._over(over, key, body.model)
             ticket.tally, ticket.model = self.tally, body.model  # counted at its end

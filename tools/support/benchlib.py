@@ -59,6 +59,17 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Run every thread of ``pid`` and of the processes below it on ``cores`` only
+    (threads started later inherit it). Gone processes are passed over."""
+    for p in descendants(pid):
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                os.sched_setaffinity(int(task.name), cores)
+        except (OSError, ValueError):
+            continue
+
+
 def tree_cpu(pid: int) -> float:
     """CPU time of ``pid`` and every process below it."""
     return sum(cpu_seconds(p) for p in descendants(pid))
