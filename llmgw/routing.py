@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import msgspec
 
@@ -126,6 +126,11 @@ class TenantRouting(msgspec.Struct, kw_only=True):
 class ModelRouting(msgspec.Struct, kw_only=True):
     target_waiting: float | None = None
     kv_ceiling: float | None = None
+    # the model follows demand (a range of replicas): a request that finds no replica
+    # is held until one starts, and its load is reported; ``start_s``: how long a start
+    # takes, as measured (a refused hold's Retry-After)
+    scales: bool = False
+    start_s: float = 0.0
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -206,6 +211,36 @@ class RouterReport(msgspec.Struct, kw_only=True, frozen=True):
     # what tenants' keys used through it since it started (counts that only grow: the
     # control plane adds what grew since its last report)
     usage: list[UsageRow] = []
+    # each model's requests at it now, for the models that scale on demand (empty: none)
+    load: dict[str, ModelLoad] = {}
+
+
+class ModelLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A model's requests at one router now: in flight at its replicas, and waiting
+    (queued for room, or held while the model has no replica); and how many arrived
+    since it last said (short requests between two readings still count as use)."""
+
+    in_flight: int = 0
+    waiting: int = 0
+    arrived: int = 0
+
+
+def summed(loads: Iterable[Mapping[str, ModelLoad]]) -> dict[str, ModelLoad]:
+    """Each model's load over several routers."""
+    out: dict[str, ModelLoad] = {}
+    for said in loads:
+        for model, load in said.items():
+            have = out.get(model)
+            out[model] = (
+                load
+                if have is None
+                else ModelLoad(
+                    in_flight=have.in_flight + load.in_flight,
+                    waiting=have.waiting + load.waiting,
+                    arrived=have.arrived + load.arrived,
+                )
+            )
+    return out
 
 
 class UsageRow(msgspec.Struct, kw_only=True, omit_defaults=True):

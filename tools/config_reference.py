@@ -154,10 +154,14 @@ def keys(cls: type[msgspec.Struct], prefix: str = "") -> Iterator[Key]:
         inner = _struct_of(annotation)
         listed = typing.get_origin(annotation) is list
         if inner is not None and inner is not cls:
+            table = f"list of tables ([[{dotted}]])" if listed else f"table ([{dotted}])"
+            others = [a for a in typing.get_args(annotation) if a not in (inner, type(None))]
+            if others and not listed:  # a value or a table (a count, or a range)
+                table = " or ".join([*(_type(a) for a in others), table])
             yield Key(
                 dotted + ("[]" if listed else ""),
-                f"list of tables ([[{dotted}]])" if listed else f"table ([{dotted}])",
-                "",
+                table,
+                _default(field) if others and not listed else "",
                 words.get(field.name, "") or (inner.__doc__ or "").strip().split("\n")[0],
             )
             yield from keys(inner, dotted + ("[]." if listed else "."))

@@ -32,11 +32,13 @@ from llmgw.admin.views import (
     NodeList,
     ReloadAnswer,
     ReplicaList,
+    ScaleAnswer,
     failure_view,
     node_view,
     placement_view,
     replica_view,
     running_view,
+    scaling_view,
 )
 from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import CannotPlace, fleet_status
@@ -99,6 +101,7 @@ class AdminApi:
         # /v1/nodes/{node} (POST {"intent": ...}) and /v1/models/{model}/placement (GET)
         self._patterns: list[tuple[str, tuple[str | None, ...], ArgHandler]] = [
             ("POST", ("v1", "nodes", None), self.node_intent),
+            ("POST", ("v1", "models", None, "scale"), self.scale),
             ("GET", ("v1", "models", None, "placement"), self.placement),
         ]
         self._tenancy = tenancy
@@ -201,7 +204,7 @@ class AdminApi:
             starting = states[ReplicaState.PENDING] + states[ReplicaState.STARTING]
             view = ModelView(
                 model=name,
-                wanted=model.replicas,
+                wanted=fleet.scaling.wanted(model),
                 ready=ready,
                 starting=starting,
                 failed=states[ReplicaState.FAILED],
@@ -209,12 +212,28 @@ class AdminApi:
                 nodes=sorted({s.node_id for r in mine for s in r.shards}),
                 retry_in_s=fleet.crash_loop_wait(name),
                 failures=[failure_view(f, wall) for f in fleet.failures.recent(name)],
+                scaling=scaling_view(model, fleet.scaling, wall),
             )
             if name in unplaceable:
                 view.cannot_place, view.cannot_place_at = unplaceable[name]
             view.weights_missing = name in weights_missing
             views.append(view)
         return json_response(200, ModelList(models=views))
+
+    async def scale(self, request: Request, model: str) -> Response:
+        """Pin a ranged model's count (``{"replicas": N}``) or release it (``null``)."""
+        fleet = self._need_fleet()
+        if isinstance(fleet, Response):
+            return fleet
+        body = json_body(request, _ScaleBody, 'JSON like {"replicas": 2} (null: release)')
+        if isinstance(body, Response):
+            return body
+        try:
+            said = fleet.scale(model, body.replicas)
+        except ValueError as exc:
+            code = 404 if model not in fleet.catalog.models else 400
+            return error(code, str(exc))
+        return json_response(200, ScaleAnswer(model=model, pinned=body.replicas, message=said))
 
     async def node_intent(self, request: Request, node_id: str) -> Response:
         fleet = self._need_fleet()
@@ -341,6 +360,10 @@ class AdminApi:
 
 class _IntentBody(msgspec.Struct):
     intent: str
+
+
+class _ScaleBody(msgspec.Struct, forbid_unknown_fields=True):
+    replicas: int | None
 
 
 def _by_id(r: Replica) -> str:

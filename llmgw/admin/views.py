@@ -24,7 +24,9 @@ from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
 from llmgw.routing import Limits, TrafficView, UsageRow
 
 if TYPE_CHECKING:  # ctl imports these views: it need not load placement for a type
+    from llmgw.controlplane.catalog import Model
     from llmgw.controlplane.placement import Decision
+    from llmgw.controlplane.scaling import Scaling
 
 
 class GpuView(msgspec.Struct, kw_only=True):
@@ -238,9 +240,26 @@ def failure_view(f: Failure, wall_now: float) -> FailureView:
     )
 
 
+class ScalingView(msgspec.Struct, kw_only=True):
+    """A ranged model's scaling: its range, what it follows, and its last change."""
+
+    min: int
+    max: int
+    target: float  # requests at once one replica should carry
+    idle_s: float
+    pinned: int | None = None  # an operator's count (``ctl scale``), until released
+    in_flight: int = 0  # at every router, as the last pass read it
+    waiting: int = 0  # queued or held in routers
+    last_change: str = ""  # "2 → 3: 14 requests at once for 15 s, 4 each at most"
+    last_change_ago_s: float | None = None
+    start_s: float | None = None  # a start's time, measured (median of the last few)
+    # why it runs fewer than its demand wants: another model's floor goes first
+    yielding: str = ""
+
+
 class ModelView(msgspec.Struct, kw_only=True):
     model: str
-    wanted: int
+    wanted: int  # now: for a range, what demand (or a pin) says
     ready: int
     starting: int  # Pending or Starting
     failed: int  # Failed replicas not yet cleaned up
@@ -252,6 +271,38 @@ class ModelView(msgspec.Struct, kw_only=True):
     retry_in_s: float | None = None  # its replicas keep failing: the next try, in seconds
     weights_missing: bool = False  # no node reports its weights (and some node looks)
     failures: list[FailureView] = []  # the last few, newest first
+    scaling: ScalingView | None = None  # a model with a range of replicas
+
+
+def scaling_view(model: Model, scaling: Scaling, wall: float) -> ScalingView | None:
+    """A ranged model's ``ScalingView``; None for a fixed count."""
+    r = model.scaling
+    demand = scaling.demand(model.name)
+    if r is None or demand is None:
+        return None
+    view = ScalingView(
+        min=r.min,
+        max=r.max,
+        target=demand.range.target,
+        idle_s=r.idle_s,
+        pinned=demand.pinned,
+        start_s=scaling.start_s(model.name, [p.name for p in model.profiles]),
+        yielding=scaling.yielding.get(model.name, ""),
+    )
+    if (last := demand.last) is not None:
+        view.in_flight, view.waiting = last.in_flight, last.waiting
+    if (said := scaling.said.get(model.name)) is not None:
+        view.last_change = str(said.change)
+        view.last_change_ago_s = round(max(0.0, wall - said.at), 1)
+    return view
+
+
+class ScaleAnswer(msgspec.Struct, kw_only=True):
+    """``POST /v1/models/{model}/scale``: the pin taken, in words."""
+
+    model: str
+    pinned: int | None
+    message: str
 
 
 class NodeList(msgspec.Struct, kw_only=True):

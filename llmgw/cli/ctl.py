@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from typing import TextIO, TypeVar
+from urllib.parse import quote
 
 import cyclopts
 
@@ -23,6 +24,7 @@ from llmgw.admin.views import (
     PlacementView,
     ReloadAnswer,
     ReplicaList,
+    ScaleAnswer,
 )
 from llmgw.cli.admin_client import AdminClient, CtlError, Target, run_command
 from llmgw.cli.render import (
@@ -35,6 +37,7 @@ from llmgw.cli.render import (
     render_replicas,
     render_status,
 )
+from llmgw.cli.runtime import fail
 from llmgw.controlplane.fabrics import FleetStatus
 
 ctl_app = cyclopts.App(
@@ -130,6 +133,40 @@ def models(*, target: Target | None = None, json: bool = False) -> int:
         Print the API's JSON instead of a table.
     """
     return _show("models", target, "/v1/models", ModelList, json, lambda d: render_models(d.models))
+
+
+@ctl_app.command
+def scale(
+    model: str,
+    replicas: int | None = None,
+    *,
+    release: bool = False,
+    target: Target | None = None,
+    json: bool = False,
+) -> int:
+    """Pin MODEL (one with a range of replicas) at REPLICAS until released, whatever its
+    demand says; with --release, its replicas follow demand again.
+
+    Parameters
+    ----------
+    replicas
+        How many to run (0 to the range's max).
+    release
+        Release the pin: the count follows demand again.
+    json
+        Print the API's JSON instead of a line.
+    """
+    if (replicas is None) != release:
+        return fail(
+            "llmgw ctl scale", f"give a count (llmgw ctl scale {model} 2) or --release, one of them"
+        )
+    path = f"/v1/models/{quote(model, safe='')}/scale"
+    body = {"replicas": None if release else replicas}
+    return _show("scale", target, path, ScaleAnswer, json, _said, method="POST", body=body)
+
+
+def _said(answer: ScaleAnswer) -> str:
+    return answer.message
 
 
 def _intent(name: str, node: str, target: Target | None, json: bool) -> int:

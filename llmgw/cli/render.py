@@ -295,10 +295,11 @@ def _model_state(m: ModelView) -> str:
 def render_models(models: list[ModelView]) -> str:
     rows = [["MODEL", "WANTED", "READY", "STARTING", "FAILED", "NODES", "PROBLEMS"]]
     for m in models:
+        sc = m.scaling
         rows.append(
             [
                 m.model,
-                str(m.wanted),
+                str(m.wanted) if sc is None else f"{m.wanted} ({sc.min}-{sc.max})",
                 str(m.ready),
                 str(m.starting),
                 str(m.failed),
@@ -306,7 +307,26 @@ def render_models(models: list[ModelView]) -> str:
                 _model_state(m),
             ]
         )
-    return table(rows)
+    lines = [table(rows)]
+    ranged = [m for m in models if m.scaling is not None]
+    if ranged:
+        lines += ["", "Scaling on demand:"]
+    for m in ranged:
+        sc = m.scaling
+        assert sc is not None
+        said = f"{m.model}: {sc.min}-{sc.max} replicas, {sc.target:g} requests at once each"
+        said += f"; now {sc.in_flight} in flight, {sc.waiting} waiting"
+        if sc.pinned is not None:
+            said += f"; pinned at {sc.pinned} (llmgw ctl scale {m.model} --release)"
+        if sc.start_s is not None:
+            said += f"; a start takes {sc.start_s:.0f} s"
+        lines.append("  " + said)
+        if sc.yielding:
+            lines.append(f"    held back: {sc.yielding}")
+        if sc.last_change:
+            ago = "" if sc.last_change_ago_s is None else f" ({_age(sc.last_change_ago_s)} ago)"
+            lines.append(f"    last change{ago}: {sc.last_change}")
+    return "\n".join(lines)
 
 
 def render_failures(models: list[ModelView]) -> str:

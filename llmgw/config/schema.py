@@ -147,6 +147,10 @@ class RouterConfig(_Section):
     first_byte_timeout_s: float = 120.0  # request sent -> head and first body byte (prefill)
     idle_timeout_s: float = 60.0  # between chunks of a streamed answer
     queue_timeout_s: float = 0.0  # every replica saturated: wait this long for room, then 429
+    # a model with a range of replicas and none started: hold its requests this long for
+    # one to start, then 503 with Retry-After
+    hold_timeout_s: float = 120.0
+    max_held: int = 1000  # requests held at once per model; more: 503 at once
     # work in flight and the engine's progress counter flat this long: wedged, its
     # breaker opens (0: never judged)
     wedged_after_s: float = 30.0
@@ -200,12 +204,13 @@ class RouterConfig(_Section):
                 f"must be 0 or more, got {self.min_body_kib_per_s:g}",
             )
         _positive("router.send_timeout_s", self.send_timeout_s, at_most=300)
+        _positive("router.hold_timeout_s", self.hold_timeout_s, at_most=3600)
         for key in ("wedged_after_s", "silent_after_s"):
             if getattr(self, key) < 0:
                 raise ConfigError(
                     "", f"router.{key}", f"must be 0 or more, got {getattr(self, key):g}"
                 )
-        for key in ("max_connections", "max_connections_per_address"):
+        for key in ("max_connections", "max_connections_per_address", "max_held"):
             if getattr(self, key) < 1:
                 raise ConfigError(
                     "", f"router.{key}", f"must be at least 1, got {getattr(self, key)}"

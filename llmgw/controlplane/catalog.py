@@ -3,7 +3,7 @@
 A TOML file, one table per model::
 
     [models.qwen-coder]
-    replicas = 2
+    replicas = 2                       # or a range: { min = 0, max = 4 } (``Scaling``)
     [[models.qwen-coder.profiles]]     # one or more, in order of preference
     name = "h100"
     engine = "vllm"
@@ -103,10 +103,26 @@ class Profile(_Entry, frozen=True):
     routing: ProfileRouting | None = None
 
 
+class Scaling(_Entry, kw_only=True, frozen=True):
+    """A range of replicas that follows demand (``llmgw.controlplane.scaling``):
+    ``replicas = { min = 0, max = 4 }`` instead of a count."""
+
+    min: int = 0  # never fewer; 0: none at all after idle_s without a request
+    max: int  # never more
+    # requests at once (in flight or waiting) one replica should carry; unset: its first
+    # profile's routing weight where ``ctl bench --write`` recorded it, else 4
+    target: float | None = None
+    idle_s: float = 600.0  # a model of min 0 with no request this long: no replica
+
+
+DEFAULT_TARGET = 4.0  # a replica's load when nothing says better (llama.cpp's 4 slots)
+
+
 class _ModelEntry(_Entry, frozen=True):
     """A model's table as written (its name is the table's key)."""
 
-    replicas: int = 1  # how many copies to keep running
+    # how many copies to keep running, or a range that follows demand
+    replicas: int | Scaling = 1
     routing: Routing = msgspec.field(default_factory=Routing)
     profiles: list[Profile] = []  # ways to run it, in order of preference
     # base URLs the router sends this model's traffic to; nothing is placed for it
@@ -118,7 +134,10 @@ class _ModelEntry(_Entry, frozen=True):
 
 class Model(msgspec.Struct, kw_only=True, frozen=True):
     name: str
+    # the count to run; for a range (``scaling``), its ``min``: what it starts with before
+    # demand says more (``llmgw.controlplane.scaling`` says how many it wants now)
     replicas: int = 1
+    scaling: Scaling | None = None
     profiles: list[Profile] = []
     routing: Routing = msgspec.field(default_factory=Routing)
     static_endpoints: list[str] = []  # router-only: fixed URLs, nothing is placed
@@ -206,9 +225,15 @@ def parse_catalog(text: str, source: str) -> Catalog:
             ):  # [models.qwen2.5] is models -> qwen2 -> 5
                 problem = f'unknown key (a name with a dot is quoted: [models."{name}.{dotted}"])'
             raise ConfigError(source, key + where, problem) from None
+        ranged, count = (
+            (typed.replicas, typed.replicas.min)
+            if isinstance(typed.replicas, Scaling)
+            else (None, typed.replicas)
+        )
         models[name] = Model(
             name=name,
-            replicas=typed.replicas,
+            replicas=count,
+            scaling=ranged,
             profiles=typed.profiles,
             routing=typed.routing,
             static_endpoints=typed.static_endpoints,
@@ -229,6 +254,39 @@ def validate(catalog: Catalog) -> None:
     """Raise ConfigError (source left empty) for the first rule a value breaks."""
     for name, model in catalog.models.items():
         _validate_model(name, model)
+
+
+def _check_scaling(key: str, model: Model) -> None:
+    r = model.scaling
+    assert r is not None
+    _at_least(f"{key}.min", r.min, 0)
+    if r.max < max(1, r.min) or r.max > MAX_REPLICAS:
+        raise ConfigError(
+            "",
+            f"{key}.max",
+            f"must be at least 1 and min ({r.min}), at most {MAX_REPLICAS}, got {r.max}",
+        )
+    if r.target is not None and not (math.isfinite(r.target) and r.target > 0):
+        raise ConfigError("", f"{key}.target", f"must be greater than 0, got {r.target}")
+    if not (math.isfinite(r.idle_s) and r.idle_s >= 1):
+        raise ConfigError("", f"{key}.idle_s", f"must be at least 1 second, got {r.idle_s}")
+    if model.static_endpoints:
+        raise ConfigError(
+            "", key, "a range is for a placed model (profiles); static endpoints are not started"
+        )
+
+
+def scaling_target(model: Model) -> float:
+    """The load one replica of a ranged model should carry: its own ``target``, else its
+    first profile's routing weight where one was written (``ctl bench --write`` writes
+    the concurrency at which the replica still met its SLO), else ``DEFAULT_TARGET``."""
+    r = model.scaling
+    if r is not None and r.target is not None:
+        return r.target
+    for p in model.profiles[:1]:
+        if p.routing is not None and p.routing.weight is not None:
+            return p.routing.weight
+    return DEFAULT_TARGET
 
 
 def _check_routing(key: str, r: Routing | ProfileRouting) -> None:
@@ -264,6 +322,8 @@ def _validate_model(name: str, model: Model) -> None:
     key = f"models.{name}"
     if not name or len(name) > 200 or any(c.isspace() or not c.isprintable() for c in name):
         raise ConfigError("", key, "a model name must be 1-200 printable characters without spaces")
+    if model.scaling is not None:
+        _check_scaling(f"{key}.replicas", model)
     _at_least(f"{key}.replicas", model.replicas, 0)
     if model.replicas > MAX_REPLICAS:
         raise ConfigError(
@@ -435,6 +495,9 @@ def _explain(message: str, raw: dict[str, Any]) -> tuple[str, str]:
         return f"{where}.{missing.group(1)}", "required, but missing"
     if where.endswith(".affinity") and problem.startswith("Invalid enum value"):
         return where, f"{problem[len('Invalid enum value ') :]} is not one of off, prefix, session"
+    if where == ".replicas" and problem.startswith("Expected `int | object`"):
+        kind = problem.rpartition(", got ")[2]
+        return where, f"expected a count or a range like {{ min = 0, max = 4 }}, got {kind}"
     problem = problem.replace("Expected", "expected", 1).replace("`object`", "`table`")
     return where, problem
 

@@ -72,6 +72,7 @@ class Reading:
     at: float
     in_flight: int
     waiting: int
+    arrived: int = 0  # requests that arrived since the reading before (idle or not)
 
     @property
     def load(self) -> int:
@@ -102,6 +103,11 @@ class Demand:
     _since: float | None = None  # the first reading: a window counts once it is this old
     _last_request: float = -math.inf  # when a reading last had any load (or the first)
 
+    @property
+    def last(self) -> Reading | None:
+        """The latest reading taken."""
+        return self._seen[-1] if self._seen else None
+
     def need(self, load: float) -> int:
         """Replicas that carry ``load`` at their target, within the range."""
         return self._clamp(math.ceil(load / self.range.target))
@@ -125,14 +131,15 @@ class Demand:
             seen.popleft()
         if self._since is None:
             self._since = self._last_request = now  # idle is counted from here
-        if reading.load:
+        if reading.load or reading.arrived:
             self._last_request = now
         watched = now - self._since
         if self.pinned is not None:
             return None
         if self.count == 0:
             if reading.waiting:
-                return self._change(1, now, f"{reading.waiting} requests held with no replica")
+                held = f"{reading.waiting} request{'s' if reading.waiting != 1 else ''}"
+                return self._change(1, now, f"{held} held with no replica")
             return None
         lowest = min(r.load for r in seen if r.at >= now - UP_S)
         want = self.need(lowest)

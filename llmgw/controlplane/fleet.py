@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import trio
@@ -47,6 +47,7 @@ from llmgw.controlplane.probe import Prober, url_of
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
+from llmgw.controlplane.scaling import ROOM, Scaling
 from llmgw.controlplane.service import ControlPlane
 from llmgw.files import write_atomic
 from llmgw.protocol.messages import (
@@ -57,6 +58,7 @@ from llmgw.protocol.messages import (
     StartShard,
     StopShard,
 )
+from llmgw.routing import ModelLoad, summed
 
 log = logging.getLogger("llmgw.controlplane.fleet")
 
@@ -135,6 +137,12 @@ class FleetManager:
         self._cannot_place_kind: dict[str, str] = {}  # placement's bounded reason, for metrics
         self.routing = RoutingPublisher()
         self.routers = RouterReports()  # what the routers that follow the routing report
+        # ranged models' counts, from what routers see (the in-process router's load is
+        # read through ``load_sources``; standalone routers' comes with their reports)
+        self.scaling = Scaling(pinned=saved.pinned)
+        self.reconciler.wanted = self.scaling.wanted
+        control.metrics.watch_scaling(self.scaling)
+        self.load_sources: list[Callable[[], Mapping[str, ModelLoad]]] = []
         # engines learned from reports are probed before they are routed
         self.prober = Prober(self._claims, self._probed)
         self._refusals_said: set[tuple[str, str, str]] = set()
@@ -209,7 +217,7 @@ class FleetManager:
         return [
             name
             for name, m in sorted(self.catalog.models.items())
-            if m.profiles and counting.get(name, 0) < m.replicas
+            if m.profiles and counting.get(name, 0) < self.scaling.wanted(m)
         ]
 
     def settling_s(self) -> float:
@@ -235,7 +243,7 @@ class FleetManager:
         wanted = [
             (name, [(m.weights_name(p), m.weights_path(p)) for p in m.profiles])
             for name, m in sorted(self.catalog.models.items())
-            if m.profiles and m.replicas > 0
+            if m.profiles and (m.replicas > 0 or m.scaling is not None)
         ]
         return missing_weights(self.control.nodes.nodes.values(), wanted)
 
@@ -272,6 +280,24 @@ class FleetManager:
 
     # --- the operator's intent ----------------------------------------------------------
 
+    def scale(self, model: str, n: int | None) -> str:
+        """Pin a ranged model at ``n`` replicas (None: release it to demand); in words.
+
+        Raises:
+            ValueError: no such model, or one without a range, or ``n`` out of it.
+        """
+        m = self.catalog.models.get(model)
+        if m is None:
+            raise ValueError(f"no model {model!r} in the catalog")
+        if m.scaling is None or self.scaling.demand(model) is None:
+            raise ValueError(
+                f"{model} runs a fixed count ({m.replicas}): give it a range in the catalog "
+                "(replicas = { min = 0, max = 4 }) to scale it"
+            )
+        if n is not None and not 0 <= n <= m.scaling.max:
+            raise ValueError(f"{model} may run 0 to {m.scaling.max} replicas (its max), not {n}")
+        return self._intent_changed(self.scaling.pin(model, n, self._clock(), time.time()))
+
     def set_intent(self, node_id: str, intent: str) -> str:
         """cordon, uncordon or drain, by name (as the admin API takes it).
 
@@ -305,7 +331,7 @@ class FleetManager:
 
     def _intent_changed(self, what: str) -> str:
         """Persist the intent, say what it means, and run a pass soon."""
-        self.intent.save(self.reconciler.cordoned, self.reconciler.draining)
+        self.intent.save(self.reconciler.cordoned, self.reconciler.draining, self.scaling.pins())
         log.info("%s", what)
         self._wake.set()
         return what
@@ -341,9 +367,42 @@ class FleetManager:
                 self.reconcile_once()
                 self._apply(senders)
 
+    def held(self) -> None:
+        """A router holds a request for a model with no replica: a pass now, not within
+        the second."""
+        self._wake.set()
+
+    def loads(self) -> dict[str, ModelLoad]:
+        """Each model's requests at every router now: the in-process router's and the
+        standalone routers' heard from lately, summed."""
+        standalone = self.routers.loads(self._clock())
+        return summed([*(source() for source in self.load_sources), standalone])
+
+    def _follow_demand(self, now: float) -> None:
+        """Ranged models' counts from what the routers see now (``scaling``)."""
+        counting: dict[str, int] = {}
+        for r in self.replicas():
+            if r.counts:
+                counting[r.model] = counting.get(r.model, 0) + 1
+        self.scaling.follow(self.catalog, counting, settled=self.settled())
+        self.scaling.room_first(
+            self.catalog,
+            {
+                m: why
+                for m, (why, _) in self.cannot_place.items()
+                if self._cannot_place_kind.get(m) in ROOM
+            },
+        )
+        self.scaling.observe(self.loads(), now, time.time())
+        self.scaling.saw(self.replicas())
+        for model, profile, took in self.scaling.new_starts:
+            self.control.metrics.replica_start_seconds.labels(model, profile).observe(took)
+        self.scaling.new_starts.clear()
+
     def reconcile_once(self) -> None:
         started = time.perf_counter()
         now = self._clock()
+        self._follow_demand(now)
         self._plans.append(self.reconciler.wedged(self.routers.wedged(now), now))
         plan = self.reconciler.reconcile(self.control.nodes.nodes, now)
         self.control.metrics.reconcile_seconds.observe(time.perf_counter() - started)
@@ -410,6 +469,11 @@ class FleetManager:
                 r.catalog,
                 r.replicas.values(),
                 nodes,
+                start_s={
+                    name: self.scaling.start_times(m)
+                    for name, m in r.catalog.models.items()
+                    if m.scaling is not None
+                },
                 settled=self.settled(),
                 heard=[n for n, node in nodes.items() if not node.awaited],
                 keys=self.routing.keys,

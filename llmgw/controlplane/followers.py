@@ -28,11 +28,13 @@ import re
 
 from llmgw.addr import join_hostport
 from llmgw.config import ConfigError, parse_hostport
-from llmgw.routing import RouterReport
+from llmgw.routing import ModelLoad, RouterReport, summed
 
 ROUTER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REPLICA_ID = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 MAX_WEDGED = 1000
+MAX_LOADS = 10_000  # models a report may say the load of
+LOAD_TTL_S = 10.0  # a router's load counts this long after it said it (it says it every 2 s)
 _WILDCARDS = ("0.0.0.0", "::", "")
 
 
@@ -53,6 +55,8 @@ class RouterReports:
         self._followers: dict[str, float] = {}
         # each router's (its own id's) wedged replicas, and when it last said so
         self._wedged: dict[str, tuple[frozenset[str], float]] = {}
+        # each router's load per model (``scaling``), and when it said it
+        self._loads: dict[str, tuple[dict[str, ModelLoad], float]] = {}
 
     def take(self, report: RouterReport, seen_from: str, now: float) -> None:
         """Take what ``report`` says (a wildcard metrics host: ``seen_from``, the address
@@ -67,6 +71,10 @@ class RouterReports:
         wedged = frozenset(report.wedged)
         if len(wedged) > MAX_WEDGED or not all(REPLICA_ID.fullmatch(r) for r in wedged):
             raise ReportRefused("wedged must be at most 1,000 replica ids")
+        if len(report.load) > MAX_LOADS or any(
+            min(load.in_flight, load.waiting, load.arrived) < 0 for load in report.load.values()
+        ):
+            raise ReportRefused("load must be at most 10,000 models, none below 0")
         address = ""
         if report.metrics:
             try:
@@ -78,6 +86,25 @@ class RouterReports:
             self.followed_by(address, now)
         if report.router:
             self.report_wedged(report.router, wedged, now)
+            self.report_load(report.router, report.load, now)
+
+    def report_load(self, router: str, load: dict[str, ModelLoad], now: float) -> None:
+        """One router's load per model now (every report says it again; empty: none)."""
+        if not load:
+            self._loads.pop(router, None)
+            return
+        if router not in self._loads and len(self._loads) >= self.MAX_FOLLOWERS:
+            self._forget_old(now)
+            if len(self._loads) >= self.MAX_FOLLOWERS:
+                return
+        self._loads[router] = (load, now)
+
+    def loads(self, now: float) -> dict[str, ModelLoad]:
+        """Each model's load at the standalone routers that said it lately, summed."""
+        for router, (_, at) in list(self._loads.items()):
+            if now - at > LOAD_TTL_S:
+                del self._loads[router]
+        return summed(said for said, _ in self._loads.values())
 
     def followed_by(self, metrics_address: str, now: float) -> None:
         """A standalone router that serves metrics there reported."""

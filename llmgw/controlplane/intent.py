@@ -1,4 +1,5 @@
-"""The operator's intent (cordoned and draining nodes), kept across restarts.
+"""The operator's intent (cordoned and draining nodes, pinned counts), kept across
+restarts.
 
 This is not fleet state, which is rebuilt from agents: nothing on a node
 remembers that an operator asked to drain it. So it lives in the control
@@ -20,6 +21,8 @@ log = logging.getLogger("llmgw.controlplane")
 class Intent(msgspec.Struct, kw_only=True):
     cordoned: list[str] = []
     draining: list[str] = []
+    # ranged models held at a count by ``ctl scale`` until released
+    pinned: dict[str, int] = {}
 
 
 class IntentStore:
@@ -33,16 +36,16 @@ class IntentStore:
             return msgspec.json.decode(self.path.read_bytes(), type=Intent)
         except (OSError, msgspec.DecodeError) as exc:
             log.error(
-                "cannot read %s (%s); starting with no cordoned or draining nodes", self.path, exc
+                "cannot read %s (%s); starting with no cordoned or draining nodes and no "
+                "pinned counts",
+                self.path,
+                exc,
             )
             return Intent()
 
-    def save(self, cordoned: set[str], draining: set[str]) -> None:
+    def save(self, cordoned: set[str], draining: set[str], pinned: dict[str, int]) -> None:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(
-            self.path,
-            msgspec.json.encode(Intent(cordoned=sorted(cordoned), draining=sorted(draining))),
-            0o644,
-        )
+        intent = Intent(cordoned=sorted(cordoned), draining=sorted(draining), pinned=pinned)
+        write_atomic(self.path, msgspec.json.encode(intent), 0o644)

@@ -10,6 +10,7 @@ killed a process).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,6 +18,9 @@ from prometheus_client.registry import Collector
 
 from llmgw.controlplane.leases import LeaseBank
 from llmgw.controlplane.nodes import NodeState
+
+if TYPE_CHECKING:
+    from llmgw.controlplane.scaling import Scaling
 
 
 class _NodesCollector(Collector):
@@ -103,6 +107,41 @@ class _ModelProblemsCollector(Collector):
         yield family
 
 
+class _ScalingCollector(Collector):
+    def __init__(self, scaling: Scaling) -> None:
+        self._scaling = scaling
+
+    def collect(self) -> Iterable[Metric]:
+        desired = GaugeMetricFamily(
+            "llmgw_model_replicas_desired",
+            "Replicas a model with a range should run now, as demand (or a pin) says",
+            labels=["model"],
+        )
+        load = GaugeMetricFamily(
+            "llmgw_model_load",
+            "A ranged model's requests at every router, as the last pass read them: in "
+            "flight at its replicas, or waiting (queued, or held with no replica)",
+            labels=["model", "kind"],
+        )
+        events = CounterMetricFamily(
+            "llmgw_model_scale_events",
+            "Changes of a ranged model's count, by reason: up, down, idle (to zero), "
+            "held (from zero, a request waiting), pinned",
+            labels=["model", "reason"],
+        )
+        for model, demand in sorted(self._scaling.demands().items()):
+            desired.add_metric([model], demand.count)
+            last = demand.last
+            if last is not None:
+                load.add_metric([model, "in_flight"], last.in_flight)
+                load.add_metric([model, "waiting"], last.waiting)
+        for (model, reason), n in sorted(self._scaling.events.items()):
+            events.add_metric([model, reason], n)
+        yield desired
+        yield load
+        yield events
+
+
 class ControlPlaneMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -147,6 +186,13 @@ class ControlPlaneMetrics:
             ["model", "node"],
             registry=r,
         )
+        self.replica_start_seconds = Histogram(
+            "llmgw_replica_start_seconds",
+            "From placing a replica to its engine answering Ready, by model and profile",
+            ["model", "profile"],
+            buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
+            registry=r,
+        )
         self.agent_kills = Counter(
             "llmgw_agent_kills",
             "Processes agents killed, by node and kind: stray (held an engine port or a "
@@ -173,6 +219,9 @@ class ControlPlaneMetrics:
 
     def watch_model_problems(self, problems: Callable[[], dict[tuple[str, str], int]]) -> None:
         self.registry.register(_ModelProblemsCollector(problems))
+
+    def watch_scaling(self, scaling: Scaling) -> None:
+        self.registry.register(_ScalingCollector(scaling))
 
     def watch_nodes(self, counts: Callable[[], dict[NodeState, int]]) -> None:
         self.registry.register(_NodesCollector(counts))

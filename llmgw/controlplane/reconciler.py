@@ -55,7 +55,7 @@ logs nothing: what it did is in the plan's notes, which the fleet manager logs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import msgspec
 
@@ -149,6 +149,9 @@ class Reconciler:
         # replicas the routers say are wedged -> since when they have said so
         self._wedged_since: dict[str, float] = {}
         self.spreads = Spreads()
+        # how many replicas a model should run now: its count, or what demand says of a
+        # range (``scaling.Scaling.wanted``, set by the fleet manager)
+        self.wanted: Callable[[Model], int] = lambda model: model.replicas
 
     # --- inputs from the fleet ----------------------------------------------
 
@@ -239,7 +242,12 @@ class Reconciler:
         for replica in self.replicas.values():
             by_model.setdefault(replica.model, []).append(replica)
         shared = self._pass(nodes)  # facts and allocations, built once a pass
-        for model in self.catalog.models.values():
+        # models below their floor (a count, or a range's min) are placed first, before
+        # what a range's demand wants beyond it (``scaling``)
+        for model in sorted(
+            self.catalog.models.values(),
+            key=lambda m: sum(r.counts for r in by_model.get(m.name, ())) >= m.replicas,
+        ):
             self._scale(model, by_model.get(model.name, []), shared, now, plan)
         return plan
 
@@ -331,9 +339,10 @@ class Reconciler:
         each leaving replica's next step (``moves.advance``)."""
         if not model.profiles:
             return
+        wanted = self.wanted(model)
         scene = moves.Scene(
             model=model.name,
-            wanted=model.replicas,
+            wanted=wanted,
             replicas=mine,
             draining=self.draining,
             crash_looping=self.crash_loops.looping(model.name),
@@ -343,11 +352,11 @@ class Reconciler:
         for phase in moves.Phase:  # each phase sees the moves the one before made
             for move in moves.propose(scene, phase):
                 self.acts.begin(move, now, plan)
-        missing = model.replicas - sum(1 for r in mine if r.counts)
+        missing = wanted - sum(1 for r in mine if r.counts)
         if missing > 0:
             self._place(model, missing, shared, now, plan)
         room_short = model.name in self.room_short
-        for step in moves.advance(model.replicas, mine, now, self.timing.drain_grace_s, room_short):
+        for step in moves.advance(wanted, mine, now, self.timing.drain_grace_s, room_short):
             if step.action is moves.Action.STOP:
                 self.acts.stop(step.replica, now, plan, "not needed any more")
             else:
@@ -364,7 +373,7 @@ class Reconciler:
             return None
         return self.spreads.relocation(
             model.name,
-            model.replicas,
+            self.wanted(model),
             counting,
             shared.open_nodes,
             lambda without: shared.place(model, now, without=without),

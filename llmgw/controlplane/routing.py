@@ -34,6 +34,7 @@ def build_snapshot(
     keys: Iterable[RouterKey] = (),
     tenant_keys: Iterable[RouterKey] = (),
     tenants: Iterable[TenantRouting] = (),
+    start_s: Mapping[str, float] = {},
 ) -> Snapshot:
     """What a router needs to know: every catalog model, the static endpoints, and
     each Ready or Draining replica at its head shard's node address (a Ready one
@@ -41,13 +42,17 @@ def build_snapshot(
     whether the control plane has been up for its lost-node timeout, and if not, the
     nodes it has heard from since it started (``llmgw.routing.carried``); ``keys``:
     the API keys of the control plane's config, for standalone routers;
-    ``tenant_keys`` and ``tenants``: its tenants' keys and limits."""
+    ``tenant_keys`` and ``tenants``: its tenants' keys and limits; ``start_s``: each
+    model with a range, how long one of its replicas takes to start."""
     models: dict[str, ModelRouting] = {}
     routes: list[Route] = []
     needs = Needs(lambda: [n.inventory for n in nodes.values()])
     for name, entry in catalog.models.items():
         models[name] = ModelRouting(
-            target_waiting=entry.routing.target_waiting, kv_ceiling=entry.routing.kv_ceiling
+            target_waiting=entry.routing.target_waiting,
+            kv_ceiling=entry.routing.kv_ceiling,
+            scales=entry.scaling is not None,
+            start_s=round(start_s.get(name, 0.0), 1) if entry.scaling is not None else 0.0,
         )
         routes.extend(
             Route(

@@ -45,6 +45,7 @@ from llmgw.http.client import UpstreamPool
 from llmgw.router import guards
 from llmgw.router.balancer import RetryBudget
 from llmgw.router.errors import error_body, openai_error
+from llmgw.router.hold import Holds
 from llmgw.router.keys import ApiKey, KeyRing
 from llmgw.router.leases import RETRY_S, WAIT_S, LeaseClient, Unreachable
 from llmgw.router.metrics import RouterMetrics
@@ -79,6 +80,7 @@ class RouterApp:
         limits: guards.Limits = guards.Limits(),  # noqa: B008 (frozen)
         tally: Tally | None = None,
         leases: LeaseClient | None = None,
+        holds: Holds | None = None,
     ) -> None:
         self.table = table
         self.limits = limits
@@ -96,6 +98,7 @@ class RouterApp:
             RetryBudget(max_attempts=max_attempts),
             queue_timeout_s,
             resume_streams=resume_streams,
+            holds=holds,
         )
         self.metrics.watch(
             lambda: [e for eps in self.table.endpoints.values() for e in eps],
@@ -298,12 +301,14 @@ class RouterApp:
         )
 
     def _listed(self, allowed: frozenset[str]) -> list[str]:
-        """The models this key may use that have a replica taking requests now."""
-        return sorted(
+        """The models this key may use that have a replica taking requests now, or
+        that start one when asked (a range of replicas, ``hold``)."""
+        serving = {
             m
             for m, eps in self.table.endpoints.items()
-            if any(e.ready and not e.draining for e in eps) and (not allowed or m in allowed)
-        )
+            if any(e.ready and not e.draining for e in eps)
+        }
+        return sorted(m for m in serving | self.table.scales.keys() if not allowed or m in allowed)
 
     def _models(self, allowed: frozenset[str]) -> Response:
         data = [_model_object(m) for m in self._listed(allowed)]

@@ -246,6 +246,14 @@ class RouterMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.held = Histogram(
+            "llmgw_router_held_seconds",
+            "Time a request was held in this router for a replica of its model (a range of "
+            "replicas with none started) to start, of those held, however they ended",
+            ["model"],
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300),
+            registry=r,
+        )
         self.panic = Gauge(
             "llmgw_router_panic",
             "1 while every replica of the model is refused by its breaker and requests "

@@ -74,6 +74,7 @@ from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choo
 from llmgw.router.breaker import BreakerState
 from llmgw.router.errors import openai_error
 from llmgw.router.fair import Shares
+from llmgw.router.hold import Holds
 from llmgw.router.prefix import prompt_key
 from llmgw.router.record import Record
 from llmgw.router.relay import Relay
@@ -139,8 +140,10 @@ class Proxy:
         queue_timeout_s: float = 0.0,
         *,
         resume_streams: bool = True,
+        holds: Holds | None = None,
     ) -> None:
         self.table = table
+        self.holds = holds or Holds(table)  # requests for a model with no replica yet
         self.pool = pool
         self.budget = budget
         self.queue_timeout_s = queue_timeout_s
@@ -164,6 +167,7 @@ class Proxy:
         endpoints = self.table.endpoints.get(model, [])
         admission = self.table.admission.get(model, _NO_THRESHOLDS)
         room = self.table.rooms(model)
+        self.holds.arrived(model)  # a model that scales is in use
         tried: set[str] = set()
         headers = [
             (k, v)
@@ -212,6 +216,22 @@ class Proxy:
                     endpoints = self.table.endpoints.get(model, [])  # as it is now
                     continue
             ep = choice.endpoint
+            if ep is None and failed is None:
+                until = self.holds.until(model, endpoints, started)
+                if until is not None:  # none started yet: held until one is (``hold``)
+                    if now >= until or (not record.held and self.holds.full(model)):
+                        return self.holds.refusal(model, now - started if record.held else 0.0)
+                    if place is None:
+                        place = room.place()
+                    self.holds.begin(model, first=not record.held)
+                    record.held = True
+                    try:
+                        await _wait(room, record, until, place)
+                    finally:
+                        self.holds.end(model)
+                    endpoints = self.table.endpoints.get(model, [])
+                    admission = self.table.admission.get(model, _NO_THRESHOLDS)
+                    continue
             if ep is None:
                 deadline = started + self.queue_timeout_s
                 if choice.shed and trio.current_time() < deadline:

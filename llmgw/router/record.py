@@ -62,6 +62,7 @@ class Record:
         "crashes",
         "done",
         "estimate",
+        "held",
         "key",
         "metrics",
         "model",
@@ -93,6 +94,7 @@ class Record:
         self.replica = "-"  # the replica whose answer the client gets
         self.sent: list[str] = []  # the replicas it was sent to, in order
         self.queued = 0.0  # seconds it waited for room on the model's replicas
+        self.held = False  # it waited for a replica of its model to start (``hold``)
         self.shares: Shares | None = None  # where what it used counts for its turn (``fair``)
         self.charged = 0  # what it counted there when first sent (its prompt, estimated)
         self.started: float | None = None  # when it was routed; None: it was not
@@ -239,6 +241,8 @@ class Record:
                 m.tokens.labels(self.model).observe(self.tokens)
             if self.queued:
                 m.queue_wait.labels(self.model).observe(self.queued)
+            if self.held:
+                m.held.labels(self.model).observe(self.queued)
         if self.arrived is not None:
             self._write(now, ended)
 
@@ -266,6 +270,8 @@ class Record:
         sent = "" if self.sent in ([], [self.replica]) else f" sent={','.join(self.sent)}"
         if self.queued:  # it waited for room (the queue) before it was sent
             sent += f" queued={self.queued:.3f}s"
+        if self.held:  # ... for a replica of its model to start
+            sent += " held=yes"
         access_log.info(
             "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
             "tokens=%d cached=%s end=%s%s",

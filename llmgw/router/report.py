@@ -28,18 +28,20 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 
 import httpx
 import msgspec
 import trio
 
 from llmgw.router.tally import Tally
-from llmgw.routing import REPORT_PATH, RouterReport
+from llmgw.routing import REPORT_PATH, ModelLoad, RouterReport
 
 log = logging.getLogger("llmgw.router")
 
 REPORT_S = 20.0  # the control plane forgets a router not heard from for 75 s
 USAGE_S = 5.0  # what tenants used reaches the control plane this soon after
+LOAD_S = 2.0  # while a model that scales has requests here, reported this often
 RETRY_CAP_S = 2.0
 
 
@@ -54,7 +56,10 @@ class Reporter:
         self._headers = {"authorization": f"Bearer {token}"}
         self._changed = trio.Event()
         self._refused = False
+        self._loaded = False  # the last report said a load
         self.tally = Tally()  # what tenants' keys used here (the router app's)
+        # each ranged model's requests here now (``hold.Holds.loads``)
+        self.load: Callable[[], dict[str, ModelLoad]] = dict
 
     def report(self) -> RouterReport:
         return RouterReport(
@@ -62,6 +67,7 @@ class Reporter:
             metrics=self.metrics_address,
             wedged=sorted(self._wedged),
             usage=self.tally.rows(),
+            load=self.load(),
         )
 
     def serves_metrics(self, address: str) -> None:
@@ -74,6 +80,10 @@ class Reporter:
         if replica_ids != self._wedged:
             self._wedged = replica_ids
             self._changed.set()
+
+    def held(self) -> None:
+        """A request is held for a model with no replica: the control plane hears now."""
+        self._changed.set()
 
     def query(self) -> dict[str, str]:
         """The report as query parameters of a routing poll, for a control plane older
@@ -91,9 +101,13 @@ class Reporter:
             while True:
                 self._changed = trio.Event()
                 counted = self.tally.changes
-                sent = await self._send(client)
+                report = self.report()
+                sent = await self._send(client, report)
                 delay = 0.5 if sent else min(delay * 2, RETRY_CAP_S)
-                until = trio.current_time() + (self.every_s if sent else delay)
+                # a load is told again soon, and so is its end (an empty one after it)
+                every = LOAD_S if report.load or self._loaded else self.every_s
+                self._loaded = bool(report.load)
+                until = trio.current_time() + (every if sent else delay)
                 while not self._changed.is_set() and trio.current_time() < until:
                     # tenants' usage is news too, told at most every USAGE_S
                     if sent and self.tally.changes != counted:
@@ -101,11 +115,11 @@ class Reporter:
                     with trio.move_on_at(min(until, trio.current_time() + USAGE_S)):
                         await self._changed.wait()
 
-    async def _send(self, client: httpx.AsyncClient) -> bool:
+    async def _send(self, client: httpx.AsyncClient, report: RouterReport) -> bool:
         """One report; False when the control plane could not be reached."""
         try:
             r = await client.post(
-                self.url, content=msgspec.json.encode(self.report()), headers=self._headers
+                self.url, content=msgspec.json.encode(report), headers=self._headers
             )
         except httpx.HTTPError:
             return False

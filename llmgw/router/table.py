@@ -85,6 +85,8 @@ class RoutingTable:
         self._known: frozenset[str] = frozenset()
         self._by_key: dict[str, Endpoint] = {}
         self.rooms = Rooms()  # where each model's queued requests wait for room
+        # models with a range of replicas -> how long one takes to start (``hold``)
+        self.scales: dict[str, float] = {}
         if initial is not None:
             self.apply(initial)
 
@@ -144,6 +146,7 @@ class RoutingTable:
         }
         self.affinity = {m: _strongest(eps) for m, eps in table.items()}
         self._known = frozenset(snap.models)
+        self.scales = {m: r.start_s for m, r in snap.models.items() if r.scales}
         self.endpoints = table
         self.version = snap.version
         self.tenants = {t.name: t.limits for t in snap.tenants}

@@ -32,6 +32,7 @@ from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
 from llmgw.router.guards import Limits
+from llmgw.router.hold import Holds
 from llmgw.router.keys import KeyRing, api_keys, followed
 from llmgw.router.leases import SEND_S, LeaseClient, http_send
 from llmgw.router.metrics import RouterMetrics
@@ -55,12 +56,14 @@ def router_app(
     got: Shares | None = None,
     tally: Tally | None = None,
     leases: LeaseClient | None = None,
+    holds: Holds | None = None,
 ) -> HttpServer:
     """The endpoint's HTTP server, as ``llmgw server`` and ``llmgw router`` both run it;
     ``keys`` may be replaced while it serves. ``got``: the process's connection shares
     (made here when not given); a cut ``max_connections`` is said in one line.
     ``tally``: where what tenants' keys use is counted (the control plane's ledger
-    reads it); ``leases``: where tenants' limits are spent from (``router.leases``)."""
+    reads it); ``leases``: where tenants' limits are spent from (``router.leases``);
+    ``holds``: where requests for a model with no replica wait (``router.hold``)."""
     if got is None:
         got = process_shares(config.max_connections)
     if line := capped_line("router.max_connections", config.max_connections, got):
@@ -84,6 +87,7 @@ def router_app(
         limits=guard_limits(config),
         tally=tally,
         leases=leases,
+        holds=holds,
     )
     return HttpServer(
         app,
@@ -91,6 +95,24 @@ def router_app(
         error_body=error_body,
         name="router",
         admit=app.admit,  # the key is checked from the head, before any body is kept
+    )
+
+
+def holds_of(
+    config: RouterConfig,
+    table: RoutingTable,
+    notify: Callable[[str], None],
+    arrivals: Callable[[], None] = lambda: None,
+) -> Holds:
+    """Where the router holds requests for a model with no replica yet (``router.hold``);
+    ``notify``: tells the control plane a model's requests are held; ``arrivals``: that
+    requests arrive again after a reading."""
+    return Holds(
+        table,
+        hold_s=config.hold_timeout_s,
+        max_held=config.max_held,
+        notify=notify,
+        arrivals=arrivals,
     )
 
 
@@ -220,7 +242,9 @@ async def serve(
     leases = LeaseClient(
         Quotas(), http_send(config.admin_url, token, lease_client), reporter.router_id
     )
-    server = router_app(config.router, table, metrics, keys, got, reporter.tally, leases)
+    holds = holds_of(config.router, table, lambda model: reporter.held(), reporter.held)
+    reporter.load = holds.loads  # each ranged model's requests here, in every report
+    server = router_app(config.router, table, metrics, keys, got, reporter.tally, leases, holds)
     watch_listeners(metrics.registry, {"router": server})
     host, port = parse_hostport(config.router.listen, key="router.listen")
     # bound before any worker starts: a port held elsewhere is one line, from worker 0

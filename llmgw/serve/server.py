@@ -50,7 +50,7 @@ from llmgw.router.tally import Tally
 from llmgw.routing import LeaseAnswer, LeaseExchange, RouterKey
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import admin_limits, metrics_server, process_shares
-from llmgw.serve.router import router_app
+from llmgw.serve.router import holds_of, router_app
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.ca import CAError, describe_certificate
 from llmgw.tls.contexts import server_context
@@ -216,7 +216,11 @@ async def serve(
             on_wedged=lambda ids: routers.report_wedged("in-process", ids, trio.current_time()),
             on_keys=lambda published: _follow(ring, published),
         )
-        router = (table, router_app(config.router, table, metrics, keys, got, tally, leases))
+        holds = holds_of(config.router, table, lambda model: fleet.held() if fleet else None)
+        if fleet is not None:  # what the router here sees of ranged models, read each pass
+            fleet.load_sources.append(holds.loads)
+        app = router_app(config.router, table, metrics, keys, got, tally, leases, holds)
+        router = (table, app)
     reload = Reloader(fleet, keys, reread, routing)
     ledger = UsageLedger(resolve(base, config.state_dir) / USAGE_FILE)
     if config.router.listen:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
 import httpx
@@ -18,7 +19,7 @@ from llmgw.router.app import RouterApp, error_body
 from llmgw.router.breaker import BreakerState
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
 from llmgw.router.table import RoutingTable
-from llmgw.routing import ModelRouting, Route, Snapshot
+from llmgw.routing import ModelLoad, ModelRouting, Route, Snapshot
 
 KEY = "llmgw-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -88,7 +89,7 @@ async def serve(nursery: trio.Nursery, handler: object) -> int:
     return int(listeners[0].socket.getsockname()[1])
 
 
-def snapshot(routes: list[Route], **routing: float | None) -> Snapshot:
+def snapshot(routes: list[Route], **routing: Any) -> Snapshot:
     return Snapshot(version=str(id(routes)), models={"m": ModelRouting(**routing)}, routes=routes)
 
 
@@ -492,3 +493,51 @@ async def test_a_model_can_be_retrieved_by_its_id_slash_and_all(rig: Rig) -> Non
         r = await client.get(rig.base + "/models/nope", headers=AUTH)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert (await client.get(rig.base + "/models/org/m")).status_code == 401
+
+
+async def test_a_ranged_model_with_no_replica_holds_requests_within_a_bound(rig: Rig) -> None:
+    """Held while none is Ready, sent the moment one is; past ``max_held`` or the hold's
+    time: a 503 that says how long a start takes, never a 429."""
+    told: list[str] = []
+    holds = rig.app.proxy.holds
+    holds.notify, holds.hold_s, holds.max_held = told.append, 5.0, 2
+    rig.table.apply(snapshot([], scales=True, start_s=12.0))  # scaled to zero
+    assert holds.loads() == {}
+    async with httpx.AsyncClient(timeout=10) as client:
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(
+                await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+            )
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(ask)
+            with trio.fail_after(5):
+                while not (len(answers) == 1 and holds.held("m") == 2):
+                    await trio.sleep(0.01)
+            # the third found the hold full: refused at once, the other two wait
+            assert answers[0].status_code == 503, answers[0].text
+            assert answers[0].json()["error"]["code"] == "starting"
+            assert "2 requests are already held for m" in answers[0].json()["error"]["message"]
+            assert answers[0].headers["retry-after"] == "12"
+            assert told == ["m", "m"]  # each held one told the control plane once
+            assert holds.loads() == {"m": ModelLoad(waiting=2, arrived=3)}
+            rig.table.apply(snapshot(rig.routes(), scales=True, start_s=12.0))  # one is Ready
+        assert [r.status_code for r in answers[1:]] == [200, 200]
+        assert holds.held("m") == 0 and holds.loads() == {}
+
+        holds.hold_s = 0.5
+        rig.table.apply(snapshot([], scales=True, start_s=0.0))
+        began = trio.current_time()
+        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        assert r.status_code == 503 and 0.45 < trio.current_time() - began < 3
+        assert (
+            "held 0.5 s and no replica of m started; try again soon" in r.json()["error"]["message"]
+        ), r.text
+        assert r.headers["retry-after"] == "1"
+
+        rig.table.apply(snapshot([]))  # a model that does not scale: no hold
+        r = await client.post(rig.base + "/chat/completions", json=chat(), headers=AUTH)
+        assert r.status_code == 503 and "no replica of m can take requests" in r.text
