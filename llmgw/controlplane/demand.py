@@ -21,8 +21,12 @@ follows it with hysteresis, one decision at a time (``Demand.observe``):
   keeps a load that rises and falls within a minute from starting and stopping
   engines: the count rises once with the first rise and stays.
 - **To zero** (``min`` 0): after ``idle_s`` with no request at all.
-- **From zero**: a request held for a model with no replica asks for one at
-  once, whatever the windows say: a held request waits on nothing else.
+- **From zero**: requests held for a model with no replica ask at once,
+  whatever the windows say, for as many as they need (a burst that finds the
+  model at zero starts several, not one and the rest a cool-down later): a
+  held request waits on nothing else. For ``UP_S`` after that, while the
+  burst is still arriving and none of it is served yet, a reading that needs
+  more raises the count at once too.
 
 A pin (``ctl scale MODEL N``) replaces the rule until it is released. Every
 change comes with its reason in words, for ``ctl models`` and the log: ``2 → 3:
@@ -102,6 +106,7 @@ class Demand:
     _seen: deque[Reading] = attrs.field(factory=deque)  # the last ``DOWN_S`` of readings
     _since: float | None = None  # the first reading: a window counts once it is this old
     _last_request: float = -math.inf  # when a reading last had any load (or the first)
+    _woke: float = -math.inf  # when it last rose from zero
 
     @property
     def last(self) -> Reading | None:
@@ -139,8 +144,18 @@ class Demand:
         if self.count == 0:
             if reading.waiting:
                 held = f"{reading.waiting} request{'s' if reading.waiting != 1 else ''}"
-                return self._change(1, now, f"{held} held with no replica")
+                want = max(1, self.need(reading.load))
+                self._woke = now
+                return self._change(want, now, f"{held} held with no replica")
             return None
+        if now - self._woke <= UP_S and self.need(reading.load) > self.count:
+            # a burst still arriving while the first replicas start: all of it is held
+            # or queued behind them, none served yet, and needs what it needs now
+            return self._change(
+                self.need(reading.load),
+                now,
+                f"{reading.load} requests at once while its first replicas start",
+            )
         lowest = min(r.load for r in seen if r.at >= now - UP_S)
         want = self.need(lowest)
         if watched >= UP_S and want > self.count and now >= self.changed + UP_COOL_S:

@@ -127,3 +127,24 @@ def test_bench_tenants_runs_and_holds_budgets_across_killed_routers() -> None:
     assert " 0 false refusals (goal 0: met)" in text, text
     assert "outage:" in text and "cpu: tenants on / off =" in text, text
     assert "fair: steady TTFT p95 with noisy / without =" in text, text
+
+
+@needs_server
+def test_bench_demand_runs_its_shape_and_fails_no_request() -> None:
+    """Small (a few users, short phases, the elastic run only): the figures it prints
+    are the issue's, and no request fails through zero, a burst, a sine and idle."""
+    text = run_tool(
+        "tools.bench_demand",
+        "--only=elastic",
+        "--users=4",
+        "--burst-s=5",
+        "--period=16",
+        "--periods=1",
+        "--idle-s=3",
+        timeout=300,
+    )
+    assert "elastic: " in text and " 0 failed " in text, text
+    assert "first request at zero: TTFT" in text, text
+    assert "starts per rise of the sine:" in text, text
+    assert "0 → 1: 1 request held with no replica" in text, text  # the first request
+    assert "no request for 3 s" in text, text  # and back to zero

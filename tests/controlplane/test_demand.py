@@ -50,6 +50,15 @@ def test_an_idle_model_goes_to_zero_and_its_first_request_brings_one_back() -> N
     assert str(back) == "0 → 1: 3 requests held with no replica"
 
 
+def test_a_burst_that_finds_the_model_at_zero_starts_what_it_needs_at_once() -> None:
+    demand = Demand(RANGE, count=0)
+    [(_, back)] = feed(demand, [(0.0, 0, 0), (1.0, 0, 14)])  # 14 held, 4 each: four
+    assert str(back) == "0 → 4: 14 requests held with no replica"
+    demand = Demand(RANGE, count=0)
+    [(_, back)] = feed(demand, [(1.0, 0, 1)])
+    assert back.after == 1
+
+
 def test_a_sustained_load_raises_the_count_at_once_and_a_spike_does_not() -> None:
     demand = Demand(RANGE, count=1)
     feed(demand, [(t, 2, 0) for t in every(1.0, 60.0)])
@@ -138,3 +147,18 @@ def test_a_count_just_raised_is_given_time_to_start_before_the_next_rise() -> No
     [(second, more)] = changes
     assert (more.before, more.after) == (2, 4)
     assert second - first >= 30.0, (first, second)  # UP_COOL_S, as documented
+
+
+def test_a_burst_still_arriving_after_a_start_from_zero_raises_the_count_at_once() -> None:
+    demand = Demand(RANGE, count=0)
+    changes = feed(demand, [(0.0, 0, 1), (1.0, 0, 9), (2.0, 1, 14), (3.0, 2, 15)])
+    assert [(at, str(c)) for at, c in changes] == [
+        (0.0, "0 → 1: 1 request held with no replica"),
+        (1.0, "1 → 3: 9 requests at once while its first replicas start"),
+        (2.0, "3 → 4: 15 requests at once while its first replicas start"),
+    ]
+    # past UP_S from the start, the usual patience again
+    demand = Demand(RANGE, count=0)
+    feed(demand, [(0.0, 0, 1), *[(t, 4, 0) for t in every(1.0, 20.0, 1.0)]])
+    assert demand.count == 1
+    assert feed(demand, [(21.0, 12, 0)]) == []
