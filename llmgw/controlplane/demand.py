@@ -12,7 +12,10 @@ follows it with hysteresis, one decision at a time (``Demand.observe``):
 - **Up** when the load has needed more replicas for all of the last ``UP_S``
   (its lowest reading in that window needs more): to what that lowest reading
   needs, at once (a burst of fifty users wants several, not one a minute). At
-  most once every ``UP_COOL_S``, so a count just raised is given time to start.
+  most once every ``UP_COOL_S``, or the replica's measured start time when that is
+  longer (``Range.start_s``), so a count just raised is given time to start: the
+  load its new replicas will carry still queues until they are Ready, and raising
+  again on it would start more than it needs.
 - **Down** by one when the load could have been carried by one replica fewer,
   each running at ``DOWN_AT`` of its target, for all of the last ``DOWN_S`` (its
   highest reading in that window); and not within ``DOWN_COOL_S`` of any change.
@@ -59,6 +62,7 @@ class Range:
     max: int
     target: float
     idle_s: float = IDLE_S
+    start_s: float = 0.0  # how long one of its replicas takes to start, as measured
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.min <= self.max or self.max < 1:
@@ -158,7 +162,8 @@ class Demand:
             )
         lowest = min(r.load for r in seen if r.at >= now - UP_S)
         want = self.need(lowest)
-        if watched >= UP_S and want > self.count and now >= self.changed + UP_COOL_S:
+        cool = max(UP_COOL_S, self.range.start_s)
+        if watched >= UP_S and want > self.count and now >= self.changed + cool:
             return self._change(
                 want,
                 now,

@@ -25,11 +25,13 @@ routing poll; the admin API turns those into a report, for one release.
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 from llmgw.addr import join_hostport
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.routing import ModelLoad, RouterReport, summed
 
+_T = TypeVar("_T", dict[str, ModelLoad], frozenset[str])
 ROUTER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REPLICA_ID = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 MAX_WEDGED = 1000
@@ -90,14 +92,7 @@ class RouterReports:
 
     def report_load(self, router: str, load: dict[str, ModelLoad], now: float) -> None:
         """One router's load per model now (every report says it again; empty: none)."""
-        if not load:
-            self._loads.pop(router, None)
-            return
-        if router not in self._loads and len(self._loads) >= self.MAX_FOLLOWERS:
-            self._forget_old(now)
-            if len(self._loads) >= self.MAX_FOLLOWERS:
-                return
-        self._loads[router] = (load, now)
+        self._keep(self._loads, router, load, now)
 
     def loads(self, now: float) -> dict[str, ModelLoad]:
         """Each model's load at the standalone routers that said it lately, summed."""
@@ -116,14 +111,19 @@ class RouterReports:
 
     def report_wedged(self, router: str, replica_ids: frozenset[str], now: float) -> None:
         """What one router holds wedged now (every report says it again; empty: none)."""
-        if not replica_ids:
-            self._wedged.pop(router, None)
+        self._keep(self._wedged, router, replica_ids, now)
+
+    def _keep(self, table: dict[str, tuple[_T, float]], router: str, said: _T, now: float) -> None:
+        """What ``router`` says now, kept in ``table`` (nothing said: its entry goes);
+        bounded: a router never heard from before waits for room."""
+        if not said:
+            table.pop(router, None)
             return
-        if router not in self._wedged and len(self._wedged) >= self.MAX_FOLLOWERS:
+        if router not in table and len(table) >= self.MAX_FOLLOWERS:
             self._forget_old(now)
-            if len(self._wedged) >= self.MAX_FOLLOWERS:
+            if len(table) >= self.MAX_FOLLOWERS:
                 return
-        self._wedged[router] = (replica_ids, now)
+        table[router] = (said, now)
 
     def wedged(self, now: float) -> frozenset[str]:
         """The replicas some router heard from lately holds wedged."""

@@ -141,7 +141,13 @@ class Scaling:
             r = model.scaling
             if r is None or not model.profiles:
                 continue
-            span = Range(min=r.min, max=r.max, target=scaling_target(model), idle_s=r.idle_s)
+            span = Range(
+                min=r.min,
+                max=r.max,
+                target=scaling_target(model),
+                idle_s=r.idle_s,
+                start_s=self.start_s(name, [p.name for p in model.profiles]) or 0.0,
+            )
             demand = self._demands.get(name)
             have = max(r.min, min(r.max, counting.get(name, 0)))
             if demand is None:

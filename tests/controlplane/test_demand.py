@@ -162,3 +162,12 @@ def test_a_burst_still_arriving_after_a_start_from_zero_raises_the_count_at_once
     feed(demand, [(0.0, 0, 1), *[(t, 4, 0) for t in every(1.0, 20.0, 1.0)]])
     assert demand.count == 1
     assert feed(demand, [(21.0, 12, 0)]) == []
+
+
+def test_a_replica_that_takes_long_to_start_is_given_that_long_before_another_rise() -> None:
+    for start_s, second_rise in ((0.0, 15.0 + UP_COOL_S), (90.0, 15.0 + 90.0)):
+        demand = Demand(Range(min=1, max=4, target=4.0, start_s=start_s), count=1)
+        loads = [(t, 10, 0) for t in every(1.0, 20.0)]  # up at UP_S to what 10 needs
+        loads += [(t, 10, 10) for t in every(1.0, 200.0, 20.0)]  # queued behind the starts
+        changes = feed(demand, loads)
+        assert [(at, c.after) for at, c in changes] == [(UP_S, 3), (second_rise, 4)]
