@@ -347,8 +347,8 @@ def run(kind: str, args: argparse.Namespace, shape: Shape) -> Result:
             if args.keep:  # the logs, for a look at what happened when
                 keep = Path(args.keep) / kind
                 keep.mkdir(parents=True, exist_ok=True)
-                for log in d.glob("*.log"):
-                    shutil.copy(log, keep / log.name)
+                for kept in d.glob("*.log"):
+                    shutil.copy(kept, keep / kept.name)
 
 
 def summarize(
