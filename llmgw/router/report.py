@@ -42,6 +42,7 @@ log = logging.getLogger("llmgw.router")
 REPORT_S = 20.0  # the control plane forgets a router not heard from for 75 s
 USAGE_S = 5.0  # what tenants used reaches the control plane this soon after
 LOAD_S = 2.0  # while a model that scales has requests here, reported this often
+GAP_S = 0.25  # two reports are at least this far apart, however much news comes
 RETRY_CAP_S = 2.0
 
 
@@ -57,6 +58,7 @@ class Reporter:
         self._changed = trio.Event()
         self._refused = False
         self._loaded = False  # the last report said a load
+        self._last = -GAP_S  # when the last report began
         self.tally = Tally()  # what tenants' keys used here (the router app's)
         # each ranged model's requests here now (``hold.Holds.loads``)
         self.load: Callable[[], dict[str, ModelLoad]] = dict
@@ -85,6 +87,12 @@ class Reporter:
         """A request is held for a model with no replica: the control plane hears now."""
         self._changed.set()
 
+    def arrived(self) -> None:
+        """Requests for a model that scales arrive again after a reading: heard now when
+        this router has reported no load lately (then every ``LOAD_S`` while it has)."""
+        if not self._loaded:
+            self._changed.set()
+
     def query(self) -> dict[str, str]:
         """The report as query parameters of a routing poll, for a control plane older
         than the report; none for one that takes it."""
@@ -99,6 +107,10 @@ class Reporter:
             task_status.started()
             delay = 0.5
             while True:
+                # news that comes while a report is sent waits for the next, not less
+                # than GAP_S after it: a busy router's news is not one report a request
+                await trio.sleep_until(self._last + GAP_S)
+                self._last = trio.current_time()
                 self._changed = trio.Event()
                 counted = self.tally.changes
                 report = self.report()

@@ -242,7 +242,7 @@ async def serve(
     leases = LeaseClient(
         Quotas(), http_send(config.admin_url, token, lease_client), reporter.router_id
     )
-    holds = holds_of(config.router, table, lambda model: reporter.held(), reporter.held)
+    holds = holds_of(config.router, table, lambda model: reporter.held(), reporter.arrived)
     reporter.load = holds.loads  # each ranged model's requests here, in every report
     server = router_app(config.router, table, metrics, keys, got, reporter.tally, leases, holds)
     watch_listeners(metrics.registry, {"router": server})

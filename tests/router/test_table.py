@@ -27,9 +27,17 @@ from llmgw.controlplane.routing import RoutingPublisher
 from llmgw.controlplane.service import ControlPlane
 from llmgw.http import HttpServer, Request, Response
 from llmgw.router.keys import ApiKey, KeyRing, followed, hash_key, published
-from llmgw.router.report import Reporter
+from llmgw.router.report import LOAD_S, Reporter
 from llmgw.router.table import HttpWatch, RoutingTable
-from llmgw.routing import REPORT_PATH, ModelRouting, Route, RouterKey, Snapshot, versioned
+from llmgw.routing import (
+    REPORT_PATH,
+    ModelLoad,
+    ModelRouting,
+    Route,
+    RouterKey,
+    Snapshot,
+    versioned,
+)
 
 TOKEN = "s3cret-token"
 
@@ -385,3 +393,34 @@ def test_a_standalone_router_takes_the_control_planes_keys_besides_its_own() -> 
         versioned({"m": ModelRouting()}, _fleet("http://127.0.0.1:1"), keys=published(cp[1:]))
     )
     assert len(seen) == 2  # told only when the keys change
+
+
+async def test_a_busy_router_reports_its_load_every_few_seconds_not_every_request(
+    nursery: trio.Nursery,
+) -> None:
+    """Requests for a model that scales arrive all the time: the first after a quiet
+    spell is told at once, then the load every LOAD_S, never a report per request."""
+    admin = await _admin(nursery)
+    reporter = Reporter(admin.url, TOKEN, every_s=60)
+    arrived = 0
+
+    def load() -> dict[str, ModelLoad]:
+        nonlocal arrived
+        said, arrived = arrived, 0
+        return {"m": ModelLoad(in_flight=1, arrived=said)} if said else {}
+
+    reporter.load = load
+    await nursery.start(reporter.run)
+    await _until(lambda: len(reports(admin)) == 1)  # the first, at start
+    began = trio.current_time()
+    while trio.current_time() < began + 3.0:  # a request every 5 ms for 3 s
+        arrived += 1
+        reporter.arrived()
+        await trio.sleep(0.005)
+    sent = reports(admin)
+    assert 2 <= len(sent) <= 1 + 3.0 / LOAD_S + 2, len(sent)  # at once, then every 2 s
+    assert admin.routers.loads(trio.current_time())["m"].arrived >= 1  # the control plane heard
+
+
+def reports(admin: Admin) -> list[tuple[str, str, str]]:
+    return [h for h in admin.heard if h[:2] == ("POST", REPORT_PATH)]
