@@ -89,11 +89,13 @@ class Reading:
 
 @attrs.frozen
 class Change:
-    """The count a model should run, from ``before``, and why in words."""
+    """The count a model should run, from ``before``, and why: in words, and as one of a
+    few fixed kinds (``up``, ``down``, ``idle``, ``held``, ``pinned``) for metrics."""
 
     before: int
     after: int
     why: str
+    kind: str
 
     def __str__(self) -> str:
         return f"{self.before} → {self.after}: {self.why}"
@@ -129,7 +131,7 @@ class Demand:
         self.pinned = None if n is None else max(0, min(self.range.max, n))
         if self.pinned is None or self.pinned == self.count:
             return None
-        return self._change(self.pinned, now, "pinned by an operator (`llmgw ctl scale`)")
+        return self._change(self.pinned, now, "pinned by an operator (`llmgw ctl scale`)", "pinned")
 
     def observe(self, reading: Reading) -> Change | None:
         """Take a reading (in time order); the change it makes, if any."""
@@ -150,7 +152,7 @@ class Demand:
                 held = f"{reading.waiting} request{'s' if reading.waiting != 1 else ''}"
                 want = max(1, self.need(reading.load))
                 self._woke = now
-                return self._change(want, now, f"{held} held with no replica")
+                return self._change(want, now, f"{held} held with no replica", "held")
             return None
         if now - self._woke <= UP_S and self.need(reading.load) > self.count:
             # a burst still arriving while the first replicas start: all of it is held
@@ -159,6 +161,7 @@ class Demand:
                 self.need(reading.load),
                 now,
                 f"{reading.load} requests at once while its first replicas start",
+                "up",
             )
         lowest = min(r.load for r in seen if r.at >= now - UP_S)
         want = self.need(lowest)
@@ -168,9 +171,10 @@ class Demand:
                 want,
                 now,
                 f"{lowest} requests at once for {UP_S:.0f} s, {self.range.target:g} each at most",
+                "up",
             )
         if self.range.min == 0 and now - self._last_request >= self.range.idle_s:
-            return self._change(0, now, f"no request for {self.range.idle_s:.0f} s")
+            return self._change(0, now, f"no request for {self.range.idle_s:.0f} s", "idle")
         highest = max(r.load for r in seen)
         fits = highest <= (self.count - 1) * self.range.target * DOWN_AT
         if (
@@ -184,10 +188,11 @@ class Demand:
                 now,
                 f"at most {highest} requests at once for {DOWN_S:.0f} s: "
                 f"{self.count - 1} carry them at {DOWN_AT:.0%} of their target",
+                "down",
             )
         return None
 
-    def _change(self, after: int, now: float, why: str) -> Change:
-        change = Change(self.count, after, why)
+    def _change(self, after: int, now: float, why: str, kind: str) -> Change:
+        change = Change(self.count, after, why, kind)
         self.count, self.changed = after, now
         return change

@@ -208,12 +208,18 @@ class FleetManager:
         )
         self.control.metrics.replica_failures.labels(failed.model, failed.node_id).inc()
 
-    def below_count(self) -> list[str]:
-        """Catalog models with profiles that fewer replicas count towards than wanted."""
+    def counting(self) -> dict[str, int]:
+        """How many replicas count towards each model (placed, starting or serving, and
+        not leaving)."""
         counting: dict[str, int] = {}
         for r in self.replicas():
             if r.counts:
                 counting[r.model] = counting.get(r.model, 0) + 1
+        return counting
+
+    def below_count(self) -> list[str]:
+        """Catalog models with profiles that fewer replicas count towards than wanted."""
+        counting = self.counting()
         return [
             name
             for name, m in sorted(self.catalog.models.items())
@@ -380,19 +386,9 @@ class FleetManager:
 
     def _follow_demand(self, now: float) -> None:
         """Ranged models' counts from what the routers see now (``scaling``)."""
-        counting: dict[str, int] = {}
-        for r in self.replicas():
-            if r.counts:
-                counting[r.model] = counting.get(r.model, 0) + 1
-        self.scaling.follow(self.catalog, counting, settled=self.settled())
-        self.scaling.room_first(
-            self.catalog,
-            {
-                m: why
-                for m, (why, _) in self.cannot_place.items()
-                if self._cannot_place_kind.get(m) in ROOM
-            },
-        )
+        self.scaling.follow(self.catalog, self.counting(), settled=self.settled())
+        short = [m for m in self.cannot_place if self._cannot_place_kind.get(m) in ROOM]
+        self.scaling.room_first(self.catalog, short)
         self.scaling.observe(self.loads(), now, time.time())
         self.scaling.saw(self.replicas())
         for model, profile, took in self.scaling.new_starts:

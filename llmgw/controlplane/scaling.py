@@ -63,7 +63,6 @@ class Said:
 
     change: Change
     at: float
-    reason: str  # the bounded kind, for metrics: up, down, idle, held, pinned
 
 
 class Scaling:
@@ -78,8 +77,6 @@ class Scaling:
         self._ready: set[str] = set()  # replica ids already counted Ready
         self.new_starts: list[tuple[str, str, float]] = []  # measured since last taken
         self._counting: dict[str, int] = {}  # replicas that count towards each model
-        # models below their floor for want of room: another's demand waits for them
-        self.first: dict[str, str] = {}  # model -> why, in words
         self.yielding: dict[str, str] = {}  # ranged model -> why it is held below demand
 
     # --- the count ------------------------------------------------------------------
@@ -97,18 +94,18 @@ class Scaling:
             return min(demand.count, max(model.replicas, self._counting.get(model.name, 0)))
         return demand.count
 
-    def room_first(self, catalog: Catalog, short_of_room: Mapping[str, str]) -> None:
-        """``short_of_room``: models placement found no room for (their words), of which
-        those below their floor (a count, or a range's min) go first: every range that
+    def room_first(self, catalog: Catalog, short_of_room: Collection[str]) -> None:
+        """``short_of_room``: models placement found no room for, of which those below
+        their floor (a count, or a range's min) go first: every range that
         wants more than it runs waits for them. One line when that starts and ends."""
-        self.first = {
-            m: why
-            for m, why in short_of_room.items()
+        first = [  # below their floor for want of room: others' demand waits for them
+            m
+            for m in short_of_room
             if m in catalog.models and self._counting.get(m, 0) < catalog.models[m].replicas
-        }
+        ]
         yielding = {}
         for name, demand in self._demands.items():
-            others = sorted(m for m in self.first if m != name)
+            others = sorted(m for m in first if m != name)
             if others and demand.count > max(
                 catalog.models[name].replicas, self._counting.get(name, 0)
             ):
@@ -163,10 +160,10 @@ class Scaling:
             if not settled and demand.pinned is None:
                 # what came back counts: nothing placed twice, nothing drained
                 demand.count = max(demand.count, have)
-        for name in [n for n in self._demands if n not in catalog.models]:
-            del self._demands[name]
-        for name in [n for n in self._demands if catalog.models[n].scaling is None]:
-            del self._demands[name]
+        for name in list(self._demands):
+            kept = catalog.models.get(name)
+            if kept is None or kept.scaling is None:  # gone, or no range any more
+                del self._demands[name]
         for name in [n for n in self._pins if n not in self._demands]:
             del self._pins[name]  # a model with no range any more has no pin
 
@@ -205,9 +202,8 @@ class Scaling:
         )
 
     def _said(self, name: str, change: Change, wall: float) -> None:
-        reason = _reason(change)
-        self.said[name] = Said(change, wall, reason)
-        self.events[name, reason] = self.events.get((name, reason), 0) + 1
+        self.said[name] = Said(change, wall)
+        self.events[name, change.kind] = self.events.get((name, change.kind), 0) + 1
         log.info("scaling %s: %s", name, change)
 
     # --- start times ------------------------------------------------------------------
@@ -242,15 +238,3 @@ class Scaling:
         """``start_s``, or ``DEFAULT_START_S`` before a start was measured."""
         got = self.start_s(model.name, [p.name for p in model.profiles])
         return DEFAULT_START_S if got is None else got
-
-
-def _reason(change: Change) -> str:
-    """A change's kind, bounded, for metrics."""
-    why = change.why
-    if why.startswith("pinned"):
-        return "pinned"
-    if "held with no replica" in why:
-        return "held"
-    if why.startswith("no request"):
-        return "idle"
-    return "up" if change.after > change.before else "down"
