@@ -38,13 +38,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
 from tools.support import fleetapi
 from tools.support.benchlib import free_port, percentile
-from tools.support.procs import Procs, interrupt_on_sigterm, llmgw
+from tools.support.procs import Procs, interrupt_on_sigterm, llmgw, stop_engines
 from tools.support.slowmodel import write_slow_model
 
 MODEL = "m"
@@ -112,7 +112,6 @@ class Fleet:
     def __init__(
         self, d: Path, procs: Procs, catalog: str, access_log: bool = False, log_level: str = "info"
     ) -> None:
-        self.d, self.procs = d, procs
         pki = d / "pki"
         init_ca(pki)
         ca = load_ca(pki)
@@ -174,18 +173,6 @@ listen = "127.0.0.1:{admin}"
             name, value = line.partition("{")[0], float(line.rsplit(" ", 1)[1])
             out[name] = out.get(name, 0.0) + value
         return out
-
-    def model_view(self) -> dict[str, Any]:
-        rows = fleetapi.admin_get(self.admin, self.token, "/v1/models")["models"]
-        return next(m for m in rows if m["model"] == MODEL)
-
-    def stop_engines(self) -> None:
-        for record in self.d.glob("agent/shards/*.json"):
-            try:
-                pid = int(json.loads(record.read_text())["pid"])
-                os.killpg(pid, signal.SIGKILL)
-            except (OSError, ValueError, KeyError):
-                pass
 
 
 def catalog(kind: str, model: Path, most: int, target: float, idle_s: float) -> str:
@@ -277,7 +264,7 @@ async def load(fleet: Fleet, shape: Shape) -> tuple[list[Request], dict[str, flo
         marks["first_start_s"] = samples.get("llmgw_replica_start_seconds_sum", math.nan)
         await trio.sleep(shape.idle_s * 1.5 + 5)  # back to zero (elastic)
 
-        async def users(phase: str, count: Any, until: float) -> None:
+        async def users(phase: str, count: Callable[[float], int], until: float) -> None:
             marks[phase] = time.monotonic() - began
 
             async def user(i: int) -> None:
@@ -313,28 +300,26 @@ def run(kind: str, args: argparse.Namespace, shape: Shape) -> Result:
     with tempfile.TemporaryDirectory(prefix=f"llmgw-bench-demand-{kind}-") as tmp:
         d = Path(tmp)
         procs = Procs(d)
-        fleet: Fleet | None = None
         try:
             model = write_slow_model(d / "slow.gguf", context_length=1024)
             text = catalog(kind, model, args.max, args.target, shape.idle_s)
             fleet = Fleet(d, procs, text, args.access_log, args.log_level)
-            f = fleet
             if kind == "fixed":
                 procs["server"].wait_until(
-                    lambda: sum(r["state"] == "Ready" for r in f.replicas()) >= args.max or None,
+                    lambda: (
+                        sum(r["state"] == "Ready" for r in fleet.replicas()) >= args.max or None
+                    ),
                     f"{args.max} Ready replicas",
                     180,
                 )
             with Sampler(fleet) as sampler:
                 requests, marks = trio.run(load, fleet, shape)
-            view = fleet.model_view()
             log = procs.log("server")
             return summarize(
                 kind,
                 requests,
                 marks,
                 sampler.counts,
-                view,
                 log,
                 args.slo,
                 shape.period_s,
@@ -342,8 +327,7 @@ def run(kind: str, args: argparse.Namespace, shape: Shape) -> Result:
             )
         finally:
             procs.stop_all()
-            if fleet is not None:
-                fleet.stop_engines()
+            stop_engines(d, signal.SIGKILL)
             if args.keep:  # the logs, for a look at what happened when
                 keep = Path(args.keep) / kind
                 keep.mkdir(parents=True, exist_ok=True)
@@ -356,7 +340,6 @@ def summarize(
     requests: list[Request],
     marks: dict[str, float],
     counts: list[tuple[float, int]],
-    view: dict[str, Any],
     log: str,
     slo: float,
     period_s: float,

@@ -8,8 +8,6 @@ made once, like a real installation's.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import socket
 import sys
@@ -28,7 +26,7 @@ from llmgw.router.keys import hash_key, new_key
 from llmgw.tls import init_ca, issue_agent, issue_server, load_ca
 from tools.support import fleetapi
 from tools.support.catalogs import write_tiny_catalog
-from tools.support.procs import Proc, llmgw
+from tools.support.procs import Proc, llmgw, stop_engines
 
 
 def main() -> int:
@@ -155,19 +153,8 @@ listen = "127.0.0.1:{args.admin_port}"
             p.send_signal(signal.SIGTERM)
         for p in procs:
             p.stop(None)  # SIGKILL for one that has not exited within 5 s
-        _stop_engines(d)
+        stop_engines(d)
     return 0
-
-
-def _stop_engines(d: Path) -> None:
-    """Engines outlive their agents by design; a local fleet that stops takes them along."""
-    for record in d.glob("agent-*/shards/*.json"):
-        try:
-            pid = int(json.loads(record.read_text())["pid"])
-            os.killpg(pid, signal.SIGTERM)
-        except (OSError, ValueError, KeyError):
-            pass
-        record.unlink(missing_ok=True)
 
 
 def _ready_replica(url: str, token: str) -> dict[str, Any] | None:

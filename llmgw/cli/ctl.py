@@ -162,11 +162,7 @@ def scale(
         )
     path = f"/v1/models/{quote(model, safe='')}/scale"
     body = {"replicas": None if release else replicas}
-    return _show("scale", target, path, ScaleAnswer, json, _said, method="POST", body=body)
-
-
-def _said(answer: ScaleAnswer) -> str:
-    return answer.message
+    return _show("scale", target, path, ScaleAnswer, json, _message, method="POST", body=body)
 
 
 def _intent(name: str, node: str, target: Target | None, json: bool) -> int:
@@ -175,7 +171,7 @@ def _intent(name: str, node: str, target: Target | None, json: bool) -> int:
     return _show(name, target, path, IntentAnswer, json, _message, method="POST", body=body)
 
 
-def _message(answer: IntentAnswer) -> str:
+def _message(answer: IntentAnswer | ScaleAnswer) -> str:
     return answer.message
 
 

@@ -29,8 +29,9 @@ plane denied what it needed), or that a pot is ``Short``: the request waits
 for the next exchange with the control plane (``router.leases``) and is
 judged again. ``exchange_out`` says what this router asks (what waiting
 requests need, and what it will spend in the next ``AHEAD_S`` at the rate of
-the last ``RATE_S``, or of as long as it has been spending: ``_Pot.rate``) and gives back (grants past their time, slots it no
-longer uses, a budget its tenant has not touched for ``IDLE_S``);
+the last ``RATE_S``, or of as long as it has been spending: ``_Pot.rate``) and
+gives back (grants past their time, slots it no longer uses, a budget its
+tenant has not touched for ``IDLE_S``);
 ``exchange_in`` takes the answer. Keys of a config file belong to no tenant
 and are held to nothing here.
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import re
 import resource
@@ -80,6 +81,18 @@ def interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def stop_engines(workdir: Path, sig: int = signal.SIGTERM) -> None:
+    """Engines outlive their agents by design: ``sig`` to every engine the agents under
+    ``workdir`` recorded (``*/shards/*.json``, each agent's state dir), and the records
+    gone, so that a fleet started here that stops takes them along."""
+    for record in workdir.glob("*/shards/*.json"):
+        try:
+            os.killpg(int(json.loads(record.read_text())["pid"]), sig)
+        except (OSError, ValueError, KeyError):
+            pass
+        record.unlink(missing_ok=True)
 
 
 def alive(pid: int) -> bool:
