@@ -213,6 +213,9 @@ class RouterReport(msgspec.Struct, kw_only=True, frozen=True):
     usage: list[UsageRow] = []
     # each model's requests at it now, for the models that scale on demand (empty: none)
     load: dict[str, ModelLoad] = {}
+    # the prompt blocks it believes each replica of a model that scales holds (its
+    # affinity index): a scale-down lets the one with the least go. Empty: none
+    cached: dict[str, int] = {}
 
 
 class ModelLoad(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -270,6 +273,9 @@ class TrafficView(msgspec.Struct, kw_only=True):
     # share this router estimated it would (None: no reading yet)
     cache_hit_rate: float | None = None
     estimated_hit_rate: float | None = None
+    # the prompt blocks (``router.prefix.BLOCK_BYTES`` each) this router believes the
+    # replica holds: its affinity index. A scale-down lets the one with least go
+    cached_blocks: int = 0
     # the share of the requests that preferred it that went elsewhere, as it was
     # past its load bound (None: none preferred it)
     affinity_overruled: float | None = None

@@ -101,6 +101,7 @@ class Result:
     replica_seconds: float = 0.0
     starts_per_rise: list[int] = field(default_factory=list)
     stops_in_sine: int = 0
+    flaps_in_sine: int = 0  # a stop, then a start again, within the sine
     changes: list[str] = field(default_factory=list)
     ttft_p95_s: dict[str, float | None] = field(default_factory=dict)
     peak_replicas: int = 0
@@ -366,13 +367,16 @@ def summarize(
         line.split("scaling m: ", 1)[1] for line in log.splitlines() if "scaling m: " in line
     ]
     if "wall_sine" in marks:
-        r.starts_per_rise, r.stops_in_sine = _sine(log, marks["wall_sine"], period_s, periods)
+        r.starts_per_rise, r.stops_in_sine, r.flaps_in_sine = _sine(
+            log, marks["wall_sine"], period_s, periods
+        )
     return r
 
 
-def _sine(log: str, start: float, period: float, periods: int) -> tuple[list[int], int]:
+def _sine(log: str, start: float, period: float, periods: int) -> tuple[list[int], int, int]:
     """Upward changes in each rise of the sine (its rising half, and the rule's ``UP_S``
-    after it, from the server log's timestamps), and downward changes during it."""
+    after it, from the server log's timestamps), downward changes during it, and flaps:
+    a rise after a fall within it (a replica stopped, then one started again)."""
     ups: list[float] = []
     downs: list[float] = []
     for line in log.splitlines():
@@ -389,7 +393,8 @@ def _sine(log: str, start: float, period: float, periods: int) -> tuple[list[int
         lo = start + k * period
         rises.append(sum(1 for u in ups if lo <= u < lo + period / 2 + UP_S))
     end = start + periods * period
-    return rises, sum(1 for d in downs if start <= d < end)
+    flaps = sum(1 for u in ups if start <= u < end and any(start <= d < u for d in downs))
+    return rises, sum(1 for d in downs if start <= d < end), flaps
 
 
 def table(results: list[Result], slo: float) -> str:
@@ -408,8 +413,10 @@ def table(results: list[Result], slo: float) -> str:
             )
             lines.append(
                 f"  starts per rise of the sine: {r.starts_per_rise} (goal <= 1: "
-                f"{_met(all(n <= 1 for n in r.starts_per_rise))}); stops during it: "
-                f"{r.stops_in_sine}"
+                f"{_met(all(n <= 1 for n in r.starts_per_rise))}; a rise from zero starts one "
+                "for its first request and more as it grows); stops during it: "
+                f"{r.stops_in_sine}; flapping, a start after a stop within it: "
+                f"{r.flaps_in_sine} (goal 0: {_met(r.flaps_in_sine == 0)})"
             )
             lines.append("  changes: " + "; ".join(r.changes))
     by = {r.kind: r for r in results}

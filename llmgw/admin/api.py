@@ -208,6 +208,7 @@ class AdminApi:
                 ready=ready,
                 starting=starting,
                 failed=states[ReplicaState.FAILED],
+                sleeping=states[ReplicaState.SLEEPING],
                 outdated=sum(1 for r in mine if r.outdated and r.state is not ReplicaState.FAILED),
                 nodes=sorted({s.node_id for r in mine for s in r.shards}),
                 retry_in_s=fleet.crash_loop_wait(name),

@@ -253,6 +253,7 @@ class ScalingView(msgspec.Struct, kw_only=True):
     last_change: str = ""  # "2 → 3: 14 requests at once for 15 s, 4 each at most"
     last_change_ago_s: float | None = None
     start_s: float | None = None  # a start's time, measured (median of the last few)
+    wake_s: float | None = None  # a sleeping replica's wake, measured (the same)
     # why it runs fewer than its demand wants: another model's floor goes first
     yielding: str = ""
 
@@ -263,6 +264,7 @@ class ModelView(msgspec.Struct, kw_only=True):
     ready: int
     starting: int  # Pending or Starting
     failed: int  # Failed replicas not yet cleaned up
+    sleeping: int = 0  # let go by demand, their engines asleep: woken in seconds
     # replicas running an earlier version of their profile: a rollout replaces them
     outdated: int = 0
     nodes: list[str]  # where its replicas' shards run
@@ -287,6 +289,7 @@ def scaling_view(model: Model, scaling: Scaling, wall: float) -> ScalingView | N
         idle_s=r.idle_s,
         pinned=demand.pinned,
         start_s=scaling.start_s(model.name, [p.name for p in model.profiles]),
+        wake_s=scaling.wake_s(model.name, [p.name for p in model.profiles]),
         yielding=scaling.yielding.get(model.name, ""),
     )
     if (last := demand.last) is not None:

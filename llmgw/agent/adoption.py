@@ -20,6 +20,10 @@ first registration, and before its watcher starts, moves those that serve to
 a reconnecting agent reports the engines that serve as ready, not as
 starting. The watcher of each of the rest waits for its health as a new
 shard's does, within its spec's startup timeout.
+
+An engine launched able to sleep is asked first whether it sleeps (a sleeping
+vLLM answers its health check, but generates nothing): one that does is
+``sleeping``, as it was, and waits to be woken.
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ def adopt_records(
                     metrics_url=record.metrics_url,
                     cleanup=record.cleanup,
                     engine_key=record.engine_key,
+                    sleep_url=record.sleep_url,
+                    wake_url=record.wake_url,
+                    sleeping_url=record.sleeping_url,
                 ),
                 ident=recorded,
                 adopted=True,
@@ -206,9 +213,12 @@ async def check_adopted(
     ready: Callable[[Shard], object],
     *,
     settle_s: float,
+    asleep: Callable[[Shard], Awaitable[bool]],
+    sleeping: Callable[[Shard], object],
 ) -> None:
     """One health check of every adopted shard still starting; ``ready`` those that serve
-    (one without HTTP: that has run for ``settle_s``)."""
+    (one without HTTP: that has run for ``settle_s``), ``sleeping`` those whose engine
+    says it sleeps (``asleep``, asked first)."""
     with trio.move_on_after(CHECK_BOUND_S):
         for shard in list(shards):
             url = shard.launch.health_url if shard.launch else None
@@ -219,5 +229,7 @@ async def check_adopted(
                 # no HTTP (a Ray worker): ready once it has stayed up, as when launched
                 if time.time() - shard.launched_at >= settle_s:
                     ready(shard)
+            elif await asleep(shard):
+                sleeping(shard)
             elif await healthy(url):
                 ready(shard)

@@ -3,10 +3,11 @@
 
 Theory of operation
 -------------------
-A shard is run by a few tasks (``launch``, and the watcher, the drainer and
-the terminator of ``runner``). They observe, and hand what they saw to
-``fire``, which the supervisor owns: it asks the lifecycle table where the
-shard goes, reports the move and sets going what the move asks for. Besides
+A shard is run by a few tasks (``launch``, and the watcher, the drainer, the
+sleeper, the waker and the terminator of ``runner``). They observe, and hand
+what they saw to ``fire``, which the supervisor owns: it asks the lifecycle
+table where the shard goes, reports the move and sets going what the move
+asks for. Besides
 ``fire`` the tasks need a handful of the agent's things (its settings, the
 engine binaries, the records, the outbox, an HTTP client, a nursery to start
 more tasks in), and nothing else of the supervisor.

@@ -16,7 +16,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-SHARD_STATES = ("starting", "ready", "draining", "stopping")
+SHARD_STATES = ("starting", "ready", "draining", "stopping", "sleeping")
 
 
 class _ShardsCollector(Collector):

@@ -41,6 +41,11 @@ class ShardRecord(msgspec.Struct, kw_only=True):
     # the engine's secret key: why a record is 0600 in a 0700 directory. A restarted
     # agent needs it to health-check and to report the engine it adopts
     engine_key: str = ""
+    # where its engine is told to sleep and to wake, and asked whether it sleeps: set
+    # only for an engine launched able to (``Launch``), so a restarted agent can
+    sleep_url: str | None = None
+    wake_url: str | None = None
+    sleeping_url: str | None = None
 
 
 _encoder = msgspec.json.Encoder()

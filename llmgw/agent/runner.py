@@ -16,6 +16,18 @@ and sets going what the move asks for; nothing here decides a phase.
   shard is gone only once no process of its group remains.
 - The drainer (``drain``): until the engine has nothing in flight or the grace
   is over.
+- The sleeper (``fall_asleep``), after a drain to sleep: asks the engine to
+  sleep (the adapter's ``Launch.sleep_url``), bounded by ``SLEEP_CALL_S``; an
+  engine that cannot (launched unable to, no answer, any answer but 200) is
+  stopped instead, and the stop's reports say why (``Shard.ending_why``).
+- The waker (``wake``): asks a sleeping engine to wake, then for its health,
+  both within the spec's startup timeout (a wake is a quicker start); ready, its
+  health is watched again. One that does not wake is ended, and fails saying why.
+
+A sleeping engine is not health-checked (vLLM answers ``/health`` while it
+sleeps, but generates nothing: 503), and is watched only for its end, which is
+a failure as a ready engine's is. An adopted engine is asked whether it sleeps
+(``asleep``) before its health counts as ready.
 
 An engine that is not this agent's child (adopted) cannot be waited for: its
 end is read through ``adoption.adopted_exit``.
@@ -37,6 +49,7 @@ from llmgw.agent.lifecycle import TERMINAL, Event, Phase, expects_exit
 from llmgw.agent.procs import alive, describe_exit, identity, is_same_process, terminate_group
 from llmgw.agent.shard import Shard
 from llmgw.engines import adapters
+from llmgw.http.logsafe import printable
 from llmgw.protocol.messages import ShardStatus
 
 log = logging.getLogger("llmgw.agent.supervisor")
@@ -44,6 +57,10 @@ log = logging.getLogger("llmgw.agent.supervisor")
 HEALTH_INTERVAL_S = 0.25
 WORKER_SETTLE_S = 1.0  # a shard without HTTP is ready once it stayed up this long
 GIVE_UP_GRACE_S = 2.0  # SIGTERM to SIGKILL for an engine not ready in time
+# the engine's sleep call at most (vLLM offloads its weights to host memory meanwhile);
+# the control plane waits as long past a drain to sleep (controlplane.sleep.SLEEP_CALL_S)
+SLEEP_CALL_S = 120.0
+ANSWER_CLIP = 200  # of an engine's refusal, in a report
 
 
 def engine_auth(shard: Shard) -> dict[str, str]:
@@ -87,7 +104,11 @@ async def _until_ready(ctx: ShardContext, shard: Shard, *, deadline: float) -> N
         if up:
             if shard.phase is Phase.STARTING:
                 _settle_identity(ctx, shard)
-            if ctx.fire(shard, Event.HEALTHY, "").to is Phase.READY:
+            # an adopted engine may be asleep, and a sleeping vLLM answers /health
+            if shard.adopted and await asleep(ctx.http, shard):
+                if ctx.fire(shard, Event.SLEPT, "adopted, asleep").to is Phase.SLEEPING:
+                    log.info("shard %s (adopted) is asleep", shard.shard_id)
+            elif ctx.fire(shard, Event.HEALTHY, "").to is Phase.READY:
                 log.info("shard %s is ready", shard.shard_id)
             return
         if trio.current_time() >= deadline:
@@ -130,8 +151,11 @@ async def _watch(ctx: ShardContext, shard: Shard) -> None:
 
 
 async def _check_health(ctx: ShardContext, shard: Shard, url: str) -> None:
-    """While it is ready: is its engine still answering? Each change is reported."""
+    """While it is ready: is its engine still answering? Each change is reported.
+    A shard that slept and woke is watched anew, by the waker's watcher alone
+    (``Shard.wakes``): this one ends at its next check."""
     sid = shard.shard_id
+    wakes = shard.wakes
 
     def changed(up: bool, why: str) -> None:
         shard.healthy = up
@@ -154,7 +178,7 @@ async def _check_health(ctx: ShardContext, shard: Shard, url: str) -> None:
     try:
         await health.watch(
             lambda: healthy(ctx.http, url),
-            lambda: shard.phase is Phase.READY and ctx.holds(shard),
+            lambda: shard.phase is Phase.READY and shard.wakes == wakes and ctx.holds(shard),
             ctx.settings.health,
             changed,
         )
@@ -182,7 +206,9 @@ async def end(ctx: ShardContext, shard: Shard, grace: float) -> None:
     if shard.phase is Phase.GIVING_UP:
         ctx.fire(shard, Event.GONE if gone else Event.SURVIVED, shard.ending_why)
     elif gone:
-        ctx.fire(shard, Event.GONE, "")
+        # "" unless it is stopped for a reason of the agent's (an engine that would
+        # not sleep), which the stopped report says again
+        ctx.fire(shard, Event.GONE, shard.ending_why)
     else:
         pgid = shard.ident.pgid if shard.ident else None
         ctx.fire(shard, Event.SURVIVED, f"could not stop: process group {pgid} survived SIGKILL")
@@ -217,7 +243,7 @@ async def drain(ctx: ShardContext, shard: Shard, grace: float) -> None:
     deadline = trio.current_time() + grace
     how = shard.launch
     while (
-        shard.phase is Phase.DRAINING
+        shard.phase in (Phase.DRAINING, Phase.DRAINING_TO_SLEEP)
         and how is not None
         and how.metrics_url
         and trio.current_time() < deadline
@@ -238,6 +264,102 @@ async def _idle(http: httpx.AsyncClient, shard: Shard, url: str) -> bool:
         return True
     load = adapter.parse_metrics(response.text)
     return not load.running and not load.waiting
+
+
+async def fall_asleep(ctx: ShardContext, shard: Shard) -> None:
+    """Ask the drained engine to sleep (the sleeper); stop it if it cannot."""
+    sid = shard.shard_id
+    url = shard.launch.sleep_url if shard.launch else None
+    if url is None:
+        why: str | None = "it was not started able to sleep (its spec has no sleep)"
+    else:
+        why = await _post(ctx.http, shard, url, SLEEP_CALL_S)
+    if why is None:
+        if ctx.fire(shard, Event.SLEPT, "asleep: its GPU memory is free").to is Phase.SLEEPING:
+            log.info("shard %s is asleep: its engine freed its GPU memory", sid)
+        return
+    if shard.phase is Phase.FALLING_ASLEEP:  # else a stop or drain overtook it: no reason of ours
+        shard.ending_why = f"could not sleep: {why}; stopped instead"
+        log.warning("shard %s could not sleep: %s; stopping it instead", sid, why)
+    grace = stop_grace(shard.spec, ctx.settings)
+    ctx.fire(shard, Event.SLEEP_FAILED, shard.ending_why, grace=grace)
+
+
+async def wake(ctx: ShardContext, shard: Shard) -> None:
+    """Ask the sleeping engine to wake, then for its health (the waker); end it if it
+    does not, within the spec's startup timeout."""
+    sid = shard.shard_id
+    bound = shard.spec.startup_timeout_s
+    deadline = trio.current_time() + bound
+    how = shard.launch
+    if how is None or how.wake_url is None:
+        why: str | None = "it was not started able to sleep (its spec has no sleep)"
+    else:
+        why = await _post(ctx.http, shard, how.wake_url, bound)
+        if why is None and how.health_url is not None:
+            why = await _healthy_by(ctx, shard, how.health_url, deadline)
+    if why is None:
+        if ctx.fire(shard, Event.HEALTHY, "awake").to is Phase.READY:
+            log.info("shard %s is awake and ready", sid)
+            shard.wakes += 1  # a watcher from before the sleep, if still waiting, ends
+            if how is not None and how.health_url:
+                ctx.spawn(_check_health, ctx, shard, how.health_url)
+        return
+    if shard.phase is Phase.WAKING:
+        shard.ending_why = f"could not wake: {why}"
+        log.warning("shard %s could not wake: %s; ending it", sid, why)
+    grace = stop_grace(shard.spec, ctx.settings)
+    ctx.fire(shard, Event.WAKE_FAILED, shard.ending_why, grace=grace)
+
+
+async def _healthy_by(ctx: ShardContext, shard: Shard, url: str, deadline: float) -> str | None:
+    """None once ``url`` answers 200 (or the shard is no longer waking: whatever
+    moved it decides), else why not by ``deadline``."""
+    while shard.phase is Phase.WAKING:
+        if await healthy(ctx.http, url):
+            return None
+        if trio.current_time() >= deadline:
+            bound = shard.spec.startup_timeout_s
+            return f"it did not answer its health check within {bound:g} s of the wake"
+        await trio.sleep(HEALTH_INTERVAL_S)
+    return None
+
+
+async def _post(http: httpx.AsyncClient, shard: Shard, url: str, bound: float) -> str | None:
+    """POST ``url`` (with the engine's key) within ``bound`` s: None when it answered
+    200, else what went wrong, in words."""
+    what = f"POST {httpx.URL(url).raw_path.decode(errors='replace')}"
+    silent = f"the engine did not answer {what} within {bound:g} s"
+    with trio.move_on_after(bound):
+        try:
+            response = await http.post(url, headers=engine_auth(shard), timeout=bound)
+        except httpx.TimeoutException:
+            return silent
+        except httpx.HTTPError as exc:
+            return f"{what} failed: {printable(str(exc) or type(exc).__name__)}"
+        if response.status_code == 200:
+            return None
+        said = printable(response.text.strip()[:ANSWER_CLIP])
+        return f"the engine answered {what} with {response.status_code}" + (
+            f": {said}" if said else ""
+        )
+    return silent
+
+
+async def asleep(http: httpx.AsyncClient, shard: Shard) -> bool:
+    """Whether the shard's engine says it sleeps (False: it cannot sleep, or says not,
+    or nothing answers)."""
+    how = shard.launch
+    adapter = adapters().get(shard.spec.engine)
+    if adapter is None or not adapter.sleeps or not shard.spec.sleep:
+        return False
+    if how is None or how.sleeping_url is None:
+        return False
+    try:
+        response = await http.get(how.sleeping_url, headers=engine_auth(shard))
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200 and adapter.parse_sleeping(response.content) is True
 
 
 def _settle_identity(ctx: ShardContext, shard: Shard) -> None:

@@ -31,6 +31,8 @@ class Shard:
     # ended unasked; None before, or when that could not be read (adopted)
     returncode: int | None = None
     launched_at: float = 0.0
+    # how many times it woke from sleep: a health watcher watches one wake's ready
+    wakes: int = 0
 
     @property
     def shard_id(self) -> str:

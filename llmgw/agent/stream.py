@@ -60,14 +60,17 @@ from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.supervisor import Supervisor
 from llmgw.protocol import SUBPROTOCOL, CloseCode, ProtocolError, Role, Session
 from llmgw.protocol.messages import (
+    SLEEP,
     DrainShard,
     Heartbeat,
     Inventory,
     Register,
     RegisterAck,
     ShardReport,
+    SleepShard,
     StartShard,
     StopShard,
+    WakeShard,
 )
 from llmgw.tls.contexts import NAME_MISMATCH, NOT_FROM_OUR_CA, certificate_names
 from llmgw.version import describe
@@ -267,6 +270,7 @@ class AgentStream:
             agent_version=describe(),
             metrics_address=self.metrics_address,
             agent_instance=self.instance,
+            can=[SLEEP],
         )
         await ws.send_message(session.send(register))
         with trio.fail_after(s.handshake_timeout):
@@ -342,6 +346,10 @@ class AgentStream:
             sup.stop(command.shard_id, None if command.agent_grace else command.grace_s)
         elif isinstance(command, DrainShard):
             sup.drain(command.shard_id, command.grace_s)
+        elif isinstance(command, SleepShard):
+            sup.sleep(command.shard_id, command.grace_s)
+        elif isinstance(command, WakeShard):
+            sup.wake(command.shard_id)
 
     def _log_closed(self, where: str, exc: ConnectionClosed, state: _Attempt) -> None:
         r = exc.reason

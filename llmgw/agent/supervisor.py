@@ -7,13 +7,14 @@ agent daemon and outlives any one control-plane session: engines keep
 serving while the agent reconnects.
 
 Every phase a shard is in and every move it may make are in
-``lifecycle.TRANSITIONS``. The tasks (``launch``; the watcher, the drainer
-and the terminator of ``runner``) only observe, and the control plane's
-commands arrive here; both hand what they saw to ``fire``, which asks the
-table where the shard goes, reports the move when the table says so, forgets
-a shard that reached ``stopped`` or ``failed``, and sets going what the move
-asks for: ending the process group, or a drain. The tasks reach the
-supervisor only through ``context.ShardContext``, which it is.
+``lifecycle.TRANSITIONS``. The tasks (``launch``; the watcher, the drainer,
+the sleeper, the waker and the terminator of ``runner``) only observe, and
+the control plane's commands arrive here; both hand what they saw to
+``fire``, which asks the table where the shard goes, reports the move when
+the table says so, forgets a shard that reached ``stopped`` or ``failed``,
+and sets going what the move asks for: ending the process group, a drain,
+the engine's sleep or its wake. The tasks reach the supervisor only through
+``context.ShardContext``, which it is.
 
 Adoption of engines a previous agent left is ``adoption``; processes nobody
 can describe are ``strays``, killed only once the control plane has accepted
@@ -102,6 +103,8 @@ class Supervisor:
                 lambda url: healthy(self.http, url),
                 lambda shard: self.fire(shard, Event.HEALTHY, f"adopted pid {shard.pid}"),
                 settle_s=runner.WORKER_SETTLE_S,
+                asleep=lambda shard: runner.asleep(self.http, shard),
+                sleeping=self._adopted_asleep,
             )
             for shard in adopted:
                 self.spawn(runner.run_adopted, self, shard)
@@ -167,6 +170,36 @@ class Supervisor:
             return
         self.fire(shard, Event.DRAIN, "draining: finishing in-flight requests", grace=grace)
 
+    def sleep(self, shard_id: str, grace: float) -> None:
+        """Stop taking work and finish what is in flight (within ``grace``), then the
+        engine sleeps: its process stays, its GPU memory is freed. One that cannot is
+        stopped instead. Anywhere but ready this changes nothing, and says so."""
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            self._not_here(shard_id)
+            return
+        detail = "draining: finishing in-flight requests, then it sleeps"
+        if self.fire(shard, Event.SLEEP, detail, grace=grace).again:
+            log.info("shard %s is %s; a sleep changes nothing", shard_id, shard.state)
+        else:
+            log.info("shard %s: draining within %g s, then it sleeps", shard_id, grace)
+
+    def wake(self, shard_id: str) -> None:
+        """A sleeping engine wakes: the shard is starting until it answers its health
+        check. Anywhere but sleeping this changes nothing, and says so."""
+        shard = self.shards.get(shard_id)
+        if shard is None:
+            self._not_here(shard_id)
+            return
+        if self.fire(shard, Event.WAKE, "waking").again:
+            log.info("shard %s is %s; a wake changes nothing", shard_id, shard.state)
+        else:
+            log.info("shard %s: waking its engine", shard_id)
+
+    def _adopted_asleep(self, shard: Shard) -> None:
+        if self.fire(shard, Event.SLEPT, f"adopted pid {shard.pid}, asleep").to is Phase.SLEEPING:
+            log.info("shard %s (adopted pid %s) is asleep", shard.shard_id, shard.pid)
+
     def _not_here(self, shard_id: str) -> None:
         self.outbox.put(
             ShardStatus(shard_id=shard_id, state=ShardState.STOPPED, detail="not running here")
@@ -209,6 +242,10 @@ class Supervisor:
             self.spawn(runner.end, self, shard, grace)
         if m.drain:
             self.spawn(runner.drain, self, shard, grace)
+        if m.sleep:
+            self.spawn(runner.fall_asleep, self, shard)
+        if m.wake:
+            self.spawn(runner.wake, self, shard)
         return m
 
     def _forget(self, shard: Shard) -> None:
@@ -317,6 +354,9 @@ class Supervisor:
                 metrics_url=shard.launch.metrics_url,
                 cleanup=shard.launch.cleanup,
                 engine_key=shard.launch.engine_key,
+                sleep_url=shard.launch.sleep_url,
+                wake_url=shard.launch.wake_url,
+                sleeping_url=shard.launch.sleeping_url,
             )
         )
 

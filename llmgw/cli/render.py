@@ -215,6 +215,8 @@ def render_traffic(t: TrafficView | None) -> str:
         if t.estimated_hit_rate is not None:
             cached += f" (router estimated {t.estimated_hit_rate:.0%})"
         words.append(cached)
+    if t.cached_blocks:
+        words.append(f"{t.cached_blocks} prompt blocks held, as the router believes")
     if t.affinity_overruled is not None:
         words.append(f"affinity overruled by load {t.affinity_overruled:.0%}")
     return ", ".join(words)
@@ -320,6 +322,10 @@ def render_models(models: list[ModelView]) -> str:
             said += f"; pinned at {sc.pinned} (llmgw ctl scale {m.model} --release)"
         if sc.start_s is not None:
             said += f"; a start takes {sc.start_s:.0f} s"
+        if sc.wake_s is not None:
+            said += f", a wake {sc.wake_s:.1f} s"
+        if m.sleeping:
+            said += f"; {m.sleeping} asleep"
         lines.append("  " + said)
         if sc.yielding:
             lines.append(f"    held back: {sc.yielding}")

@@ -16,10 +16,13 @@ stopped again.
 - ``stop``: its shards are told to stop (a rank never started is nowhere to
   stop); it is forgotten once they are gone.
 - ``drain``: a serving replica finishes what it answers, through rank 0, the
-  only shard that serves; one that does not serve yet is stopped instead.
+  only shard that serves; one that does not serve yet is stopped instead. One
+  that may sleep (``sleep.may_sleep``) drains to sleep instead of a stop.
+- ``wake``: a sleeping replica's engine wakes; it is Starting until it answers.
 - ``begin``: a move (``moves.Move``) starts, or is called off; a move whose
   row waits for no replacement drains at once.
-- ``settle``: the replica follows its shards (every one ready: Ready).
+- ``settle``: the replica follows its shards (every one ready: Ready; every one
+  asleep: Sleeping).
 - ``send_starts``: what is due to start (``starts.due``: the head first).
 
 This module is pure: ``now`` comes in with every call.
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 from llmgw.controlplane import moves, starts
 from llmgw.controlplane.backoff import CrashLoops
-from llmgw.controlplane.plan import Drain, Note, Plan, ReplicaFailed, Start, Stop
+from llmgw.controlplane.plan import Drain, Note, Plan, ReplicaFailed, Sleep, Start, Stop, Wake
 from llmgw.controlplane.replicas import MoveKind, Replica, ReplicaState, Shard
 from llmgw.protocol.messages import ShardState
 
@@ -42,8 +45,9 @@ class Acts:
         self.stop_grace_s = stop_grace_s  # SIGTERM -> SIGKILL on the agent
         self.crash_loops = crash_loops
 
-    def begin(self, move: moves.Move, now: float, plan: Plan) -> None:
-        """A move starts (one that waits for no replacement drains at once), or is off."""
+    def begin(self, move: moves.Move, now: float, plan: Plan, *, sleep: bool = False) -> None:
+        """A move starts (one that waits for no replacement drains at once, or drains to
+        sleep: ``sleep``), or is off."""
         replica = move.replica
         if move.kind is None:
             replica.leaving = None
@@ -51,7 +55,7 @@ class Acts:
             replica.leaving, replica.leaving_since = move.kind, now
         plan.notes.append(Note(f"replica {replica.replica_id} {move.words}"))
         if move.kind is not None and not moves.TABLE[move.kind].replacement_first:
-            self.drain(replica, now, plan)
+            self.drain(replica, now, plan, sleep=sleep)
 
     def remove(self, replica: Replica, now: float, plan: Plan) -> None:
         """Its model left the catalog: a serving replica drains (what it is answering
@@ -73,10 +77,19 @@ class Acts:
                 plan.notes.append(Note(note))
 
     def settle(self, replica: Replica, now: float) -> None:
-        """Follow the shards: all ready -> Ready; one starting -> Starting."""
+        """Follow the shards: all ready -> Ready; one starting -> Starting; all asleep
+        (drained to sleep, or adopted so) -> Sleeping."""
+        states = [s.state for s in replica.shards]
+        if (
+            replica.state in (R.PENDING, R.DRAINING)
+            and len(states) == replica.world_size
+            and all(s == ShardState.SLEEPING for s in states)
+        ):
+            replica.move(R.SLEEPING, now)
+            replica.leaving, replica.dozing = None, True
+            return
         if replica.state not in (R.PENDING, R.STARTING, R.READY):
             return
-        states = [s.state for s in replica.shards]
         if len(states) == replica.world_size and all(s == ShardState.READY for s in states):
             replica.move(R.READY, now)
             self.crash_loops.served(replica.model)
@@ -126,15 +139,33 @@ class Acts:
         plan.notes.append(Note(f"replica {replica.replica_id} stopping: {why}"))
         self._stop_shards(replica, plan)
 
-    def drain(self, replica: Replica, now: float, plan: Plan) -> None:
+    def drain(self, replica: Replica, now: float, plan: Plan, *, sleep: bool = False) -> None:
+        """What it answers finishes, then it stops (``sleep``: its engine sleeps)."""
         if replica.state is not R.READY:
             self.stop(replica, now, plan, "not needed any more")
             return
-        replica.move(R.DRAINING, now)
+        replica.move(R.DRAINING, now, "drains, then its engine sleeps" if sleep else "")
+        replica.dozing = sleep
+        if sleep:  # one shard (``sleep.may_sleep``)
+            for shard in replica.shards:
+                plan.sleep.append(Sleep(shard.node_id, shard.shard_id, self.drain_timeout_s))
+            plan.notes.append(Note(f"replica {replica.replica_id} drains, then sleeps"))
+            return
         # only rank 0 serves: the other ranks are stopped once it has drained and gone
         for shard in replica.shards:
             if shard.rank == 0:
                 plan.drain.append(Drain(shard.node_id, shard.shard_id, self.drain_timeout_s))
+
+    def wake(self, replica: Replica, now: float, plan: Plan, why: str) -> None:
+        """A sleeping replica wakes: Starting (its startup timeout from now) until every
+        shard is ready again."""
+        if replica.state is not R.SLEEPING:
+            return
+        replica.move(R.STARTING, now, f"woken: {why}")
+        replica.restarted_at = replica.woken_at = now
+        replica.leaving, replica.dozing = None, False
+        plan.wake.extend(Wake(s.node_id, s.shard_id) for s in replica.shards)
+        plan.notes.append(Note(f"replica {replica.replica_id} woken: {why}"))
 
     def _stop_shards(self, replica: Replica, plan: Plan) -> None:
         for shard in replica.shards:

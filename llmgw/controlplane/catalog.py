@@ -37,6 +37,7 @@ from llmgw.engines import adapter, adapters
 MAX_REPLICAS = 1000
 MAX_STARTUP_TIMEOUT_S = 86_400.0
 MAX_STOP_GRACE_S = 3600.0  # as [engines] stop_grace_s
+MAX_SLEEP_S = 7 * 86400.0  # a profile's sleep_s: a week
 # A catalog is a few KiB; 4 MiB is some 20,000 models, parsed in about a second (off the
 # event loop, on a reload). A larger file is refused before it is read.
 MAX_CATALOG_BYTES = 4 << 20
@@ -101,6 +102,11 @@ class Profile(_Entry, frozen=True):
     stop_grace_s: float | None = None
     # over the model's routing, for this profile's replicas; changing it restarts nothing
     routing: ProfileRouting | None = None
+    # a replica its model's demand lets go sleeps this long before it stops: its engine
+    # keeps its process and frees its GPUs' memory, and a rise wakes it in seconds
+    # instead of loading it again (vLLM's sleep mode: its engines start with
+    # --enable-sleep-mode; turning it on or off restarts them). 0: it stops at once
+    sleep_s: float = 0.0
 
 
 class Scaling(_Entry, kw_only=True, frozen=True):
@@ -416,6 +422,18 @@ def _validate_profile(key: str, p: Profile) -> None:
             "",
             f"{key}.startup_timeout_s",
             f"must be at most {MAX_STARTUP_TIMEOUT_S:g}, got {p.startup_timeout_s:g}",
+        )
+    if not (math.isfinite(p.sleep_s) and 0 <= p.sleep_s <= MAX_SLEEP_S):
+        raise ConfigError(
+            "", f"{key}.sleep_s", f"must be between 0 and {MAX_SLEEP_S:g}, got {p.sleep_s:g}"
+        )
+    if p.sleep_s and not engine.sleeps:
+        can = [a.name for a in adapters().values() if a.sleeps]
+        raise ConfigError(
+            "",
+            f"{key}.sleep_s",
+            f"{p.engine} cannot sleep (only {', '.join(can) or 'no engine'} can); "
+            "remove sleep_s, or set it to 0",
         )
     grace = p.stop_grace_s
     if grace is not None and not (math.isfinite(grace) and 0 < grace <= MAX_STOP_GRACE_S):

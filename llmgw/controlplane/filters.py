@@ -66,6 +66,10 @@ class Kind(StrEnum):
     FABRIC = "fabric"  # its fabric has too few fitting nodes
 
 
+# the failures that are want of room (what replicas already hold), not of a fitting node
+ROOM = frozenset({Kind.GPUS.value, Kind.MEMORY.value, Kind.PORTS.value})
+
+
 class NodeView:
     """What placement reads from one inventory, derived once per inventory object."""
 

@@ -37,26 +37,40 @@ from llmgw.controlplane.failures import (
     how_ended,
     reported_exit,
 )
+from llmgw.controlplane.filters import ROOM
 from llmgw.controlplane.followers import RouterReports
 from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.known import KnownNodes
 from llmgw.controlplane.nodes import NodeState, awaited
 from llmgw.controlplane.placement import Decision
-from llmgw.controlplane.plan import Command, Drain, Plan, Refusal, ReplicaFailed, Start, Stop
+from llmgw.controlplane.plan import (
+    Command,
+    Drain,
+    Plan,
+    Refusal,
+    ReplicaFailed,
+    Sleep,
+    Start,
+    Stop,
+    Wake,
+)
 from llmgw.controlplane.probe import Prober, url_of
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import Replica, ReplicaState
 from llmgw.controlplane.routing import RoutingPublisher, build_snapshot
-from llmgw.controlplane.scaling import ROOM, Scaling
+from llmgw.controlplane.scaling import Scaling
 from llmgw.controlplane.service import ControlPlane
 from llmgw.files import write_atomic
 from llmgw.protocol.messages import (
+    DownMessage,
     DrainShard,
     Register,
     ShardState,
     ShardStatus,
+    SleepShard,
     StartShard,
     StopShard,
+    WakeShard,
 )
 from llmgw.routing import ModelLoad, summed
 
@@ -143,6 +157,11 @@ class FleetManager:
         self.reconciler.wanted = self.scaling.wanted
         control.metrics.watch_scaling(self.scaling)
         self.load_sources: list[Callable[[], Mapping[str, ModelLoad]]] = []
+        # what the in-process router believes ranged models' replicas hold cached (read
+        # each pass, with the standalone routers' reports): a scale-down's choice
+        self.cache_sources: list[Callable[[], Mapping[str, int]]] = []
+        self._cached: dict[str, int] = {}
+        self.reconciler.cached = lambda: self._cached
         # engines learned from reports are probed before they are routed
         self.prober = Prober(self._claims, self._probed)
         self._refusals_said: set[tuple[str, str, str]] = set()
@@ -390,10 +409,18 @@ class FleetManager:
         short = [m for m in self.cannot_place if self._cannot_place_kind.get(m) in ROOM]
         self.scaling.room_first(self.catalog, short)
         self.scaling.observe(self.loads(), now, time.time())
+        cached = self.routers.cached(now)
+        for source in self.cache_sources:
+            for replica, blocks in source().items():
+                cached[replica] = cached.get(replica, 0) + blocks
+        self._cached = cached
         self.scaling.saw(self.replicas())
         for model, profile, took in self.scaling.new_starts:
             self.control.metrics.replica_start_seconds.labels(model, profile).observe(took)
         self.scaling.new_starts.clear()
+        for model, profile, took in self.scaling.new_wakes:
+            self.control.metrics.replica_wake_seconds.labels(model, profile).observe(took)
+        self.scaling.new_wakes.clear()
 
     def reconcile_once(self) -> None:
         started = time.perf_counter()
@@ -460,13 +487,14 @@ class FleetManager:
         """Give routers the fleet as this pass left it; wakes them only on a change."""
         r = self.reconciler
         nodes = self.control.nodes.nodes
+        asleep = {x.model for x in r.replicas.values() if x.state is ReplicaState.SLEEPING}
         self.routing.publish(
             build_snapshot(
                 r.catalog,
                 r.replicas.values(),
                 nodes,
                 start_s={
-                    name: self.scaling.start_times(m)
+                    name: self.scaling.start_times(m, asleep=name in asleep)
                     for name, m in r.catalog.models.items()
                     if m.scaling is not None
                 },
@@ -509,7 +537,7 @@ class FleetManager:
             if self._outboxes.get(node) is box:
                 del self._outboxes[node]
 
-    async def _send(self, node: str, message: StartShard | StopShard | DrainShard) -> None:
+    async def _send(self, node: str, message: DownMessage) -> None:
         try:
             await self.control.dispatcher.send(node, message)
         except NodeNotConnected as exc:
@@ -534,7 +562,7 @@ def _some(names: list[str], most: int = 10) -> str:
     return ", ".join(names[:most]) + more
 
 
-def _message(command: Command) -> StartShard | StopShard | DrainShard:
+def _message(command: Command) -> DownMessage:
     match command:
         case Start(spec=spec):
             return StartShard(spec=spec)
@@ -543,3 +571,7 @@ def _message(command: Command) -> StartShard | StopShard | DrainShard:
             return StopShard(shard_id=shard_id, grace_s=grace, agent_grace=True)
         case Drain(shard_id=shard_id, grace_s=grace):
             return DrainShard(shard_id=shard_id, grace_s=grace)
+        case Sleep(shard_id=shard_id, grace_s=grace):
+            return SleepShard(shard_id=shard_id, grace_s=grace)
+        case Wake(shard_id=shard_id):
+            return WakeShard(shard_id=shard_id)

@@ -1,5 +1,5 @@
 """The routers that follow the routing, as their reports say: where their metrics are,
-and what they hold wedged.
+what they hold wedged, their load and what they believe replicas hold cached.
 
 Theory of operation
 -------------------
@@ -31,11 +31,12 @@ from llmgw.addr import join_hostport
 from llmgw.config import ConfigError, parse_hostport
 from llmgw.routing import ModelLoad, RouterReport, summed
 
-_T = TypeVar("_T", dict[str, ModelLoad], frozenset[str])
+_T = TypeVar("_T", dict[str, ModelLoad], frozenset[str], dict[str, int])
 ROUTER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REPLICA_ID = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 MAX_WEDGED = 1000
 MAX_LOADS = 10_000  # models a report may say the load of
+MAX_CACHED = 10_000  # replicas a report may say the cache of
 LOAD_TTL_S = 10.0  # a router's load counts this long after it said it (it says it every 2 s)
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -59,6 +60,8 @@ class RouterReports:
         self._wedged: dict[str, tuple[frozenset[str], float]] = {}
         # each router's load per model (``scaling``), and when it said it
         self._loads: dict[str, tuple[dict[str, ModelLoad], float]] = {}
+        # each router's estimate of what each replica of a ranged model holds cached
+        self._cached: dict[str, tuple[dict[str, int], float]] = {}
 
     def take(self, report: RouterReport, seen_from: str, now: float) -> None:
         """Take what ``report`` says (a wildcard metrics host: ``seen_from``, the address
@@ -77,6 +80,10 @@ class RouterReports:
             min(load.in_flight, load.waiting, load.arrived) < 0 for load in report.load.values()
         ):
             raise ReportRefused("load must be at most 10,000 models, none below 0")
+        if len(report.cached) > MAX_CACHED or not all(
+            n >= 0 and REPLICA_ID.fullmatch(r) for r, n in report.cached.items()
+        ):
+            raise ReportRefused("cached must be at most 10,000 replica ids, none below 0")
         address = ""
         if report.metrics:
             try:
@@ -89,6 +96,7 @@ class RouterReports:
         if report.router:
             self.report_wedged(report.router, wedged, now)
             self.report_load(report.router, report.load, now)
+            self._keep(self._cached, report.router, report.cached, now)
 
     def report_load(self, router: str, load: dict[str, ModelLoad], now: float) -> None:
         """One router's load per model now (every report says it again; empty: none)."""
@@ -100,6 +108,16 @@ class RouterReports:
             if now - at > LOAD_TTL_S:
                 del self._loads[router]
         return summed(said for said, _ in self._loads.values())
+
+    def cached(self, now: float) -> dict[str, int]:
+        """Each replica's cached prompt blocks as the routers heard from lately believe,
+        summed (each router's index holds what that router sent it)."""
+        self._forget_old(now)
+        out: dict[str, int] = {}
+        for said, _ in self._cached.values():
+            for replica, blocks in said.items():
+                out[replica] = out.get(replica, 0) + blocks
+        return out
 
     def followed_by(self, metrics_address: str, now: float) -> None:
         """A standalone router that serves metrics there reported."""
@@ -145,3 +163,6 @@ class RouterReports:
         for router, (_, said) in list(self._wedged.items()):
             if now - said > self.FOLLOWER_TTL_S:
                 del self._wedged[router]
+        for router, (_, said) in list(self._cached.items()):
+            if now - said > self.FOLLOWER_TTL_S:
+                del self._cached[router]

@@ -193,6 +193,13 @@ class ControlPlaneMetrics:
             buckets=(1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200),
             registry=r,
         )
+        self.replica_wake_seconds = Histogram(
+            "llmgw_replica_wake_seconds",
+            "From waking a sleeping replica to its engine answering Ready, by model and profile",
+            ["model", "profile"],
+            buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120),
+            registry=r,
+        )
         self.agent_kills = Counter(
             "llmgw_agent_kills",
             "Processes agents killed, by node and kind: stray (held an engine port or a "

@@ -118,6 +118,9 @@ class Scene:
     draining: Collection[str] = frozenset()  # nodes being drained
     crash_looping: bool = False  # a replica failed since one last became Ready
     known: Collection[str] = ()  # every replica id, in the order they became known
+    # the prompt blocks routers believe each replica holds cached (a model that scales);
+    # a replica not in it: none known
+    cached: Mapping[str, int] = attrs.field(factory=dict)
     # placement's answer to where one of these counting replicas would go, asked only
     # when a spread is looked for
     where_to: Callable[[list[Replica]], Relocation | None] = lambda counting: None
@@ -208,7 +211,17 @@ def _extras(scene: Scene, counting: list[Replica]) -> list[tuple[Replica, str]]:
     over = len(counting) - scene.wanted
     if over <= 0 or any(claims.pending(r) for r in counting):  # probed first
         return []
-    return [(r, "is an extra; draining it") for r in surplus(counting, over, scene.known)]
+    return [
+        (r, f"is an extra{_cache_words(r, counting, scene.cached)}; draining it")
+        for r in surplus(counting, over, scene.known, scene.cached)
+    ]
+
+
+def _cache_words(r: Replica, counting: list[Replica], cached: Mapping[str, int]) -> str:
+    """Why this one, where what routers believe cached decided it."""
+    if not cached or len({cached.get(c.replica_id, 0) for c in counting}) < 2:
+        return ""
+    return f" (the least cached: {cached.get(r.replica_id, 0)} prompt blocks)"
 
 
 K = MoveKind
@@ -375,13 +388,17 @@ def forcible_by_room(replicas: Mapping[str, Replica], model: str) -> set[str]:
     }
 
 
-def surplus(counting: list[Replica], n: int, known: Collection[str]) -> list[Replica]:
+def surplus(
+    counting: list[Replica], n: int, known: Collection[str], cached: Mapping[str, int] = {}
+) -> list[Replica]:
     """The ``n`` replicas of one model to let go when more count than are wanted.
 
     The ones not serving go first: a Ready replica is never drained while one
     that is still loading is kept. Then those running an earlier version of
-    their profile. Among those that serve, an adopted one ran
-    before this control plane started, so it is older than anything placed
+    their profile. Among those that serve, the one the routers believe holds the
+    least cached (``cached``: prompt blocks by replica id; its conversations
+    lose least, and the routers' affinity sends them elsewhere). Then an adopted
+    one ran before this control plane started, so it is older than anything placed
     since (its ``created_at`` is only when it was adopted): the replacement a
     restarted control plane placed before a late agent came back goes, and the
     engine that was serving all along stays. Then the newest go first
@@ -393,6 +410,7 @@ def surplus(counting: list[Replica], n: int, known: Collection[str]) -> list[Rep
         key=lambda r: (
             r.state is R.READY and r.verified,
             not r.outdated,
+            cached.get(r.replica_id, 0),
             r.adopted,
             -r.created_at,
             -order.get(r.replica_id, len(order)),
@@ -403,7 +421,7 @@ def surplus(counting: list[Replica], n: int, known: Collection[str]) -> list[Rep
 def outdated(replica: Replica, profile: Profile | None) -> bool:
     """Whether a replica's shards run something other than its profile now says
     (its profile left the model, or the engine, the weights, the arguments, the
-    settings, the environment or the GPUs changed). A changed placement rule
+    settings, the environment, the GPUs or whether it may sleep changed). A changed placement rule
     (selector, memory) or startup timeout does not restart a serving engine."""
     if profile is None:
         return True
@@ -414,6 +432,7 @@ def outdated(replica: Replica, profile: Profile | None) -> bool:
         or s.spec.model_path != profile.model_path
         or s.spec.engine_args != profile.engine_args
         or s.spec.settings != profile.settings
+        or s.spec.sleep != (profile.sleep_s > 0)
         or s.spec.env != profile.env
         or len(s.spec.gpus) != profile.gpus
         for s in replica.shards

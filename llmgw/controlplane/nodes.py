@@ -62,6 +62,7 @@ class Node:
     last_heartbeat_seq: int = -1
     agent_version: str = ""  # as its agent said at registration ("0.1.0 (build …)")
     metrics_address: str = ""  # its agent's metrics listener, as said at registration
+    can: frozenset[str] = frozenset()  # what its agent does beyond the base ("sleep")
     # known from before this control plane started, and not registered with it since
     awaited: bool = False
 

@@ -33,7 +33,7 @@ from llmgw.controlplane.filters import NodeFacts, PlacementCache
 from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.controlplane.placement import Decision, place
-from llmgw.controlplane.replicas import Replica
+from llmgw.controlplane.replicas import Replica, ReplicaState
 
 
 def allocated(
@@ -58,7 +58,8 @@ def allocated(
                 replica.model,
                 shard.spec.gpus,
                 shard.spec.port,
-                counts=replica.leaving is None,
+                # a sleeping one holds its room, but crowds no node: it serves nothing
+                counts=replica.leaving is None and replica.state is not ReplicaState.SLEEPING,
                 memory=needs.of_shard(catalog, shard.spec),
             )
     for node in (nodes or {}).values():  # what else holds engine ports there

@@ -1,8 +1,8 @@
 """What the reconciler hands the fleet manager: commands to send and words to log.
 
 Plain records, no I/O. The fleet manager sends each plan's stops first (what
-is being replaced lets go of its resources soonest), then its drains, then
-its starts, and logs its notes; the reconciler itself logs nothing.
+is being replaced lets go of its resources soonest), then its drains and
+sleeps, then its wakes and starts, and logs its notes; the reconciler itself logs nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +32,22 @@ class Drain:
     grace_s: float  # stopped after this, finished or not
 
 
-Command = Start | Stop | Drain
+@attrs.frozen
+class Sleep:
+    """Drain, then the engine sleeps (``sleeping``: its process stays, its GPUs are free)."""
+
+    node: str
+    shard_id: str
+    grace_s: float  # in-flight work this long at most, then it sleeps
+
+
+@attrs.frozen
+class Wake:
+    node: str
+    shard_id: str
+
+
+Command = Start | Stop | Drain | Sleep | Wake
 
 
 @attrs.frozen
@@ -83,6 +98,8 @@ class Plan:
     start: list[Start] = attrs.Factory(list)
     stop: list[Stop] = attrs.Factory(list)
     drain: list[Drain] = attrs.Factory(list)
+    sleep: list[Sleep] = attrs.Factory(list)
+    wake: list[Wake] = attrs.Factory(list)
     placement_failures: dict[str, PlacementFailure] = attrs.Factory(dict)  # by model
     failed: list[ReplicaFailed] = attrs.Factory(list)
     notes: list[Note] = attrs.Factory(list)
@@ -90,8 +107,8 @@ class Plan:
     refused: list[Refusal] = attrs.Factory(list)
 
     def commands(self) -> list[Command]:
-        """In the order they are sent: stops, drains, starts."""
-        return [*self.stop, *self.drain, *self.start]
+        """In the order they are sent: stops, drains and sleeps, wakes, starts."""
+        return [*self.stop, *self.drain, *self.sleep, *self.wake, *self.start]
 
     def __bool__(self) -> bool:
-        return bool(self.start or self.stop or self.drain)
+        return bool(self.start or self.stop or self.drain or self.sleep or self.wake)

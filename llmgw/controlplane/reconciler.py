@@ -60,12 +60,12 @@ from collections.abc import Callable, Collection, Mapping
 import msgspec
 
 from llmgw.config.schema import ReconcileConfig
-from llmgw.controlplane import acts, claims, moves, starts
+from llmgw.controlplane import acts, claims, moves, sleep, starts
 from llmgw.controlplane.acts import Acts
 from llmgw.controlplane.allocations import Allocations
 from llmgw.controlplane.backoff import CrashLoops
 from llmgw.controlplane.catalog import Catalog, Model, Profile
-from llmgw.controlplane.filters import PlacementCache
+from llmgw.controlplane.filters import ROOM, PlacementCache
 from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node, NodeState, awaited
 from llmgw.controlplane.placement import Decision, failure_kind
@@ -76,7 +76,7 @@ from llmgw.controlplane.plan import (
     Plan,
     Stop,
 )
-from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
+from llmgw.controlplane.replicas import MoveKind, Replica, ReplicaState, Shard
 from llmgw.controlplane.spread import Spreads
 from llmgw.protocol.messages import ShardReport, ShardState, ShardStatus
 
@@ -152,6 +152,10 @@ class Reconciler:
         # how many replicas a model should run now: its count, or what demand says of a
         # range (``scaling.Scaling.wanted``, set by the fleet manager)
         self.wanted: Callable[[Model], int] = lambda model: model.replicas
+        self._making_room: str | None = None  # a sleeping replica stopped for another's room
+        # the prompt blocks routers believe each replica holds cached (set by the fleet
+        # manager): a ranged model's scale-down lets the least cached go (``moves.surplus``)
+        self.cached: Callable[[], Mapping[str, int]] = dict
 
     # --- inputs from the fleet ----------------------------------------------
 
@@ -221,7 +225,13 @@ class Reconciler:
                 limit = _startup_timeout(replica, profile) + t.startup_margin_s
                 since = replica.restarted_at
                 if now - (replica.created_at if since is None else since) > limit:
-                    when = "it was placed" if since is None else "a shard restarted"
+                    when = (
+                        "it was placed"
+                        if since is None
+                        else "it was woken"
+                        if since == replica.woken_at
+                        else "a shard restarted"
+                    )
                     self.acts.fail(replica, now, plan, f"not ready {limit:g} s after {when}")
                     continue
             if replica.state is R.READY and (why := claims.overdue(replica, now, t.verify_grace_s)):
@@ -231,8 +241,12 @@ class Reconciler:
                 self.acts.fail(replica, now, plan, f"node {lost[0]} is lost")
             if replica.state is R.DRAINING and not _has_head(replica):
                 self.acts.stop(replica, now, plan, "drained")  # nothing of it serves
-            elif replica.state is R.DRAINING and now - replica.state_since > t.drain_timeout_s:
+            elif replica.state is R.DRAINING and now - replica.state_since > t.drain_timeout_s + (
+                sleep.SLEEP_CALL_S if replica.dozing else 0.0
+            ):
                 self.acts.stop(replica, now, plan, "drain grace over")
+            if why := sleep.why_stop(replica, profile, now, self.draining):
+                self.acts.stop(replica, now, plan, why)
             if replica.state in (R.FAILED, R.STOPPING):
                 self._clean_up(replica, nodes, now, plan)
             self.acts.send_starts(replica, plan)
@@ -249,7 +263,20 @@ class Reconciler:
             key=lambda m: sum(r.counts for r in by_model.get(m.name, ())) >= m.replicas,
         ):
             self._scale(model, by_model.get(model.name, []), shared, now, plan)
+        self._make_room(plan, now)
         return plan
+
+    def _make_room(self, plan: Plan, now: float) -> None:
+        """A model found no room this pass: a sleeping replica of another model stops
+        (one at a time: the next is chosen once the last is gone)."""
+        if self._making_room in self.replicas:
+            return
+        self._making_room = None
+        short = sorted(m for m, f in plan.placement_failures.items() if f.kind in ROOM)
+        victim = sleep.to_make_room(self.replicas.values(), short)
+        if victim is not None:
+            self._making_room = victim.replica_id
+            self.acts.stop(victim, now, plan, f"its room is wanted: {', '.join(short)} found none")
 
     def wedged(self, replica_ids: Collection[str], now: float) -> Plan:
         """The routers' word that these replicas have requests in flight and make no
@@ -347,12 +374,19 @@ class Reconciler:
             draining=self.draining,
             crash_looping=self.crash_loops.looping(model.name),
             known=self.replicas.keys(),
+            cached=self.cached() if model.scaling is not None else {},
             where_to=lambda counting: self._where_to(model, counting, shared, now),
         )
         for phase in moves.Phase:  # each phase sees the moves the one before made
             for move in moves.propose(scene, phase):
-                self.acts.begin(move, now, plan)
+                self.acts.begin(
+                    move, now, plan, sleep=self._sleeps(move.replica, move.kind, shared)
+                )
         missing = wanted - sum(1 for r in mine if r.counts)
+        closed = self.cordoned | self.draining
+        for replica in sleep.to_wake(mine, missing, shared.nodes, closed):
+            self.acts.wake(replica, now, plan, f"{model.name} wants {wanted}")
+            missing -= 1
         if missing > 0:
             self._place(model, missing, shared, now, plan)
         room_short = model.name in self.room_short
@@ -360,7 +394,13 @@ class Reconciler:
             if step.action is moves.Action.STOP:
                 self.acts.stop(step.replica, now, plan, "not needed any more")
             else:
-                self.acts.drain(step.replica, now, plan)
+                dozes = self._sleeps(step.replica, step.replica.leaving, shared)
+                self.acts.drain(step.replica, now, plan, sleep=dozes)
+
+    def _sleeps(self, replica: Replica, kind: MoveKind | None, shared: PassPlacement) -> bool:
+        """Whether a replica leaving for ``kind`` sleeps instead of stopping (``sleep``)."""
+        profile = self.catalog.profile(replica.model, replica.profile)
+        return sleep.may_sleep(replica, kind, profile, shared.nodes)
 
     def _where_to(
         self, model: Model, counting: list[Replica], shared: PassPlacement, now: float

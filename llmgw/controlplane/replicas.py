@@ -25,6 +25,9 @@ class ReplicaState(StrEnum):
     DRAINING = "Draining"  # no new traffic; in-flight work finishes, then it stops
     STOPPING = "Stopping"  # told to stop; waiting for every shard to be gone
     FAILED = "Failed"  # a shard failed, timed out, was lost or let go; being cleaned up
+    # let go by its model's demand, its engine sleeps (``sleep.py``): no traffic, its
+    # GPUs' memory free, its process kept; woken when its model wants one again
+    SLEEPING = "Sleeping"
 
 
 class MoveKind(StrEnum):
@@ -42,7 +45,8 @@ class MoveKind(StrEnum):
 
 # (from, to) -> why such a move happens. Nothing else is legal. Every state has
 # a bounded way out: Pending/Starting time out, Draining and Stopping are forced
-# after their grace, Failed is removed once its shards are stopped or gone.
+# after their grace, Failed is removed once its shards are stopped or gone,
+# Sleeping is stopped after its profile's sleep_s.
 TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], str] = {
     (ReplicaState.PENDING, ReplicaState.STARTING): "a shard reported starting",
     (ReplicaState.PENDING, ReplicaState.READY): "every shard reported ready",
@@ -59,6 +63,11 @@ TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], str] = {
     (ReplicaState.DRAINING, ReplicaState.FAILED): "a shard failed, was lost or let go",
     (ReplicaState.STOPPING, ReplicaState.FAILED): "a shard failed while stopping",
     (ReplicaState.FAILED, ReplicaState.STOPPING): "cleaning up what is left",
+    (ReplicaState.DRAINING, ReplicaState.SLEEPING): "drained for a scale-down; its engine sleeps",
+    (ReplicaState.PENDING, ReplicaState.SLEEPING): "adopted asleep",
+    (ReplicaState.SLEEPING, ReplicaState.STARTING): "woken: its model wants it again",
+    (ReplicaState.SLEEPING, ReplicaState.STOPPING): "slept long enough, or its room is wanted",
+    (ReplicaState.SLEEPING, ReplicaState.FAILED): "a shard failed, was lost or let go",
 }
 
 SERVING = frozenset({ReplicaState.READY})
@@ -126,6 +135,9 @@ class Replica:
     # counts from then, not from when it was placed
     restarted_at: float | None = None
     why: str = ""  # the last move's reason
+    # draining to sleep, not to stop (``sleep.py``); True from then until it is woken
+    dozing: bool = False
+    woken_at: float | None = None  # when it was last woken (its wake time is measured)
 
     def move(self, to: ReplicaState, now: float, why: str = "") -> None:
         if to is self.state:

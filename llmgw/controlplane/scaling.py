@@ -28,7 +28,8 @@ once settled, the rule decides, with its usual patience.
 Start times: each replica that becomes Ready, placed by this control plane,
 took ``state_since - created_at`` to start; the last few per profile give the
 model's measured start time (``start_s``: what a held request is told to wait
-in a refusal's Retry-After, and what ``ctl models`` shows).
+in a refusal's Retry-After, and what ``ctl models`` shows). A replica woken from
+sleep (``sleep.py``) is timed from its wake, apart (``wake_s``).
 
 Every change is one log line with its reason (``2 → 3: 14 requests at once for
 15 s, 4 each at most``), kept for ``ctl models``, and counted by reason.
@@ -53,7 +54,7 @@ from llmgw.routing import ModelLoad
 log = logging.getLogger("llmgw.scaling")
 
 DEFAULT_START_S = 30.0  # a model's start time before one was measured
-ROOM = frozenset({"gpus", "memory", "ports"})  # placement's reasons that are want of room
+DEFAULT_WAKE_S = 5.0  # a sleeping replica's wake, before one was measured
 STARTS_KEPT = 5  # start times kept per profile: the median of these is shown
 
 
@@ -76,6 +77,8 @@ class Scaling:
         self._starts: dict[tuple[str, str], deque[float]] = {}  # (model, profile) -> s
         self._ready: set[str] = set()  # replica ids already counted Ready
         self.new_starts: list[tuple[str, str, float]] = []  # measured since last taken
+        self._wakes: dict[tuple[str, str], deque[float]] = {}  # (model, profile) -> s
+        self.new_wakes: list[tuple[str, str, float]] = []  # measured since last taken
         self._counting: dict[str, int] = {}  # replicas that count towards each model
         self.yielding: dict[str, str] = {}  # ranged model -> why it is held below demand
 
@@ -210,31 +213,56 @@ class Scaling:
 
     def saw(self, replicas: Iterable[Replica]) -> None:
         """Measure the start of every replica placed here that became Ready since the
-        last call (an adopted one's start was before this control plane's time)."""
-        live: set[str] = set()
+        last call (an adopted one's start was before this control plane's time), and the
+        wake of every one woken (``sleep.py``) that became Ready again."""
+        ready: set[str] = set()
         for r in replicas:
-            live.add(r.replica_id)
-            if r.state is not ReplicaState.READY or r.replica_id in self._ready:
+            if r.state is not ReplicaState.READY:
+                continue
+            ready.add(r.replica_id)
+            if r.replica_id in self._ready:
                 continue
             self._ready.add(r.replica_id)
+            if r.woken_at is not None and r.restarted_at == r.woken_at:
+                took = max(0.0, r.state_since - r.woken_at)
+                kept = self._wakes.setdefault((r.model, r.profile), deque(maxlen=STARTS_KEPT))
+                kept.append(took)
+                self.new_wakes.append((r.model, r.profile, took))
+                continue
             if r.adopted or r.restarted_at is not None:
                 continue
             took = max(0.0, r.state_since - r.created_at)
             kept = self._starts.setdefault((r.model, r.profile), deque(maxlen=STARTS_KEPT))
             kept.append(took)
             self.new_starts.append((r.model, r.profile, took))
-        self._ready &= live
+        self._ready &= ready  # one that leaves Ready is measured again when it comes back
 
     def start_s(self, model: str, profiles: Collection[str] = ()) -> float | None:
         """The model's measured start time (the median of the last few of its first
         profile that has any); None before one was measured."""
-        for profile in profiles:
-            kept = self._starts.get((model, profile))
-            if kept:
-                return statistics.median(kept)
-        return None
+        return _median(self._starts, model, profiles)
 
-    def start_times(self, model: Model) -> float:
-        """``start_s``, or ``DEFAULT_START_S`` before a start was measured."""
-        got = self.start_s(model.name, [p.name for p in model.profiles])
+    def wake_s(self, model: str, profiles: Collection[str] = ()) -> float | None:
+        """The model's measured wake time (``start_s``'s, for a sleeping replica woken)."""
+        return _median(self._wakes, model, profiles)
+
+    def start_times(self, model: Model, *, asleep: bool = False) -> float:
+        """``start_s``, or ``DEFAULT_START_S`` before a start was measured; for a model
+        with a sleeping replica (``asleep``), its wake time (``DEFAULT_WAKE_S`` before
+        one was measured)."""
+        profiles = [p.name for p in model.profiles]
+        if asleep:
+            woke = self.wake_s(model.name, profiles)
+            return DEFAULT_WAKE_S if woke is None else woke
+        got = self.start_s(model.name, profiles)
         return DEFAULT_START_S if got is None else got
+
+
+def _median(
+    kept: Mapping[tuple[str, str], deque[float]], model: str, profiles: Collection[str]
+) -> float | None:
+    for profile in profiles:
+        times = kept.get((model, profile))
+        if times:
+            return statistics.median(times)
+    return None

@@ -87,6 +87,7 @@ class ControlPlane:
         )
         self.nodes.nodes[msg.node_id].agent_version = msg.agent_version
         self.nodes.nodes[msg.node_id].metrics_address = msg.metrics_address
+        self.nodes.nodes[msg.node_id].can = frozenset(msg.can)
         self.dispatcher.attach(conn)
         self.metrics.connects.inc()
         inv = msg.inventory

@@ -56,6 +56,7 @@ def new_replica(
             settings=dict(profile.settings),
             startup_timeout_s=profile.startup_timeout_s,
             stop_grace_s=profile.stop_grace_s,
+            sleep=profile.sleep_s > 0,
             head_address=head_address if len(placements) > 1 else "",
             node_id=p.node_id,
         )

@@ -14,9 +14,17 @@ naming engines: what must be installed on a node (``Requirements.programs``,
 which the agent looks for and placement checks), whether a shard needs a GPU,
 whether a replica spans several nodes, whether a profile must name a model
 file (the catalog's checks), what a shard holds in memory (``sizing``, for
-placement and the router's prompt-cache reckoning) and how its token ids are
+placement and the router's prompt-cache reckoning), how its token ids are
 asked for and a broken stream's request rendered (``tokens``, for resuming a
-stream). An engine added to llmgw is an adapter here and nothing elsewhere.
+stream), and whether it can sleep (``sleeps``: keep its process while its
+replica is idle, free its GPU memory, and wake in a fraction of a load). An
+engine added to llmgw is an adapter here and nothing elsewhere.
+
+Sleep: a spec with ``sleep`` set is launched able to sleep, and its ``Launch``
+says where the agent tells the engine to sleep and to wake, and where it asks
+whether it sleeps (``sleep_url``, ``wake_url``, ``sleeping_url``; the last one's
+answer read by the adapter's ``parse_sleeping``). An adapter whose engine cannot
+sleep refuses such a spec (``check_sleep``).
 """
 
 from __future__ import annotations
@@ -46,6 +54,13 @@ class Launch:
     # the engine's secret key, in ``env`` under the adapter's ``key_env`` (never argv):
     # whoever talks to the engine sends it as ``Authorization: Bearer``; "" for none
     engine_key: str = attrs.field(default="", repr=False)
+    # set only for a spec with ``sleep``, and then all three: POST ``sleep_url``
+    # answers 200 once the engine sleeps (its process runs, its GPU memory is free,
+    # it generates nothing), POST ``wake_url`` answers 200 once it is awake, and GET
+    # ``sleeping_url`` says whether it sleeps (``EngineAdapter.parse_sleeping``)
+    sleep_url: str | None = None
+    wake_url: str | None = None
+    sleeping_url: str | None = None
 
 
 @attrs.frozen
@@ -124,6 +139,9 @@ class EngineAdapter(Protocol):
     # how its token ids are asked for and read, and a request rendered for a stream's
     # continuation; None: it gives no token ids, and its streams are not carried on
     tokens: Tokens | None
+    # whether its engine can sleep: launched from a spec with ``sleep``, its ``Launch``
+    # has the sleep, wake and is-sleeping URLs. False: ``validate`` refuses such a spec
+    sleeps: bool
 
     def validate(self, spec: ShardSpec) -> list[str]:
         """Problems in words, empty when the engine would accept the spec."""
@@ -144,6 +162,11 @@ class EngineAdapter(Protocol):
     def parse_usage(self, body: bytes) -> LoadSignals | None:
         """KV usage and slots from what ``usage_path`` answered (the other fields None);
         None when it does not say."""
+        ...
+
+    def parse_sleeping(self, body: bytes) -> bool | None:
+        """Whether the engine sleeps, from what ``Launch.sleeping_url`` answered; None
+        when it does not say (and always, for an engine that cannot sleep)."""
         ...
 
 
@@ -196,6 +219,16 @@ def check_extra_args(args: list[str], managed: Mapping[str, str], problems: list
             problems.append(
                 f"engine_args sets {flag}, which comes from the profile's {managed[flag]}"
             )
+
+
+def check_sleep(spec: ShardSpec, engine: str, problems: list[str], why: str = "") -> None:
+    """Refuse a spec asking ``engine``, which cannot sleep, to start able to (``why``:
+    why it cannot, in parentheses, where that is not plain)."""
+    if spec.sleep:
+        problems.append(
+            f"the profile's sleep_s asks idle replicas to sleep, but {engine} cannot sleep"
+            f"{f' ({why})' if why else ''}: set sleep_s to 0"
+        )
 
 
 def gpu_env(spec: ShardSpec) -> dict[str, str]:

@@ -57,6 +57,7 @@ from llmgw.engines.base import (
     Requirements,
     check_extra_args,
     check_port,
+    check_sleep,
     gpu_env,
     int_setting,
     sample_values,
@@ -268,6 +269,7 @@ class LlamaCppAdapter:
     )
     sizing: Sizing | None = LlamaCppSizing()
     tokens: Tokens | None = LlamaCppTokens()
+    sleeps: bool = False  # llama-server has no sleep: an idle replica is stopped
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems: list[str] = []
@@ -315,6 +317,7 @@ class LlamaCppAdapter:
             elif embeddings is not True:
                 problems.append("pooling applies to an embedding model: set embeddings = true")
         check_extra_args(spec.engine_args, MANAGED, problems)
+        check_sleep(spec, self.name, problems)
         return problems
 
     def launch(self, spec: ShardSpec, binaries: Mapping[str, str]) -> Launch:
@@ -371,6 +374,9 @@ class LlamaCppAdapter:
 
     def parse_usage(self, body: bytes) -> LoadSignals | None:
         return slots_usage(body)
+
+    def parse_sleeping(self, body: bytes) -> bool | None:
+        return None
 
 
 LLAMA_CPP = LlamaCppAdapter()

@@ -32,6 +32,15 @@ Settings (``spec.settings``):
   it. The agent fills it with the address it discovered; when it is
   missing, ``spec.host`` is used unless that is a wildcard (0.0.0.0, ::).
 
+Sleep (``spec.sleep``, from the profile's ``sleep_s``): ``vllm`` starts with
+``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``, without which vLLM
+serves none of its sleep endpoints; the agent then puts an idle engine to sleep
+with ``POST /sleep?level=1`` (its weights offloaded to host memory, its KV cache
+discarded: its GPU memory is free), wakes it with ``POST /wake_up`` and asks
+``GET /is_sleeping``. While it sleeps ``/health`` answers 200 and generation
+503. These paths are outside ``/v1``, so its key does not guard them. ``vllm-ray``
+cannot sleep yet: every rank of a replica would have to, on every node.
+
 TP x PP must equal the GPUs the shard was given (times ``world_size`` for
 Ray): placement decides the GPUs, and a profile that used fewer would leave
 placed GPUs idle while claiming them.
@@ -64,6 +73,7 @@ that node) is what ends them.
 from __future__ import annotations
 
 import ipaddress
+import json
 import shlex
 from collections.abc import Mapping
 from typing import Any
@@ -79,6 +89,7 @@ from llmgw.engines.base import (
     Requirements,
     check_extra_args,
     check_port,
+    check_sleep,
     float_setting,
     gpu_env,
     int_setting,
@@ -124,7 +135,17 @@ _MANAGED_FLAGS = {
     "--task": "embeddings setting",
     "--enable-prefix-caching": "prefix_caching setting",
     "--no-enable-prefix-caching": "prefix_caching setting",
+    "--enable-sleep-mode": "sleep_s",
+    "--no-enable-sleep-mode": "sleep_s",
 }
+
+# vLLM serves /sleep, /wake_up and /is_sleeping only in its dev mode
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# level 1: weights offloaded to host memory, KV cache discarded (level 2 discards the
+# weights too, and a wake would have to load them again: no faster than a start)
+SLEEP_PATH = "/sleep?level=1"
+WAKE_PATH = "/wake_up"
+SLEEPING_PATH = "/is_sleeping"
 
 METRIC_WAITING = "vllm:num_requests_waiting"
 METRIC_RUNNING = "vllm:num_requests_running"
@@ -256,6 +277,8 @@ class _VllmBase:
     requires: Requirements = Requirements(programs=(VLLM_PROGRAM,), gpu=True)
     sizing: Sizing | None = None  # not known: a profile says its min_memory_gb
     tokens: Tokens | None = _TOKENS
+    sleeps: bool = True
+    _why_no_sleep: str = ""  # where it cannot: why, for an operator
 
     # ------------------------------------------------------------- validation
     def _plan(self, spec: ShardSpec, problems: list[str]) -> _Plan:
@@ -316,6 +339,13 @@ class _VllmBase:
         check_extra_args([_normal_flag(a) for a in spec.engine_args], _MANAGED_FLAGS, problems)
         if "CUDA_VISIBLE_DEVICES" in spec.env:
             problems.append("env sets CUDA_VISIBLE_DEVICES, which comes from the shard's GPUs")
+        if not self.sleeps:
+            check_sleep(spec, self.name, problems, self._why_no_sleep)
+        elif spec.sleep and spec.env.get(DEV_MODE_ENV, "1") != "1":
+            problems.append(
+                f"env sets {DEV_MODE_ENV}={spec.env[DEV_MODE_ENV]}, but the profile's sleep_s "
+                "needs it 1 (vLLM serves its sleep endpoints only then): remove it from env"
+            )
         self._check_topology(spec, plan, problems)
         return problems
 
@@ -371,14 +401,31 @@ class _VllmBase:
             argv.append("--no-enable-prefix-caching")
         if self.multi_node:
             argv += ["--distributed-executor-backend", "ray"]
+        if spec.sleep:
+            argv.append("--enable-sleep-mode")
         return argv + list(spec.engine_args)
 
     def _env(self, spec: ShardSpec) -> dict[str, str]:
-        return {**gpu_env(spec), **spec.env}
+        env = {**gpu_env(spec), **spec.env}
+        if spec.sleep:
+            env[DEV_MODE_ENV] = "1"
+        return env
+
+    def _base(self, spec: ShardSpec) -> str:
+        return f"http://{url_host(spec.host)}:{spec.port}"
 
     def _urls(self, spec: ShardSpec) -> tuple[str, str]:
-        base = f"http://{url_host(spec.host)}:{spec.port}"
+        base = self._base(spec)
         return f"{base}/health", f"{base}/metrics"
+
+    def parse_sleeping(self, body: bytes) -> bool | None:
+        """``{"is_sleeping": true}`` or false, as ``/is_sleeping`` answers."""
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            return None
+        found = answer.get("is_sleeping") if isinstance(answer, dict) else None
+        return found if isinstance(found, bool) else None
 
     # ---------------------------------------------------------------- metrics
     usage_path: str | None = None  # its metrics carry KV usage
@@ -414,7 +461,16 @@ class VllmAdapter(_VllmBase):
         plan = self._checked_plan(spec)
         argv = self._serve_argv(binaries["vllm"], spec, plan)
         health, metrics = self._urls(spec)
-        return Launch(argv=argv, env=self._env(spec), health_url=health, metrics_url=metrics)
+        base = self._base(spec)
+        return Launch(
+            argv=argv,
+            env=self._env(spec),
+            health_url=health,
+            metrics_url=metrics,
+            sleep_url=f"{base}{SLEEP_PATH}" if spec.sleep else None,
+            wake_url=f"{base}{WAKE_PATH}" if spec.sleep else None,
+            sleeping_url=f"{base}{SLEEPING_PATH}" if spec.sleep else None,
+        )
 
 
 class VllmRayAdapter(_VllmBase):
@@ -427,6 +483,11 @@ class VllmRayAdapter(_VllmBase):
     requires = Requirements(
         programs=(VLLM_PROGRAM, RAY_PROGRAM), gpu=True, multi_node=True, one_node="vllm"
     )
+    # not yet: rank 0's /sleep would have to reach the engine's workers on every node,
+    # and a replica's ranks sleep, wake and fail together, which no shard of one node
+    # can say for the others
+    sleeps = False
+    _why_no_sleep = "a replica over Ray spans several nodes; vllm on one node can"
 
     def _check_gpus(self, spec: ShardSpec, plan: _Plan, problems: list[str]) -> None:
         per_node = len(spec.gpus)

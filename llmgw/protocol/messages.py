@@ -118,6 +118,9 @@ class ShardState(StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
+    # its engine sleeps (``SleepShard``): its process runs, its GPU memory is free, it
+    # serves nothing until woken (``WakeShard``). Sent only to a control plane that asked
+    SLEEPING = "sleeping"
 
 
 class ShardSpec(_Wire, frozen=True):
@@ -147,6 +150,9 @@ class ShardSpec(_Wire, frozen=True):
     # an older control plane
     node_id: str = ""
     seal: str = ""
+    # start the engine able to sleep (``SleepShard``; vLLM: ``--enable-sleep-mode``);
+    # sent only where the engine can (``EngineAdapter.sleeps``) and its profile asks
+    sleep: bool = False
 
 
 class ShardReport(_Wire, frozen=True):
@@ -206,6 +212,10 @@ class Register(Message, frozen=True):
     # random, one per agent process: the same agent reconnecting says the same one, so
     # the control plane tells it from a second agent for the node (empty: an older agent)
     agent_instance: str = ""
+    # what this agent does beyond what every agent does, by name: "sleep" (it obeys
+    # ``SleepShard`` and ``WakeShard``). A control plane sends a command only to an
+    # agent that names it; an older agent names nothing
+    can: list[str] = []
 
 
 class RegisterAck(Message, frozen=True):
@@ -276,9 +286,38 @@ class DrainShard(Message, frozen=True):
     grace_s: float = 60.0
 
 
+class SleepShard(Message, frozen=True):
+    """Down: finish in-flight work (up to ``grace_s``), then the engine sleeps: its
+    process stays, its GPU memory is freed; the shard reports ``sleeping``. An engine
+    that cannot (no answer, a refusal) is stopped instead, and says why. Sent only to
+    an agent that can (``Register.can``) for a shard started able to (``spec.sleep``)."""
+
+    shard_id: str
+    grace_s: float = 60.0
+
+
+class WakeShard(Message, frozen=True):
+    """Down: a sleeping shard's engine wakes; the shard reports ``starting``, then
+    ``ready`` once it answers its health check (or ``failed``, saying why)."""
+
+    shard_id: str
+
+
+SLEEP = "sleep"  # ``Register.can``: the agent obeys SleepShard and WakeShard
+
 UpMessage = Register | Heartbeat | ShardStatus
-DownMessage = RegisterAck | StartShard | StopShard | DrainShard
-AnyMessage = Register | Heartbeat | ShardStatus | RegisterAck | StartShard | StopShard | DrainShard
+DownMessage = RegisterAck | StartShard | StopShard | DrainShard | SleepShard | WakeShard
+AnyMessage = (
+    Register
+    | Heartbeat
+    | ShardStatus
+    | RegisterAck
+    | StartShard
+    | StopShard
+    | DrainShard
+    | SleepShard
+    | WakeShard
+)
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
     Register,
@@ -288,4 +327,6 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     StartShard,
     StopShard,
     DrainShard,
+    SleepShard,
+    WakeShard,
 )

@@ -40,8 +40,10 @@ from llmgw.protocol.messages import (
     Register,
     RegisterAck,
     ShardStatus,
+    SleepShard,
     StartShard,
     StopShard,
+    WakeShard,
 )
 
 
@@ -77,6 +79,8 @@ TRANSITIONS: dict[tuple[Role, State, Direction, type[Message]], State] = {
     (Role.AGENT, State.REGISTERED, RECEIVE, StartShard): State.REGISTERED,
     (Role.AGENT, State.REGISTERED, RECEIVE, StopShard): State.REGISTERED,
     (Role.AGENT, State.REGISTERED, RECEIVE, DrainShard): State.REGISTERED,
+    (Role.AGENT, State.REGISTERED, RECEIVE, SleepShard): State.REGISTERED,
+    (Role.AGENT, State.REGISTERED, RECEIVE, WakeShard): State.REGISTERED,
     # the control plane proves the registration, acks it, then commands
     (Role.CONTROL_PLANE, State.AWAITING_REGISTER, RECEIVE, Register): State.REGISTERING,
     (Role.CONTROL_PLANE, State.REGISTERING, SEND, RegisterAck): State.REGISTERED,
@@ -85,6 +89,8 @@ TRANSITIONS: dict[tuple[Role, State, Direction, type[Message]], State] = {
     (Role.CONTROL_PLANE, State.REGISTERED, SEND, StartShard): State.REGISTERED,
     (Role.CONTROL_PLANE, State.REGISTERED, SEND, StopShard): State.REGISTERED,
     (Role.CONTROL_PLANE, State.REGISTERED, SEND, DrainShard): State.REGISTERED,
+    (Role.CONTROL_PLANE, State.REGISTERED, SEND, SleepShard): State.REGISTERED,
+    (Role.CONTROL_PLANE, State.REGISTERED, SEND, WakeShard): State.REGISTERED,
 }
 
 INITIAL_STATE = {Role.AGENT: State.UNREGISTERED, Role.CONTROL_PLANE: State.AWAITING_REGISTER}

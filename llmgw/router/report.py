@@ -62,6 +62,8 @@ class Reporter:
         self.tally = Tally()  # what tenants' keys used here (the router app's)
         # each ranged model's requests here now (``hold.Holds.loads``)
         self.load: Callable[[], dict[str, ModelLoad]] = dict
+        # what it believes each replica of a ranged model holds (``RoutingTable.cached``)
+        self.cached: Callable[[], dict[str, int]] = dict
 
     def report(self) -> RouterReport:
         return RouterReport(
@@ -70,6 +72,7 @@ class Reporter:
             wedged=sorted(self._wedged),
             usage=self.tally.rows(),
             load=self.load(),
+            cached=self.cached(),
         )
 
     def serves_metrics(self, address: str) -> None:

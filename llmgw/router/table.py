@@ -179,6 +179,16 @@ class RoutingTable:
             )
         self.carried = keep
 
+    def cached(self) -> dict[str, int]:
+        """The prompt blocks this router believes each replica of a model that scales
+        holds (its affinity index), by replica id; none for an empty index."""
+        return {
+            ep.key: len(ep.prefix)
+            for model in self.scales
+            for ep in self.endpoints.get(model, ())
+            if len(ep.prefix)
+        }
+
     def traffic(self, now: float) -> dict[str, TrafficView]:
         """This router's view of each replica it routes to, by replica id."""
         return {ep.key: traffic_view(ep, now) for eps in self.endpoints.values() for ep in eps}
@@ -292,6 +302,7 @@ def traffic_view(ep: Endpoint, now: float) -> TrafficView:
         if seen.prompt_tokens
         else None,
         affinity_overruled=seen.overruled / seen.preferred if seen.preferred else None,
+        cached_blocks=len(seen),
         in_flight=ep.in_flight,
         breaker=ep.breaker.state.value,
         waiting=load.waiting if load else None,

@@ -244,6 +244,7 @@ async def serve(
     )
     holds = holds_of(config.router, table, lambda model: reporter.held(), reporter.arrived)
     reporter.load = holds.loads  # each ranged model's requests here, in every report
+    reporter.cached = table.cached  # and what it believes their replicas hold
     server = router_app(config.router, table, metrics, keys, got, reporter.tally, leases, holds)
     watch_listeners(metrics.registry, {"router": server})
     host, port = parse_hostport(config.router.listen, key="router.listen")

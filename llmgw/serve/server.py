@@ -219,6 +219,7 @@ async def serve(
         holds = holds_of(config.router, table, lambda model: fleet.held() if fleet else None)
         if fleet is not None:  # what the router here sees of ranged models, read each pass
             fleet.load_sources.append(holds.loads)
+            fleet.cache_sources.append(table.cached)
         app = router_app(config.router, table, metrics, keys, got, tally, leases, holds)
         router = (table, app)
     reload = Reloader(fleet, keys, reread, routing)

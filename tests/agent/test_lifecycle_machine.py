@@ -2,24 +2,27 @@
 
 The supervisor runs a shard with several tasks that race: the launcher
 (validate, spawn), the watcher (health until ready or the startup timeout,
-then the process's end), the terminator (ending the process group) and the
-drainer, while the control plane's commands arrive at any moment. Each rule
+then the process's end), the terminator (ending the process group), the
+drainer, the sleeper (the engine's sleep call) and the waker (its wake call,
+then its health), while the control plane's commands arrive at any moment. Each rule
 here is one step one of them can take, at any await, and each hands its
 event to ``lifecycle.move`` as the supervisor does; what the move asks for
 (a report, ending the group, a drain) starts the simulated task.
 
 The naive model of the world: a process that is alive or not; what the
-control plane asked (start, stop, drain); which tasks are still running and
-at which await. The engine may crash at any time, and ending its group may
-fail (it survives SIGKILL).
+control plane asked (start, stop, drain, sleep, wake); which tasks are still
+running and at which await. The engine may crash at any time, and ending its
+group may fail (it survives SIGKILL); asked to sleep or to wake, it may not
+(no answer, a refusal); adopted, it may be asleep already.
 
 Invariants: no pair that the tasks can produce is missing from the table (an
 ``IllegalMove`` fails the run); the reports the control plane hears are
 legal moves of the wire state, and nothing follows ``stopped`` or
-``failed``; ``ready`` is heard only of a live engine nobody asked to stop;
-``stopped`` only after a stop or drain was asked, and once the group is gone;
-the group is ended by one terminator at a time; and every phase has a task
-that will move it on (nothing waits for ever). At the end, everything left
+``failed``; ``ready`` and ``sleeping`` are heard only of a live engine nobody
+asked to stop; ``stopped`` only after a stop or drain was asked, or a sleep
+failed, and once the group is gone; the group is ended by one terminator at a
+time, the engine drained, put to sleep or woken by one task at a time; and every
+phase has a task that will move it on (nothing waits for ever). At the end, everything left
 running runs to completion: a shard asked to stop is then stopped, or failed
 with a reason.
 """
@@ -63,6 +66,25 @@ WIRE_MOVES = {
     ("draining", "failed"),
     ("stopping", "stopped"),
     ("stopping", "failed"),
+    ("draining", "sleeping"),
+    ("starting", "sleeping"),  # adopted, and its engine says it sleeps
+    ("sleeping", "starting"),  # waking
+    ("sleeping", "draining"),
+    ("sleeping", "stopping"),
+    ("sleeping", "failed"),
+}
+
+
+# where a run begins: an adopted shard, or a new one moved on by this many of the rules'
+# first steps (``LifecycleMachine.begin``), through the table, as far as a later phase
+STARTS = {
+    "adopted": 0,
+    "new": 0,
+    "ready": 3,
+    "draining to sleep": 4,
+    "falling asleep": 5,
+    "asleep": 6,
+    "waking": 7,
 }
 
 
@@ -75,8 +97,12 @@ class World:
     first_check: bool = False  # an adopted shard's health check before registering
     terminator: bool = False
     drainer: bool = False
+    sleeper: bool = False  # the engine's sleep call is in flight
+    waker: bool = False  # its wake call, or the health check after it, is in flight
+    adopted: bool = False
     survives: bool = False  # the next end of its group fails
     asked_to_stop: bool = False
+    sleep_failed: bool = False  # stopped for the agent's reason: its engine would not sleep
     heard: list[str] = attrs.Factory(list)  # every wire state reported, in order
 
 
@@ -85,13 +111,27 @@ class LifecycleMachine(RuleBasedStateMachine):
         super().__init__()
         self.w = World()
 
-    @initialize(adopted=st.booleans())
-    def begin(self, adopted: bool) -> None:
-        if adopted:  # a previous agent's engine, alive; one health check, then its watcher
+    @initialize(start=st.sampled_from(list(STARTS)))
+    def begin(self, start: str) -> None:
+        if start == "adopted":
+            # a previous agent's engine, alive; one health check, then its watcher
             self.w.alive = True
             self.w.first_check = True
-        else:
-            self.w.launcher = "validating"
+            self.w.adopted = True
+            return
+        self.w.launcher = "validating"
+        # the rules alone seldom go this deep before a stop or a crash ends the run
+        steps = [
+            self.prepared,
+            self.spawned,
+            self.healthy,  # ready
+            self.sleep,  # draining to sleep
+            self.drained,  # falling asleep
+            self.slept,  # asleep
+            self.wake,  # waking
+        ]
+        for step in steps[: STARTS[start]]:
+            step()
 
     # --- the one way events reach the table ------------------------------------------
 
@@ -105,10 +145,10 @@ class LifecycleMachine(RuleBasedStateMachine):
             if w.heard and w.heard[-1] != state:
                 assert (w.heard[-1], state) in WIRE_MOVES, (w.heard, state, event)
             assert not (w.heard and w.heard[-1] in ("stopped", "failed")), (w.heard, event)
-            if state == "ready" and not m.again:
+            if state in ("ready", "sleeping") and not m.again:
                 assert w.alive and not w.asked_to_stop, event
             if state == "stopped":
-                assert w.asked_to_stop and not w.alive, event
+                assert (w.asked_to_stop or w.sleep_failed) and not w.alive, event
             w.heard.append(state)
         if m.end_process:
             assert not w.terminator, f"a second terminator on {event}"
@@ -116,6 +156,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         if m.drain:
             assert not w.drainer, f"a second drainer on {event}"
             w.drainer = True
+        if m.sleep:
+            assert not w.sleeper, f"a second sleeper on {event}"
+            w.sleeper = True
+        if m.wake:
+            assert not w.waker, f"a second waker on {event}"
+            w.waker = True
 
     # --- the control plane ---------------------------------------------------------
 
@@ -139,6 +185,16 @@ class LifecycleMachine(RuleBasedStateMachine):
     def drain(self) -> None:
         self.w.asked_to_stop = True
         self.fire(Event.DRAIN)
+
+    @precondition(known)
+    @rule()
+    def sleep(self) -> None:
+        self.fire(Event.SLEEP)
+
+    @precondition(known)
+    @rule()
+    def wake(self) -> None:
+        self.fire(Event.WAKE)
 
     # --- the launcher ----------------------------------------------------------------
 
@@ -180,6 +236,20 @@ class LifecycleMachine(RuleBasedStateMachine):
     def adopted_healthy(self) -> None:
         self.fire(Event.HEALTHY)
         self.adopted_checked()
+
+    @precondition(lambda self: self.w.first_check and self.w.alive)
+    @rule()
+    def adopted_asleep(self) -> None:
+        # a previous agent put it to sleep: it says so before its health is asked
+        self.fire(Event.SLEPT)
+        self.adopted_checked()
+
+    @precondition(lambda self: self.w.watcher == "until ready" and self.w.adopted and self.w.alive)
+    @rule()
+    def found_asleep(self) -> None:
+        # its health answered, and then it said it sleeps
+        self.fire(Event.SLEPT)
+        self.w.watcher = "watching"
 
     @precondition(lambda self: self.w.first_check)
     @rule()
@@ -252,6 +322,35 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.w.drainer = False
         self.fire(Event.DRAINED)
 
+    # --- the sleeper and the waker -------------------------------------------------------
+
+    @precondition(lambda self: self.w.sleeper and self.w.alive)
+    @rule()
+    def slept(self) -> None:
+        self.w.sleeper = False
+        self.fire(Event.SLEPT)
+
+    @precondition(lambda self: self.w.sleeper)
+    @rule()
+    def sleep_fails(self) -> None:
+        w = self.w
+        w.sleeper = False
+        # the reason is the agent's only while nothing else is ending it already
+        w.sleep_failed = w.sleep_failed or w.phase is Phase.FALLING_ASLEEP
+        self.fire(Event.SLEEP_FAILED)
+
+    @precondition(lambda self: self.w.waker and self.w.alive)
+    @rule()
+    def woke(self) -> None:
+        self.w.waker = False
+        self.fire(Event.HEALTHY)
+
+    @precondition(lambda self: self.w.waker)
+    @rule()
+    def wake_fails(self) -> None:
+        self.w.waker = False
+        self.fire(Event.WAKE_FAILED)
+
     # --- invariants ------------------------------------------------------------------
 
     @invariant()
@@ -259,8 +358,15 @@ class LifecycleMachine(RuleBasedStateMachine):
         w = self.w
         if w.phase in (Phase.STOPPING, Phase.GIVING_UP):
             assert w.terminator, w
-        elif w.phase is Phase.DRAINING:
+        elif w.phase in (Phase.DRAINING, Phase.DRAINING_TO_SLEEP):
             assert w.drainer, w
+        elif w.phase is Phase.FALLING_ASLEEP:
+            assert w.sleeper, w
+        elif w.phase is Phase.WAKING:
+            assert w.waker, w
+        elif w.phase is Phase.SLEEPING:
+            # nothing moves it but a command, or its end, which the watcher sees
+            assert w.watcher is not None, w
         elif w.phase is Phase.STARTING:
             assert w.launcher is not None or w.watcher is not None or w.first_check, w
 
@@ -286,6 +392,14 @@ class LifecycleMachine(RuleBasedStateMachine):
                 self.group_ended()
             elif w.drainer:
                 self.drained()
+            elif w.sleeper and w.alive:
+                self.slept()
+            elif w.sleeper:
+                self.sleep_fails()
+            elif w.waker and w.alive:
+                self.woke()
+            elif w.waker:
+                self.wake_fails()
             elif w.watcher is not None:
                 if w.watcher == "cleaning up":
                     self.cleaned_up()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -146,5 +147,26 @@ def test_bench_demand_runs_its_shape_and_fails_no_request() -> None:
     assert "elastic: " in text and " 0 failed " in text, text
     assert "first request at zero: TTFT" in text, text
     assert "starts per rise of the sine:" in text, text
+    assert "flapping, a start after a stop within it:" in text, text
     assert "0 → 1: 1 request held with no replica" in text, text  # the first request
     assert "no request for 3 s" in text, text  # and back to zero
+
+
+def test_bench_demand_counts_rises_stops_and_flaps_from_the_server_log() -> None:
+    from tools.bench_demand import _sine
+
+    def line(at: float, change: str) -> str:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+        return f"{stamp},{int(at * 1000) % 1000:03d} INFO llmgw.scaling: scaling m: {change}: why"
+
+    start = time.mktime(time.strptime("2026-12-05 10:00:00", "%Y-%m-%d %H:%M:%S"))
+    log = "\n".join(
+        [
+            line(start + 5, "0 → 1"),  # first rise: woken, then grown
+            line(start + 40, "1 → 2"),
+            line(start + 130, "2 → 1"),  # a fall in the second period...
+            line(start + 150, "1 → 2"),  # ...and a start again: a flap
+        ]
+    )
+    assert _sine(log, start, 120.0, 2) == ([2, 1], 1, 1)
+    assert _sine("\n".join(log.splitlines()[:2]), start, 120.0, 2) == ([2, 0], 0, 0)

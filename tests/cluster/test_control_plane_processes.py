@@ -72,8 +72,11 @@ class Cluster:
         self.server.start()
         await self.server.ready(count=2)
 
-    def agent(self, node: str, *, memory_gb: int = 16, more: str = "") -> Daemon:
-        """``more``: further sections of the agent's config (``[metrics]``, say)."""
+    def agent(
+        self, node: str, *, memory_gb: int = 16, more: str = "", env: dict[str, str] | None = None
+    ) -> Daemon:
+        """``more``: further sections of the agent's config (``[metrics]``, say); ``env``:
+        over the agent's environment (a ``PATH`` with an engine's stand-in, say)."""
         i = int(node[1:]) - 1
         low = BASE + 10 * i
         extra = (
@@ -88,7 +91,7 @@ class Cluster:
             'gpus = [{ index = 0, name = "FAKE" }, { index = 1, name = "FAKE" }]\n[backoff]',
         )
         config.write_text(text)
-        d = Daemon(f"agent-{node}", ["agent", "--config", config.name], self.tmp)
+        d = Daemon(f"agent-{node}", ["agent", "--config", config.name], self.tmp, env=env)
         self.agents[node] = d.start()
         return d
 

@@ -61,9 +61,11 @@ async def routed(
     nodes: int | None = None,
     serves: str = "tiny",
     server_nofile: int | None = None,
+    agent_env: dict[str, str] | None = None,
 ) -> AsyncIterator[tuple[Cluster, str, str]]:
     """A cluster with a router: ``replicas`` of the tiny model, on ``nodes`` agents (by
-    default one, two for more than one replica), ready once ``serves`` is listed."""
+    default one, two for more than one replica), ready once ``serves`` is listed;
+    ``agent_env``: over each agent's environment."""
     key = new_key()
     router = (
         '[router]\nlisten = "127.0.0.1:0"\nmax_body_mb = 1\naccess_log = true\n'
@@ -84,7 +86,7 @@ async def routed(
         server_nofile=server_nofile,
     ) as c:
         for i in range(nodes if nodes is not None else 1 + (replicas > 1)):
-            c.agent(f"n{i + 1}")
+            c.agent(f"n{i + 1}", env=agent_env)
         await c.wait_ready(replicas)
         m = await c.server.wait_log(r"OpenAI-compatible endpoint on (http://127\.0\.0\.1:\d+/v1)")
         base = m.group(1)

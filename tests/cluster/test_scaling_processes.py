@@ -26,7 +26,7 @@ from tests.realparts import needs_server
 pytestmark = needs_server
 
 
-def elastic(model: Path, idle_s: float = 3, min_memory_gb: float = 1) -> str:
+def elastic(model: Path, idle_s: float = 3, min_memory_gb: float = 1, context: int = 512) -> str:
     """A model of the tiny engine that scales between none and two (no GPU, so that
     two fit on one node beside the tiny model)."""
     return f"""
@@ -38,7 +38,7 @@ engine = "llama.cpp"
 gpus = 0
 min_memory_gb = {min_memory_gb}
 model_path = "{model}"
-settings = {{ context = 512, parallel = 1, threads = 1, threads_batch = 1 }}
+settings = {{ context = {context}, parallel = 1, threads = 1, threads_batch = 1 }}
 startup_timeout_s = 60
 """
 
@@ -248,3 +248,73 @@ async def test_a_restart_in_a_scale_up_places_nothing_twice_and_keeps_the_pin(
         assert {r["replica_id"] for r in after} == before, after
         view = (await models(c))["elastic"]
         assert view["scaling"]["pinned"] == 2 and view["wanted"] == 2, view
+
+
+def _order(replica_id: str) -> int:
+    """Replica ids end with a counter: the later placed, the higher."""
+    return int(replica_id.rsplit("-", 1)[1])
+
+
+async def test_a_scale_down_lets_the_replica_the_router_believes_least_cached_go(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Two replicas; conversations through the router until the newest holds more of
+    them than the older one (as the router's affinity index says); a scale-down to one
+    keeps the newest, which "newest goes first" alone would have drained."""
+    from tests.cluster.test_affinity_processes import conversation
+
+    catalog = elastic(tmp_path / "tiny.gguf", idle_s=600, context=4096)
+    async with routed(tmp_path, pki, context=4096, extra_catalog=catalog) as (c, base, key):
+        await c.server.ctl("scale", "elastic", "2")
+
+        async def two_ready() -> list[dict[str, Any]]:
+            ready = [r for r in await elastic_replicas(c) if r["state"] == "Ready"]
+            return ready if len(ready) == 2 else []
+
+        ready = await wait_for(c, "two Ready", two_ready)
+        newest, older = sorted((r["replica_id"] for r in ready), key=_order, reverse=True)
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+        access = re.compile(r"model=elastic replica=(\S+) ")
+
+        async def blocks() -> dict[str, int]:
+            return {
+                r["replica_id"]: (r["traffic"] or {}).get("cached_blocks", 0)
+                for r in await elastic_replicas(c)
+            }
+
+        async def send(messages: list[dict[str, str]]) -> str:
+            await client.chat.completions.create(
+                model="elastic",
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=2,
+            )
+            return str(access.findall(c.server.log())[-1])
+
+        held = await blocks()
+        for seed in range(40):  # a conversation lands where its first turn's hash says
+            messages = conversation(seed, 1)[0]
+            went = await send(messages)
+            held = await blocks()
+            # the newest's conversations grow, a document a turn, until it holds more
+            while went == newest and held[newest] <= held[older] and len(messages) < 9:
+                doc = conversation(seed * 10 + len(messages), 1)[0][1]["content"]
+                messages += [{"role": "assistant", "content": "Noted."}]
+                messages += [{"role": "user", "content": f"Appendix: {doc}"}]
+                went = await send(messages)
+                held = await blocks()
+            if held[newest] > held[older]:
+                break
+        assert held[newest] > held[older], held
+        table = (await c.server.ctl("replicas")).stdout.decode()
+        assert f"{held[newest]} prompt blocks held" in table, table
+
+        await c.server.ctl("scale", "elastic", "1")
+
+        async def one_left() -> list[dict[str, Any]]:
+            left = await elastic_replicas(c)
+            return left if len(left) == 1 else []
+
+        (kept,) = await wait_for(c, "one left", one_left, timeout=60)
+        assert kept["replica_id"] == newest, (kept, held)
+        log = c.server.log()
+        assert f"replica {older} is an extra (the least cached: {held[older]} prompt blocks)" in log

@@ -88,6 +88,7 @@ REACHABLE: dict[ReplicaState, list[MoveKind | None]] = {
     R.DRAINING: [k for k in MoveKind if k not in (MoveKind.FAILED, MoveKind.STOPPED)],
     R.STOPPING: list(MoveKind),
     R.FAILED: [MoveKind.FAILED],
+    R.SLEEPING: [None],  # asleep, it leaves nothing: it counts towards nothing
 }
 
 

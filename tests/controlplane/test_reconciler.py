@@ -511,6 +511,42 @@ def test_above_its_count_the_newest_extra_is_drained() -> None:
     assert [d.shard_id for d in step.drain] == [newest.shards[0].shard_id]
 
 
+def test_a_ranged_models_scale_down_lets_the_least_cached_go_before_the_newest() -> None:
+    nodes = fleet("n1", "n2")
+    ranged = TINY.replace("replicas = 1", "replicas = { min = 1, max = 2 }")
+    rec = reconciler(catalog(ranged))
+    want = {"tiny": 2}
+    rec.wanted = lambda m: want[m.name]
+    plan = rec.reconcile(nodes.nodes, now=0)
+    ready_all(rec, plan, now=1)
+    older, newest = sorted(rec.replicas.values(), key=lambda r: r.replica_id)
+    rec.cached = lambda: {older.replica_id: 3, newest.replica_id: 40}
+    want["tiny"] = 1
+    step = rec.reconcile(nodes.nodes, now=2)
+    assert [d.shard_id for d in step.drain] == [older.shards[0].shard_id]
+    assert any(
+        f"replica {older.replica_id} is an extra (the least cached: 3 prompt blocks)" in n.text
+        for n in step.notes
+    )
+
+
+def test_with_nothing_believed_cached_the_newest_extra_goes() -> None:
+    nodes = fleet("n1", "n2")
+    ranged = TINY.replace("replicas = 1", "replicas = { min = 1, max = 2 }")
+    rec = reconciler(catalog(ranged))
+    want = {"tiny": 2}
+    rec.wanted = lambda m: want[m.name]
+    ready_all(rec, rec.reconcile(nodes.nodes, now=0), now=1)
+    older, newest = sorted(rec.replicas.values(), key=lambda r: r.replica_id)
+    rec.cached = lambda: {older.replica_id: 5, newest.replica_id: 5}  # alike: no word
+    want["tiny"] = 1
+    step = rec.reconcile(nodes.nodes, now=2)
+    assert [d.shard_id for d in step.drain] == [newest.shards[0].shard_id]
+    assert any(
+        n.text == f"replica {newest.replica_id} is an extra; draining it" for n in step.notes
+    )
+
+
 @pytest.mark.parametrize("memory_gb", [8])
 def test_a_model_that_fits_nowhere_says_why(memory_gb: int) -> None:
     nodes = fleet("n1", "n2", gpus=1, memory_gb=memory_gb)

@@ -15,7 +15,9 @@ The naive model of the world, in short:
   out on the agent's own startup bound (a tick: status ``failed``);
 - a stop ends the shard at once (status ``stopped``); a drain makes it
   ``draining`` until it finishes (a rule) or its grace runs out (a tick);
-  either to a shard the agent does not run answers ``stopped``;
+  either to a shard the agent does not run answers ``stopped``; a sleep drains
+  it the same way, then it is ``sleeping`` (every agent can), and a wake makes
+  a sleeping one ``starting`` again (model ``big`` sleeps when let go);
 - a node can lose its stream (a partition: engines keep running, statuses
   queue up), be lost (its stream drops and the clock runs past
   ``lost_after``; the rule says whether its engines survive, as in a
@@ -46,12 +48,14 @@ reconciler (an ``IllegalMove``) fails the run as it is.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 
 import attrs
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
@@ -67,6 +71,7 @@ from llmgw.controlplane.plan import Plan
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import TRANSITIONS, Replica, ReplicaState
 from llmgw.protocol.messages import (
+    SLEEP,
     Engine,
     Gpu,
     Heartbeat,
@@ -82,6 +87,7 @@ R = ReplicaState
 # --- the world's constants -----------------------------------------------------------
 
 STARTUP_S = 30.0  # every profile's startup_timeout_s
+SLEEP_S = 120.0  # big's sleep_s
 TIMING = Timing(
     startup_margin_s=10,
     drain_grace_s=60,
@@ -113,12 +119,14 @@ min_memory_gb = {NODE_MEMORY_GB * 5 // 8}
 model_path = "/models/tiny.gguf"
 startup_timeout_s = {STARTUP_S}
 """,
+    # a replica let go sleeps (``controlplane/sleep.py``) before it stops
     "big": f"""
 [[models.big.profiles]]
 name = "gpu"
 engine = "vllm"
 gpus = 1
 startup_timeout_s = {STARTUP_S}
+sleep_s = {SLEEP_S}
 """,
     # a GPU first, a CPU if no GPU is free
     "flex": f"""
@@ -168,15 +176,22 @@ def make_catalog(replicas: dict[str, int], versions: dict[str, int] | None = Non
     return parse_catalog(text, "catalog.toml")
 
 
+def _event(what: str) -> None:
+    """Counted by ``--hypothesis-show-statistics``; nothing outside the machine's run."""
+    with contextlib.suppress(InvalidArgument):
+        event(what)
+
+
 # --- the simulated agents ---------------------------------------------------------------
 
 
 @attrs.define
 class SimShard:
     spec: ShardSpec
-    state: str  # starting, ready, draining
+    state: str  # starting, ready, draining, sleeping
     since: float
     drain_until: float = 0.0
+    dozes: bool = False  # draining to sleep (a SleepShard), not to a stop
 
 
 @attrs.define
@@ -280,6 +295,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
             now=self.now,
             wall=self.now,
         )
+        self.table.nodes[agent.node_id].can = frozenset({SLEEP})  # its engines may sleep
         plan = self.rec.registered(agent.node_id, reports, self.now)
         if "readopted-shard-not-stopped" in KNOWN_BUGS:
             stopped = {(s.node, s.shard_id) for s in plan.stop}
@@ -329,6 +345,14 @@ class ReconcilerMachine(RuleBasedStateMachine):
             agent = self.agents[drain.node]
             if agent.link == "up":
                 self._drain(agent, drain.shard_id, drain.grace_s)
+        for sleep in plan.sleep:
+            agent = self.agents[sleep.node]
+            if agent.link == "up":
+                self._drain(agent, sleep.shard_id, sleep.grace_s, dozes=True)
+        for wake in plan.wake:
+            agent = self.agents[wake.node]
+            if agent.link == "up":
+                self._wake(agent, wake.shard_id)
         for stop in plan.stop:
             agent = self.agents[stop.node]
             if agent.link == "up":
@@ -384,15 +408,41 @@ class ReconcilerMachine(RuleBasedStateMachine):
         detail = "stopped" if agent.running.pop(shard_id, None) else "not running here"
         self._emit(agent, ShardStatus(shard_id=shard_id, state="stopped", detail=detail))
 
-    def _drain(self, agent: Agent, shard_id: str, grace: float) -> None:
+    def _drain(self, agent: Agent, shard_id: str, grace: float, *, dozes: bool = False) -> None:
         shard = agent.running.get(shard_id)
         if shard is None:
             self._emit(
                 agent, ShardStatus(shard_id=shard_id, state="stopped", detail="not running here")
             )
             return
-        shard.state, shard.drain_until = "draining", self.now + grace
+        if shard.state not in ("starting", "ready"):  # nothing changes; it says where it is
+            self._emit(agent, ShardStatus(shard_id=shard_id, state=shard.state))  # type: ignore[arg-type]
+            return
+        shard.state, shard.drain_until, shard.dozes = "draining", self.now + grace, dozes
         self._emit(agent, ShardStatus(shard_id=shard_id, state="draining"))
+
+    def _drained(self, agent: Agent, shard: SimShard) -> None:
+        """Its drain is over: it stops, or its engine sleeps."""
+        sid = shard.spec.shard_id
+        if shard.dozes:
+            _event("a shard slept")  # ``--hypothesis-show-statistics`` counts them
+            shard.state, shard.dozes = "sleeping", False
+            self._emit(agent, ShardStatus(shard_id=sid, state="sleeping"))
+            return
+        del agent.running[sid]
+        self._emit(agent, ShardStatus(shard_id=sid, state="stopped", detail="drained"))
+
+    def _wake(self, agent: Agent, shard_id: str) -> None:
+        shard = agent.running.get(shard_id)
+        if shard is None:
+            self._emit(
+                agent, ShardStatus(shard_id=shard_id, state="stopped", detail="not running here")
+            )
+            return
+        if shard.state == "sleeping":
+            _event("a sleeping shard was woken")
+            shard.state, shard.since = "starting", self.now  # timed from the wake
+        self._emit(agent, ShardStatus(shard_id=shard_id, state=shard.state))  # type: ignore[arg-type]
 
     # ---- time ----
 
@@ -408,8 +458,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
                     del agent.running[sid]
                     self._emit(agent, ShardStatus(shard_id=sid, state="failed", detail="timeout"))
                 elif shard.state == "draining" and self.now >= shard.drain_until:
-                    del agent.running[sid]
-                    self._emit(agent, ShardStatus(shard_id=sid, state="stopped", detail="drained"))
+                    self._drained(agent, shard)
         self._flush()
         for agent in self.agents.values():
             if agent.link == "up":
@@ -434,10 +483,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
                         shard.state = "ready"
                         self._emit(agent, ShardStatus(shard_id=shard.spec.shard_id, state="ready"))
                     elif shard.state == "draining":
-                        del agent.running[shard.spec.shard_id]
-                        self._emit(
-                            agent, ShardStatus(shard_id=shard.spec.shard_id, state="stopped")
-                        )
+                        self._drained(agent, shard)
             self._flush()
         for agent in self.agents.values():
             if agent.link == "reconnecting":
@@ -472,11 +518,11 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self._emit(agent, ShardStatus(shard_id=shard.spec.shard_id, state="ready"))
         self._flush()
 
-    @precondition(lambda self: bool(self._running("starting", "ready", "draining")))
+    @precondition(lambda self: bool(self._running("starting", "ready", "draining", "sleeping")))
     @rule(pick=st.integers(0, 1000))
     def shard_fails(self, pick: int) -> None:
         """The engine crashed."""
-        candidates = self._running("starting", "ready", "draining")
+        candidates = self._running("starting", "ready", "draining", "sleeping")
         agent, shard = candidates[pick % len(candidates)]
         del agent.running[shard.spec.shard_id]
         self._emit(
@@ -495,8 +541,7 @@ class ReconcilerMachine(RuleBasedStateMachine):
     def drain_finishes(self, pick: int) -> None:
         candidates = self._running("draining")
         agent, shard = candidates[pick % len(candidates)]
-        del agent.running[shard.spec.shard_id]
-        self._emit(agent, ShardStatus(shard_id=shard.spec.shard_id, state="stopped"))
+        self._drained(agent, shard)
         self._flush()
 
     @rule(node=st.integers(0, 4), index=st.integers(0, 3), healthy=st.booleans())
@@ -597,6 +642,12 @@ class ReconcilerMachine(RuleBasedStateMachine):
         self.replicas[model] = min(n, 1) if model == "wide" else n
         self.rec.set_catalog(self._catalog())
 
+    @rule(n=st.integers(0, 2))
+    def demand_for_big_moves(self, n: int) -> None:
+        """Its count rises and falls as demand would: let go, its replicas sleep; wanted
+        again, a sleeping one is woken (``change_replicas`` alone seldom gets there)."""
+        self.change_replicas("big", n)
+
     @rule(model=st.sampled_from(("tiny", "big", "flex", "wide")))
     def model_leaves_or_returns(self, model: str) -> None:
         if model not in self.present:
@@ -654,6 +705,8 @@ class ReconcilerMachine(RuleBasedStateMachine):
         want = {m: n for m, n in self.replicas.items() if self.present[m]}
         ready: dict[str, int] = {}
         for r in self.rec.replicas.values():
+            if r.state is R.SLEEPING and not r.outdated and r.model in want:
+                continue  # let go, asleep until its sleep_s or a wake: settled as it is
             if r.state is not R.READY or r.leaving:
                 return f"{r.replica_id} is {r.state.value}{' (leaving)' if r.leaving else ''}"
             if r.outdated:
@@ -776,6 +829,11 @@ class ReconcilerMachine(RuleBasedStateMachine):
             limit = t.drain_timeout_s + slack
             assert self.now - r.state_since <= limit, (
                 f"{r.replica_id} is Draining for {self.now - r.state_since:g} s (bound {limit:g} s)"
+            )
+        elif r.state is R.SLEEPING:
+            limit = SLEEP_S + slack
+            assert self.now - r.state_since <= limit, (
+                f"{r.replica_id} is Sleeping for {self.now - r.state_since:g} s (bound {limit:g} s)"
             )
         elif r.state in (R.FAILED, R.STOPPING):
             limit = t.stop_timeout_s + slack
@@ -959,3 +1017,27 @@ def test_a_rollout_on_the_only_free_gpu_replaces_in_place_beside_cordoned_nodes(
     w.m.settle()  # asserts it converges: one Ready replica of the new version
     [replica] = w.where("big")
     assert not replica.outdated
+
+
+def test_a_sleeping_replica_outlives_a_control_plane_restart_and_is_woken_not_placed() -> None:
+    """big let go sleeps; the control plane restarts and adopts it asleep (its agent
+    reports ``sleeping``); wanted again, that engine is woken: nothing new is started."""
+    w = World([1, 0, 0], {"big": 1})
+    w.m.settle()
+    [serving] = w.where("big")
+    shard_id = serving.shards[0].shard_id
+    w.m.change_replicas("big", 0)
+    w.m.settle()
+    [asleep] = w.where("big")
+    assert asleep.state is R.SLEEPING and w.agent("n1").running[shard_id].state == "sleeping"
+    w.m.control_plane_restarts(registered_now=3)
+    w.m.settle()
+    [adopted] = w.where("big")
+    assert adopted.state is R.SLEEPING and adopted.adopted
+    w.plans.clear()
+    w.m.change_replicas("big", 1)
+    w.m.settle()
+    [woken] = w.where("big")
+    assert woken.state is R.READY and woken.shards[0].shard_id == shard_id
+    assert [s.shard_id for p in w.plans for s in p.wake] == [shard_id]
+    assert not [s for p in w.plans for s in p.start]

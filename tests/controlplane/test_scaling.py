@@ -193,6 +193,20 @@ def test_router_loads_are_summed_over_routers_heard_from_lately() -> None:
     }
 
 
+def test_what_routers_believe_cached_is_summed_kept_while_heard_from_and_checked() -> None:
+    reports = RouterReports()
+    reports.take(RouterReport(router="a", cached={"m-1": 4, "m-2": 1}), "1.2.3.4", 0.0)
+    reports.take(RouterReport(router="b", cached={"m-1": 2}), "1.2.3.4", 50.0)
+    assert reports.cached(60.0) == {"m-1": 6, "m-2": 1}
+    assert reports.cached(100.0) == {"m-1": 2}  # a's said too long ago
+    reports.take(RouterReport(router="b"), "1.2.3.4", 101.0)  # b believes none now
+    assert reports.cached(101.0) == {}
+    for bad in ({"m-1": -1}, {"no spaces": 1}):
+        with pytest.raises(ReportRefused, match="cached must be"):
+            reports.take(RouterReport(router="c", cached=bad), "", 0.0)
+    assert reports.cached(101.0) == {}  # a bad report takes nothing
+
+
 def test_a_range_grows_no_further_while_another_model_is_below_its_floor_for_room() -> None:
     c = catalog(min=0)
     s = Scaling()

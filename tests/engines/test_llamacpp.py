@@ -134,6 +134,11 @@ def test_a_good_spec_has_no_problems(model: Path) -> None:
             {"settings": {"slot_prompt_similarity": 1.5}},
             "slot_prompt_similarity must be in [0, 1], got 1.5",
         ),
+        (
+            {"sleep": True},
+            "the profile's sleep_s asks idle replicas to sleep, but llama.cpp cannot sleep: "
+            "set sleep_s to 0",
+        ),
     ],
 )
 def test_refusals_name_the_problem(model: Path, kw: dict[str, object], problem: str) -> None:

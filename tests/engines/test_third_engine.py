@@ -41,6 +41,7 @@ from llmgw.engines.base import (
     Program,
     Requirements,
     check_port,
+    check_sleep,
     sample_values,
 )
 from llmgw.engines.sizing import Sizing
@@ -92,6 +93,7 @@ class CountingAdapter:
     sizing: Sizing | None = None
     tokens: Tokens | None = CountingTokens()
     usage_path: str | None = None
+    sleeps: bool = False
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems = [
@@ -100,6 +102,7 @@ class CountingAdapter:
         check_port(spec, problems)
         if spec.world_size != 1:
             problems.append("the counting engine runs on one node")
+        check_sleep(spec, self.name, problems)
         return problems
 
     def launch(self, spec: ShardSpec, binaries: Mapping[str, str]) -> Launch:
@@ -124,6 +127,9 @@ class CountingAdapter:
         )
 
     def parse_usage(self, body: bytes) -> LoadSignals | None:
+        return None
+
+    def parse_sleeping(self, body: bytes) -> bool | None:
         return None
 
 

@@ -192,6 +192,33 @@ def test_health_and_metrics_urls(host: str, base: str) -> None:
     assert (launch.health_url, launch.metrics_url) == (f"{base}/health", f"{base}/metrics")
 
 
+def test_sleep_mode_only_for_a_spec_that_sleeps() -> None:
+    """``spec.sleep``: vLLM's sleep mode, its endpoints (served only in its dev mode),
+    and where the agent calls them; without it, none of these."""
+    s = spec(sleep=True, engine_args=["--enforce-eager"])
+    assert VLLM.validate(s) == []
+    launch = VLLM.launch(s, BIN)
+    assert launch.argv[-2:] == ["--enable-sleep-mode", "--enforce-eager"]
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "0,1", "VLLM_SERVER_DEV_MODE": "1"}
+    assert (launch.sleep_url, launch.wake_url, launch.sleeping_url) == (
+        "http://127.0.0.1:8001/sleep?level=1",
+        "http://127.0.0.1:8001/wake_up",
+        "http://127.0.0.1:8001/is_sleeping",
+    )
+    plain = VLLM.launch(spec(), BIN)
+    assert "--enable-sleep-mode" not in plain.argv
+    assert "VLLM_SERVER_DEV_MODE" not in plain.env
+    assert (plain.sleep_url, plain.wake_url, plain.sleeping_url) == (None, None, None)
+    assert VLLM.sleeps and not VLLM_RAY.sleeps
+
+
+def test_parse_sleeping() -> None:
+    assert VLLM.parse_sleeping(b'{"is_sleeping": true}') is True
+    assert VLLM.parse_sleeping(b'{"is_sleeping": false}') is False
+    for body in (b"", b"<html>502</html>", b'{"is_sleeping": 1}', b"[true]"):
+        assert VLLM.parse_sleeping(body) is None
+
+
 # --- validation: every problem in words ---------------------------------------
 
 
@@ -303,6 +330,15 @@ def test_a_good_spec_has_no_problems() -> None:
             "vllm runs on one node, but this shard is rank 1 of 2 "
             "(use engine vllm-ray for several nodes)",
         ),
+        (
+            {"engine_args": ["--enable_sleep_mode"]},
+            "engine_args sets --enable-sleep-mode, which comes from the profile's sleep_s",
+        ),
+        (
+            {"sleep": True, "env": {"VLLM_SERVER_DEV_MODE": "0"}},
+            "env sets VLLM_SERVER_DEV_MODE=0, but the profile's sleep_s needs it 1 (vLLM "
+            "serves its sleep endpoints only then): remove it from env",
+        ),
     ],
 )
 def test_single_node_problems(kw: dict[str, Any], problem: str) -> None:
@@ -347,6 +383,11 @@ def test_single_node_problems(kw: dict[str, Any], problem: str) -> None:
         (
             {"settings": {"node_ip": 3}},
             "node_ip must be a non-empty string, got 3",
+        ),
+        (
+            {"sleep": True},
+            "the profile's sleep_s asks idle replicas to sleep, but vllm-ray cannot sleep "
+            "(a replica over Ray spans several nodes; vllm on one node can): set sleep_s to 0",
         ),
         (
             {"settings": {"tensor_paralel_size": 2}},
@@ -683,6 +724,63 @@ async def test_single_node_end_to_end(tmp_path: Path) -> None:
     log = proc.log()
     assert f"vllm stand-in: argv {json.dumps(launch.argv[1:])}" in log
     assert "vllm stand-in: CUDA_VISIBLE_DEVICES=2,3" in log
+
+
+async def test_the_standin_sleeps_as_vllm_does(tmp_path: Path) -> None:
+    """Sleep mode only with --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1, as vLLM's:
+    asleep, generation is a 503 and the rest answers; woken, it generates again."""
+    binaries = {"vllm": wrapper(tmp_path / "bin", "vllm")}
+    plain = VLLM.launch(spec(gpus=[0], port=own_port()), binaries)
+    sleepy = VLLM.launch(spec(gpus=[0], port=own_port(), sleep=True), binaries)
+    assert sleepy.health_url and sleepy.metrics_url and sleepy.sleep_url
+    assert sleepy.wake_url and sleepy.sleeping_url and plain.health_url
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    async with (
+        running(plain, tmp_path / "plain.log", STANDIN_LOAD_S="0") as p1,
+        running(sleepy, tmp_path / "sleepy.log", STANDIN_LOAD_S="0") as p2,
+        httpx.AsyncClient(trust_env=False, timeout=5) as client,
+    ):
+        await wait_healthy(client, plain.health_url, p1)
+        await wait_healthy(client, sleepy.health_url, p2)
+        base = plain.health_url.removesuffix("/health")
+        assert (await client.post(f"{base}/sleep?level=1")).status_code == 404
+        assert (await client.get(f"{base}/is_sleeping")).status_code == 404
+
+        base = sleepy.health_url.removesuffix("/health")
+        assert (await client.get(sleepy.sleeping_url)).json() == {"is_sleeping": False}
+        assert (await client.post(f"{base}/sleep?level=3")).status_code == 400
+        asleep = await client.post(sleepy.sleep_url)
+        assert (asleep.status_code, asleep.content) == (200, b"")
+        assert (await client.get(sleepy.sleeping_url)).json() == {"is_sleeping": True}
+        refused = await client.post(f"{base}/v1/chat/completions", json=chat)
+        assert refused.status_code == 503
+        assert refused.json()["message"] == "The model is sleeping: wake it with POST /wake_up"
+        assert (await client.get(sleepy.health_url)).status_code == 200
+        assert (await client.get(f"{base}/v1/models")).status_code == 200
+        assert (await client.post(f"{base}/tokenize", json={"prompt": "hi"})).status_code == 200
+        load = VLLM.parse_metrics((await client.get(sleepy.metrics_url)).text)
+        assert (load.running, load.waiting) == (0.0, 0.0)
+        awake = await client.post(sleepy.wake_url)
+        assert (awake.status_code, awake.content) == (200, b"")
+        assert (await client.get(sleepy.sleeping_url)).json() == {"is_sleeping": False}
+        served = await client.post(f"{base}/v1/chat/completions", json=chat)
+        assert served.json()["choices"][0]["message"]["content"] == "Hello from the vLLM stand-in."
+
+
+async def test_standin_sleep_fails_when_told_to(tmp_path: Path) -> None:
+    launch = VLLM.launch(
+        spec(gpus=[0], port=own_port(), sleep=True), {"vllm": wrapper(tmp_path / "bin", "vllm")}
+    )
+    assert launch.health_url and launch.sleep_url and launch.sleeping_url
+    async with (
+        running(launch, tmp_path / "vllm.log", STANDIN_LOAD_S="0", STANDIN_SLEEP_FAILS="1") as proc,
+        httpx.AsyncClient(trust_env=False, timeout=5) as client,
+    ):
+        await wait_healthy(client, launch.health_url, proc)
+        failed = await client.post(launch.sleep_url)
+        assert failed.status_code == 500
+        assert failed.json()["message"] == "CUDA error: sleep failed"
+        assert (await client.get(launch.sleeping_url)).json() == {"is_sleeping": False}
 
 
 async def test_standin_refuses_more_parallelism_than_gpus(tmp_path: Path) -> None:

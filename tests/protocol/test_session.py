@@ -41,8 +41,10 @@ from llmgw.protocol.messages import (
     RegisterAck,
     ShardSpec,
     ShardStatus,
+    SleepShard,
     StartShard,
     StopShard,
+    WakeShard,
 )
 
 
@@ -75,7 +77,13 @@ def test_register_ack_heartbeat_and_commands_flow_both_ways() -> None:
     assert cp.receive(agent.send(hb())) == hb()
     status = ShardStatus(shard_id="s1", state="failed", output_tail=["oom"])
     assert cp.receive(agent.send(status)) == status
-    for command in (StartShard(spec=spec()), StopShard(shard_id="s1"), DrainShard(shard_id="s1")):
+    for command in (
+        StartShard(spec=spec()),
+        StopShard(shard_id="s1"),
+        DrainShard(shard_id="s1"),
+        SleepShard(shard_id="s1", grace_s=5),
+        WakeShard(shard_id="s1"),
+    ):
         assert agent.receive(cp.send(command)) == command
 
 

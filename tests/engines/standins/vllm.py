@@ -30,8 +30,24 @@ Environment:
 - ``CUDA_VISIBLE_DEVICES``: the GPUs it pretends to have (unset: none).
 - ``VLLM_API_KEY``: as vLLM's: when set, every path under ``/v1`` answers 401
   ``{"error": "Unauthorized"}`` without ``Authorization: Bearer <key>``; the
-  others (``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``) are open,
-  and so is every ``OPTIONS``.
+  others (``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``, and the
+  sleep endpoints below) are open, and so is every ``OPTIONS``.
+- ``VLLM_SERVER_DEV_MODE``: ``1`` with ``--enable-sleep-mode`` serves vLLM's sleep
+  mode, as below; without either, its paths are 404, as in vLLM.
+- ``STANDIN_SLEEP_S`` (default 0.1), ``STANDIN_WAKE_S`` (default 0.2): how long
+  ``POST /sleep`` and ``POST /wake_up`` take to answer.
+- ``STANDIN_SLEEP_FAILS`` (unset: never): ``1``: ``POST /sleep`` answers 500 with
+  a JSON error and it stays awake (an engine that cannot sleep).
+
+Sleep mode, as vLLM's (``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``):
+
+- ``POST /sleep`` (query ``level``, 1 or 2, default 1; anything else is a 400)
+  answers 200 with an empty body once asleep; ``POST /wake_up`` answers 200 with
+  an empty body once awake; ``GET /is_sleeping`` answers ``{"is_sleeping": bool}``.
+- Asleep, generation (``/v1/completions``, ``/v1/chat/completions``) answers 503
+  with a JSON error saying the model is sleeping; ``/health``, ``/v1/models``,
+  ``/tokenize``, ``/detokenize`` and ``/metrics`` answer as awake, its gauges of
+  requests running and waiting 0.
 
 Tokens: it has what vLLM offers to resume a broken stream on another replica,
 so the gateway's resuming can be tested without a GPU.
@@ -89,6 +105,7 @@ from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import parse_qs, urlsplit
 
 PREFIX = "vllm stand-in:"
 TOKENS = ["Hello", " from", " the", " vLLM", " stand-in", "."]
@@ -141,6 +158,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     serve.add_argument("--enable-prompt-tokens-details", action="store_true")
+    serve.add_argument("--enable-sleep-mode", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -319,9 +337,16 @@ def max_tokens(body: dict[str, Any]) -> int | None:
 
 class State:
     def __init__(
-        self, names: list[str], max_len: int | None, caching: bool = True, details: bool = False
+        self,
+        names: list[str],
+        max_len: int | None,
+        caching: bool = True,
+        details: bool = False,
+        sleep_mode: bool = False,
     ) -> None:
         self.names = names
+        self.sleep_mode = sleep_mode  # --enable-sleep-mode and VLLM_SERVER_DEV_MODE=1
+        self.asleep = False
         self.max_len = max_len
         self.cache = PrefixCache(int(env_float("STANDIN_PREFIX_BLOCKS", 4096))) if caching else None
         self.details = details  # --enable-prompt-tokens-details
@@ -348,6 +373,8 @@ class State:
     def metrics(self) -> bytes:
         with self.lock:
             running, served, generated = self.running, self.served, self.generated
+            if self.asleep:
+                running = 0  # vLLM asleep schedules nothing
         label = f'{{model_name="{self.names[0]}"}}'
         lines = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -431,6 +458,8 @@ class Handler(BaseHTTPRequestHandler):
             self.json(200, {"object": "list", "data": models})
         elif self.path == "/metrics":
             self.reply(200, state.metrics(), "text/plain; version=0.0.4; charset=utf-8")
+        elif self.path == "/is_sleeping" and state.sleep_mode:
+            self.json(200, {"is_sleeping": state.asleep})
         else:
             self.json(404, {"detail": "Not Found"})
 
@@ -443,6 +472,14 @@ class Handler(BaseHTTPRequestHandler):
                 with state.lock:
                     state.cache.blocks.clear()
             self.reply(200, b"")
+            return
+        path = urlsplit(self.path).path
+        if path in ("/sleep", "/wake_up") and state.sleep_mode:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if path == "/sleep":
+                self.sleep()
+            else:
+                self.wake()
             return
         if self.path not in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
             self.json(404, {"detail": "Not Found"})
@@ -460,6 +497,16 @@ class Handler(BaseHTTPRequestHandler):
         if model not in state.names:
             self.json(404, error(f"The model `{model}` does not exist.", "NotFoundError", 404))
             return
+        if state.asleep and self.path.startswith("/v1/"):
+            self.json(
+                503,
+                error(
+                    "The model is sleeping: wake it with POST /wake_up",
+                    "ServiceUnavailableError",
+                    503,
+                ),
+            )
+            return
         try:
             if self.path == "/tokenize":
                 self.tokenize(body)
@@ -469,6 +516,28 @@ class Handler(BaseHTTPRequestHandler):
                 self.complete(body, model)
         except BadRequest as exc:
             self.json(400, error(str(exc), "BadRequestError", 400))
+
+    def sleep(self) -> None:
+        """``POST /sleep?level=N``: 200 once asleep (or 500, ``STANDIN_SLEEP_FAILS``)."""
+        level = parse_qs(urlsplit(self.path).query).get("level", ["1"])[-1]
+        if level not in ("1", "2"):
+            self.json(400, error(f"level must be 1 or 2, got {level!r}", "BadRequestError", 400))
+            return
+        if os.environ.get("STANDIN_SLEEP_FAILS") == "1":
+            say("asked to sleep, and failing to (STANDIN_SLEEP_FAILS)")
+            self.json(500, error("CUDA error: sleep failed", "InternalServerError", 500))
+            return
+        time.sleep(env_float("STANDIN_SLEEP_S", 0.1))
+        self.server.state.asleep = True
+        say(f"asleep (level {level}): GPU memory freed")
+        self.reply(200, b"")
+
+    def wake(self) -> None:
+        """``POST /wake_up``: 200 once awake."""
+        time.sleep(env_float("STANDIN_WAKE_S", 0.2))
+        self.server.state.asleep = False
+        say("awake")
+        self.reply(200, b"")
 
     def tokenize(self, body: dict[str, Any]) -> None:
         if "messages" in body:
@@ -653,6 +722,7 @@ def main(argv: list[str]) -> None:
         args.max_model_len,
         caching=args.enable_prefix_caching,
         details=args.enable_prompt_tokens_details,
+        sleep_mode=args.enable_sleep_mode and os.environ.get("VLLM_SERVER_DEV_MODE") == "1",
     )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     say(f"serving {server.state.names} on {args.host}:{args.port}")
