@@ -250,6 +250,48 @@ async def test_a_restart_in_a_scale_up_places_nothing_twice_and_keeps_the_pin(
         assert view["scaling"]["pinned"] == 2 and view["wanted"] == 2, view
 
 
+async def test_a_load_that_rises_and_falls_within_a_minute_starts_no_more_and_stops_nothing(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Hysteresis through the real stream: two users wake the model with two replicas;
+    lulls shorter than the rule's patience for a fall stop nothing, and a spike to three
+    users shorter than its patience for a rise starts nothing."""
+    catalog = elastic(tmp_path / "tiny.gguf", idle_s=60).replace("max = 2,", "max = 3, target = 1,")
+    async with routed(tmp_path, pki, extra_catalog=catalog) as (c, base, key):
+        client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0, timeout=60)
+
+        async def users(n: int, seconds: float) -> None:
+            until = trio.current_time() + seconds
+
+            async def user() -> None:
+                while trio.current_time() < until:
+                    stream = await client.chat.completions.create(
+                        model="elastic",
+                        messages=[{"role": "user", "content": "hi"}],
+                        max_tokens=64,
+                        stream=True,
+                    )
+                    async for _ in stream:
+                        pass
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(n):
+                    nursery.start_soon(user)
+
+        await users(2, 20)  # from zero: two held, two started
+        await trio.sleep(8)  # a lull
+        await users(3, 5)  # a spike, shorter than UP_S
+        await trio.sleep(8)
+        await users(2, 10)
+        changes = re.findall(r"scaling elastic: (\d+) → (\d+)", c.server.log())
+        ups = [(a, b) for a, b in changes if int(b) > int(a)]
+        downs = [(a, b) for a, b in changes if int(b) < int(a)]
+        assert ups and ups[-1][1] == "2" and not downs, changes
+        samples = await admin_metrics(c)
+        assert samples("llmgw_replica_start_seconds_count", model="elastic") == 2, changes
+        assert len(await elastic_replicas(c)) == 2
+
+
 def _order(replica_id: str) -> int:
     """Replica ids end with a counter: the later placed, the higher."""
     return int(replica_id.rsplit("-", 1)[1])
