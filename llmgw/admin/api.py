@@ -352,6 +352,10 @@ class AdminApi:
                 for name, (why, at) in fleet.unplaceable().items()
             ]
             status.warnings.extend(fleet.weights_missing().values())
+            # a range held below its demand while another model's floor waits for room
+            status.warnings.extend(
+                fleet.scaling.yielding[m] for m in sorted(fleet.scaling.yielding)
+            )
         return json_response(200, status)
 
     async def metrics(self, request: Request) -> Response:

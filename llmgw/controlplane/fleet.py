@@ -275,9 +275,11 @@ class FleetManager:
     def problems(self) -> dict[tuple[str, str], int]:
         """1 for each (model, reason) that keeps a catalog model from running as wanted:
         placement's reason while it cannot be placed, ``weights`` while no node holds
-        its weights (the ``llmgw_model_problems`` gauge)."""
+        its weights, ``held_back`` while a range runs fewer than its demand wants because
+        another model's floor waits for room (the ``llmgw_model_problems`` gauge)."""
         out = {(m, self._cannot_place_kind.get(m, "other")): 1 for m in self.unplaceable()}
         out.update({(m, "weights"): 1 for m in self.weights_missing()})
+        out.update({(m, "held_back"): 1 for m in self.scaling.yielding})
         return out
 
     def crash_loop_wait(self, model: str) -> float | None:

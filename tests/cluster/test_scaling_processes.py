@@ -292,6 +292,50 @@ async def test_a_load_that_rises_and_falls_within_a_minute_starts_no_more_and_st
         assert len(await elastic_replicas(c)) == 2
 
 
+async def test_a_range_held_back_by_another_models_floor_says_so_everywhere(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """One node, 16 GiB: tiny (4) and one elastic replica (5) run; a model whose floor
+    needs 9 cannot be placed, so elastic, pinned to two, stays at one: `ctl models`,
+    `ctl status` and the problems gauge say which model is short and why."""
+    more = elastic(tmp_path / "tiny.gguf", idle_s=600, min_memory_gb=5)
+    async with routed(tmp_path, pki, extra_catalog=more) as (c, _, _):
+        await c.server.ctl("scale", "elastic", "1")
+
+        async def one_ready() -> bool:
+            return [r["state"] for r in await elastic_replicas(c)] == ["Ready"]
+
+        await wait_for(c, "one Ready", one_ready)
+        catalog_path = tmp_path / "catalog.toml"
+        floor = elastic(tmp_path / "tiny.gguf", min_memory_gb=9).replace(
+            "[models.elastic]", "[models.floor]"
+        )
+        floor = floor.replace("models.elastic.", "models.floor.").replace(
+            "replicas = { min = 0, max = 2, idle_s = 3 }", "replicas = 1"
+        )
+        catalog_path.write_text(catalog_path.read_text() + floor)
+        assert "catalog reloaded" in (await c.server.ctl("reload")).stdout.decode()
+        await c.server.ctl("scale", "elastic", "2")
+
+        async def held_back() -> dict[str, Any]:
+            view = await models(c)
+            return view if view["elastic"]["scaling"]["yielding"] else {}
+
+        view = await wait_for(c, "elastic held back", held_back)
+        said = view["elastic"]["scaling"]["yielding"]
+        assert "floor is below the minimum for want of room" in said, said
+        assert view["floor"]["cannot_place"], view["floor"]
+        table = (await c.server.ctl("models")).stdout.decode()
+        assert f"held back: {said}" in table, table
+        status = (await c.server.ctl("status")).stdout.decode()
+        assert "cannot place floor:" in status and f"warning: {said}" in status, status
+        metrics = await c.server.metrics()
+        assert 'llmgw_model_problems{model="elastic",reason="held_back"} 1.0' in metrics
+        assert 'llmgw_model_problems{model="floor",reason="memory"} 1.0' in metrics
+        await trio.sleep(2)  # a few passes: it grows no further
+        assert len(await elastic_replicas(c)) == 1
+
+
 def _order(replica_id: str) -> int:
     """Replica ids end with a counter: the later placed, the higher."""
     return int(replica_id.rsplit("-", 1)[1])
@@ -305,8 +349,9 @@ async def test_a_scale_down_lets_the_replica_the_router_believes_least_cached_go
     keeps the newest, which "newest goes first" alone would have drained."""
     from tests.cluster.test_affinity_processes import conversation
 
-    catalog = elastic(tmp_path / "tiny.gguf", idle_s=600, context=4096)
-    async with routed(tmp_path, pki, context=4096, extra_catalog=catalog) as (c, base, key):
+    # room for a conversation of five documents (about 1,250 tokens each)
+    catalog = elastic(tmp_path / "tiny.gguf", idle_s=600, context=8192)
+    async with routed(tmp_path, pki, context=8192, extra_catalog=catalog) as (c, base, key):
         await c.server.ctl("scale", "elastic", "2")
 
         async def two_ready() -> list[dict[str, Any]]:
