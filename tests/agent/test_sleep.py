@@ -276,28 +276,13 @@ async def test_a_shard_not_started_able_to_sleep_is_stopped_instead(tmp_path: Pa
             )
 
 
-async def test_an_engine_that_dies_asleep_has_failed(tmp_path: Path) -> None:
-    sup = _supervisor(tmp_path)
-    spec = _spec()
-    heard = Heard(sup.outbox.take)
-    with trio.fail_after(30):
-        async with _running(sup):
-            sup.start(spec)
-            await heard.next("ready")
-            sup.sleep("s1", grace=5)
-            await heard.next("sleeping")
-            pid = sup.shards["s1"].pid
-            assert pid is not None
-            os.killpg(pid, signal.SIGKILL)
-            failed = await heard.next("failed")
-            assert failed.detail == "engine killed by signal 9 (SIGKILL)"
-            assert failed.signal == signal.SIGKILL
-            assert sup.reports() == []
-
-
-async def test_an_engine_that_does_not_wake_in_time_is_ended_and_fails(tmp_path: Path) -> None:
-    """The wake is bounded by the spec's startup timeout: an engine that does not answer
-    (stopped here with SIGSTOP) is ended, and its shard fails saying why."""
+@pytest.mark.parametrize("how", ["dies asleep", "does not wake"])
+async def test_an_engine_that_dies_asleep_or_does_not_wake_in_time_fails(
+    tmp_path: Path, how: str
+) -> None:
+    """Asleep, its end is a failure as a ready engine's is; woken, the wake is bounded by
+    the spec's startup timeout: an engine that does not answer (stopped here with
+    SIGSTOP) is ended, and its shard fails saying why."""
     sup = _supervisor(tmp_path)
     spec = msgspec.structs.replace(_spec(), startup_timeout_s=4, stop_grace_s=0.5)
     heard = Heard(sup.outbox.take)
@@ -309,13 +294,19 @@ async def test_an_engine_that_does_not_wake_in_time_is_ended_and_fails(tmp_path:
             await heard.next("sleeping")
             pid = sup.shards["s1"].pid
             assert pid is not None
-            os.killpg(pid, signal.SIGSTOP)
-            sup.wake("s1")
-            await heard.next("starting")
-            failed = await heard.next("failed")
-            assert failed.detail == (
-                "could not wake: the engine did not answer POST /wake_up within 4 s"
-            )
+            if how == "dies asleep":
+                os.killpg(pid, signal.SIGKILL)
+                failed = await heard.next("failed")
+                assert failed.detail == "engine killed by signal 9 (SIGKILL)"
+                assert failed.signal == signal.SIGKILL
+            else:
+                os.killpg(pid, signal.SIGSTOP)
+                sup.wake("s1")
+                await heard.next("starting")
+                failed = await heard.next("failed")
+                assert failed.detail == (
+                    "could not wake: the engine did not answer POST /wake_up within 4 s"
+                )
             assert sup.reports() == []
             assert identity(pid) is None  # ended, and reaped
 

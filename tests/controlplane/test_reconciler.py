@@ -511,26 +511,16 @@ def test_above_its_count_the_newest_extra_is_drained() -> None:
     assert [d.shard_id for d in step.drain] == [newest.shards[0].shard_id]
 
 
-def test_a_ranged_models_scale_down_lets_the_least_cached_go_before_the_newest() -> None:
-    nodes = fleet("n1", "n2")
-    ranged = TINY.replace("replicas = 1", "replicas = { min = 1, max = 2 }")
-    rec = reconciler(catalog(ranged))
-    want = {"tiny": 2}
-    rec.wanted = lambda m: want[m.name]
-    plan = rec.reconcile(nodes.nodes, now=0)
-    ready_all(rec, plan, now=1)
-    older, newest = sorted(rec.replicas.values(), key=lambda r: r.replica_id)
-    rec.cached = lambda: {older.replica_id: 3, newest.replica_id: 40}
-    want["tiny"] = 1
-    step = rec.reconcile(nodes.nodes, now=2)
-    assert [d.shard_id for d in step.drain] == [older.shards[0].shard_id]
-    assert any(
-        f"replica {older.replica_id} is an extra (the least cached: 3 prompt blocks)" in n.text
-        for n in step.notes
-    )
-
-
-def test_with_nothing_believed_cached_the_newest_extra_goes() -> None:
+@pytest.mark.parametrize(
+    ("cached", "goes", "why"),
+    [
+        ((3, 40), "older", " (the least cached: 3 prompt blocks)"),  # before the newest
+        ((5, 5), "newest", ""),  # alike: the newest goes, and nothing more is said
+    ],
+)
+def test_a_ranged_models_scale_down_lets_the_least_cached_go_else_the_newest(
+    cached: tuple[int, int], goes: str, why: str
+) -> None:
     nodes = fleet("n1", "n2")
     ranged = TINY.replace("replicas = 1", "replicas = { min = 1, max = 2 }")
     rec = reconciler(catalog(ranged))
@@ -538,13 +528,14 @@ def test_with_nothing_believed_cached_the_newest_extra_goes() -> None:
     rec.wanted = lambda m: want[m.name]
     ready_all(rec, rec.reconcile(nodes.nodes, now=0), now=1)
     older, newest = sorted(rec.replicas.values(), key=lambda r: r.replica_id)
-    rec.cached = lambda: {older.replica_id: 5, newest.replica_id: 5}  # alike: no word
+    rec.cached = lambda: {older.replica_id: cached[0], newest.replica_id: cached[1]}
     want["tiny"] = 1
     step = rec.reconcile(nodes.nodes, now=2)
-    assert [d.shard_id for d in step.drain] == [newest.shards[0].shard_id]
-    assert any(
-        n.text == f"replica {newest.replica_id} is an extra; draining it" for n in step.notes
-    )
+    gone = older if goes == "older" else newest
+    assert [d.shard_id for d in step.drain] == [gone.shards[0].shard_id]
+    assert f"replica {gone.replica_id} is an extra{why}; draining it" in [
+        n.text for n in step.notes
+    ]
 
 
 @pytest.mark.parametrize("memory_gb", [8])
