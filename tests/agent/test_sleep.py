@@ -50,6 +50,10 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 REPLY = "Hello from the vLLM stand-in."
 
 
+# what a shard says from its start to its stop, with a sleep and a wake between
+A_NAP = ["starting", "ready", "draining", "sleeping", "starting", "ready", "stopping", "stopped"]
+
+
 @attrs.define
 class Heard:
     """What the control plane would hear of the shard, in order, as it is taken."""
@@ -187,16 +191,7 @@ async def test_a_shard_sleeps_once_its_work_is_done_and_wakes_to_serve(tmp_path:
 
             sup.stop("s1")
             await heard.next("stopped")
-            assert heard.states() == [
-                "starting",
-                "ready",
-                "draining",
-                "sleeping",
-                "starting",
-                "ready",
-                "stopping",
-                "stopped",
-            ]
+            assert heard.states() == A_NAP
             log = sup.records.log_path("s1").read_text()
             assert "vllm stand-in: asleep (level 1)" in log  # weights kept in host memory
 
@@ -402,13 +397,4 @@ async def test_sleep_and_wake_through_the_stream(tmp_path: Path, pki: Pki) -> No
                 await wait_for(now("ready"), timeout=10)
                 await dispatcher.send("n1", StopShard(shard_id="s1", grace_s=5))
                 await wait_for(now("stopped"), timeout=10)
-                assert [s.state for s in heard] == [
-                    "starting",
-                    "ready",
-                    "draining",
-                    "sleeping",
-                    "starting",
-                    "ready",
-                    "stopping",
-                    "stopped",
-                ]
+                assert [s.state for s in heard] == A_NAP
