@@ -383,10 +383,11 @@ class Reconciler:
                     move, now, plan, sleep=self._sleeps(move.replica, move.kind, shared)
                 )
         missing = wanted - sum(1 for r in mine if r.counts)
-        closed = self.cordoned | self.draining
-        for replica in sleep.to_wake(mine, missing, shared.nodes, closed):
-            self.acts.wake(replica, now, plan, f"{model.name} wants {wanted}")
-            missing -= 1
+        if missing > 0:  # a sleeping replica is woken before anything is placed
+            closed = self.cordoned | self.draining
+            for replica in sleep.to_wake(mine, missing, shared.nodes, closed):
+                self.acts.wake(replica, now, plan, f"{model.name} wants {wanted}")
+                missing -= 1
         if missing > 0:
             self._place(model, missing, shared, now, plan)
         room_short = model.name in self.room_short
@@ -399,6 +400,8 @@ class Reconciler:
 
     def _sleeps(self, replica: Replica, kind: MoveKind | None, shared: PassPlacement) -> bool:
         """Whether a replica leaving for ``kind`` sleeps instead of stopping (``sleep``)."""
+        if kind is not MoveKind.SURPLUS:  # only demand's let-go sleeps: no profile lookup
+            return False
         profile = self.catalog.profile(replica.model, replica.profile)
         return sleep.may_sleep(replica, kind, profile, shared.nodes)
 
