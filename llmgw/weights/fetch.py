@@ -75,6 +75,7 @@ async def fetch(
     source: Source,
     weights_dir: Path,
     *,
+    target: Path | None = None,
     sha256: str | None = None,
     size: int | None = None,
     token: str | None = None,
@@ -86,8 +87,11 @@ async def fetch(
     """The path of ``source``'s file on this node, fetched into ``weights_dir``
     when it is not there yet.
 
-    ``sha256`` and ``size``: what the caller expects (a profile's pin); the
-    fetch fails when the source says otherwise. ``token``, ``endpoint``: the
+    ``target``: where the file lands instead of where the source says
+    (``source.where``), a profile's ``model_path`` beside its source; its
+    folder is then the one checked for room. ``sha256`` and ``size``: what
+    the caller expects (a profile's pin); the fetch fails when the source says
+    otherwise. ``token``, ``endpoint``: the
     hub's (None: huggingface_hub's rules, ``HF_TOKEN`` and ``HF_ENDPOINT``
     among them). ``verify``: whom to trust for the bytes' TLS (the hub's
     answer is asked with huggingface_hub's own trust). ``stall_s``: how long
@@ -105,9 +109,12 @@ async def fetch(
         sha256 = sha256.lower()
         if not _SHA256.fullmatch(sha256):
             raise ValueError(f"sha256 {sha256!r} is not 64 hex digits (as sha256sum prints one)")
-    target = where(source, weights_dir)
     if isinstance(source, MountFile):
-        return await _on_mount(target, size)
+        return await _on_mount(where(source, weights_dir), size)
+    if target is None:
+        target = where(source, weights_dir)
+    else:
+        weights_dir = target.parent
     if await _have(target, sha256):
         return target
     remote = await _ask(source, token=token, endpoint=endpoint, verify=verify)
