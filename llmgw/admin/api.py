@@ -25,6 +25,7 @@ from llmgw.admin.answers import error, json_body, json_response
 from llmgw.admin.reload import NotReloaded, Reloaded, Reloader
 from llmgw.admin.tenancy import ArgHandler, Handler, TenancyApi
 from llmgw.admin.views import (
+    FetchingView,
     GpuViews,
     IntentAnswer,
     ModelList,
@@ -214,6 +215,12 @@ class AdminApi:
                 retry_in_s=fleet.crash_loop_wait(name),
                 failures=[failure_view(f, wall) for f in fleet.failures.recent(name)],
                 scaling=scaling_view(model, fleet.scaling, wall),
+                fetching=[
+                    FetchingView(replica_id=r.replica_id, node_id=s.node_id, progress=s.fetching)
+                    for r in mine
+                    for s in r.shards
+                    if s.fetching is not None
+                ],
             )
             if name in unplaceable:
                 view.cannot_place, view.cannot_place_at = unplaceable[name]

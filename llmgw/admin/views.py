@@ -20,7 +20,7 @@ from llmgw.controlplane.failures import Failure
 from llmgw.controlplane.nodes import Node
 from llmgw.controlplane.replicas import Replica
 from llmgw.controlplane.tenants import Key, Tenant
-from llmgw.protocol.messages import Gpu, IbAdapter, WeightCopy
+from llmgw.protocol.messages import FetchProgress, Gpu, IbAdapter, WeightCopy
 from llmgw.routing import Limits, TrafficView, UsageRow
 
 if TYPE_CHECKING:  # ctl imports these views: it need not load placement for a type
@@ -56,6 +56,8 @@ class NodeView(msgspec.Struct, kw_only=True):
     weights_scanned: bool
     labels: dict[str, str]
     weights_dirs: list[str] = []  # where its agent looks for weights
+    weights_dir: str = ""  # where its fetched weights land
+    fetching: list[FetchProgress] = []  # its fetches under way, as last sent
     shards: int = 0  # the shards of the control plane's replicas on it now
     cordoned: bool = False
     draining: bool = False
@@ -118,6 +120,8 @@ def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
         weights_scanned=inv.weights_scanned,
         labels=dict(inv.labels),
         weights_dirs=list(inv.weights_dirs),
+        weights_dir=inv.weights_dir,
+        fetching=list(inv.fetching),
         version=node.agent_version,
         problems=list(inv.problems),
         awaited=node.awaited,
@@ -137,6 +141,8 @@ class ShardView(msgspec.Struct, kw_only=True):
     # False: learned from a report, its engine not yet found to be what the report says
     verified: bool = True
     unverified_why: str = ""  # why its last probe failed ("" not probed yet)
+    # its weights are being fetched before its engine starts: how far, as its agent said
+    fetching: FetchProgress | None = None
 
 
 class ReplicaView(msgspec.Struct, kw_only=True):
@@ -185,6 +191,7 @@ def replica_view(r: Replica, now: float, traffic: TrafficView | None = None) -> 
                 healthy=s.healthy,
                 verified=s.verified,
                 unverified_why=s.unverified_why,
+                fetching=s.fetching,
             )
             for s in sorted(r.shards, key=lambda s: s.rank)
         ],
@@ -258,6 +265,14 @@ class ScalingView(msgspec.Struct, kw_only=True):
     yielding: str = ""
 
 
+class FetchingView(msgspec.Struct, kw_only=True):
+    """A shard of a model whose weights are being fetched: where, and how far."""
+
+    replica_id: str
+    node_id: str
+    progress: FetchProgress
+
+
 class ModelView(msgspec.Struct, kw_only=True):
     model: str
     wanted: int  # now: for a range, what demand (or a pin) says
@@ -272,6 +287,8 @@ class ModelView(msgspec.Struct, kw_only=True):
     cannot_place_at: float | None = None
     retry_in_s: float | None = None  # its replicas keep failing: the next try, in seconds
     weights_missing: bool = False  # no node reports its weights (and some node looks)
+    # its shards whose weights are being fetched, each as its agent last said
+    fetching: list[FetchingView] = []
     failures: list[FailureView] = []  # the last few, newest first
     scaling: ScalingView | None = None  # a model with a range of replicas
 

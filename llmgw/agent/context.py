@@ -31,6 +31,7 @@ from llmgw.agent.health import HealthSettings
 from llmgw.agent.lifecycle import Event, Move
 from llmgw.agent.records import RecordStore
 from llmgw.agent.shard import Outbox, Shard
+from llmgw.agent.weights import Fetcher
 from llmgw.protocol.messages import ShardSpec
 
 
@@ -70,6 +71,11 @@ class ShardContext(Protocol):
     @property
     def outbox(self) -> Outbox:
         """Where a report that is not a move goes (a ready engine's health)."""
+        ...
+
+    @property
+    def fetcher(self) -> Fetcher:
+        """Brings a shard's weights to the node before its engine starts."""
         ...
 
     @property

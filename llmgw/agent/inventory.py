@@ -9,6 +9,7 @@ overrides applied on top, every time: a value written in config always wins.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,11 +17,11 @@ from pathlib import Path
 import msgspec
 import trio
 
-from llmgw.agent.discovery import Discovered, discover
+from llmgw.agent.discovery import Discovered, discover, resolve_dir
 from llmgw.agent.discovery.address import route_address
 from llmgw.agent.discovery.memory import read_memory
 from llmgw.config.schema import DiscoveryConfig, InventoryOverrides, WeightsConfig
-from llmgw.protocol.messages import Engine, Gpu, Inventory, Memory
+from llmgw.protocol.messages import Engine, FetchProgress, Gpu, Inventory, Memory
 
 log = logging.getLogger("llmgw.agent.discovery")
 STATE_DIR_MIN_FREE = 1 << 20  # less free in the state dir: full (a shard's record is ~2 KiB)
@@ -54,10 +55,16 @@ class InventorySource:
         # set by the daemon: the engine ports something no shard describes holds, and
         # the words for each (``busy.BusyPorts``)
         self.busy: Callable[[], tuple[list[int], list[str]]] | None = None
+        # set by the daemon: the fetches of weights under way (``agent.weights``)
+        self.fetching: Callable[[], list[FetchProgress]] | None = None
         self._full = False
         self.discovered: Discovered | None = None
         self.address = ""
         self.changed = trio.Event()  # set whenever a refresh changed the inventory
+
+    def landing_dir(self) -> Path:
+        """Where fetched weights land: ``[weights] default_dir``, absolute."""
+        return Path(os.path.abspath(resolve_dir(self.base, self.weights.default_dir)))
 
     def memory(self) -> Memory:
         found = read_memory(Path(self.settings.meminfo))
@@ -134,6 +141,8 @@ class InventorySource:
             weights=list(d.weights) if d else [],
             weights_scanned=d.weights_scanned if d else False,
             weights_dirs=list(d.weights_dirs) if d else [],
+            weights_dir=str(self.landing_dir()),
+            fetching=self.fetching() if self.fetching is not None else [],
             labels=dict(o.labels),
             port_range=list(self.port_range),
             busy_ports=busy,
@@ -173,4 +182,6 @@ def _stable(inv: Inventory) -> Inventory:
         )
         for g in inv.gpus
     ]
-    return msgspec.structs.replace(inv, memory=Memory(), gpus=gpus)
+    # which sources are being fetched is news; how far each has come is not
+    fetching = [FetchProgress(source=f.source, path=f.path) for f in inv.fetching]
+    return msgspec.structs.replace(inv, memory=Memory(), gpus=gpus, fetching=fetching)

@@ -48,6 +48,19 @@ class AgentMetrics:
             "Stream connection attempts after the first",
             registry=r,
         )
+        self.fetched_bytes = Counter(
+            "llmgw_agent_weights_fetched_bytes",
+            "Bytes of weights fetched, by where they came from: hub, url, peer",
+            ["source"],
+            registry=r,
+        )
+        self.fetch_failures = Counter(
+            "llmgw_agent_weights_fetch_failures",
+            "Fetches of weights that failed: no_room, corrupt, stalled, source (the source "
+            "refused or could not be asked)",
+            ["reason"],
+            registry=r,
+        )
         self.discovery = Histogram(
             "llmgw_agent_discovery_duration_seconds",
             "How long one discovery pass took",

@@ -50,7 +50,9 @@ from llmgw.agent.procs import alive, describe_exit, identity, is_same_process, t
 from llmgw.agent.shard import Shard
 from llmgw.engines import adapters
 from llmgw.http.logsafe import printable
-from llmgw.protocol.messages import ShardStatus
+from llmgw.protocol.messages import FetchProgress, ShardStatus
+from llmgw.weights.errors import FetchError
+from llmgw.weights.progress import fetching_words
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -61,6 +63,7 @@ GIVE_UP_GRACE_S = 2.0  # SIGTERM to SIGKILL for an engine not ready in time
 # the control plane waits as long past a drain to sleep (controlplane.sleep.SLEEP_CALL_S)
 SLEEP_CALL_S = 120.0
 ANSWER_CLIP = 200  # of an engine's refusal, in a report
+FETCH_REPORT_S = 2.0  # a fetch's progress goes to the control plane this often
 
 
 def engine_auth(shard: Shard) -> dict[str, str]:
@@ -78,9 +81,54 @@ async def healthy(http: httpx.AsyncClient, url: str) -> bool:
 
 
 async def run_new(ctx: ShardContext, shard: Shard) -> None:
-    if await launch(ctx, shard):
+    if await _weights(ctx, shard) and await launch(ctx, shard):
+        # the startup timeout counts from here: a fetch before has its own bound
         await _until_ready(ctx, shard, deadline=trio.current_time() + shard.spec.startup_timeout_s)
         await _watch(ctx, shard)
+
+
+async def _weights(ctx: ShardContext, shard: Shard) -> bool:
+    """Bring the shard's weights to the node when its spec names a source (the
+    fetcher); True when its engine may start. Its progress is reported every
+    ``FETCH_REPORT_S`` while it lasts, and its end once; a stop or a drain
+    meanwhile cancels it (what it fetched is kept for the next), and a fetch
+    that fails fails the shard, saying why."""
+    spec = shard.spec
+    if not spec.weights_source:
+        return True
+    reported = [-FETCH_REPORT_S]
+
+    def report(p: FetchProgress) -> None:
+        shard.fetching = p
+        now = trio.current_time()
+        if now - reported[0] >= FETCH_REPORT_S:
+            reported[0] = now
+            shard.detail = fetching_words(p.source, p.done_bytes, p.total_bytes, p.rate_bps, p.peer)
+            ctx.outbox.put(
+                ShardStatus(
+                    shard_id=spec.shard_id, state=shard.state, detail=shard.detail, fetching=p
+                )
+            )
+
+    failed: FetchError | None = None
+    with trio.CancelScope() as scope:
+        shard.fetch_scope = scope  # cancelled by a move out of starting (``fire``)
+        try:
+            await ctx.fetcher.bring(spec, report)
+        except FetchError as exc:
+            failed = exc
+    shard.fetch_scope = None
+    was = shard.fetching
+    shard.fetching = None
+    if shard.phase is not Phase.STARTING:
+        return False  # stopped or drained meanwhile: nothing to launch
+    if failed is not None:
+        ctx.fire(shard, Event.REFUSED, f"cannot fetch its weights: {failed}")
+        return False
+    if was is not None:  # it was fetched, not found whole: the control plane hears so
+        shard.detail = "weights fetched; starting its engine"
+        ctx.outbox.put(ShardStatus(shard_id=spec.shard_id, state=shard.state, detail=shard.detail))
+    return True
 
 
 async def run_adopted(ctx: ShardContext, shard: Shard) -> None:

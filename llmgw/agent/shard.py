@@ -9,7 +9,7 @@ from llmgw.agent.lifecycle import WIRE, Phase
 from llmgw.agent.output import OutputTail
 from llmgw.agent.procs import ProcessIdentity
 from llmgw.engines.base import Launch
-from llmgw.protocol.messages import ShardSpec, ShardState, ShardStatus
+from llmgw.protocol.messages import FetchProgress, ShardSpec, ShardState, ShardStatus
 
 OUTBOX_LIMIT = 1000
 
@@ -33,6 +33,9 @@ class Shard:
     launched_at: float = 0.0
     # how many times it woke from sleep: a health watcher watches one wake's ready
     wakes: int = 0
+    # its weights are being fetched before its engine starts: how far (``runner``)
+    fetching: FetchProgress | None = None
+    fetch_scope: trio.CancelScope | None = None  # cancelled when it leaves starting
 
     @property
     def shard_id(self) -> str:

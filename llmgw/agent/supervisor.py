@@ -41,12 +41,14 @@ from llmgw.agent import logs, runner, strays
 from llmgw.agent.adoption import adopt_records, check_adopted, report_unrecorded
 from llmgw.agent.busy import BusyPorts
 from llmgw.agent.context import SupervisorSettings, stop_grace
+from llmgw.agent.discovery.weights import DEFAULT_WEIGHTS_DIR
 from llmgw.agent.lifecycle import TERMINAL, Event, Move, Phase, move
 from llmgw.agent.output import OutputTail
 from llmgw.agent.procs import identity
 from llmgw.agent.records import RecordStore, ShardRecord
 from llmgw.agent.runner import engine_auth, healthy
 from llmgw.agent.shard import Outbox, Shard
+from llmgw.agent.weights import Fetcher
 from llmgw.http.logsafe import printable
 from llmgw.protocol.exits import exit_fields
 from llmgw.protocol.messages import ShardReport, ShardSpec, ShardState, ShardStatus
@@ -70,6 +72,8 @@ class Supervisor:
         self.shards: dict[str, Shard] = {}
         self.outbox = Outbox()
         self.kills = strays.KillReports()  # what this agent killed, until reported
+        # brings shards' weights to the node (the daemon sets its own, with metrics)
+        self.fetcher = Fetcher(DEFAULT_WEIGHTS_DIR)
         self.on_event = on_event or (lambda _: None)
         self._nursery: trio.Nursery | None = None
         self._failed: set[str] = set()
@@ -134,6 +138,7 @@ class Supervisor:
                 detail=s.detail,
                 healthy=s.healthy,
                 engine_key=s.launch.engine_key if s.launch else "",
+                fetching=s.fetching,
             )
             for s in self.shards.values()
             if s.phase not in TERMINAL
@@ -219,6 +224,8 @@ class Supervisor:
         before = shard.phase
         m = move(before, event, shard.shard_id)
         shard.phase = m.to
+        if m.to is not Phase.STARTING and shard.fetch_scope is not None:
+            shard.fetch_scope.cancel()  # its weights are no longer wanted (kept for the next)
         if m.report and not m.again and detail is not None:
             shard.detail = detail
         if m.to in TERMINAL and before not in TERMINAL:

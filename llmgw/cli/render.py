@@ -32,6 +32,7 @@ from llmgw.cli.admin_client import Answer
 from llmgw.controlplane import moves
 from llmgw.controlplane.fabrics import FleetStatus, describe_copies
 from llmgw.routing import TrafficView
+from llmgw.weights.progress import fetching_words, progress_words
 
 T = TypeVar("T")
 
@@ -257,6 +258,9 @@ def render_replicas(replicas: list[ReplicaView]) -> str:
             if not s.verified:
                 why = s.unverified_why or "is not checked yet (learned from a report)"
                 problems.append(f"{where} is not routed: its engine {why}")
+            if (f := s.fetching) is not None:
+                how = fetching_words(f.source, f.done_bytes, f.total_bytes, f.rate_bps, f.peer)
+                problems.append(f"{where}: {how}")
             if s.detail and s.state == "failed":
                 problems.append(f"{where}: {s.detail}")
                 problems.extend(f"    {line}" for line in s.output_tail[-5:])
@@ -288,6 +292,10 @@ def _model_state(m: ModelView) -> str:
         words.append(f"crash loop, next try in {retry:.0f} s")
     if m.weights_missing:
         words.append("no node reports its weights")
+    for fetch in m.fetching:
+        p = fetch.progress
+        how = progress_words(p.done_bytes, p.total_bytes, p.rate_bps, p.peer)
+        words.append(f"fetching {how or 'its weights'} on {fetch.node_id}")
     if m.failures:
         f = m.failures[0]
         words.append(f"last failure {_age(f.ago_s)} on {f.node_id}: {f.reason}")

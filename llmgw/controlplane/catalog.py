@@ -33,9 +33,11 @@ import msgspec
 from llmgw.config.errors import ConfigError
 from llmgw.config.loader import parse_toml, read_text
 from llmgw.engines import adapter, adapters
+from llmgw.weights.source import parse_source
 
 MAX_REPLICAS = 1000
 MAX_STARTUP_TIMEOUT_S = 86_400.0
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 MAX_STOP_GRACE_S = 3600.0  # as [engines] stop_grace_s
 MAX_SLEEP_S = 7 * 86400.0  # a profile's sleep_s: a week
 # A catalog is a few KiB; 4 MiB is some 20,000 models, parsed in about a second (off the
@@ -90,6 +92,15 @@ class Profile(_Entry, frozen=True):
     min_memory_gb: float | None = None
     selector: dict[str, str] = {}  # node labels that must all match
     model_path: str = ""  # on the node; empty: the engine resolves the model by name
+    # where the weights come from when a node lacks them (hf://ORG/REPO/FILE,
+    # hf://ORG/REPO@REVISION/FILE, https://HOST/PATH, or /PATH on a shared mount): the
+    # agent fetches them before the engine starts, into its [weights] default_dir, or
+    # to model_path when both are given. Empty: they must be on the node already
+    source: str = ""
+    sha256: str = ""  # what the fetched file's sha256 must be; empty: the hub's, if it says
+    # a fetch with no byte arriving this long fails (the startup timeout counts from
+    # when the weights are whole, not while they are fetched)
+    fetch_stall_s: float = 120.0
     weights: str = ""  # name to look for in nodes' discovered weights; empty: the model's name
     engine_args: list[str] = []  # passed to the engine as they are, after llmgw's own
     # what the engine adapter turns into arguments (llama.cpp: context, parallel, threads,
@@ -167,8 +178,17 @@ class Model(msgspec.Struct, kw_only=True, frozen=True):
     def weights_path(self, profile: Profile) -> str:
         """The profile's model_path as matched against the paths of nodes' discovered
         weights (normalised; "" when it has none): a copy found at exactly the path
-        its engine is given holds its weights, whatever discovery named it."""
-        return posixpath.normpath(profile.model_path) if profile.model_path else ""
+        its engine is given holds its weights, whatever discovery named it. A source
+        on a shared mount is its path."""
+        path = profile.model_path or (profile.source if profile.source.startswith("/") else "")
+        return posixpath.normpath(path) if path else ""
+
+    def weights_source(self, profile: Profile) -> str:
+        """The source a node's fetched copy names (``WeightCopy.source``), written one
+        way; "" when the profile fetches nothing (no source, or one on a mount)."""
+        if not profile.source or profile.source.startswith("/"):
+            return ""
+        return str(parse_source(profile.source))
 
 
 class Catalog(msgspec.Struct, kw_only=True, frozen=True):
@@ -402,10 +422,13 @@ def _validate_profile(key: str, p: Profile) -> None:
     for label in p.selector:
         if not label:
             raise ConfigError("", f"{key}.selector", "a label name cannot be empty")
-    if needs.model_file and not p.model_path:
+    if needs.model_file and not (p.model_path or p.source):
         raise ConfigError(
-            "", f"{key}.model_path", f"{p.engine} needs model_path ({needs.model_file})"
+            "",
+            f"{key}.model_path",
+            f"{p.engine} needs model_path ({needs.model_file}), or a source to fetch it from",
         )
+    _check_source(key, p)
     for var in p.env:
         if not var or "=" in var or "\0" in var:
             raise ConfigError("", f"{key}.env", f"{var!r} is not an environment variable name")
@@ -441,6 +464,26 @@ def _validate_profile(key: str, p: Profile) -> None:
             "",
             f"{key}.stop_grace_s",
             f"must be greater than 0 and at most {MAX_STOP_GRACE_S:g}, got {grace:g}",
+        )
+
+
+def _check_source(key: str, p: Profile) -> None:
+    if p.source:
+        try:
+            parse_source(p.source)
+        except ValueError as exc:
+            raise ConfigError("", f"{key}.source", str(exc)) from None
+    elif p.sha256:
+        raise ConfigError("", f"{key}.sha256", "is for a fetched file: give a source too")
+    if p.sha256 and not _SHA256.fullmatch(p.sha256):
+        raise ConfigError(
+            "", f"{key}.sha256", f"{p.sha256!r} is not 64 hex digits (as sha256sum prints one)"
+        )
+    if not (math.isfinite(p.fetch_stall_s) and 0 < p.fetch_stall_s <= MAX_STARTUP_TIMEOUT_S):
+        raise ConfigError(
+            "",
+            f"{key}.fetch_stall_s",
+            f"must be greater than 0 and at most {MAX_STARTUP_TIMEOUT_S:g}, got {p.fetch_stall_s:g}",
         )
 
 

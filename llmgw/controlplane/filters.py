@@ -75,6 +75,7 @@ class NodeView:
 
     __slots__ = (
         "fabric",
+        "fetching",
         "gpu_mib",
         "gpu_reasons",
         "gpus",
@@ -82,6 +83,7 @@ class NodeView:
         "healthy_set",
         "held",
         "held_paths",
+        "held_sources",
         "installed",
         "inv",
         "labels",
@@ -103,6 +105,8 @@ class NodeView:
         self.gpu_mib = {g.index: g.memory_total_mib for g in inv.gpus}
         self.held = frozenset(c.model for c in inv.weights)
         self.held_paths = frozenset(posixpath.normpath(c.path) for c in inv.weights)
+        self.held_sources = frozenset(c.source for c in inv.weights if c.source)
+        self.fetching = frozenset(f.source for f in inv.fetching)
         # storage the agent could not classify is local, never shared
         self.shared = frozenset(c.model for c in inv.weights if c.storage == "shared")
         self.gpu_reasons: dict[tuple[int, frozenset[int]], str] = {}

@@ -64,6 +64,7 @@ import attrs
 from llmgw.controlplane import claims
 from llmgw.controlplane.catalog import Profile
 from llmgw.controlplane.replicas import COUNTS, MoveKind, Replica, ReplicaState
+from llmgw.protocol.messages import ShardSpec
 
 R = ReplicaState
 
@@ -418,6 +419,14 @@ def surplus(
     )[:n]
 
 
+def _other_weights(spec: ShardSpec, profile: Profile) -> bool:
+    """Whether a shard runs other weights than its profile names: another source, pin
+    or path. A fetched file's path is where its node lands it, not the profile's."""
+    if spec.weights_source != profile.source or spec.weights_sha256 != profile.sha256.lower():
+        return True
+    return bool(profile.model_path or not profile.source) and spec.model_path != profile.model_path
+
+
 def outdated(replica: Replica, profile: Profile | None) -> bool:
     """Whether a replica's shards run something other than its profile now says
     (its profile left the model, or the engine, the weights, the arguments, the
@@ -429,7 +438,7 @@ def outdated(replica: Replica, profile: Profile | None) -> bool:
         return True
     return any(
         s.spec.engine != profile.engine
-        or s.spec.model_path != profile.model_path
+        or _other_weights(s.spec, profile)
         or s.spec.engine_args != profile.engine_args
         or s.spec.settings != profile.settings
         or s.spec.sleep != (profile.sleep_s > 0)

@@ -142,7 +142,7 @@ class Decision:
 
 
 # sort key of a fitting node: smaller is better
-_Key = tuple[int, int, int, str]
+_Key = tuple[float, int, int, str]
 
 
 # a fitting node: (key, index into the candidates, its facts)
@@ -249,6 +249,7 @@ class _Pass:
         mem_by = self.allocations.holders
         weights = self.model.weights_name(profile)
         path = self.model.weights_path(profile)
+        source = self.model.weights_source(profile)
         fabrics = self.shared_in(weights)
         replicas = self.allocations.replicas
         gpus_used = self.allocations.gpus
@@ -296,10 +297,17 @@ class _Pass:
             if ports and len(ports) >= size and free_port(node_id, node_range) is None:
                 append(Candidate(node_id, pname, False, "no free engine port", Kind.PORTS))
                 continue
-            if weights in st.held or (path and path in st.held_paths):
+            has: float
+            if (
+                weights in st.held
+                or (path and path in st.held_paths)
+                or (source and source in st.held_sources)
+            ):
                 has, where = 1, "weights here"
             elif st.fabric in fabrics:
                 has, where = 1, f"weights on fabric {st.fabric}'s shared storage"
+            elif source and source in st.fetching:
+                has, where = 0.5, "fetching weights here"
             else:
                 has, where = 0, "must fetch weights"
             shards = replicas.get((model, node_id), 0)
@@ -343,7 +351,7 @@ class _Pass:
         by_fabric: dict[str, list[_Fit]] = {}
         for fit in fits:
             by_fabric.setdefault(fit[2].fabric, []).append(fit)
-        best: tuple[tuple[int, int, int, str], list[_Fit]] | None = None
+        best: tuple[_Key, list[_Fit]] | None = None
         for fabric, members in by_fabric.items():
             if len(members) < want:
                 why = (

@@ -78,7 +78,7 @@ from llmgw.controlplane.plan import (
 )
 from llmgw.controlplane.replicas import MoveKind, Replica, ReplicaState, Shard
 from llmgw.controlplane.spread import Spreads
-from llmgw.protocol.messages import ShardReport, ShardState, ShardStatus
+from llmgw.protocol.messages import FetchProgress, ShardReport, ShardState, ShardStatus
 
 R = ReplicaState
 S = ShardState
@@ -178,6 +178,7 @@ class Reconciler:
             return plan
         replica, shard = found
         shard.state, shard.detail = status.state, status.detail
+        _follow_fetch(replica, shard, status.fetching, now)
         shard.engine_key = status.engine_key or shard.engine_key
         shard.pid = status.pid or shard.pid
         acts.follow_health(replica, shard, status.healthy, plan)
@@ -224,10 +225,16 @@ class Reconciler:
             if replica.state in (R.PENDING, R.STARTING):
                 limit = _startup_timeout(replica, profile) + t.startup_margin_s
                 since = replica.restarted_at
-                if now - (replica.created_at if since is None else since) > limit:
+                start = replica.created_at if since is None else since
+                fetched = replica.fetched_at
+                if fetched is not None and fetched > start:
+                    since = start = fetched
+                if now - start > limit:
                     when = (
                         "it was placed"
                         if since is None
+                        else "its weights were fetched"
+                        if since == fetched
                         else "it was woken"
                         if since == replica.woken_at
                         else "a shard restarted"
@@ -454,6 +461,11 @@ class Reconciler:
                 head.address if head is not None else decision.shards[0].node_id,
                 self.sealer,
                 now,
+                {
+                    s.node_id: n.inventory.weights_dir
+                    for s in decision.shards
+                    if (n := nodes.get(s.node_id)) is not None
+                },
             )
             self.replicas[replica.replica_id] = replica
             shared.placed += 1
@@ -529,6 +541,7 @@ class Reconciler:
         claims.follow(same, before)  # learned from a report: probed before it is routed
         same.state = report.state
         same.detail = report.detail
+        _follow_fetch(replica, same, report.fetching, now)
         acts.follow_health(replica, same, report.healthy, plan)
         if report.state == S.READY:
             same.came_up = True
@@ -579,6 +592,17 @@ def _follows_its_head(replica: Replica, shard: Shard) -> bool:
         and replica.state in (R.DRAINING, R.STOPPING, R.FAILED)
         and not _has_head(replica)
     )
+
+
+def _follow_fetch(
+    replica: Replica, shard: Shard, fetching: FetchProgress | None, now: float
+) -> None:
+    """A shard fetching its weights, or done with it: its replica's startup clock
+    starts again (it counts the engine's start, never the fetch; the agent bounds a
+    fetch by its progress)."""
+    if fetching is not None or shard.fetching is not None:
+        replica.fetched_at = now
+    shard.fetching = fetching
 
 
 def _gone(node: Node | None) -> bool:

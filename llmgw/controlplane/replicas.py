@@ -15,7 +15,7 @@ from enum import StrEnum
 
 import attrs
 
-from llmgw.protocol.messages import ShardSpec, ShardState
+from llmgw.protocol.messages import FetchProgress, ShardSpec, ShardState
 
 
 class ReplicaState(StrEnum):
@@ -99,6 +99,8 @@ class Shard:
     verified: bool = True
     unverified_why: str = ""
     unverified_since: float | None = None
+    # its weights are being fetched: how far, as its agent last said; None when not
+    fetching: FetchProgress | None = None
 
     @property
     def shard_id(self) -> str:
@@ -138,6 +140,9 @@ class Replica:
     # draining to sleep, not to stop (``sleep.py``); True from then until it is woken
     dozing: bool = False
     woken_at: float | None = None  # when it was last woken (its wake time is measured)
+    # the last report of a shard's weights fetch (``FetchProgress``), or of its end: its
+    # startup timeout, and its measured start, count from then, never the fetch
+    fetched_at: float | None = None
 
     def move(self, to: ReplicaState, now: float, why: str = "") -> None:
         if to is self.state:

@@ -231,7 +231,8 @@ class Scaling:
                 continue
             if r.adopted or r.restarted_at is not None:
                 continue
-            took = max(0.0, r.state_since - r.created_at)
+            # the engine's start: a fetch of its weights before it is not part of it
+            took = max(0.0, r.state_since - (r.fetched_at or r.created_at))
             kept = self._starts.setdefault((r.model, r.profile), deque(maxlen=STARTS_KEPT))
             kept.append(took)
             self.new_starts.append((r.model, r.profile, took))

@@ -168,8 +168,13 @@ class ControlPlane:
                 printable(status.detail) or "no reason given",
             )
         else:
-            log.info(
-                "node %s: shard %s is %s", conn.node_id, printable(status.shard_id), status.state
+            # a fetch's progress comes every few seconds, the same state each time
+            log.log(
+                logging.DEBUG if status.fetching is not None else logging.INFO,
+                "node %s: shard %s is %s",
+                conn.node_id,
+                printable(status.shard_id),
+                status.state,
             )
         for listener in self.on_shard_status:
             listener(conn.node_id, status)

@@ -19,11 +19,18 @@ This module is pure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+
 from llmgw.controlplane.catalog import Model, Profile
 from llmgw.controlplane.claims import Sealer
 from llmgw.controlplane.placement import ShardPlacement
 from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
 from llmgw.protocol.messages import ShardSpec, ShardState
+from llmgw.weights.source import parse_source, where
+
+# where an agent's fetched weights land when it does not say ([weights] default_dir)
+DEFAULT_WEIGHTS_DIR = "/var/lib/llmgw-weights"
 
 
 def new_replica(
@@ -34,9 +41,11 @@ def new_replica(
     head_address: str,
     sealer: Sealer,
     now: float,
+    weights_dirs: Mapping[str, str] | None = None,
 ) -> Replica:
     """A replica placed where ``placements`` say, none of its shards started yet
-    (``head_address``: where rank 0's node is reached, for the ranks that join it)."""
+    (``head_address``: where rank 0's node is reached, for the ranks that join it;
+    ``weights_dirs``: where each node's fetched weights land, by node id)."""
     shards = []
     for p in placements:
         spec = ShardSpec(
@@ -50,7 +59,7 @@ def new_replica(
             gpus=list(p.gpus),
             host="0.0.0.0",
             port=p.port,
-            model_path=profile.model_path,
+            model_path=model_path(profile, (weights_dirs or {}).get(p.node_id, "")),
             engine_args=list(profile.engine_args),
             env=dict(profile.env),
             settings=dict(profile.settings),
@@ -59,6 +68,9 @@ def new_replica(
             sleep=profile.sleep_s > 0,
             head_address=head_address if len(placements) > 1 else "",
             node_id=p.node_id,
+            weights_source=profile.source,
+            weights_sha256=profile.sha256.lower(),
+            fetch_stall_s=profile.fetch_stall_s,
         )
         shards.append(Shard(spec=sealer.seal(spec), node_id=p.node_id, sent=False))
     return Replica(
@@ -71,6 +83,15 @@ def new_replica(
         created_at=now,
         state_since=now,
     )
+
+
+def model_path(profile: Profile, weights_dir: str) -> str:
+    """Where the engine finds the weights on a node whose fetched weights land in
+    ``weights_dir`` (empty: the default): the profile's model_path, else where its
+    source lands."""
+    if profile.model_path or not profile.source:
+        return profile.model_path
+    return str(where(parse_source(profile.source), Path(weights_dir or DEFAULT_WEIGHTS_DIR)))
 
 
 def due(replica: Replica) -> list[Shard]:

@@ -80,6 +80,20 @@ class WeightCopy(_Wire, frozen=True):
     layers: int | None = None
     kv_k_per_token: int | None = None
     kv_v_per_token: int | None = None
+    # the source it was fetched from (``hf://...``, ``https://...``), as a profile names
+    # it; empty: not fetched by an agent (put there by hand, or by an older agent)
+    source: str = ""
+
+
+class FetchProgress(_Wire, frozen=True):
+    """A fetch of weights under way on a node: how far, how fast, and from where."""
+
+    source: str  # as the profile names it
+    path: str  # where it lands on the node
+    done_bytes: int = 0
+    total_bytes: int | None = None  # None: not known yet (the source not asked yet)
+    rate_bps: float = 0.0  # bytes per second lately
+    peer: str = ""  # the node it comes from; empty: from the source itself
 
 
 class Inventory(_Wire, frozen=True):
@@ -95,6 +109,12 @@ class Inventory(_Wire, frozen=True):
     weights_scanned: bool = False  # False: never asked to look (not "looked, found none")
     # the directories it looked in (absolute); [] from an agent older than the field
     weights_dirs: list[str] = []
+    # where fetched weights land (absolute; ``[weights] default_dir``); empty: an older
+    # agent, which fetches nothing
+    weights_dir: str = ""
+    # fetches under way (a partial copy: placement prefers the node to one without);
+    # their figures are the latest, and a change of figures alone is not news
+    fetching: list[FetchProgress] = []
     labels: dict[str, str] = {}
     port_range: list[int] = []  # [low, high]: the ports the agent lets engines use; [] = default
     # what the agent finds wrong with its node, in words (its state dir full, ...)
@@ -153,6 +173,13 @@ class ShardSpec(_Wire, frozen=True):
     # start the engine able to sleep (``SleepShard``; vLLM: ``--enable-sleep-mode``);
     # sent only where the engine can (``EngineAdapter.sleeps``) and its profile asks
     sleep: bool = False
+    # fetch the weights before the engine starts (a profile's ``source``): the agent
+    # brings them to ``model_path`` first, verified by ``weights_sha256`` where given,
+    # and fails the shard when no byte came for ``fetch_stall_s``. The startup timeout
+    # counts from when they are whole. Empty: they must be at ``model_path`` already
+    weights_source: str = ""
+    weights_sha256: str = ""
+    fetch_stall_s: float = 120.0
 
 
 class ShardReport(_Wire, frozen=True):
@@ -162,6 +189,7 @@ class ShardReport(_Wire, frozen=True):
     detail: str = ""
     healthy: bool = True  # as in ShardStatus
     engine_key: str = ""  # as in ShardStatus
+    fetching: FetchProgress | None = None  # as in ShardStatus
 
 
 class ProcessKill(_Wire, frozen=True):
@@ -263,6 +291,9 @@ class ShardStatus(Message, frozen=True):
     # from an older agent, whose ``detail`` alone says it in words
     exit_code: int | None = None
     signal: int | None = None
+    # a ``starting`` shard whose weights are being fetched: how far (sent every few
+    # seconds while it lasts); None once they are whole, or from an older agent
+    fetching: FetchProgress | None = None
 
 
 class StartShard(Message, frozen=True):

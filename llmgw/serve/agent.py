@@ -21,6 +21,7 @@ from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.reload import plan
 from llmgw.agent.stream import AgentStream, StreamSettings
 from llmgw.agent.supervisor import Supervisor, SupervisorSettings
+from llmgw.agent.weights import Fetcher
 from llmgw.config import AgentConfig, ConfigError, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.schema import resolve, token_from_file
@@ -107,6 +108,13 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         on_event=metrics.event,
     )
     source.busy = supervisor.busy_ports
+    supervisor.fetcher = Fetcher(
+        source.landing_dir(),
+        on_bytes=lambda kind, n: metrics.fetched_bytes.labels(kind).inc(n),
+        on_failure=lambda reason: metrics.fetch_failures.labels(reason).inc(),
+        on_landed=source.refresh,  # placement hears at once that this node holds them
+    )
+    source.fetching = supervisor.fetcher.fetching
     metrics.watch_shards(lambda: [s.state for s in supervisor.shards.values()])
     return AgentStream(settings, source, supervisor, metrics)
 
@@ -137,6 +145,7 @@ def take(stream: AgentStream, config: AgentConfig) -> None:
     source.overrides = config.inventory
     source.settings = config.discovery
     source.weights = config.weights
+    stream.supervisor.fetcher.weights_dir = source.landing_dir()
     source.llama_server = config.engines.llama_server
     sup = stream.supervisor
     sup.settings = attrs.evolve(

@@ -821,9 +821,11 @@ class ReconcilerMachine(RuleBasedStateMachine):
             if profile is None:
                 return  # stopped on the next pass
             limit = profile.startup_timeout_s + t.startup_margin_s + slack
-            assert self.now - r.created_at <= limit, (
-                f"{r.replica_id} is {r.state.value} {self.now - r.created_at:g} s after it was "
-                f"placed (bound {limit:g} s)"
+            # placed, or back to starting since (a shard restarted, or it was woken)
+            since = max(r.created_at, r.restarted_at or 0.0)
+            assert self.now - since <= limit, (
+                f"{r.replica_id} is {r.state.value} {self.now - since:g} s after it was "
+                f"placed or restarted (bound {limit:g} s)"
             )
         elif r.state is R.DRAINING:
             limit = t.drain_timeout_s + slack

@@ -58,7 +58,7 @@ async def discover(
     gpu_result = await discover_gpus(settings.nvidia_smi, timeout=settings.probe_timeout_s)
     if gpu_result.error:
         problems.append(f"GPUs: {gpu_result.error}")
-    configured = _resolve(base, llama_server) if llama_server else None
+    configured = resolve_dir(base, llama_server) if llama_server else None
     if configured is not None and (problem := configured_problem(configured)):
         problems.append(f"engines: {problem}")
     engines = await probe_engines(
@@ -66,8 +66,8 @@ async def discover(
         probe_timeout=settings.probe_timeout_s,
         configured={LLAMA_SERVER.command: configured} if configured is not None else None,
     )
-    dirs = [_resolve(base, d) for d in weights.dirs]
-    default_dir = _resolve(base, weights.default_dir)
+    dirs = [resolve_dir(base, d) for d in weights.dirs]
+    default_dir = resolve_dir(base, weights.default_dir)
     mounts_path = Path(settings.mounts)
 
     def scan() -> tuple[list[WeightCopy], bool, list[str]]:
@@ -92,6 +92,7 @@ async def discover(
     )
 
 
-def _resolve(base: Path | None, path: str) -> Path:
+def resolve_dir(base: Path | None, path: str) -> Path:
+    """A directory written in config, relative to ``base`` (the config file's)."""
     p = Path(path).expanduser()
     return p if p.is_absolute() or base is None else base / p

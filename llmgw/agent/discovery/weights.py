@@ -49,6 +49,10 @@ DEFAULT_WEIGHTS_DIR = Path("/var/lib/llmgw-weights")
 # Bounds on the walk: entries looked at in one directory; JSON files read whole.
 MAX_DIR_ENTRIES = 10_000
 MAX_JSON_BYTES = 64 << 20  # config.json, index files
+# fetched weights: how deep under the default dir their records are looked for
+# (hf/ORG/REPO/REVISION/PATH, whose PATH may have folders of its own)
+MAX_FETCHED_DEPTH = 8
+MAX_SOURCE_BYTES = 4096
 
 # --- safetensors / Hugging Face ----------------------------------------------
 
@@ -406,6 +410,41 @@ def _scan_root(root: Path) -> Iterator[_Found]:
             yield from _model_dir(e.name, Path(e.path))
 
 
+def fetched_record(path: Path) -> Path:
+    """Beside a file the agent fetched: the source it came from, one line, written
+    once it landed whole (``agent.weights``)."""
+    return path.with_name(f".{path.name}.source")
+
+
+def _fetched(root: Path, depth: int = MAX_FETCHED_DEPTH) -> Iterator[tuple[Path, str]]:
+    """(file, its source) of every file under ``root`` that a fetch landed: it has
+    its source's record, and is itself there (a ``.part`` never has one)."""
+    try:
+        with os.scandir(root) as it:
+            entries = [e for _, e in zip(range(MAX_DIR_ENTRIES), it, strict=False)]
+    except OSError as exc:
+        log.debug("weights: cannot list %s: %s", root, exc)
+        return
+    for e in sorted(entries, key=lambda entry: entry.name):
+        if e.name.startswith(".") and e.name.endswith(".source"):
+            target = root / e.name[1 : -len(".source")]
+            try:
+                with open(e.path, "rb") as f:
+                    source = f.read(MAX_SOURCE_BYTES).decode("utf-8", "replace").strip()
+            except OSError:
+                continue
+            if source and target.is_file():
+                yield target, source
+        elif depth > 0 and not e.name.startswith(".") and e.is_dir(follow_symlinks=False):
+            yield from _fetched(Path(e.path), depth - 1)
+
+
+def _fetched_found(path: Path) -> _Found:
+    for stem, first, size, kv in _gguf_models([path]):
+        return _Found(stem, first, "gguf", size, kv)
+    return _Found(path.stem, path, "gguf" if path.suffix.lower() == ".gguf" else "", _size(path))
+
+
 def scan_weights(
     dirs: Sequence[Path],
     *,
@@ -449,6 +488,14 @@ def scan_weights(
                 continue
             seen.add(real)
             found.append(f)
+    sources: dict[str, str] = {}
+    if default_dir in roots:
+        for path, source in _fetched(default_dir):
+            real = os.path.realpath(path)
+            sources[real] = source
+            if real not in seen:
+                seen.add(real)
+                found.append(_fetched_found(path))
 
     if mounts is None:
         mounts = read_mounts(mounts_path)
@@ -467,6 +514,7 @@ def scan_weights(
                 layers=f.kv.layers if f.kv else None,
                 kv_k_per_token=f.kv.k_per_token if f.kv else None,
                 kv_v_per_token=f.kv.v_per_token if f.kv else None,
+                source=sources.get(os.path.realpath(f.path), ""),
             )
         )
     return copies

@@ -1,0 +1,185 @@
+"""The agent's fetches of weights: a shard's weights brought to its node before its
+engine starts.
+
+Theory of operation
+-------------------
+A shard whose spec names a source (``ShardSpec.weights_source``, a profile's
+``source``) needs its weights at ``model_path`` before its engine starts; the
+control plane put there where its source lands under this node's weights
+directory (``Inventory.weights_dir``), or the profile's own ``model_path``.
+``Fetcher.bring`` makes it so with ``llmgw.weights.fetch``: a file already
+there and whole costs a look at the disk; one missing is fetched, resumed
+from what a previous try left, and verified.
+
+One fetch per file at a time on a node: a second shard wanting the same file
+follows the first's fetch (its progress, then its end) instead of starting
+another, and takes over when the first is cancelled (its shard stopped).
+
+A landed file gets its source recorded beside it (``fetched_record``), so
+discovery reports it with its source (``WeightCopy.source``) and placement
+knows this node holds it; a refresh of the inventory is asked for at once.
+What is being fetched is in the inventory too (``fetching``): placement
+prefers a node that is fetching a model's weights to one that is not.
+
+What it counts: bytes fetched by where they came from (``hub``, ``url``,
+``peer``; ``mount`` reads nothing), and failures by kind; a failure is one
+line in the log (``fetch`` logs the start and the end of each fetch).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import attrs
+import trio
+
+from llmgw.agent.discovery.weights import fetched_record
+from llmgw.files import write_atomic
+from llmgw.protocol.messages import FetchProgress, ShardSpec
+from llmgw.weights.errors import Corrupt, FetchError, NoRoom, Stalled
+from llmgw.weights.fetch import fetch
+from llmgw.weights.source import HubFile, MountFile, Source, UrlFile, parse_source
+from llmgw.weights.transfer import Progress
+
+log = logging.getLogger("llmgw.agent.weights")
+
+
+def source_kind(source: Source) -> str:
+    """The ``source`` label of the bytes-fetched counter."""
+    if isinstance(source, HubFile):
+        return "hub"
+    if isinstance(source, UrlFile):
+        return "url"
+    assert isinstance(source, MountFile)
+    return "mount"
+
+
+def failure_kind(exc: FetchError) -> str:
+    """The ``reason`` label of the failures counter."""
+    if isinstance(exc, NoRoom):
+        return "no_room"
+    if isinstance(exc, Corrupt):
+        return "corrupt"
+    if isinstance(exc, Stalled):
+        return "stalled"
+    return "source"
+
+
+@attrs.define(eq=False)
+class _Fetch:
+    """One file being fetched, and whoever follows it."""
+
+    progress: FetchProgress
+    done: trio.Event = attrs.Factory(trio.Event)
+    path: Path | None = None  # landed here
+    error: FetchError | None = None  # failed so
+    # cancelled with the shard that ran it: a follower fetches it itself
+    cancelled: bool = False
+
+
+class Fetcher:
+    """The node's fetches, one per file at a time (``bring``)."""
+
+    def __init__(
+        self,
+        weights_dir: Path,
+        *,
+        on_bytes: Callable[[str, int], None] | None = None,
+        on_failure: Callable[[str], None] | None = None,
+        on_landed: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.weights_dir = weights_dir  # where fetched weights land ([weights] default_dir)
+        self.on_bytes = on_bytes or (lambda kind, n: None)
+        self.on_failure = on_failure or (lambda kind: None)
+        self.on_landed = on_landed
+        self.running: dict[Path, _Fetch] = {}
+        self.changed = trio.Event()  # a fetch began or ended (the inventory says which)
+
+    def fetching(self) -> list[FetchProgress]:
+        """The fetches under way, and how far each has come."""
+        return [f.progress for f in self.running.values()]
+
+    async def bring(
+        self, spec: ShardSpec, report: Callable[[FetchProgress], None] | None = None
+    ) -> Path:
+        """Where ``spec``'s weights are on this node, once they are whole; ``report``
+        hears how far a fetch has come, a few times a second.
+
+        Raises:
+            FetchError: they cannot be had (the message, one line, says why).
+        """
+        source = parse_source(spec.weights_source)
+        target = Path(spec.model_path) if spec.model_path else None
+        if isinstance(source, MountFile):
+            return await fetch(source, self.weights_dir)
+        key = target or self.weights_dir / source.landing()
+        while (running := self.running.get(key)) is not None:
+            await self._follow(running, report)
+            if running.path is not None:
+                return running.path
+            if running.error is not None:
+                raise running.error
+        mine = _Fetch(FetchProgress(source=str(source), path=str(key)))
+        self.running[key] = mine
+        self._changed()
+        kind = source_kind(source)
+        seen: list[int] = []  # the bytes at the last report; none before the first
+
+        def progressed(p: Progress) -> None:
+            if seen and p.done > seen[0]:  # a resumed fetch's first report is what it had
+                self.on_bytes(kind, p.done - seen[0])
+            seen[:] = [p.done]
+            mine.progress = FetchProgress(
+                source=str(source),
+                path=str(key),
+                done_bytes=p.done,
+                total_bytes=p.total,
+                rate_bps=p.rate,
+            )
+            if report is not None:
+                report(mine.progress)
+
+        try:
+            path = await fetch(
+                source,
+                self.weights_dir,
+                target=target,
+                sha256=spec.weights_sha256 or None,
+                stall_s=spec.fetch_stall_s,
+                progress=progressed,
+            )
+            await trio.to_thread.run_sync(
+                lambda: write_atomic(fetched_record(path), str(source).encode() + b"\n", 0o644)
+            )
+        except FetchError as exc:
+            mine.error = exc
+            self.on_failure(failure_kind(exc))
+            log.warning("cannot fetch %s: %s", source, exc)
+            raise
+        except BaseException:
+            mine.cancelled = True
+            raise
+        finally:
+            mine.done.set()
+            del self.running[key]
+            self._changed()
+        mine.path = path
+        if self.on_landed is not None:
+            await self.on_landed()
+        return path
+
+    async def _follow(
+        self, running: _Fetch, report: Callable[[FetchProgress], None] | None
+    ) -> None:
+        """Until another shard's fetch of the same file ends, hearing its progress."""
+        while not running.done.is_set():
+            if report is not None:
+                report(running.progress)
+            with trio.move_on_after(0.25):
+                await running.done.wait()
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()

@@ -1,0 +1,148 @@
+"""Weights a node lacks are fetched before its engine starts, through real processes:
+the control plane, a real agent, a real llama-server, and the hub stand-in serving
+the tiny model as the hub would (huggingface_hub in the agent, pointed at it by
+``HF_ENDPOINT``). A profile that names a ``source`` instead of a ``model_path`` is
+placed on a node without the file; the agent fetches it (slowly: longer than the
+startup timeout, which counts only from when it is whole), reports how far it has
+come, and starts the engine, which serves. A fetch whose bytes are not the ones
+the profile pins fails the replica in one line, and lands nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import httpx
+import trio
+
+from tests.cluster.test_control_plane_processes import Cluster, chat, cluster
+from tests.conftest import Pki
+from tests.realparts import needs_server
+from tools.support.hubstandin import HubStandIn
+from tools.support.tinymodel import write_model
+
+pytestmark = needs_server
+
+FETCH_S = 6.0  # how long the stand-in takes to serve the file: past the startup timeout
+
+
+def fetched(source: str, sha256: str = "", startup_timeout_s: float = 3) -> str:
+    pin = f'sha256 = "{sha256}"\n' if sha256 else ""
+    return f"""
+[models.fetched]
+replicas = 1
+[[models.fetched.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+gpus = 1
+min_memory_gb = 1
+source = "{source}"
+{pin}fetch_stall_s = 10
+settings = {{ context = 256, parallel = 1, threads = 1, threads_batch = 1 }}
+startup_timeout_s = {startup_timeout_s}
+"""
+
+
+def hub_env(tmp: Path, hub: HubStandIn) -> dict[str, str]:
+    return {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp / "hf-home"), "HF_TOKEN": ""}
+
+
+def serve_model(tmp: Path) -> tuple[Path, Path]:
+    """The stand-in's folder, and the tiny model in it as acme/tiny-GGUF's tiny.gguf."""
+    root = tmp / "hub"
+    file = root / "acme" / "tiny-GGUF" / "tiny.gguf"
+    file.parent.mkdir(parents=True)
+    write_model(file, ends_after=4, context_length=256)
+    return root, file
+
+
+async def agent_metrics(port: int) -> str:
+    async with httpx.AsyncClient(timeout=5) as client:
+        return (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+
+
+async def test_a_replica_placed_where_its_weights_are_not_fetches_them_and_serves(
+    tmp_path: Path, pki: Pki
+) -> None:
+    root, file = serve_model(tmp_path)
+    size = file.stat().st_size
+    source = "hf://acme/tiny-GGUF/tiny.gguf"
+    with HubStandIn(root) as hub:
+        hub.rate = int(size / FETCH_S)
+        # within [reconcile]: a replica not ready 1 s past its startup timeout fails
+        margin = "startup_margin_s = 1\n"
+        async with cluster(
+            tmp_path, pki, 0, extra_catalog=fetched(source), server_extra=margin
+        ) as c:
+            landing = tmp_path / "fetched-weights"
+            c.agent(
+                "n1",
+                env=hub_env(tmp_path, hub),
+                more=f'[weights]\ndefault_dir = "{landing}"\n'
+                '[metrics]\nlisten = "127.0.0.1:0"\n',
+            )
+            # while it fetches: ctl says how far, on which node, and nothing times out
+            seen = await until_fetching(c)
+            assert "fetching" in seen["models"] and "on n1" in seen["models"], seen
+            assert f"fetching {source}: " in seen["replicas"], seen
+            assert "% of" in seen["replicas"], seen
+            (ready,) = await c.wait_ready(1, timeout=FETCH_S * 4, model="fetched")
+            # placed once: the fetch did not count against its 3 s startup timeout
+            assert not [r for r in await c.replicas() if r["state"] == "Failed"]
+            log = c.server.log()
+            assert "not ready" not in log, log[-3000:]
+            await chat(tmp_path, ready["shards"][0])
+
+            # it landed whole where its source lands, with its source beside it
+            target = landing / "hf" / "acme" / "tiny-GGUF" / "main" / "tiny.gguf"
+            assert hashlib.sha256(target.read_bytes()).digest() == (
+                hashlib.sha256(file.read_bytes()).digest()
+            )
+            assert (target.parent / ".tiny.gguf.source").read_text().strip() == source
+            assert not list(target.parent.glob("*.part"))
+            # the node reports it held, with its source: placement knows it is here
+            n1 = (await c.server.nodes())["n1"]
+            copies = [w for w in n1["weights"] if w.get("source") == source]
+            assert copies and copies[0]["path"] == str(target), n1["weights"]
+            assert n1["weights_dir"] == str(landing), n1
+            # counted by where the bytes came from
+            agent_log = c.agents["n1"].log()
+            metrics_port = int(agent_log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
+            text = await agent_metrics(metrics_port)
+            assert f'llmgw_agent_weights_fetched_bytes_total{{source="hub"}} {size:.1f}' in text
+            assert "fetching hf://acme/tiny-GGUF/tiny.gguf" in agent_log, agent_log[-3000:]
+            assert hub.served == size  # read once
+
+
+async def until_fetching(c: Cluster) -> dict[str, str]:
+    """``ctl models`` and ``ctl replicas`` while the replica's weights are being fetched."""
+    with trio.fail_after(FETCH_S * 2):
+        while True:
+            replicas = (await c.server.ctl("replicas")).stdout.decode()
+            if "% of" in replicas:
+                models = (await c.server.ctl("models")).stdout.decode()
+                return {"replicas": replicas, "models": models}
+            await trio.sleep(0.2)
+
+
+async def test_a_fetch_of_other_bytes_than_pinned_fails_the_replica_and_lands_nothing(
+    tmp_path: Path, pki: Pki
+) -> None:
+    root, _ = serve_model(tmp_path)
+    source = "hf://acme/tiny-GGUF/tiny.gguf"
+    wrong = "0" * 64
+    with HubStandIn(root) as hub:
+        catalog = fetched(source, sha256=wrong)
+        async with cluster(tmp_path, pki, 0, extra_catalog=catalog) as c:
+            landing = tmp_path / "fetched-weights"
+            c.agent(
+                "n1", env=hub_env(tmp_path, hub), more=f'[weights]\ndefault_dir = "{landing}"\n'
+            )
+            line = await c.server.wait_log(r"shard (\S+) failed: cannot fetch its weights: (.*)")
+            assert wrong in line.group(2) and "pin the revision" in line.group(2), line.group(0)
+            assert not (landing / "hf" / "acme" / "tiny-GGUF" / "main" / "tiny.gguf").exists()
+            models = json.loads((await c.server.ctl("models", "--json")).stdout)["models"]
+            (view,) = [m for m in models if m["model"] == "fetched"]
+            reasons = [f["reason"] for f in view["failures"]]
+            assert any("cannot fetch its weights" in r for r in reasons), view
