@@ -45,6 +45,7 @@ which hold it, or are fetching it, and where their transfer listeners are):
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
@@ -591,6 +592,9 @@ def _prepare(weights_dir: Path, target: Path, part: Path, size: int) -> int:
     parts.check_room(weights_dir, target, size - kept)
     target.parent.mkdir(parents=True, exist_ok=True)
     parts.drop_stale(target, part)
+    for manifest in target.parent.glob(f".{glob.escape(target.name)}.*.part.chunks"):
+        if not manifest.with_name(manifest.name[1 : -len(".chunks")]).exists():
+            manifest.unlink(missing_ok=True)  # of a .part that is gone (landed, or dropped)
     return kept
 
 

@@ -454,3 +454,47 @@ async def test_a_taker_killed_midway_resumes_without_taking_whole_chunks_again(
             path = await fetch_from_peer(source, b, [peer], trust(pki, "n2"), sha256=model.sha256)
     assert path.read_bytes() == model.data
     assert server.sent - sent_before == len(model.data) - kept
+
+
+async def test_transfers_are_bounded_and_a_taker_turned_away_comes_back(
+    pki: Pki, model: Model, tmp_path: Path
+) -> None:
+    a = tmp_path / "a"
+    land(a, model)
+    limits = ServeLimits(chunk_size=CHUNK, max_transfers=1, slot_s=0.05)
+    s = SlowServer(a, server_context(pki.ca, *pki.agent("n1")), limits)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            port = (await nursery.start(s.serve, "127.0.0.1", 0))[0].socket.getsockname()[1]
+            peer = Peer("n1", "127.0.0.1", port)
+            async with trio.open_nursery() as takers:
+                for node in ("n2", "n3", "n4"):
+                    takers.start_soon(
+                        lambda n=node: fetch_from_peer(
+                            hub_source(model), tmp_path / n, [peer], trust(pki, n)
+                        )
+                    )
+            nursery.cancel_scope.cancel()
+    for node in ("n2", "n3", "n4"):
+        assert where(hub_source(model), tmp_path / node).read_bytes() == model.data
+    assert s.refused.get(503, 0) > 0  # one chunk at a time: the others were told to wait
+    assert s.sent == 3 * len(model.data)
+
+
+async def test_a_client_that_says_nothing_is_let_go(pki: Pki, tmp_path: Path) -> None:
+    limits = ServeLimits(chunk_size=CHUNK, handshake_s=0.3, idle_s=0.3)
+    s = PeerServer(tmp_path, server_context(pki.ca, *pki.agent("n1")), limits)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = (await nursery.start(s.serve, "127.0.0.1", 0))[0].socket.getsockname()[1]
+            silent = await trio.open_tcp_stream("127.0.0.1", port)  # no handshake
+            link = _Link(Peer("n1", "127.0.0.1", port), trust(pki, "n2"))
+            await link._open()  # a handshake, then no request
+            await trio.sleep(0.1)
+            assert s.connections == 2
+            assert await silent.receive_some(100) == b""  # closed by the listener
+            while s.connections:
+                await trio.sleep(0.05)
+            await link.close()
+            await silent.aclose()
+            nursery.cancel_scope.cancel()
