@@ -2,19 +2,28 @@
 
 Theory of operation
 -------------------
-``fetch`` brings one file to where its source lands (``source.where``):
+``fetch`` brings one file to where its source lands (``source.where``);
+``fetch_file`` does the same and says more of it (``Fetched``: the hub's
+commit, the bytes read and resumed, whether a moving revision moved on):
 
 1. A file already there is whole: nothing but a finished, verified fetch puts
    one there. It is used without asking the network, so a node starts its
    engine while the hub is down. Only a caller who expects another sha256
    than the file's (its record says, or its hash where it has none) has it
    fetched again and replaced; an engine that has the old one open keeps it.
+   A caller who asks (``check_revision``) learns whether the hub's revision
+   it came from, a branch such as ``main``, has moved on to another file:
+   the hub is asked, a move is logged and returned (``Fetched.moved``), and
+   the node keeps its file (a profile pins the commit or sha256 it wants); a
+   hub that does not answer changes nothing.
 2. Ask what the file is (``Remote``): its size, its sha256 where the source
    gives one, and where its bytes are. The hub is asked through
-   huggingface_hub (``hub``): the size, and the sha256 it keeps for a file in
-   LFS. A URL is asked with a ``HEAD``: its ``Content-Length``, and its
-   ``ETag`` to resume only onto the same bytes. The caller's sha256 and size,
-   where given, must agree with the source's, or nothing is fetched.
+   huggingface_hub (``hub``): the size, the sha256 it keeps for a file in
+   LFS, and the commit the revision resolves to. A URL is asked with a
+   ``HEAD``, or, where it refuses one (a presigned URL), a ``GET`` of its
+   first byte (``transfer.probe``): its size, and its ``ETag`` to resume
+   only onto the same bytes. The caller's sha256 and size, where given, must
+   agree with the source's, or nothing is fetched.
 3. Check room, before anything is written: the bytes still to come against
    what ``statvfs`` says is free in the weights directory. It is a check, not
    a reservation: a disk that fills meanwhile fails the write with the same
@@ -27,7 +36,8 @@ Theory of operation
    else vouches for its bytes. A mismatch deletes the ``.part`` (``Corrupt``).
 6. Land: the ``.part`` is fsync-ed and renamed onto the target, so no one
    sees a partial file under the real name, and its sha256 is recorded
-   beside it (``part.record_path``).
+   beside it (``part.record_path``), and the hub's commit where it came from
+   the hub (``part.commit_path``).
 
 A file on a shared mount (``MountFile``) is not fetched: it must be there, of
 the size the caller gives, and is used where it is (hashing it on every node
@@ -48,6 +58,7 @@ import ssl
 import stat
 from pathlib import Path
 
+import attrs
 import httpx
 import trio
 
@@ -60,6 +71,7 @@ from llmgw.weights.transfer import (
     Reporter,
     client,
     describe,
+    probe,
     transfer,
 )
 
@@ -69,6 +81,19 @@ ASK_S = 30.0  # a HEAD, the hub's answer, a stat on a shared mount
 HTTP_BEHIND_S = 5.0  # httpx's timeouts, behind the fetch's own clock
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+@attrs.frozen
+class Fetched:
+    """What ``fetch_file`` did."""
+
+    path: Path
+    commit: str | None  # the hub's commit the file came from; None: not the hub, or unknown
+    fetched: int = 0  # bytes read from the source by this call
+    resumed: int = 0  # bytes a .part held from an earlier call, not read again
+    moved: str | None = None  # check_revision: the commit the revision moved to, with
+    # another file than this one (which the node keeps)
 
 
 async def fetch(
@@ -85,7 +110,38 @@ async def fetch(
     progress: ProgressCallback | None = None,
 ) -> Path:
     """The path of ``source``'s file on this node, fetched into ``weights_dir``
-    when it is not there yet.
+    when it is not there yet: ``fetch_file``'s, which see."""
+    fetched = await fetch_file(
+        source,
+        weights_dir,
+        target=target,
+        sha256=sha256,
+        size=size,
+        token=token,
+        endpoint=endpoint,
+        verify=verify,
+        stall_s=stall_s,
+        progress=progress,
+    )
+    return fetched.path
+
+
+async def fetch_file(
+    source: Source,
+    weights_dir: Path,
+    *,
+    target: Path | None = None,
+    sha256: str | None = None,
+    size: int | None = None,
+    token: str | None = None,
+    endpoint: str | None = None,
+    verify: ssl.SSLContext | bool = True,
+    stall_s: float = 60.0,
+    progress: ProgressCallback | None = None,
+    check_revision: bool = False,
+) -> Fetched:
+    """``source``'s file on this node, fetched into ``weights_dir`` when it is
+    not there yet, and what it took.
 
     ``target``: where the file lands instead of where the source says
     (``source.where``), a profile's ``model_path`` beside its source; its
@@ -96,6 +152,8 @@ async def fetch(
     among them). ``verify``: whom to trust for the bytes' TLS (the hub's
     answer is asked with huggingface_hub's own trust). ``stall_s``: how long
     without a byte before giving up. ``progress``: called a few times a second.
+    ``check_revision``: for a hub file already there from a revision that
+    moves, ask the hub whether it moved on to another file (``Fetched.moved``).
 
     Raises:
         ValueError: ``sha256`` is not 64 hex digits.
@@ -110,25 +168,48 @@ async def fetch(
         if not _SHA256.fullmatch(sha256):
             raise ValueError(f"sha256 {sha256!r} is not 64 hex digits (as sha256sum prints one)")
     if isinstance(source, MountFile):
-        return await _on_mount(where(source, weights_dir), size)
+        return Fetched(await _on_mount(where(source, weights_dir), size), commit=None)
     if target is None:
         target = where(source, weights_dir)
     else:
         weights_dir = target.parent
     if await _have(target, sha256):
-        return target
+        commit = await trio.to_thread.run_sync(parts.read_commit, target)
+        moved = None
+        if check_revision and isinstance(source, HubFile):
+            moved = await _moved(source, target, commit, token=token, endpoint=endpoint)
+        return Fetched(target, commit=commit, moved=moved)
     remote = await _ask(source, token=token, endpoint=endpoint, verify=verify)
     expected = _expect(str(source), remote, sha256, size)
     part = parts.part_path(target, _tag(remote))
     kept = await trio.to_thread.run_sync(_prepare, weights_dir, target, part, remote.size)
+    return await _fetch_into(
+        source, target, part, kept, remote, expected, sha256, verify, stall_s, progress
+    )
+
+
+async def _fetch_into(
+    source: HubFile | UrlFile,
+    target: Path,
+    part: Path,
+    kept: int,
+    remote: Remote,
+    expected: str | None,
+    sha256: str | None,
+    verify: ssl.SSLContext | bool,
+    stall_s: float,
+    progress: ProgressCallback | None,
+) -> Fetched:
     report = Reporter(progress, remote.size)
     with parts.Part.open(part, target) as writing:
-        await trio.to_thread.run_sync(writing.keep, kept)
+        kept = await trio.to_thread.run_sync(writing.keep, kept)
+        report.resumed = kept
         while await trio.to_thread.run_sync(writing.hash_kept):
             pass
         log.info(
-            "fetching %s (%s) into %s%s",
+            "fetching %s%s (%s) into %s%s",
             source,
+            f" at commit {remote.commit}" if remote.commit else "",
             parts.human(remote.size),
             target.parent,
             f", resuming at {parts.human(kept)}" if kept else "",
@@ -155,16 +236,19 @@ async def fetch(
         except Corrupt:
             await trio.to_thread.run_sync(lambda: part.unlink(missing_ok=True))
             raise
-        await trio.to_thread.run_sync(parts.land, part, target, got)
+        await trio.to_thread.run_sync(parts.land, part, target, got, remote.commit)
     log.info(
-        "fetched %s: %s, sha256 %s%s",
+        "fetched %s: %s, sha256 %s%s%s (%s read, %s resumed)",
         source,
         target,
         got,
         "" if expected else " (not checked: the source gives none)",
+        f", commit {remote.commit}" if remote.commit else "",
+        parts.human(report.fetched),
+        parts.human(report.resumed),
     )
     report(remote.size, final=True)
-    return target
+    return Fetched(target, commit=remote.commit, fetched=report.fetched, resumed=report.resumed)
 
 
 def _prepare(weights_dir: Path, target: Path, part: Path, size: int) -> int:
@@ -245,30 +329,48 @@ async def _ask(
             size=answer.size,
             sha256=answer.sha256,
             etag=None,  # a CDN's ETag is not the hub's; the sha256 ties the bytes
+            commit=answer.commit,
         )
     try:
         async with client(verify, ASK_S) as http:
             with trio.fail_after(ASK_S):
-                r = await http.head(source.url, headers={"accept-encoding": "identity"})
+                return await probe(http, source.url, str(source))
     except (httpx.HTTPError, trio.TooSlowError) as exc:
         why = f"no answer in {ASK_S:g} s" if isinstance(exc, trio.TooSlowError) else describe(exc)
         raise FetchError(f"{source}: cannot ask the server for the file: {why}") from None
-    if r.status_code != 200:
-        raise FetchError(f"{source}: the server answered {r.status_code} to a HEAD")
-    length = str(r.headers.get("content-length", ""))
-    if not length.isdigit():
-        raise FetchError(
-            f"{source}: the server says no size for the file (no Content-Length), so no room"
-            " can be checked for it"
+
+
+async def _moved(
+    source: HubFile, target: Path, commit: str | None, *, token: str | None, endpoint: str | None
+) -> str | None:
+    """The commit ``source``'s revision is at now, where its file there is not
+    the one at ``target`` (from ``commit``); None when it is, when the revision
+    is a commit, or when the hub does not answer (said, and nothing else)."""
+    if _COMMIT.fullmatch(source.revision):
+        return None  # a commit never moves
+    try:
+        remote = await _ask(source, token=token, endpoint=endpoint, verify=True)
+    except FetchError as exc:
+        log.info(
+            "%s: cannot ask whether %s moved (%s); using %s", source, source.revision, exc, target
         )
-    etag = r.headers.get("etag")
-    return Remote(
-        url=source.url,
-        headers={},
-        size=int(length),
-        sha256=None,
-        etag=etag if etag and not etag.startswith("W/") else None,
+        return None
+    if remote.commit is None or remote.commit == commit:
+        return None
+    held = await trio.to_thread.run_sync(parts.read_record, target)
+    if remote.sha256 is not None and remote.sha256 == held:
+        return None  # another commit, the same file
+    log.warning(
+        "%s: %s is now at commit %s on the hub, with another file than the one this node"
+        " holds (%s, from %s); the node keeps using its own: pin the commit or the sha256"
+        " the profile means to fetch the new one",
+        source,
+        source.revision,
+        remote.commit,
+        target,
+        f"commit {commit}" if commit else "an unrecorded commit",
     )
+    return remote.commit
 
 
 def _expect(what: str, remote: Remote, sha256: str | None, size: int | None) -> str | None:

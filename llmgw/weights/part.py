@@ -17,10 +17,17 @@ worker threads, a block or a chunk at a time.
 
 A landed file (``land``) got there by ``os.replace`` of its whole, verified
 ``.part``; its sha256 is then recorded in ``.NAME.sha256`` (``record_path``),
-as ``sha256sum`` writes it, so ``sha256sum -c`` checks it by hand. The old
-record goes before the rename: a crash between leaves no record, never a
-wrong one, and a file without a record is hashed when a caller asks for a
-sha256.
+as ``sha256sum`` writes it, so ``sha256sum -c`` checks it by hand, and the
+hub's commit it came from, where it came from the hub, in ``.NAME.commit``
+(``commit_path``). The old records go before the rename: a crash between
+leaves no record, never a wrong one, and a file without a record is hashed
+when a caller asks for a sha256.
+
+Every file kept about a landed file is a hidden sibling, ``.NAME.KIND``
+(``SIDECARS``: its sha256, its commit, its last use, the chunks a peer
+transfer verified), so whoever removes the file removes them all
+(``sidecars``), and a listing of the folder's visible files is a listing of
+the weights it holds.
 """
 
 from __future__ import annotations
@@ -42,6 +49,12 @@ from llmgw.weights.errors import FetchError, NoRoom
 HASH_CHUNK = 16 << 20  # of a kept .part or a landed file, read and hashed per call
 
 _TAGGED = re.compile(r"\.[0-9a-f]{16}\.part")
+_PART = re.compile(r".+\.[0-9a-f]{16}\.part")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+# what is kept beside a landed NAME, as .NAME.KIND: its sha256 (here), the hub's
+# commit it came from (here), its last use (budget), what a peer verified (chunks)
+SIDECARS = ("sha256", "commit", "used", "chunks")
 
 
 def part_path(target: Path, tag: str) -> Path:
@@ -53,6 +66,35 @@ def part_path(target: Path, tag: str) -> Path:
 def record_path(target: Path) -> Path:
     """The sha256 of a landed ``target``, as ``sha256sum`` writes it."""
     return target.with_name(f".{target.name}.sha256")
+
+
+def commit_path(target: Path) -> Path:
+    """The hub's commit a landed ``target`` came from."""
+    return target.with_name(f".{target.name}.commit")
+
+
+def sidecars(target: Path) -> list[Path]:
+    """Every file kept beside a landed ``target`` about it (``SIDECARS``)."""
+    return [target.with_name(f".{target.name}.{kind}") for kind in SIDECARS]
+
+
+def is_part(path: Path) -> bool:
+    """Whether ``path`` is a fetch's ``.part`` (``part_path``)."""
+    return _PART.fullmatch(path.name) is not None
+
+
+def landed_name(part: Path) -> str:
+    """The name of the file a ``.part`` is the bytes of."""
+    return part.name[: -len(".0123456789abcdef.part")]
+
+
+def read_commit(target: Path) -> str | None:
+    """The hub's commit recorded for ``target``; None without a record."""
+    try:
+        text = commit_path(target).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _COMMIT.fullmatch(text) else None
 
 
 def read_record(target: Path) -> str | None:
@@ -86,9 +128,10 @@ def check_room(weights_dir: Path, target: Path, needed: int) -> None:
         )
 
 
-def drop_stale(target: Path, keep: Path) -> None:
+def drop_stale(target: Path, keep: Path | None) -> None:
     """Remove the ``.part`` files of ``target`` but ``keep``: bytes of a version
-    the source no longer has. One another fetch is writing stays."""
+    the source no longer has (all of them, ``keep`` None: the file is evicted).
+    One another fetch is writing stays."""
     for p in target.parent.glob(f"{glob.escape(target.name)}.*.part"):
         if p == keep or not _TAGGED.fullmatch(p.name[len(target.name) :]):
             continue
@@ -136,11 +179,14 @@ class Part:
         finally:
             os.close(fd)  # and the lock with it
 
-    def keep(self, kept: int) -> None:
+    def keep(self, kept: int) -> int:
         """Keep the first ``kept`` bytes, dropping any past them; ``hash_kept``
-        then hashes them."""
+        then hashes them. What it keeps: fewer when the ``.part`` has fewer now
+        (another process removed it between the look and the lock)."""
+        kept = min(kept, os.fstat(self.fd).st_size)  # never extend it with zeros
         os.ftruncate(self.fd, kept)
         self.kept = kept
+        return kept
 
     def hash_kept(self) -> bool:
         """Hash the next chunk of the kept bytes; False once all are."""
@@ -188,9 +234,11 @@ class Part:
         return os.fstat(self.fd).st_size
 
 
-def land(part: Path, target: Path, sha256: str) -> None:
-    """Rename the whole, verified ``part`` onto ``target`` and record its sha256."""
+def land(part: Path, target: Path, sha256: str, commit: str | None = None) -> None:
+    """Rename the whole, verified ``part`` onto ``target`` and record its sha256,
+    and the hub's ``commit`` it came from."""
     record_path(target).unlink(missing_ok=True)
+    commit_path(target).unlink(missing_ok=True)
     os.replace(part, target)
     fd = os.open(target.parent, os.O_RDONLY)
     try:
@@ -198,6 +246,8 @@ def land(part: Path, target: Path, sha256: str) -> None:
     finally:
         os.close(fd)
     write_record(target, sha256)
+    if commit is not None:
+        write_atomic(commit_path(target), f"{commit}\n".encode(), mode=0o644)
 
 
 class FileHash:

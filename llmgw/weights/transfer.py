@@ -13,22 +13,42 @@ range (``200``) sends from zero, and the ``.part`` starts over with it. The
 writer writes every block in the order received, so the next request always
 starts where the ``.part`` will end.
 
+A busy server (``5xx``, ``429``) is asked again when it says
+(``Retry-After``, in seconds or as an HTTP date); one that does not say, or
+a cut, after a wait that doubles with each try that brought no byte, from
+``RETRY_S`` up to ``RETRY_MAX_S`` (``retry_wait``). A try that brought bytes
+starts the doubling over.
+
 One clock bounds it all: a trio cancel scope whose deadline moves ``stall_s``
 ahead each time bytes arrive. Connecting, waiting for an answer, waiting for
 the next byte and waiting before asking again all count against it; when it
-fires, nothing arrived for ``stall_s`` (``Stalled``). httpx's own timeouts sit
-a little behind it, so the clock is what says why.
+fires, nothing arrived for ``stall_s`` (``Stalled``). A server that asks to
+be left alone longer than the clock has left is given up on at once, with
+its words: waiting for the clock to fire would only say it later. httpx's
+own timeouts sit a little behind the clock, so the clock is what says why.
 
 The server is held to what the source said: a range that starts elsewhere,
 a file of another size, or more bytes than the size end the transfer.
+
+What a URL's file is (``probe``) is asked with a ``HEAD``; a URL signed for
+``GET`` only (S3's, GCS's presigned URLs) refuses one (``403``, ``405``), and
+is asked with a ``GET`` of its first byte instead: the size is the total of
+its ``Content-Range``, and the ``ETag`` is the object's, as a ``HEAD`` says.
+
+The counts a caller keeps for metrics come with each report (``Progress``):
+the bytes this call read from the source (``fetched``), and those a ``.part``
+already held when it began (``resumed``, 0 once a server sends from zero).
 """
 
 from __future__ import annotations
 
+import math
 import re
 import ssl
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from email.utils import parsedate_to_datetime
 
 import attrs
 import httpx
@@ -38,7 +58,8 @@ from llmgw.weights.errors import Corrupt, FetchError, Stalled
 from llmgw.weights.part import Part, human
 
 PROGRESS_S = 0.25  # at most this often to the callback
-RETRY_S = 0.5  # between a cut and asking again (counted on the clock)
+RETRY_S = 0.5  # between a cut and asking again (counted on the clock), at first
+RETRY_MAX_S = 8.0  # ... doubling with each try that brought no byte, up to this
 BLOCK = 1 << 20  # written and hashed at once, in a worker thread
 BLOCKS_AHEAD = 4  # received and waiting to be written
 
@@ -52,6 +73,7 @@ class Remote:
     size: int
     sha256: str | None  # the source's own, where it gives one
     etag: str | None  # a strong ETag, sent as If-Range with a range
+    commit: str | None = None  # the hub's commit the revision resolved to, for a hub file
 
 
 @attrs.frozen
@@ -59,6 +81,8 @@ class Progress:
     done: int  # bytes the file has so far (a resumed one starts with what it had)
     total: int
     rate: float  # bytes/s since the last report; 0 at the first
+    fetched: int = 0  # bytes read from the source by this call (for metrics by source)
+    resumed: int = 0  # bytes a .part held when this call began, not read again
 
 
 ProgressCallback = Callable[[Progress], None]
@@ -72,6 +96,8 @@ class Reporter:
         self.total = total
         self.at: float | None = None
         self.done_at = 0
+        self.fetched = 0  # kept by the writer, whether or not anyone is called back
+        self.resumed = 0
 
     def __call__(self, done: int, *, final: bool = False) -> None:
         if self.callback is None:
@@ -84,7 +110,15 @@ class Reporter:
         else:
             return
         self.at, self.done_at = now, done
-        self.callback(Progress(done=done, total=self.total, rate=rate))
+        self.callback(
+            Progress(
+                done=done,
+                total=self.total,
+                rate=rate,
+                fetched=self.fetched,
+                resumed=self.resumed,
+            )
+        )
 
 
 @asynccontextmanager
@@ -116,19 +150,37 @@ async def transfer(
     send, receive = trio.open_memory_channel[bytes | None](BLOCKS_AHEAD)  # None: from zero
     received = [part.size]  # handed to the writer, in order
     last = "no answer yet"
+    gave_up = ""  # the server asked for a longer wait than the clock has left
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_write, receive, part, report)
             async with send:  # closed at the end: the writer writes what it has, and ends
                 with trio.CancelScope(deadline=trio.current_time() + stall_s) as clock:
+                    tries = 0  # in a row, without a byte
                     while received[0] < remote.size:
+                        before = received[0]
                         try:
                             await _ask(http, remote, send, received, clock, stall_s, what)
                         except (httpx.TransportError, _Cut) as exc:
                             last = describe(exc)
-                            await trio.sleep(RETRY_S)
+                            tries = 1 if received[0] != before else tries + 1
+                            asked = exc.retry_after if isinstance(exc, _Cut) else None
+                            wait = retry_wait(tries, asked)
+                            left = clock.deadline - trio.current_time()
+                            if asked is not None and asked > left:
+                                gave_up = (
+                                    f"{what}: {last} and asks to be asked again in"
+                                    f" {asked:.0f} s, later than this fetch waits for a byte"
+                                    f" ({stall_s:g} s), at {human(received[0])} of"
+                                    f" {human(remote.size)}; the partial file is kept and"
+                                    " the next fetch resumes it"
+                                )
+                                break
+                            await trio.sleep(wait)
     except BaseExceptionGroup as group:
         raise _single(group) from None
+    if gave_up:
+        raise Stalled(gave_up)
     if clock.cancelled_caught:
         raise Stalled(
             f"{what}: no byte arrived for {stall_s:g} s, at {human(part.size)} of"
@@ -137,8 +189,94 @@ async def transfer(
         )
 
 
+def retry_wait(tries: int, retry_after: float | None) -> float:
+    """Seconds to wait before asking again, after ``tries`` in a row that brought
+    no byte: what the server asked for (``Retry-After``), else ``RETRY_S``
+    doubled with each such try, up to ``RETRY_MAX_S``. Never less than
+    ``RETRY_S``: a server that says 0 is not asked in a tight loop."""
+    if retry_after is not None:
+        return max(RETRY_S, retry_after)
+    return min(RETRY_S * (1 << min(max(tries - 1, 0), 30)), RETRY_MAX_S)
+
+
+def retry_after(value: str | None, now: float) -> float | None:
+    """Seconds a ``Retry-After`` asks for, as a number or an HTTP date (``now``:
+    the wall clock's time, what the date is against); None when it says
+    neither."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP date is GMT; a sloppy one says nothing
+        return None
+    seconds = when.timestamp() - now
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+HEAD_REFUSED = (400, 403, 405, 501)  # a URL signed for GET only; a server without HEAD
+
+
+async def probe(http: httpx.AsyncClient, url: str, what: str) -> Remote:
+    """What the file at ``url`` is: its size and strong ETag, asked with a
+    ``HEAD``, else with a ``GET`` of its first byte. The caller bounds the wait.
+
+    Raises:
+        httpx.HTTPError: the server could not be asked.
+        FetchError: the server refused, or says no size.
+    """
+    headers = {"accept-encoding": "identity"}  # the size of the bytes as stored
+    r = await http.head(url, headers=headers)
+    length = str(r.headers.get("content-length", ""))
+    if r.status_code == 200 and length.isdigit():
+        return _remote(url, int(length), r)
+    if r.status_code not in HEAD_REFUSED and r.status_code != 200:
+        raise FetchError(f"{what}: the server answered {r.status_code} to a HEAD")
+    head = f"{r.status_code} to a HEAD" if r.status_code != 200 else "no size to a HEAD"
+    async with http.stream("GET", url, headers={**headers, "range": "bytes=0-0"}) as g:
+        # the body is not read: one byte, or the whole file from a server without ranges
+        said = str(g.headers.get("content-range", ""))
+        total = re.fullmatch(r"bytes (?:\d+-\d+|\*)/(\d+)", said)
+        length = str(g.headers.get("content-length", ""))
+        if g.status_code in (206, 416) and total is not None:
+            return _remote(url, int(total[1]), g)
+        if g.status_code == 200 and length.isdigit():
+            return _remote(url, int(length), g)
+        if g.status_code in (200, 206):
+            raise FetchError(
+                f"{what}: the server says no size for the file (it answered {head}, and"
+                " no Content-Range or Content-Length to a GET), so no room can be checked"
+                " for it"
+            )
+        hint = ": has the URL's signature expired?" if g.status_code == 403 else ""
+        raise FetchError(
+            f"{what}: the server answered {head} and {g.status_code} to a GET of its"
+            f" first byte{hint}"
+        )
+
+
+def _remote(url: str, size: int, r: httpx.Response) -> Remote:
+    etag = r.headers.get("etag")
+    return Remote(
+        url=url,
+        headers={},
+        size=size,
+        sha256=None,
+        etag=etag if etag and not etag.startswith("W/") else None,
+    )
+
+
 class _Cut(Exception):
-    """The server ended an answer early, or is busy: worth asking again."""
+    """The server ended an answer early, or is busy: worth asking again,
+    after ``retry_after`` seconds where it said so."""
+
+    def __init__(self, why: str, retry_after: float | None = None) -> None:
+        super().__init__(why)
+        self.retry_after = retry_after
 
 
 async def _ask(
@@ -160,7 +298,9 @@ async def _ask(
             headers["if-range"] = remote.etag  # changed since: the whole, new file
     async with http.stream("GET", remote.url, headers=headers) as r:
         if r.status_code >= 500 or r.status_code == 429:
-            raise _Cut(f"the server answered {r.status_code}")
+            wait = retry_after(r.headers.get("retry-after"), time.time())
+            said = "" if wait is None else f" (Retry-After: {r.headers['retry-after']})"
+            raise _Cut(f"the server answered {r.status_code}{said}", wait)
         if r.status_code == 200 and start:  # no range from this server: from zero again
             await send.send(None)
             received[0] = 0
@@ -221,8 +361,10 @@ async def _write(
         async for block in receive:
             if block is None:
                 await trio.to_thread.run_sync(part.restart)
+                report.resumed = 0
             else:
                 await trio.to_thread.run_sync(part.append, block)
+                report.fetched += len(block)
             report(part.size)
 
 

@@ -15,8 +15,8 @@ import pytest
 import trio
 
 from llmgw.weights.errors import Corrupt, FetchError
-from llmgw.weights.fetch import fetch
-from llmgw.weights.part import record_path
+from llmgw.weights.fetch import fetch, fetch_file
+from llmgw.weights.part import commit_path, record_path
 from llmgw.weights.source import parse_source
 from llmgw.weights.transfer import Progress
 from tests.weights.conftest import Model
@@ -42,14 +42,18 @@ async def test_a_hub_file_lands_whole_and_verified_under_its_name(
     assert path.read_bytes() == model.data
     # the hash it was verified against, recorded as sha256sum writes it
     assert record_path(path).read_text() == f"{model.sha256}  tiny-Q4_K_M.gguf\n"
+    # and the commit `main` was at when it was fetched
+    assert commit_path(path).read_text() == f"{COMMIT}\n"
     assert leftovers(weights) == [
+        "hf/acme/tiny-GGUF/main/.tiny-Q4_K_M.gguf.commit",
         "hf/acme/tiny-GGUF/main/.tiny-Q4_K_M.gguf.sha256",
         "hf/acme/tiny-GGUF/main/tiny-Q4_K_M.gguf",
     ]
     assert hub.served == len(model.data)  # each byte once
     heads = [r for r in hub.requests if r.method == "HEAD"]
     assert [r.path for r in heads] == ["/acme/tiny-GGUF/resolve/main/tiny-Q4_K_M.gguf"]
-    assert seen[-1] == Progress(done=len(model.data), total=len(model.data), rate=seen[-1].rate)
+    n = len(model.data)
+    assert seen[-1] == Progress(done=n, total=n, rate=seen[-1].rate, fetched=n, resumed=0)
     assert all(p.total == len(model.data) for p in seen)
     assert [p.done for p in seen] == sorted(p.done for p in seen)
 
@@ -101,7 +105,7 @@ async def test_a_fetch_killed_mid_way_resumes_from_its_part_file(
         f"""
         import trio
         from pathlib import Path
-        from llmgw.weights.fetch import fetch
+        from llmgw.weights.fetch import fetch, fetch_file
         from llmgw.weights.source import parse_source
         trio.run(lambda: fetch(parse_source({model.source!r}), Path({str(weights)!r}),
                                endpoint={hub.url!r}))
@@ -125,13 +129,20 @@ async def test_a_fetch_killed_mid_way_resumes_from_its_part_file(
     assert not (weights / "hf/acme/tiny-GGUF/main/tiny-Q4_K_M.gguf").exists()
     hub.rate = None
     asked_before = len(hub.requests)  # the killed fetch's answer may still be ending
+    seen: list[Progress] = []
     with trio.fail_after(30):
-        path = await fetch(parse_source(model.source), weights, endpoint=hub.url)
-    assert path.read_bytes() == model.data
+        got = await fetch_file(
+            parse_source(model.source), weights, endpoint=hub.url, progress=seen.append
+        )
+    assert got.path.read_bytes() == model.data
     [get] = [r for r in hub.requests[asked_before:] if r.method == "GET"]
     assert get.headers["range"] == f"bytes={kept}-"
     assert get.sent == len(model.data) - kept
     assert list(weights.rglob("*.part")) == []
+    # what a caller counts by source: the bytes read now, and those not read again
+    assert (got.fetched, got.resumed) == (len(model.data) - kept, kept)
+    assert (seen[0].fetched, seen[0].resumed) == (0, kept)
+    assert (seen[-1].fetched, seen[-1].resumed) == (len(model.data) - kept, kept)
 
 
 async def test_corrupted_bytes_fail_and_leave_nothing_under_the_real_name(

@@ -25,9 +25,13 @@ Knobs, read at each request, so a test may turn them while it runs:
 (each body ends after that many bytes, the connection closed), ``stall_after``
 (each body stops after that many bytes and the connection hangs until
 ``close``), ``corrupt`` (one byte in the middle of every file served is
-flipped; the metadata stays right), ``rate`` (bytes per second per answer).
+flipped; the metadata stays right), ``rate`` (bytes per second per answer),
+``head_refused`` (a ``HEAD`` of ``/plain`` or ``/cdn`` is answered with this
+status, as a URL signed for ``GET`` only is), ``busy`` (the next ``GET``s of
+a file are answered, one each, with these statuses and ``Retry-After``
+values, taken from the front), ``commit`` (what ``X-Repo-Commit`` says).
 It counts what it sends (``served``, body bytes) and keeps what it was asked
-(``requests``, each with the body bytes sent in answer).
+(``requests``, each with when it came and the body bytes sent in answer).
 
 ``HubStandIn`` runs a threaded standard-library server on 127.0.0.1, port 0
 (``url`` says where), optionally with TLS; ``close`` (or leaving the
@@ -59,6 +63,7 @@ class Request:
     path: str
     headers: dict[str, str]  # names in lower case
     sent: int = 0  # body bytes sent in answer
+    at: float = attrs.field(factory=time.monotonic)  # when it came
 
 
 class HubStandIn:
@@ -73,6 +78,8 @@ class HubStandIn:
         self.corrupt = False
         self.rate: int | None = None
         self.revisions: set[str] | None = None
+        self.head_refused: int | None = None
+        self.busy: list[tuple[int, str | None]] = []  # (status, Retry-After)
         self.commit = COMMIT
         self.served = 0
         self.requests: list[Request] = []
@@ -180,8 +187,19 @@ class _Handler(BaseHTTPRequestHandler):
         )
         with hub.lock:
             hub.requests.append(self.asked)
+            busy = hub.busy.pop(0) if hub.busy and self.command == "GET" else None
         path = urlsplit(self.path).path
         parts = [unquote(p) for p in path.split("/")[1:]]
+        if busy is not None:
+            status, after = busy
+            return self._error(status, "", "busy", {"Retry-After": after} if after else {})
+        if (
+            hub.head_refused is not None
+            and self.command == "HEAD"
+            and parts[:1] in (["plain"], ["cdn"])
+        ):
+            # a URL signed for GET: S3 answers 403 (SignatureDoesNotMatch), others 405
+            return self._error(hub.head_refused, "", "this URL is signed for GET")
         if len(parts) >= 5 and parts[2] == "resolve":
             self._resolve(hub, parts[0], parts[1], parts[3], parts[4:], body=body)
         elif len(parts) == 2 and parts[0] == "cdn":
@@ -304,9 +322,13 @@ class _Handler(BaseHTTPRequestHandler):
                 sent += n
                 offset += n
 
-    def _error(self, status: int, code: str, message: str) -> None:
+    def _error(
+        self, status: int, code: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
         data = f'{{"error": "{message}"}}'.encode()
         self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         if code:
             self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)
