@@ -31,9 +31,13 @@ from llmgw.admin.views import (
     ModelList,
     ModelView,
     NodeList,
+    NodeWeights,
+    PrefetchAnswer,
     ReloadAnswer,
     ReplicaList,
     ScaleAnswer,
+    SkippedNode,
+    WeightsList,
     failure_view,
     node_view,
     placement_view,
@@ -95,6 +99,7 @@ class AdminApi:
             ("GET", "/metrics"): self.metrics,
             ("GET", "/v1/replicas"): self.replicas,
             ("GET", "/v1/models"): self.models,
+            ("GET", "/v1/weights"): self.weights,
             ("POST", "/v1/catalog/reload"): self.reload,
             ("GET", "/v1/routing"): self.routing,
             ("POST", REPORT_PATH): self.router_report,
@@ -103,6 +108,7 @@ class AdminApi:
         self._patterns: list[tuple[str, tuple[str | None, ...], ArgHandler]] = [
             ("POST", ("v1", "nodes", None), self.node_intent),
             ("POST", ("v1", "models", None, "scale"), self.scale),
+            ("POST", ("v1", "models", None, "prefetch"), self.prefetch),
             ("GET", ("v1", "models", None, "placement"), self.placement),
         ]
         self._tenancy = tenancy
@@ -243,6 +249,47 @@ class AdminApi:
             return error(code, str(exc))
         return json_response(200, ScaleAnswer(model=model, pinned=body.replicas, message=said))
 
+    async def weights(self, request: Request) -> Response:
+        """What each node holds of weights, and what it is fetching."""
+        nodes = [
+            NodeWeights(
+                node_id=n.node_id,
+                state=n.state.value,
+                fabric=n.inventory.fabric,
+                weights_dir=n.inventory.weights_dir,
+                copies=list(n.inventory.weights),
+                fetching=list(n.inventory.fetching),
+            )
+            for n in sorted(self.control.nodes.nodes.values(), key=lambda n: n.node_id)
+        ]
+        return json_response(200, WeightsList(nodes=nodes))
+
+    async def prefetch(self, request: Request, model: str) -> Response:
+        """Warm nodes with a model's weights (``{"fabric": F, "nodes": [...]}``, both
+        optional: every node)."""
+        fleet = self._need_fleet()
+        if isinstance(fleet, Response):
+            return fleet
+        body = json_body(request, _PrefetchBody, 'JSON like {"fabric": "ib0"} or {}')
+        if isinstance(body, Response):
+            return body
+        try:
+            done = fleet.prefetch(model, fabric=body.fabric, nodes=body.nodes)
+        except ValueError as exc:
+            code = 404 if model not in fleet.catalog.models else 400
+            return error(code, str(exc))
+        profile = fleet.catalog.profile(model, done.profile)
+        return json_response(
+            200,
+            PrefetchAnswer(
+                model=model,
+                profile=done.profile,
+                source=profile.source if profile is not None else "",
+                nodes=[f.node for f in done.fetches],
+                skipped=[SkippedNode(node_id=n, why=why) for n, why in done.skipped],
+            ),
+        )
+
     async def node_intent(self, request: Request, node_id: str) -> Response:
         fleet = self._need_fleet()
         if isinstance(fleet, Response):
@@ -372,6 +419,11 @@ class AdminApi:
 
 class _IntentBody(msgspec.Struct):
     intent: str
+
+
+class _PrefetchBody(msgspec.Struct, forbid_unknown_fields=True):
+    fabric: str = ""
+    nodes: list[str] = []
 
 
 class _ScaleBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -344,6 +344,38 @@ class ModelList(msgspec.Struct, kw_only=True):
     models: list[ModelView]
 
 
+class NodeWeights(msgspec.Struct, kw_only=True):
+    """What one node holds of weights, and what it is fetching."""
+
+    node_id: str
+    state: str
+    fabric: str
+    weights_dir: str  # where its fetched weights land ("": an agent that fetches nothing)
+    copies: list[WeightCopy]
+    fetching: list[FetchProgress]
+
+
+class WeightsList(msgspec.Struct, kw_only=True):
+    """``GET /v1/weights``: by node."""
+
+    nodes: list[NodeWeights]
+
+
+class SkippedNode(msgspec.Struct, kw_only=True):
+    node_id: str
+    why: str
+
+
+class PrefetchAnswer(msgspec.Struct, kw_only=True):
+    """``POST /v1/models/{model}/prefetch``: the nodes told to fetch, and the rest."""
+
+    model: str
+    profile: str
+    source: str
+    nodes: list[str]  # told to fetch; their progress is in ``GET /v1/weights``
+    skipped: list[SkippedNode]
+
+
 class IntentAnswer(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``POST /v1/nodes/{node}``: the intent taken, in words."""
 

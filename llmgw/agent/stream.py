@@ -60,8 +60,10 @@ from llmgw.agent.metrics import AgentMetrics
 from llmgw.agent.supervisor import Supervisor
 from llmgw.protocol import SUBPROTOCOL, CloseCode, ProtocolError, Role, Session
 from llmgw.protocol.messages import (
+    FETCH,
     SLEEP,
     DrainShard,
+    FetchWeights,
     Heartbeat,
     Inventory,
     Register,
@@ -270,7 +272,7 @@ class AgentStream:
             agent_version=describe(),
             metrics_address=self.metrics_address,
             agent_instance=self.instance,
-            can=[SLEEP],
+            can=[SLEEP, FETCH],
         )
         await ws.send_message(session.send(register))
         with trio.fail_after(s.handshake_timeout):
@@ -318,6 +320,7 @@ class AgentStream:
                 memory=current.memory,
                 inventory=changed,
                 kills=batch,
+                fetching=current.fetching or None,
             )
             await ws.send_message(session.send(hb))
             kills.sent(batch)
@@ -350,6 +353,8 @@ class AgentStream:
             sup.sleep(command.shard_id, command.grace_s)
         elif isinstance(command, WakeShard):
             sup.wake(command.shard_id)
+        elif isinstance(command, FetchWeights):
+            sup.spawn(sup.fetcher.prefetch, command)
 
     def _log_closed(self, where: str, exc: ConnectionClosed, state: _Attempt) -> None:
         r = exc.reason

@@ -37,7 +37,7 @@ import trio
 
 from llmgw.agent.discovery.weights import fetched_record
 from llmgw.files import write_atomic
-from llmgw.protocol.messages import FetchProgress, ShardSpec
+from llmgw.protocol.messages import FetchProgress, FetchWeights, ShardSpec
 from llmgw.weights.errors import Corrupt, FetchError, NoRoom, Stalled
 from llmgw.weights.fetch import fetch
 from llmgw.weights.source import HubFile, MountFile, Source, UrlFile, parse_source
@@ -110,8 +110,39 @@ class Fetcher:
         Raises:
             FetchError: they cannot be had (the message, one line, says why).
         """
-        source = parse_source(spec.weights_source)
-        target = Path(spec.model_path) if spec.model_path else None
+        return await self.bring_file(
+            spec.weights_source,
+            spec.model_path,
+            sha256=spec.weights_sha256,
+            stall_s=spec.fetch_stall_s,
+            report=report,
+        )
+
+    async def prefetch(self, command: FetchWeights) -> None:
+        """A ``FetchWeights`` command: the file, for no shard yet. A failure is logged
+        and counted, and the file is tried again when a shard needs it."""
+        try:
+            await self.bring_file(
+                command.source, command.path, sha256=command.sha256, stall_s=command.stall_s
+            )
+        except FetchError:
+            pass  # said and counted by bring_file
+
+    async def bring_file(
+        self,
+        source_text: str,
+        path: str,
+        *,
+        sha256: str = "",
+        stall_s: float = 120.0,
+        report: Callable[[FetchProgress], None] | None = None,
+    ) -> Path:
+        """``bring`` of a source to ``path`` (empty: where the source lands here)."""
+        try:
+            source = parse_source(source_text)
+        except ValueError as exc:
+            raise FetchError(str(exc)) from None
+        target = Path(path) if path else None
         if isinstance(source, MountFile):
             return await fetch(source, self.weights_dir)
         key = target or self.weights_dir / source.landing()
@@ -142,16 +173,16 @@ class Fetcher:
                 report(mine.progress)
 
         try:
-            path = await fetch(
+            landed = await fetch(
                 source,
                 self.weights_dir,
                 target=target,
-                sha256=spec.weights_sha256 or None,
-                stall_s=spec.fetch_stall_s,
+                sha256=sha256 or None,
+                stall_s=stall_s,
                 progress=progressed,
             )
             await trio.to_thread.run_sync(
-                lambda: write_atomic(fetched_record(path), str(source).encode() + b"\n", 0o644)
+                lambda: write_atomic(fetched_record(landed), str(source).encode() + b"\n", 0o644)
             )
         except FetchError as exc:
             mine.error = exc
@@ -165,10 +196,10 @@ class Fetcher:
             mine.done.set()
             del self.running[key]
             self._changed()
-        mine.path = path
+        mine.path = landed
         if self.on_landed is not None:
             await self.on_landed()
-        return path
+        return landed
 
     async def _follow(
         self, running: _Fetch, report: Callable[[FetchProgress], None] | None

@@ -16,6 +16,7 @@ from llmgw.cli.init import init
 from llmgw.cli.onboard import onboard
 from llmgw.cli.runtime import fail, run_daemon, setup_logging
 from llmgw.cli.tenancy import key_app, tenant_app, usage
+from llmgw.cli.weights import weights_app
 from llmgw.config import AgentConfig, ConfigError, ServerConfig, load_config
 from llmgw.tls import TLSConfigError
 from llmgw.version import describe
@@ -34,6 +35,7 @@ ctl_app.command(bench_app)
 ctl_app.command(tenant_app)
 ctl_app.command(key_app)
 ctl_app.command(usage)
+ctl_app.command(weights_app)
 app.command(ctl_app)
 app.command(init)
 

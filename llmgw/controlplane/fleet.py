@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import trio
@@ -46,6 +46,7 @@ from llmgw.controlplane.placement import Decision
 from llmgw.controlplane.plan import (
     Command,
     Drain,
+    Fetch,
     Plan,
     Refusal,
     ReplicaFailed,
@@ -54,6 +55,7 @@ from llmgw.controlplane.plan import (
     Stop,
     Wake,
 )
+from llmgw.controlplane.prefetch import Prefetch, plan_prefetch
 from llmgw.controlplane.probe import Prober, url_of
 from llmgw.controlplane.reconciler import Reconciler, ReplicaIds, Timing
 from llmgw.controlplane.replicas import Replica, ReplicaState
@@ -64,6 +66,7 @@ from llmgw.files import write_atomic
 from llmgw.protocol.messages import (
     DownMessage,
     DrainShard,
+    FetchWeights,
     Register,
     ShardState,
     ShardStatus,
@@ -356,6 +359,30 @@ class FleetManager:
             "stopped once the replacement is Ready (or the drain grace is over)"
         )
 
+    def prefetch(self, model: str, *, fabric: str = "", nodes: Sequence[str] = ()) -> Prefetch:
+        """Send the fetches that warm ``model``'s weights (``prefetch.plan_prefetch``),
+        and say so in one line.
+
+        Raises:
+            ValueError: no such model, it fetches nothing, or a node named is unknown.
+        """
+        m = self.catalog.models.get(model)
+        if m is None:
+            raise ValueError(f"no model {model!r} in the catalog: see llmgw ctl models")
+        done = plan_prefetch(m, self.control.nodes.nodes.values(), fabric=fabric, only=nodes)
+        if done.fetches:
+            self._queue(Plan(fetch=list(done.fetches)))
+        log.info(
+            "prefetching %s's weights (profile %s) on %s%s",
+            model,
+            done.profile,
+            _some([f.node for f in done.fetches]) or "no node",
+            "; " + "; ".join(f"not on {n}: {why}" for n, why in done.skipped[:5])
+            if done.skipped
+            else "",
+        )
+        return done
+
     def _intent_changed(self, what: str) -> str:
         """Persist the intent, say what it means, and run a pass soon."""
         self.intent.save(self.reconciler.cordoned, self.reconciler.draining, self.scaling.pins())
@@ -577,3 +604,5 @@ def _message(command: Command) -> DownMessage:
             return SleepShard(shard_id=shard_id, grace_s=grace)
         case Wake(shard_id=shard_id):
             return WakeShard(shard_id=shard_id)
+        case Fetch(source=source, path=path, sha256=sha256, stall_s=stall_s):
+            return FetchWeights(source=source, path=path, sha256=sha256, stall_s=stall_s)

@@ -219,6 +219,8 @@ class NodeTable:
         inventory = hb.inventory if hb.inventory is not None else node.inventory
         if hb.memory.total_bytes is not None or hb.memory.available_bytes is not None:
             inventory = msgspec.structs.replace(inventory, memory=hb.memory)
+        if hb.fetching is not None and hb.inventory is None:  # the latest figures
+            inventory = msgspec.structs.replace(inventory, fetching=hb.fetching)
         news: list[str] = []
         if inventory != node.inventory:
             news = inventory_changes(node.inventory, inventory)

@@ -47,7 +47,18 @@ class Wake:
     shard_id: str
 
 
-Command = Start | Stop | Drain | Sleep | Wake
+@attrs.frozen
+class Fetch:
+    """Fetch a profile's weights to a node now, for no shard yet (``prefetch``)."""
+
+    node: str
+    source: str
+    path: str
+    sha256: str
+    stall_s: float
+
+
+Command = Start | Stop | Drain | Sleep | Wake | Fetch
 
 
 @attrs.frozen
@@ -100,6 +111,7 @@ class Plan:
     drain: list[Drain] = attrs.Factory(list)
     sleep: list[Sleep] = attrs.Factory(list)
     wake: list[Wake] = attrs.Factory(list)
+    fetch: list[Fetch] = attrs.Factory(list)
     placement_failures: dict[str, PlacementFailure] = attrs.Factory(dict)  # by model
     failed: list[ReplicaFailed] = attrs.Factory(list)
     notes: list[Note] = attrs.Factory(list)
@@ -107,8 +119,8 @@ class Plan:
     refused: list[Refusal] = attrs.Factory(list)
 
     def commands(self) -> list[Command]:
-        """In the order they are sent: stops, drains and sleeps, wakes, starts."""
-        return [*self.stop, *self.drain, *self.sleep, *self.wake, *self.start]
+        """In the order they are sent: stops, drains and sleeps, wakes, starts, fetches."""
+        return [*self.stop, *self.drain, *self.sleep, *self.wake, *self.start, *self.fetch]
 
     def __bool__(self) -> bool:
-        return bool(self.start or self.stop or self.drain or self.sleep or self.wake)
+        return bool(self.start or self.stop or self.drain or self.sleep or self.wake or self.fetch)

@@ -269,6 +269,10 @@ class Heartbeat(Message, frozen=True):
     memory: Memory = msgspec.field(default_factory=Memory)
     inventory: Inventory | None = None
     kills: list[ProcessKill] = []
+    # the fetches of weights under way, with their latest figures, every time while
+    # there are any (the inventory lists them only as they begin and end); None: from
+    # an older agent, or none
+    fetching: list[FetchProgress] | None = None
 
 
 class ShardStatus(Message, frozen=True):
@@ -334,10 +338,26 @@ class WakeShard(Message, frozen=True):
     shard_id: str
 
 
+class FetchWeights(Message, frozen=True):
+    """Down: fetch a profile's weights to ``path`` now, for no shard yet (``ctl weights
+    prefetch``), as a shard's start would (``ShardSpec.weights_source``): its progress
+    rides on heartbeats (``Heartbeat.fetching``), a failure is logged by the agent, and
+    a file already whole there costs a look at the disk. Sent only to an agent that
+    can (``Register.can``)."""
+
+    source: str
+    path: str
+    sha256: str = ""
+    stall_s: float = 120.0
+
+
 SLEEP = "sleep"  # ``Register.can``: the agent obeys SleepShard and WakeShard
+FETCH = "fetch"  # ``Register.can``: the agent obeys FetchWeights
 
 UpMessage = Register | Heartbeat | ShardStatus
-DownMessage = RegisterAck | StartShard | StopShard | DrainShard | SleepShard | WakeShard
+DownMessage = (
+    RegisterAck | StartShard | StopShard | DrainShard | SleepShard | WakeShard | FetchWeights
+)
 AnyMessage = (
     Register
     | Heartbeat
@@ -348,6 +368,7 @@ AnyMessage = (
     | DrainShard
     | SleepShard
     | WakeShard
+    | FetchWeights
 )
 
 MESSAGE_TYPES: tuple[type[Message], ...] = (
@@ -360,4 +381,5 @@ MESSAGE_TYPES: tuple[type[Message], ...] = (
     DrainShard,
     SleepShard,
     WakeShard,
+    FetchWeights,
 )

@@ -35,6 +35,7 @@ from llmgw.protocol.errors import (
 from llmgw.protocol.messages import (
     AnyMessage,
     DrainShard,
+    FetchWeights,
     Heartbeat,
     Message,
     Register,
@@ -81,6 +82,7 @@ TRANSITIONS: dict[tuple[Role, State, Direction, type[Message]], State] = {
     (Role.AGENT, State.REGISTERED, RECEIVE, DrainShard): State.REGISTERED,
     (Role.AGENT, State.REGISTERED, RECEIVE, SleepShard): State.REGISTERED,
     (Role.AGENT, State.REGISTERED, RECEIVE, WakeShard): State.REGISTERED,
+    (Role.AGENT, State.REGISTERED, RECEIVE, FetchWeights): State.REGISTERED,
     # the control plane proves the registration, acks it, then commands
     (Role.CONTROL_PLANE, State.AWAITING_REGISTER, RECEIVE, Register): State.REGISTERING,
     (Role.CONTROL_PLANE, State.REGISTERING, SEND, RegisterAck): State.REGISTERED,
@@ -91,6 +93,7 @@ TRANSITIONS: dict[tuple[Role, State, Direction, type[Message]], State] = {
     (Role.CONTROL_PLANE, State.REGISTERED, SEND, DrainShard): State.REGISTERED,
     (Role.CONTROL_PLANE, State.REGISTERED, SEND, SleepShard): State.REGISTERED,
     (Role.CONTROL_PLANE, State.REGISTERED, SEND, WakeShard): State.REGISTERED,
+    (Role.CONTROL_PLANE, State.REGISTERED, SEND, FetchWeights): State.REGISTERED,
 }
 
 INITIAL_STATE = {Role.AGENT: State.UNREGISTERED, Role.CONTROL_PLANE: State.AWAITING_REGISTER}

@@ -27,11 +27,11 @@ pytestmark = needs_server
 FETCH_S = 6.0  # how long the stand-in takes to serve the file: past the startup timeout
 
 
-def fetched(source: str, sha256: str = "", startup_timeout_s: float = 3) -> str:
+def fetched(source: str, sha256: str = "", startup_timeout_s: float = 3, replicas: int = 1) -> str:
     pin = f'sha256 = "{sha256}"\n' if sha256 else ""
     return f"""
 [models.fetched]
-replicas = 1
+replicas = {replicas}
 [[models.fetched.profiles]]
 name = "cpu"
 engine = "llama.cpp"
@@ -79,8 +79,7 @@ async def test_a_replica_placed_where_its_weights_are_not_fetches_them_and_serve
             c.agent(
                 "n1",
                 env=hub_env(tmp_path, hub),
-                more=f'[weights]\ndefault_dir = "{landing}"\n'
-                '[metrics]\nlisten = "127.0.0.1:0"\n',
+                more=f'[weights]\ndefault_dir = "{landing}"\n[metrics]\nlisten = "127.0.0.1:0"\n',
             )
             # while it fetches: ctl says how far, on which node, and nothing times out
             seen = await until_fetching(c)
@@ -146,3 +145,55 @@ async def test_a_fetch_of_other_bytes_than_pinned_fails_the_replica_and_lands_no
             (view,) = [m for m in models if m["model"] == "fetched"]
             reasons = [f["reason"] for f in view["failures"]]
             assert any("cannot fetch its weights" in r for r in reasons), view
+
+
+async def test_prefetch_warms_nodes_before_a_replica_needs_them(tmp_path: Path, pki: Pki) -> None:
+    root, file = serve_model(tmp_path)
+    size = file.stat().st_size
+    source = "hf://acme/tiny-GGUF/tiny.gguf"
+    with HubStandIn(root) as hub:
+        hub.rate = int(size / 3)
+        catalog = fetched(source, replicas=0)
+        async with cluster(tmp_path, pki, 0, extra_catalog=catalog) as c:
+            for node in ("n1", "n2"):
+                landing = tmp_path / f"weights-{node}"
+                c.agent(
+                    node,
+                    env=hub_env(tmp_path, hub),
+                    more=f'[weights]\ndefault_dir = "{landing}"\n',
+                )
+                await c.server.wait_node(node, "Ready")
+            said = (await c.server.ctl("weights", "prefetch", "fetched")).stdout.decode()
+            assert "prefetching fetched's weights" in said and "on n1, n2" in said, said
+            # while they fetch, ctl weights says how far each has come
+            with trio.fail_after(10):
+                while "% of" not in (table := (await c.server.ctl("weights")).stdout.decode()):
+                    await trio.sleep(0.2)
+            assert f"fetching {source}: " in table, table
+            with trio.fail_after(30):
+                while True:
+                    nodes = json.loads((await c.server.ctl("weights", "--json")).stdout)["nodes"]
+                    held = {
+                        n["node_id"]
+                        for n in nodes
+                        for w in n["copies"]
+                        if w.get("source") == source
+                    }
+                    if held == {"n1", "n2"}:
+                        break
+                    await trio.sleep(0.2)
+            table = (await c.server.ctl("weights")).stdout.decode()
+            rows = [line for line in table.splitlines() if source in line]
+            assert len(rows) == 2 and "tiny" in rows[0], table
+            # again: nothing to do, and it says why
+            again = (await c.server.ctl("weights", "prefetch", "fetched")).stdout.decode()
+            assert "on no node" in again and "not on n1: it holds them already" in again, again
+            assert hub.served == 2 * size
+            # a model that fetches nothing, or a node that is not there: one line each
+            refused = await c.server.ctl("weights", "prefetch", "tiny", check=False)
+            assert refused.returncode != 0
+            assert b"has no profile with a source" in refused.stderr, refused.stderr
+            unknown = await c.server.ctl(
+                "weights", "prefetch", "fetched", "--node", "n9", check=False
+            )
+            assert b"no node n9 is known" in unknown.stderr, unknown.stderr

@@ -180,7 +180,8 @@ def vllm(extra: str) -> str:
         ),
         (
             PROFILE + 'engine = "llama.cpp"\n',
-            "models.qwen-coder.profiles[h100].model_path: llama.cpp needs model_path",
+            "models.qwen-coder.profiles[h100].model_path: llama.cpp needs model_path (a GGUF file on "
+            "the node), or a source to fetch it from",
         ),
         (
             vllm("min_memory_gb = 0\n"),
@@ -298,6 +299,22 @@ def vllm(extra: str) -> str:
         (
             "[models.m]\nprofiles = { name = 'x' }\n",
             "models.m.profiles: expected `array`, got `table`",
+        ),
+        (
+            PROFILE + 'engine = "llama.cpp"\nsource = "ftp://h/m.gguf"\n',
+            "models.qwen-coder.profiles[h100].source: ",
+        ),
+        (
+            PROFILE + 'engine = "llama.cpp"\nmodel_path = "/m.gguf"\nsha256 = "ab"\n',
+            "models.qwen-coder.profiles[h100].sha256: is for a fetched file: give a source too",
+        ),
+        (
+            PROFILE + 'engine = "llama.cpp"\nsource = "hf://a/b/m.gguf"\nsha256 = "xyz"\n',
+            "models.qwen-coder.profiles[h100].sha256: 'xyz' is not 64 hex digits",
+        ),
+        (
+            PROFILE + 'engine = "llama.cpp"\nsource = "hf://a/b/m.gguf"\nfetch_stall_s = 0\n',
+            "models.qwen-coder.profiles[h100].fetch_stall_s: must be greater than 0",
         ),
         ("models = 1\n", "models: expected a table of models, got int"),
         ("[models]\nm = 1\n", "models.m: expected a table, got int"),
@@ -423,3 +440,18 @@ def test_affinity_and_its_load_bound_by_model_and_by_profile() -> None:
         match=r"models\.m\.profiles\[h200\]\.routing\.affinity_bound: must be at least 1, got 0.5",
     ):
         parse(text.replace("affinity_bound = 2.0", "affinity_bound = 0.5"))
+
+
+def test_a_source_stands_in_for_a_model_path() -> None:
+    """A llama.cpp profile with a source and no model_path is whole: its nodes fetch
+    the file, and its weights are known by the source, written one way."""
+    text = PROFILE + 'engine = "llama.cpp"\nsource = "hf://acme/m-GGUF@main/m.gguf"\n'
+    catalog = parse_catalog(text, "catalog.toml")
+    model = catalog.models["qwen-coder"]
+    (p,) = model.profiles
+    assert model.weights_source(p) == "hf://acme/m-GGUF/m.gguf"
+    assert model.weights_path(p) == ""
+    mounted = PROFILE + 'engine = "llama.cpp"\nsource = "/mnt/models/m.gguf"\n'
+    model = parse_catalog(mounted, "catalog.toml").models["qwen-coder"]
+    assert model.weights_source(model.profiles[0]) == ""  # read where it is, never fetched
+    assert model.weights_path(model.profiles[0]) == "/mnt/models/m.gguf"

@@ -15,7 +15,7 @@ from llmgw.controlplane.catalog import Model, Profile
 from llmgw.controlplane.filters import Kind, NodeFacts
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.controlplane.placement import Decision, failure_kind, place
-from llmgw.protocol.messages import Engine, Gpu, Inventory, Memory, WeightCopy
+from llmgw.protocol.messages import Engine, FetchProgress, Gpu, Inventory, Memory, WeightCopy
 
 GIB = 2**30
 VLLM = [Engine(name="vllm")]
@@ -362,6 +362,30 @@ def test_a_copy_at_the_profiles_model_path_holds_its_weights_whatever_its_name()
     d = decide(model(profile(model_path="/w/./qwen2.5-0.5b-q4_k_m.gguf")), nodes)
     assert only(d)[0] == "b"
     assert reasons(d)["b"].startswith("weights here")
+
+
+def test_a_node_holding_a_fetched_source_then_one_fetching_it_are_preferred() -> None:
+    """A copy a fetch landed names its source, whatever its path; a fetch under way is
+    partial locality: better than nothing, not as good as the file."""
+    source = "hf://acme/coder-GGUF/coder-q4.gguf"
+    landed = WeightCopy(model="coder-q4", path="/srv/w/hf/acme/x.gguf", source=source)
+    under_way = FetchProgress(source=source, path="/srv/w/hf/acme/x.gguf", done_bytes=5)
+    fetching = msgspec.structs.replace(inventory(), fetching=[under_way])
+    nodes = [facts("a"), facts("b", fetching), facts("c", inventory(weights=[landed]))]
+    p = profile(engine="llama.cpp", gpus=0, source=source)
+    d = decide(model(p), nodes)
+    assert only(d)[0] == "c"
+    r = reasons(d)
+    assert r["c"].startswith("weights here"), r
+    assert r["b"].startswith("fetching weights here"), r
+    assert r["a"].startswith("must fetch weights"), r
+    scores = {c.node_id: c.score for c in d.candidates}
+    assert scores["c"] > scores["b"] > scores["a"] > 0
+    d = decide(model(p), nodes[:2])
+    assert only(d)[0] == "b"
+    # written another way (an explicit main), the same source
+    same = profile(engine="llama.cpp", gpus=0, source="hf://acme/coder-GGUF@main/coder-q4.gguf")
+    assert only(decide(model(same), nodes))[0] == "c"
 
 
 def test_shared_weights_count_fabric_wide_and_local_ones_do_not() -> None:
