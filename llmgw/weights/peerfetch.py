@@ -8,7 +8,9 @@ Theory of operation
 which hold it, or are fetching it, and where their transfer listeners are):
 
 1. A file already there, of the sha256 wanted, is used (``fetch``'s rule).
-2. Each peer is asked what it holds of the file (``peerwire.Holding``). The
+2. Each peer is asked what it holds of the file (``peerwire.Holding``), again
+   until one holds some of it (a peer may be about to begin its own fetch),
+   for at most ``stall_s``. The
    manifest taken as the reference is a landed peer's (it checked its whole
    file against its sha256 when it landed it), else the one that knows most
    hashes. Peers whose manifest is of another file (size, chunk size, sha256)
@@ -258,8 +260,7 @@ async def fetch_from_peer(
     name = source.landing()
     states = [_State(p, _Link(p, trust)) for p in peers]
     try:
-        await _ask_all(states, name, sha256, size, 0)
-        reference = _reference(what, states, sha256, size)
+        reference = await _first(what, states, name, sha256, size, stall_s)
         fetch = _Fetch(what, name, target, states, reference, stall_s)
         part = parts.part_path(
             target,
@@ -537,6 +538,9 @@ async def _ask_all(
             s.gone = s.why = str(exc)
             log.warning("not taking weights from %s: %s", s.peer, exc)
             return
+        if status == DAMAGED:  # its copy is damaged: of no use until it is fetched again
+            s.gone = s.why = _line(body)
+            return
         if status in (NOT_HERE, TOO_EARLY):
             s.holding, s.why = None, _line(body)
             return
@@ -557,6 +561,26 @@ async def _ask_all(
             if s.holding is not None and s.holding.have > index and index not in s.failed:
                 continue
             nursery.start_soon(ask, s)
+
+
+async def _first(
+    what: str,
+    states: list[_State],
+    name: PurePosixPath,
+    sha256: str | None,
+    size: int | None,
+    stall_s: float,
+) -> Chunks:
+    """The reference manifest, once a peer holds the file: one named may be about
+    to begin its own fetch (still asking its source), so they are asked again
+    until ``stall_s`` has passed, or none is of use."""
+    with trio.move_on_after(stall_s):
+        while True:
+            await _ask_all(states, name, sha256, size, 0)
+            if any(s.holding is not None for s in states) or all(s.gone for s in states):
+                break
+            await trio.sleep(POLL_S)
+    return _reference(what, states, sha256, size)
 
 
 def _reference(what: str, states: list[_State], sha256: str | None, size: int | None) -> Chunks:

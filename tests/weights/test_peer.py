@@ -306,7 +306,7 @@ async def test_only_the_fleets_agents_take_and_are_taken_from(
         async with listener(a, pki, "n1") as (server, peer):
             for who in (foreign, expired, control_plane):
                 with pytest.raises(FetchError, match="no peer holds it"):
-                    await fetch_from_peer(source, b, [peer], who, sha256=model.sha256, stall_s=5)
+                    await fetch_from_peer(source, b, [peer], who, sha256=model.sha256, stall_s=1)
             # a client without a certificate is refused in the handshake
             bare = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             bare.check_hostname, bare.verify_mode = False, ssl.CERT_NONE
