@@ -28,6 +28,11 @@ commit, the bytes read and resumed, whether a moving revision moved on):
    what ``statvfs`` says is free in the weights directory. It is a check, not
    a reservation: a disk that fills meanwhile fails the write with the same
    words (``NoRoom``), and what was written is kept for when there is room.
+   With a ``budget`` (``budget.Budget``), the budget decides instead: it
+   counts the file's whole size against its limit, beside the files landed
+   and the other fetches in flight, checks the disk too, and evicts the
+   weights unused for longest to make room, or fails saying what holds it.
+   The fetch holds its room until it ends, landed or not.
 4. The bytes go to a ``.part`` beside the target (``part``), resumed from what
    it holds after a crash or a cut, within one call and across calls
    (``transfer``), until it is whole or no byte arrived for ``stall_s``.
@@ -63,6 +68,7 @@ import httpx
 import trio
 
 from llmgw.weights import part as parts
+from llmgw.weights.budget import Budget, Reservation
 from llmgw.weights.errors import Corrupt, FetchError
 from llmgw.weights.source import HubFile, MountFile, Source, UrlFile, where
 from llmgw.weights.transfer import (
@@ -108,6 +114,7 @@ async def fetch(
     verify: ssl.SSLContext | bool = True,
     stall_s: float = 60.0,
     progress: ProgressCallback | None = None,
+    budget: Budget | None = None,
 ) -> Path:
     """The path of ``source``'s file on this node, fetched into ``weights_dir``
     when it is not there yet: ``fetch_file``'s, which see."""
@@ -122,6 +129,7 @@ async def fetch(
         verify=verify,
         stall_s=stall_s,
         progress=progress,
+        budget=budget,
     )
     return fetched.path
 
@@ -138,6 +146,7 @@ async def fetch_file(
     verify: ssl.SSLContext | bool = True,
     stall_s: float = 60.0,
     progress: ProgressCallback | None = None,
+    budget: Budget | None = None,
     check_revision: bool = False,
 ) -> Fetched:
     """``source``'s file on this node, fetched into ``weights_dir`` when it is
@@ -152,12 +161,15 @@ async def fetch_file(
     among them). ``verify``: whom to trust for the bytes' TLS (the hub's
     answer is asked with huggingface_hub's own trust). ``stall_s``: how long
     without a byte before giving up. ``progress``: called a few times a second.
+    ``budget``: the weights directory's, when the target is in it: room is
+    made within it (evicting), instead of only checked on the disk.
     ``check_revision``: for a hub file already there from a revision that
     moves, ask the hub whether it moved on to another file (``Fetched.moved``).
 
     Raises:
         ValueError: ``sha256`` is not 64 hex digits.
-        NoRoom: the weights directory has no room for the bytes still to come.
+        NoRoom: the weights directory (or its budget) has no room for the
+            bytes still to come.
         Corrupt: the bytes are not the ones expected; nothing of them is kept.
         Stalled: no byte arrived for ``stall_s``; the ``.part`` is kept.
         FetchError: the source could not be asked, or refused; a ``.part`` is
@@ -182,10 +194,18 @@ async def fetch_file(
     remote = await _ask(source, token=token, endpoint=endpoint, verify=verify)
     expected = _expect(str(source), remote, sha256, size)
     part = parts.part_path(target, _tag(remote))
-    kept = await trio.to_thread.run_sync(_prepare, weights_dir, target, part, remote.size)
-    return await _fetch_into(
-        source, target, part, kept, remote, expected, sha256, verify, stall_s, progress
+    if budget is not None and not budget.covers(target):
+        budget = None  # a target outside its folder: the disk's room is what counts
+    kept, room = await trio.to_thread.run_sync(
+        _prepare, weights_dir, target, part, remote.size, budget
     )
+    try:
+        return await _fetch_into(
+            source, target, part, kept, remote, expected, sha256, verify, stall_s, progress
+        )
+    finally:
+        if room is not None:
+            room.release()
 
 
 async def _fetch_into(
@@ -251,19 +271,31 @@ async def _fetch_into(
     return Fetched(target, commit=remote.commit, fetched=report.fetched, resumed=report.resumed)
 
 
-def _prepare(weights_dir: Path, target: Path, part: Path, size: int) -> int:
-    """Check room for what is still to come, and make way for the ``.part``: the
-    bytes of it to keep."""
+def _prepare(
+    weights_dir: Path, target: Path, part: Path, size: int, budget: Budget | None
+) -> tuple[int, Reservation | None]:
+    """Check room for what is still to come (or have ``budget`` make it and hold
+    it: the caller releases it), and make way for the ``.part``: the bytes of it
+    to keep."""
     weights_dir.mkdir(parents=True, exist_ok=True)
     try:
         kept = part.stat().st_size
     except FileNotFoundError:
         kept = 0
     kept = kept if kept <= size else 0  # longer than the file: not this file's bytes
-    parts.check_room(weights_dir, target, size - kept)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    parts.drop_stale(target, part)
-    return kept
+    parts.drop_stale(target, part)  # first: a budget must not evict for their bytes
+    room = None
+    if budget is None:
+        parts.check_room(weights_dir, target, size - kept)
+    else:
+        room = budget.reserve(target, part, size, kept)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        if room is not None:
+            room.release()
+        raise
+    return kept, room
 
 
 def _tag(remote: Remote) -> str:
