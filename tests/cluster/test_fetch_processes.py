@@ -14,12 +14,16 @@ import json
 from pathlib import Path
 
 import httpx
+import msgspec
 import trio
 
+from llmgw.protocol.messages import ShardSpec, StartShard, StopShard
 from tests.cluster.test_control_plane_processes import Cluster, chat, cluster
+from tests.cluster.test_engine_processes import PORT_BASE, fleet, llama_spec
 from tests.conftest import Pki
 from tests.realparts import needs_server
-from tools.support.hubstandin import HubStandIn
+from tests.stream.harness import wait_for
+from tools.support.hubstandin import CHUNK, HubStandIn
 from tools.support.tinymodel import write_model
 
 pytestmark = needs_server
@@ -197,3 +201,66 @@ async def test_prefetch_warms_nodes_before_a_replica_needs_them(tmp_path: Path, 
                 "weights", "prefetch", "fetched", "--node", "n9", check=False
             )
             assert b"no node n9 is known" in unknown.stderr, unknown.stderr
+
+
+async def test_two_shards_of_one_file_fetch_it_once_and_a_stop_cancels_the_fetch(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Through a real agent and the real stream: a second shard that needs the file
+    another is fetching follows that fetch (the hub serves it once, both start); a
+    shard stopped while its weights come is stopped at once and its fetch cancelled,
+    its ``.part`` kept for the next to resume from."""
+    root, file = serve_model(tmp_path)
+    size = file.stat().st_size
+    source = "hf://acme/tiny-GGUF/tiny.gguf"
+    landing = tmp_path / "weights"
+    target = landing / "hf" / "acme" / "tiny-GGUF" / "main" / "tiny.gguf"
+    with HubStandIn(root) as hub:
+        hub.rate = int(size / 3)
+        async with fleet(tmp_path, pki) as f:
+            f.start_agent(
+                extra=f'[weights]\ndefault_dir = "{landing}"\n', env=hub_env(tmp_path, hub)
+            )
+
+            def spec(shard: str) -> ShardSpec:
+                port = PORT_BASE + int(shard[1:])  # each its own: none listens yet
+                return msgspec.structs.replace(
+                    llama_spec(target, shard, port=port, context=256),
+                    weights_source=source,
+                    fetch_stall_s=10,
+                )
+
+            await f.send("n1", StartShard(spec=spec("s1")))
+            await f.status("s1", "starting")
+            await f.send("n1", StartShard(spec=spec("s2")))
+            one = await f.status("s1", "ready")
+            two = await f.status("s2", "ready")
+            assert one.pid != two.pid
+            assert hub.served == size and len(hub.gets("tiny.gguf")) == 1, hub.requests
+            reports = [s for _, s in f.statuses if s.fetching is not None]
+            assert {s.shard_id for s in reports} == {"s1", "s2"}, reports
+
+            # another file (another revision), stopped while it comes
+            other = "hf://acme/tiny-GGUF@v2/tiny.gguf"
+            hub.rate = int(size / 8)  # a 64 KiB write of the stand-in's about every second
+            late = msgspec.structs.replace(
+                spec("s3"),
+                weights_source=other,
+                model_path=str(landing / "hf" / "acme" / "tiny-GGUF" / "v2" / "tiny.gguf"),
+            )
+            await f.send("n1", StartShard(spec=late))
+            await wait_for(
+                lambda: any(s.shard_id == "s3" and s.fetching for _, s in f.statuses), timeout=10
+            )
+            await f.send("n1", StopShard(shard_id="s3", grace_s=5))
+            stopped = await f.status("s3", "stopped", timeout=5)
+            assert not [s for _, s in f.statuses if s.shard_id == "s3" and s.state == "failed"]
+            # its fetch is cancelled: the hub sends no more of it (one write it had under
+            # way may still go out to a closed connection), and nothing lands
+            await trio.sleep(0.5)
+            sent = hub.served
+            await trio.sleep(3)
+            assert hub.served - sent <= CHUNK and hub.served < 2 * size, (sent, hub.served)
+            assert not Path(late.model_path).exists()
+            assert list(Path(late.model_path).parent.glob("tiny.gguf.*.part"))  # kept
+            assert stopped.pid is None  # no engine was launched
