@@ -257,6 +257,7 @@ class AdminApi:
                 state=n.state.value,
                 fabric=n.inventory.fabric,
                 weights_dir=n.inventory.weights_dir,
+                budget_bytes=n.inventory.weights_budget_bytes,
                 copies=list(n.inventory.weights),
                 fetching=list(n.inventory.fetching),
             )

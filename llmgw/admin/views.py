@@ -351,6 +351,7 @@ class NodeWeights(msgspec.Struct, kw_only=True):
     state: str
     fabric: str
     weights_dir: str  # where its fetched weights land ("": an agent that fetches nothing)
+    budget_bytes: int | None = None  # what the weights there may take; None: no budget
     copies: list[WeightCopy]
     fetching: list[FetchProgress]
 

@@ -66,6 +66,11 @@ class InventorySource:
         """Where fetched weights land: ``[weights] default_dir``, absolute."""
         return Path(os.path.abspath(resolve_dir(self.base, self.weights.default_dir)))
 
+    def budget_bytes(self) -> int | None:
+        """``[weights] budget_gb`` in bytes; None: no budget."""
+        gb = self.weights.budget_gb
+        return None if gb is None else int(gb * 2**30)
+
     def memory(self) -> Memory:
         found = read_memory(Path(self.settings.meminfo))
         total = self.overrides.memory_gb
@@ -142,6 +147,7 @@ class InventorySource:
             weights_scanned=d.weights_scanned if d else False,
             weights_dirs=list(d.weights_dirs) if d else [],
             weights_dir=str(self.landing_dir()),
+            weights_budget_bytes=self.budget_bytes(),
             fetching=self.fetching() if self.fetching is not None else [],
             labels=dict(o.labels),
             port_range=list(self.port_range),

@@ -82,6 +82,7 @@ async def healthy(http: httpx.AsyncClient, url: str) -> bool:
 
 async def run_new(ctx: ShardContext, shard: Shard) -> None:
     if await _weights(ctx, shard) and await launch(ctx, shard):
+        await ctx.fetcher.used(shard.spec.model_path)
         # the startup timeout counts from here: a fetch before has its own bound
         await _until_ready(ctx, shard, deadline=trio.current_time() + shard.spec.startup_timeout_s)
         await _watch(ctx, shard)

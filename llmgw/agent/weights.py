@@ -29,7 +29,7 @@ line in the log (``fetch`` logs the start and the end of each fetch).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
 import attrs
@@ -38,6 +38,7 @@ import trio
 from llmgw.agent.discovery.weights import fetched_record
 from llmgw.files import write_atomic
 from llmgw.protocol.messages import FetchProgress, FetchWeights, ShardSpec
+from llmgw.weights.budget import Budget
 from llmgw.weights.errors import Corrupt, FetchError, NoRoom, Stalled
 from llmgw.weights.fetch import fetch
 from llmgw.weights.source import HubFile, MountFile, Source, UrlFile, parse_source
@@ -89,8 +90,14 @@ class Fetcher:
         on_bytes: Callable[[str, int], None] | None = None,
         on_failure: Callable[[str], None] | None = None,
         on_landed: Callable[[], Awaitable[None]] | None = None,
+        budget: Budget | None = None,
+        in_use: Callable[[], Iterable[Path]] | None = None,
     ) -> None:
         self.weights_dir = weights_dir  # where fetched weights land ([weights] default_dir)
+        # what the weights there may take (``[weights] budget_gb``), and the files the
+        # node's shards use, which it never evicts
+        self.budget = budget
+        self.in_use = in_use or (lambda: ())
         self.on_bytes = on_bytes or (lambda kind, n: None)
         self.on_failure = on_failure or (lambda kind: None)
         self.on_landed = on_landed
@@ -172,6 +179,8 @@ class Fetcher:
             if report is not None:
                 report(mine.progress)
 
+        if self.budget is not None:
+            self.budget.set_in_use(self.in_use())
         try:
             landed = await fetch(
                 source,
@@ -180,6 +189,7 @@ class Fetcher:
                 sha256=sha256 or None,
                 stall_s=stall_s,
                 progress=progressed,
+                budget=self.budget,
             )
             await trio.to_thread.run_sync(
                 lambda: write_atomic(fetched_record(landed), str(source).encode() + b"\n", 0o644)
@@ -200,6 +210,16 @@ class Fetcher:
         if self.on_landed is not None:
             await self.on_landed()
         return landed
+
+    async def used(self, path: str) -> None:
+        """An engine started on ``path``: under a budget, it is the last to go."""
+        budget = self.budget
+        if budget is None or not path:
+            return
+        try:
+            await trio.to_thread.run_sync(budget.mark_used, Path(path))
+        except OSError as exc:
+            log.warning("cannot record that %s is in use: %s", path, exc.strerror or exc)
 
     async def _follow(
         self, running: _Fetch, report: Callable[[FetchProgress], None] | None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from urllib.parse import quote
 
 import cyclopts
@@ -20,9 +21,19 @@ weights_app = cyclopts.App(
 )
 
 
-def render_weights(nodes: list[NodeWeights]) -> str:
-    rows = [["NODE", "FABRIC", "WEIGHTS", "SIZE", "STORAGE", "FROM", "PATH"]]
-    fetching: list[str] = []
+def _ago(at: float | None, now: float) -> str:
+    if at is None:
+        return "?"
+    s = max(0.0, now - at)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def render_weights(nodes: list[NodeWeights], now: float) -> str:
+    rows = [["NODE", "FABRIC", "WEIGHTS", "SIZE", "LAST USED", "STORAGE", "FROM", "PATH"]]
+    notes: list[str] = []
     for n in nodes:
         for c in sorted(n.copies, key=lambda c: c.path):
             rows.append(
@@ -31,17 +42,25 @@ def render_weights(nodes: list[NodeWeights]) -> str:
                     n.fabric or "-",
                     c.model,
                     human(c.size_bytes) if c.size_bytes is not None else "?",
+                    _ago(c.last_used, now),
                     c.storage,
                     c.source or "-",
                     c.path,
                 ]
             )
         if not n.copies:
-            rows.append([n.node_id, n.fabric or "-", "-", "-", "-", "-", "-"])
+            rows.append([n.node_id, n.fabric or "-", *["-"] * 6])
+        if n.budget_bytes is not None:
+            inside = n.weights_dir.rstrip("/") + "/"
+            held = sum(c.size_bytes or 0 for c in n.copies if c.path.startswith(inside))
+            notes.append(
+                f"{n.node_id}: {human(held)} of weights in {n.weights_dir}, budget "
+                f"{human(n.budget_bytes)} (the longest unused go first)"
+            )
         for f in n.fetching:
             how = fetching_words(f.source, f.done_bytes, f.total_bytes, f.rate_bps, f.peer)
-            fetching.append(f"{n.node_id}: {how}")
-    return "\n".join([table(rows), *([""] + fetching if fetching else [])])
+            notes.append(f"{n.node_id}: {how}")
+    return "\n".join([table(rows), *([""] + notes if notes else [])])
 
 
 def render_prefetch(a: PrefetchAnswer) -> str:
@@ -56,8 +75,9 @@ def render_prefetch(a: PrefetchAnswer) -> str:
 
 @weights_app.default
 def weights(*, target: Target | None = None, json: bool = False) -> int:
-    """What each node holds of weights (name, size, storage, the source it was fetched
-    from, path), and the fetches under way with how far each has come.
+    """What each node holds of weights (name, size, when an engine last used it, storage,
+    the source it was fetched from, path), each node's disk budget, and the fetches
+    under way with how far each has come.
 
     Parameters
     ----------
@@ -65,7 +85,12 @@ def weights(*, target: Target | None = None, json: bool = False) -> int:
         Print the API's JSON instead of a table.
     """
     return show(
-        "weights", target, "/v1/weights", WeightsList, json, lambda d: render_weights(d.nodes)
+        "weights",
+        target,
+        "/v1/weights",
+        WeightsList,
+        json,
+        lambda d: render_weights(d.nodes, time.time()),
     )
 
 

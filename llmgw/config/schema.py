@@ -317,6 +317,10 @@ class WeightsConfig(_Section):
 
     dirs: list[str] = []  # where to look for model weights
     default_dir: str = "/var/lib/llmgw-weights"  # where fetched weights land; always looked in
+    # GiB the weights in default_dir may take: a fetch past it evicts the weights unused
+    # for longest (never ones a replica here uses or a fetch needs), or fails saying so.
+    # Unset: only the disk's free space bounds them
+    budget_gb: float | None = None
 
 
 class EnginesConfig(_Section):
@@ -391,6 +395,8 @@ class AgentConfig(_Section):
         if self.inventory.cpus is not None:
             _positive("inventory.cpus", self.inventory.cpus)
         _positive("discovery.interval_s", self.discovery.interval_s, at_most=DAY_S)
+        if self.weights.budget_gb is not None:
+            _positive("weights.budget_gb", self.weights.budget_gb)
         pr = self.engines.port_range
         if len(pr) != 2 or not 1 <= pr[0] <= pr[1] <= 65535:
             raise ConfigError(

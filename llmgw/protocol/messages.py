@@ -83,6 +83,10 @@ class WeightCopy(_Wire, frozen=True):
     # the source it was fetched from (``hf://...``, ``https://...``), as a profile names
     # it; empty: not fetched by an agent (put there by hand, or by an older agent)
     source: str = ""
+    # when an engine last started on it (wall clock, s since the epoch), else when it
+    # was last written; None: not said (an older agent). A disk budget evicts the
+    # longest unused first
+    last_used: float | None = None
 
 
 class FetchProgress(_Wire, frozen=True):
@@ -112,6 +116,8 @@ class Inventory(_Wire, frozen=True):
     # where fetched weights land (absolute; ``[weights] default_dir``); empty: an older
     # agent, which fetches nothing
     weights_dir: str = ""
+    # what the weights in weights_dir may take ([weights] budget_gb); None: no budget
+    weights_budget_bytes: int | None = None
     # fetches under way (a partial copy: placement prefers the node to one without);
     # their figures are the latest, and a change of figures alone is not news
     fetching: list[FetchProgress] = []

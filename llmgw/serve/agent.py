@@ -32,6 +32,7 @@ from llmgw.serve import open_listeners
 from llmgw.serve.limits import metrics_server, process_shares
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.contexts import client_context
+from llmgw.weights.budget import Budget
 
 log = logging.getLogger("llmgw.agent")
 
@@ -108,8 +109,13 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         on_event=metrics.event,
     )
     source.busy = supervisor.busy_ports
+    landing = source.landing_dir()
+    limit = source.budget_bytes()
     supervisor.fetcher = Fetcher(
-        source.landing_dir(),
+        landing,
+        budget=Budget(landing, limit) if limit is not None else None,
+        # what no eviction may take: the files of every shard placed here
+        in_use=lambda: [Path(s.spec.model_path) for s in supervisor.shards.values()],
         on_bytes=lambda kind, n: metrics.fetched_bytes.labels(kind).inc(n),
         on_failure=lambda reason: metrics.fetch_failures.labels(reason).inc(),
         on_landed=source.refresh,  # placement hears at once that this node holds them
@@ -145,7 +151,12 @@ def take(stream: AgentStream, config: AgentConfig) -> None:
     source.overrides = config.inventory
     source.settings = config.discovery
     source.weights = config.weights
-    stream.supervisor.fetcher.weights_dir = source.landing_dir()
+    fetcher = stream.supervisor.fetcher
+    fetcher.weights_dir = source.landing_dir()
+    limit = source.budget_bytes()
+    if limit != (fetcher.budget.limit if fetcher.budget is not None else None):
+        # fetches in flight keep their room in the budget they began under
+        fetcher.budget = Budget(fetcher.weights_dir, limit) if limit is not None else None
     source.llama_server = config.engines.llama_server
     sup = stream.supervisor
     sup.settings = attrs.evolve(

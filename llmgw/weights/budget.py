@@ -305,7 +305,8 @@ def _used_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.used")
 
 
-def _last_used(target: Path, mtime: float) -> float:
+def last_used(target: Path, mtime: float) -> float:
+    """When an engine last started on ``target`` (``mark_used``), else ``mtime``."""
     try:
         return float(_used_path(target).read_text().strip())
     except (OSError, UnicodeDecodeError, ValueError):
@@ -331,7 +332,7 @@ def _scan(root: Path) -> list[Held]:
             if parts.is_part(path):
                 found.append(Held(path, st.st_size, st.st_mtime, pinned=False, partial=True))
             else:
-                used = _last_used(path, st.st_mtime)
+                used = last_used(path, st.st_mtime)
                 found.append(Held(path, st.st_size, used, pinned=False))
     found.sort(key=lambda h: (h.last_used, str(h.path)))
     return found

@@ -264,3 +264,78 @@ async def test_two_shards_of_one_file_fetch_it_once_and_a_stop_cancels_the_fetch
             assert not Path(late.model_path).exists()
             assert list(Path(late.model_path).parent.glob("tiny.gguf.*.part"))  # kept
             assert stopped.pid is None  # no engine was launched
+
+
+def model_entry(name: str, source: str, replicas: int) -> str:
+    return f"""
+[models.{name}]
+replicas = {replicas}
+[[models.{name}.profiles]]
+name = "cpu"
+engine = "llama.cpp"
+gpus = 1
+min_memory_gb = 1
+source = "{source}"
+settings = {{ context = 256, parallel = 1, threads = 1, threads_batch = 1 }}
+"""
+
+
+async def test_a_disk_budget_evicts_the_longest_unused_never_what_runs(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """[weights] budget_gb holds two of the model's files: a third evicts the one no
+    replica uses, never the one that runs; a file that cannot fit beside what runs
+    fails in one line, counted, and evicts nothing."""
+    root, file = serve_model(tmp_path)
+    size = file.stat().st_size
+    for repo in ("acme/a-GGUF", "acme/c-GGUF"):
+        (root / repo).mkdir(parents=True)
+        (root / repo / "tiny.gguf").write_bytes(file.read_bytes())
+    (root / "acme" / "d-GGUF").mkdir(parents=True)
+    (root / "acme" / "d-GGUF" / "big.gguf").write_bytes(bytes(3 * size))
+    hf = "hf://acme/{}-GGUF/{}"
+    catalog = (
+        model_entry("b", hf.format("tiny", "tiny.gguf"), 1)
+        + model_entry("a", hf.format("a", "tiny.gguf"), 0)
+        + model_entry("c", hf.format("c", "tiny.gguf"), 0)
+        + model_entry("d", hf.format("d", "big.gguf"), 0)
+    )
+    budget_gb = 2.5 * size / 2**30
+    with HubStandIn(root) as hub:
+        async with cluster(tmp_path, pki, 0, extra_catalog=catalog) as c:
+            landing = tmp_path / "weights"
+            c.agent(
+                "n1",
+                env=hub_env(tmp_path, hub),
+                more=f'[weights]\ndefault_dir = "{landing}"\nbudget_gb = {budget_gb}\n'
+                '[metrics]\nlisten = "127.0.0.1:0"\n',
+            )
+            await c.wait_ready(1, model="b")
+
+            async def held() -> set[str]:
+                nodes = json.loads((await c.server.ctl("weights", "--json")).stdout)["nodes"]
+                return {w["source"] for n in nodes for w in n["copies"] if w.get("source")}
+
+            async def until_held(want: set[str]) -> None:
+                with trio.fail_after(20):
+                    while await held() != want:
+                        await trio.sleep(0.2)
+
+            await c.server.ctl("weights", "prefetch", "a")
+            await until_held({hf.format("tiny", "tiny.gguf"), hf.format("a", "tiny.gguf")})
+            await c.server.ctl("weights", "prefetch", "c")  # a goes: b runs
+            await until_held({hf.format("tiny", "tiny.gguf"), hf.format("c", "tiny.gguf")})
+            agent_log = c.agents["n1"].log()
+            assert "evict" in agent_log and "a-GGUF" in agent_log, agent_log[-3000:]
+            assert (landing / "hf" / "acme" / "tiny-GGUF" / "main" / "tiny.gguf").exists()
+            table = (await c.server.ctl("weights")).stdout.decode()
+            assert "budget" in table and "ago" in table, table
+
+            # three times the file beside the one that runs: no room, said once
+            await c.server.ctl("weights", "prefetch", "d")
+            line = await c.agents["n1"].wait_log(r"cannot fetch hf://acme/d-GGUF/big.gguf: (.*)")
+            assert "budget" in line.group(1) and "budget_gb" in line.group(1), line.group(0)
+            assert await held() == {hf.format("tiny", "tiny.gguf"), hf.format("c", "tiny.gguf")}
+            metrics_port = int(agent_log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
+            text = await agent_metrics(metrics_port)
+            assert 'llmgw_agent_weights_fetch_failures_total{reason="no_room"} 1.0' in text

@@ -41,6 +41,7 @@ import attrs
 from llmgw.agent.discovery.storage import Mount, classify, read_mounts
 from llmgw.gguf import INCOMPLETE_SUFFIXES, KvShape, gguf_file
 from llmgw.protocol.messages import WeightCopy
+from llmgw.weights.budget import last_used
 
 log = logging.getLogger("llmgw.agent.discovery.weights")
 
@@ -445,6 +446,13 @@ def _fetched_found(path: Path) -> _Found:
     return _Found(path.stem, path, "gguf" if path.suffix.lower() == ".gguf" else "", _size(path))
 
 
+def _last_used(path: Path) -> float | None:
+    try:
+        return last_used(path, path.stat().st_mtime)
+    except OSError:
+        return None
+
+
 def scan_weights(
     dirs: Sequence[Path],
     *,
@@ -515,6 +523,7 @@ def scan_weights(
                 kv_k_per_token=f.kv.k_per_token if f.kv else None,
                 kv_v_per_token=f.kv.v_per_token if f.kv else None,
                 source=sources.get(os.path.realpath(f.path), ""),
+                last_used=_last_used(f.path),
             )
         )
     return copies
