@@ -57,6 +57,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     labels: dict[str, str]
     weights_dirs: list[str] = []  # where its agent looks for weights
     weights_dir: str = ""  # where its fetched weights land
+    weights_port: int = 0  # its weights transfer listener's port; 0: it serves none
     fetching: list[FetchProgress] = []  # its fetches under way, as last sent
     shards: int = 0  # the shards of the control plane's replicas on it now
     cordoned: bool = False
@@ -121,6 +122,7 @@ def node_view(node: Node, gpu_views: GpuViews | None = None) -> NodeView:
         labels=dict(inv.labels),
         weights_dirs=list(inv.weights_dirs),
         weights_dir=inv.weights_dir,
+        weights_port=inv.weights_port,
         fetching=list(inv.fetching),
         version=node.agent_version,
         problems=list(inv.problems),

@@ -57,6 +57,7 @@ class InventorySource:
         self.busy: Callable[[], tuple[list[int], list[str]]] | None = None
         # set by the daemon: the fetches of weights under way (``agent.weights``)
         self.fetching: Callable[[], list[FetchProgress]] | None = None
+        self.weights_port = 0  # set by the daemon: its weights transfer listener's
         self._full = False
         self.discovered: Discovered | None = None
         self.address = ""
@@ -148,6 +149,7 @@ class InventorySource:
             weights_dirs=list(d.weights_dirs) if d else [],
             weights_dir=str(self.landing_dir()),
             weights_budget_bytes=self.budget_bytes(),
+            weights_port=self.weights_port,
             fetching=self.fetching() if self.fetching is not None else [],
             labels=dict(o.labels),
             port_range=list(self.port_range),

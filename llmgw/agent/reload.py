@@ -23,6 +23,8 @@ from llmgw.config import AgentConfig
 # sections taken whole, and keys taken alone; everything else needs a restart
 RELOADABLE_SECTIONS = ("inventory", "discovery", "weights")
 RELOADABLE_KEYS = ("log_level", "engines.llama_server", "engines.stop_grace_s")
+# keys of those sections that are not: a listener opened at start
+RESTART_KEYS = ("weights.peer_listen",)
 
 
 @attrs.frozen
@@ -57,6 +59,8 @@ def _flat(config: AgentConfig) -> dict[str, Any]:
 
 
 def _reloadable(key: str) -> bool:
+    if key in RESTART_KEYS:
+        return False
     return key in RELOADABLE_KEYS or key.split(".", 1)[0] in RELOADABLE_SECTIONS
 
 
@@ -82,7 +86,7 @@ def plan(running: AgentConfig, read: AgentConfig) -> Reload:
         running,
         inventory=read.inventory,
         discovery=read.discovery,
-        weights=read.weights,
+        weights=msgspec.structs.replace(read.weights, peer_listen=running.weights.peer_listen),
         log_level=read.log_level,
         engines=msgspec.structs.replace(
             running.engines, llama_server=e.llama_server, stop_grace_s=e.stop_grace_s

@@ -11,6 +11,14 @@ directory (``Inventory.weights_dir``), or the profile's own ``model_path``.
 there and whole costs a look at the disk; one missing is fetched, resumed
 from what a previous try left, and verified.
 
+Peers first: where the control plane names agents of the fabric that hold the
+file or are fetching it (``ShardSpec.weights_peers``), it is taken from them
+(``llmgw.weights.peer``: over the agents' own mutual TLS, chunk by checked
+chunk, a peer that is itself still fetching giving what it has so far), and
+only what they cannot give is asked of the source, which resumes their
+``.part``. Peers serve what lands where its source says, so a profile's own
+``model_path`` elsewhere is fetched from the source.
+
 One fetch per file at a time on a node: a second shard wanting the same file
 follows the first's fetch (its progress, then its end) instead of starting
 another, and takes over when the first is cancelled (its shard stopped).
@@ -29,7 +37,7 @@ line in the log (``fetch`` logs the start and the end of each fetch).
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
@@ -37,14 +45,18 @@ import trio
 
 from llmgw.agent.discovery.weights import fetched_record
 from llmgw.files import write_atomic
-from llmgw.protocol.messages import FetchProgress, FetchWeights, ShardSpec
+from llmgw.protocol.messages import FetchProgress, FetchWeights, ShardSpec, WeightsPeer
 from llmgw.weights.budget import Budget
 from llmgw.weights.errors import Corrupt, FetchError, NoRoom, Stalled
-from llmgw.weights.fetch import fetch
+from llmgw.weights.fetch import ask, fetch
+from llmgw.weights.peer import Peer, PeerTrust, fetch_from_peer
 from llmgw.weights.source import HubFile, MountFile, Source, UrlFile, parse_source
 from llmgw.weights.transfer import Progress
 
 log = logging.getLogger("llmgw.agent.weights")
+
+# no chunk from any peer this long: the source is asked instead (resuming what came)
+PEER_STALL_S = 30.0
 
 
 def source_kind(source: Source) -> str:
@@ -98,6 +110,9 @@ class Fetcher:
         # node's shards use, which it never evicts
         self.budget = budget
         self.in_use = in_use or (lambda: ())
+        # this agent's identity to other agents' transfer listeners (set by the daemon);
+        # None: it takes nothing from peers
+        self.trust: PeerTrust | None = None
         self.on_bytes = on_bytes or (lambda kind, n: None)
         self.on_failure = on_failure or (lambda kind: None)
         self.on_landed = on_landed
@@ -122,6 +137,7 @@ class Fetcher:
             spec.model_path,
             sha256=spec.weights_sha256,
             stall_s=spec.fetch_stall_s,
+            peers=spec.weights_peers,
             report=report,
         )
 
@@ -130,7 +146,11 @@ class Fetcher:
         and counted, and the file is tried again when a shard needs it."""
         try:
             await self.bring_file(
-                command.source, command.path, sha256=command.sha256, stall_s=command.stall_s
+                command.source,
+                command.path,
+                sha256=command.sha256,
+                stall_s=command.stall_s,
+                peers=command.peers,
             )
         except FetchError:
             pass  # said and counted by bring_file
@@ -142,9 +162,11 @@ class Fetcher:
         *,
         sha256: str = "",
         stall_s: float = 120.0,
+        peers: Sequence[WeightsPeer] = (),
         report: Callable[[FetchProgress], None] | None = None,
     ) -> Path:
-        """``bring`` of a source to ``path`` (empty: where the source lands here)."""
+        """``bring`` of a source to ``path`` (empty: where the source lands here),
+        from ``peers`` first where they can serve it."""
         try:
             source = parse_source(source_text)
         except ValueError as exc:
@@ -162,12 +184,13 @@ class Fetcher:
         mine = _Fetch(FetchProgress(source=str(source), path=str(key)))
         self.running[key] = mine
         self._changed()
-        kind = source_kind(source)
+        # where the bytes come from now: a peer's node id, or "" for the source
+        peer = [""]
         seen: list[int] = []  # the bytes at the last report; none before the first
 
         def progressed(p: Progress) -> None:
             if seen and p.done > seen[0]:  # a resumed fetch's first report is what it had
-                self.on_bytes(kind, p.done - seen[0])
+                self.on_bytes("peer" if peer[0] else source_kind(source), p.done - seen[0])
             seen[:] = [p.done]
             mine.progress = FetchProgress(
                 source=str(source),
@@ -175,6 +198,7 @@ class Fetcher:
                 done_bytes=p.done,
                 total_bytes=p.total,
                 rate_bps=p.rate,
+                peer=peer[0],
             )
             if report is not None:
                 report(mine.progress)
@@ -182,15 +206,22 @@ class Fetcher:
         if self.budget is not None:
             self.budget.set_in_use(self.in_use())
         try:
-            landed = await fetch(
-                source,
-                self.weights_dir,
-                target=target,
-                sha256=sha256 or None,
-                stall_s=stall_s,
-                progress=progressed,
-                budget=self.budget,
-            )
+            landed = None
+            if self._may_take(source, target, peers):
+                peer[0] = peers[0].node_id
+                landed = await self._from_peers(source, target, sha256, stall_s, peers, progressed)
+                peer[0] = ""
+                seen.clear()
+            if landed is None:
+                landed = await fetch(
+                    source,
+                    self.weights_dir,
+                    target=target,
+                    sha256=sha256 or None,
+                    stall_s=stall_s,
+                    progress=progressed,
+                    budget=self.budget,
+                )
             await trio.to_thread.run_sync(
                 lambda: write_atomic(fetched_record(landed), str(source).encode() + b"\n", 0o644)
             )
@@ -210,6 +241,64 @@ class Fetcher:
         if self.on_landed is not None:
             await self.on_landed()
         return landed
+
+    def _may_take(self, source: Source, target: Path | None, peers: Sequence[WeightsPeer]) -> bool:
+        """Whether peers may serve the file: there are some, this agent can prove who
+        it is to them, and it lands where its source says (what a peer serves)."""
+        if not peers or self.trust is None or isinstance(source, MountFile):
+            return False
+        return target is None or target == self.weights_dir / source.landing()
+
+    async def _from_peers(
+        self,
+        source: HubFile | UrlFile,
+        target: Path | None,
+        sha256: str,
+        stall_s: float,
+        peers: Sequence[WeightsPeer],
+        progressed: Callable[[Progress], None],
+    ) -> Path | None:
+        """The file taken from ``peers``; None when they could not give it (said in
+        one line: the source is asked next, and resumes what they gave).
+
+        Raises:
+            NoRoom: no room for it here, from wherever it comes.
+        """
+        assert self.trust is not None
+        size: int | None = None
+        expect = sha256 or None
+        try:  # a peer still fetching it is found by what the source says it is
+            remote = await ask(source, token=None, endpoint=None, verify=True)
+            size, expect = remote.size, expect or remote.sha256
+        except FetchError as exc:
+            log.info("%s: taking it from peers without the source's word on it: %s", source, exc)
+        budget = self.budget
+        if budget is not None and size is not None:
+            pinned = list(self.in_use())
+            await trio.to_thread.run_sync(budget.make_room, size, pinned)
+        takers = [Peer(p.node_id, p.host, p.port) for p in peers]
+        try:
+            return await fetch_from_peer(
+                source,
+                self.weights_dir,
+                takers,
+                self.trust,
+                target=target,
+                sha256=expect,
+                size=size,
+                stall_s=min(stall_s, PEER_STALL_S),
+                progress=progressed,
+            )
+        except NoRoom:
+            raise
+        except FetchError as exc:
+            log.warning(
+                "cannot take %s from %s: %s; fetching it from its source",
+                source,
+                ", ".join(p.node_id for p in peers),
+                exc,
+            )
+            return None
 
     async def used(self, path: str) -> None:
         """An engine started on ``path``: under a budget, it is the last to go."""

@@ -321,6 +321,10 @@ class WeightsConfig(_Section):
     # for longest (never ones a replica here uses or a fetch needs), or fails saying so.
     # Unset: only the disk's free space bounds them
     budget_gb: float | None = None
+    # HOST:PORT of this agent's weights transfer listener (mutual TLS, the agent's own
+    # certificate): agents of its fabric take weights it holds, or is fetching, from it
+    # instead of from their source. Empty: it serves none (it may still take from others)
+    peer_listen: str = ""
 
 
 class EnginesConfig(_Section):
@@ -397,6 +401,8 @@ class AgentConfig(_Section):
         _positive("discovery.interval_s", self.discovery.interval_s, at_most=DAY_S)
         if self.weights.budget_gb is not None:
             _positive("weights.budget_gb", self.weights.budget_gb)
+        if self.weights.peer_listen:
+            parse_hostport(self.weights.peer_listen, key="weights.peer_listen")
         pr = self.engines.port_range
         if len(pr) != 2 or not 1 <= pr[0] <= pr[1] <= 65535:
             raise ConfigError(

@@ -369,7 +369,7 @@ class FleetManager:
         m = self.catalog.models.get(model)
         if m is None:
             raise ValueError(f"no model {model!r} in the catalog: see llmgw ctl models")
-        done = plan_prefetch(m, self.control.nodes.nodes.values(), fabric=fabric, only=nodes)
+        done = plan_prefetch(m, self.control.nodes.nodes, fabric=fabric, only=nodes)
         if done.fetches:
             self._queue(Plan(fetch=list(done.fetches)))
         log.info(
@@ -604,5 +604,7 @@ def _message(command: Command) -> DownMessage:
             return SleepShard(shard_id=shard_id, grace_s=grace)
         case Wake(shard_id=shard_id):
             return WakeShard(shard_id=shard_id)
-        case Fetch(source=source, path=path, sha256=sha256, stall_s=stall_s):
-            return FetchWeights(source=source, path=path, sha256=sha256, stall_s=stall_s)
+        case Fetch(source=source, path=path, sha256=sha256, stall_s=stall_s, peers=peers):
+            return FetchWeights(
+                source=source, path=path, sha256=sha256, stall_s=stall_s, peers=list(peers)
+            )

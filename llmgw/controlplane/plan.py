@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from llmgw.protocol.messages import ShardSpec
+from llmgw.protocol.messages import ShardSpec, WeightsPeer
 
 
 @attrs.frozen
@@ -56,6 +56,7 @@ class Fetch:
     path: str
     sha256: str
     stall_s: float
+    peers: list[WeightsPeer] = attrs.Factory(list)  # to take it from, before its source
 
 
 Command = Start | Stop | Drain | Sleep | Wake | Fetch

@@ -13,19 +13,22 @@ holds the source (``WeightCopy.source``) or is fetching it is skipped and
 said so; the others are each sent a ``Fetch`` (``plan.Fetch``) of the file to
 where its source lands under that node's ``weights_dir`` (the profile's
 ``model_path`` where it names one), exactly where a replica placed there
-would look (``starts.model_path``).
+would look (``starts.model_path``), with the agents to take it from
+(``peers``): those that hold it or fetch it, then the node told just before,
+so that the nodes told together form a chain and the source is read once.
 
 This module is pure: it decides and says, the fleet manager sends.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import attrs
 
 from llmgw.controlplane.catalog import Model, Profile
 from llmgw.controlplane.nodes import Node, NodeState
+from llmgw.controlplane.peers import weights_peers
 from llmgw.controlplane.plan import Fetch
 from llmgw.controlplane.starts import model_path
 from llmgw.engines import installed
@@ -47,7 +50,7 @@ def fetched_profile(model: Model) -> Profile | None:
 
 
 def plan_prefetch(
-    model: Model, nodes: Iterable[Node], *, fabric: str = "", only: Iterable[str] = ()
+    model: Model, nodes: Mapping[str, Node], *, fabric: str = "", only: Iterable[str] = ()
 ) -> Prefetch:
     """The fetches that warm ``model``'s weights on ``only`` (by node id), else on the
     nodes of ``fabric``, else on every node.
@@ -63,7 +66,7 @@ def plan_prefetch(
             "(hf://ORG/REPO/FILE or https://...)"
         )
     source = model.weights_source(profile)
-    table = {n.node_id: n for n in nodes}
+    table = nodes
     named = list(dict.fromkeys(only))
     unknown = [n for n in named if n not in table]
     if unknown:
@@ -83,8 +86,19 @@ def plan_prefetch(
             skipped.append((node.node_id, why))
             continue
         path = model_path(profile, node.inventory.weights_dir)
+        # a chain: each takes from the one told before it (peers serve only where a
+        # source lands, not a profile's own model_path)
+        before = [f.node for f in fetches[-1:]]
+        peers = [] if profile.model_path else weights_peers(source, node.node_id, nodes, before)
         fetches.append(
-            Fetch(node.node_id, profile.source, path, profile.sha256.lower(), profile.fetch_stall_s)
+            Fetch(
+                node.node_id,
+                profile.source,
+                path,
+                profile.sha256.lower(),
+                profile.fetch_stall_s,
+                peers,
+            )
         )
     return Prefetch(profile.name, fetches, skipped)
 

@@ -68,6 +68,7 @@ from llmgw.controlplane.catalog import Catalog, Model, Profile
 from llmgw.controlplane.filters import ROOM, PlacementCache
 from llmgw.controlplane.memory import Needs
 from llmgw.controlplane.nodes import Node, NodeState, awaited
+from llmgw.controlplane.peers import same_source, weights_peers
 from llmgw.controlplane.placement import Decision, failure_kind
 from llmgw.controlplane.placing import PassPlacement, allocated
 from llmgw.controlplane.plan import (
@@ -78,7 +79,13 @@ from llmgw.controlplane.plan import (
 )
 from llmgw.controlplane.replicas import MoveKind, Replica, ReplicaState, Shard
 from llmgw.controlplane.spread import Spreads
-from llmgw.protocol.messages import FetchProgress, ShardReport, ShardState, ShardStatus
+from llmgw.protocol.messages import (
+    FetchProgress,
+    ShardReport,
+    ShardState,
+    ShardStatus,
+    WeightsPeer,
+)
 
 R = ReplicaState
 S = ShardState
@@ -466,6 +473,7 @@ class Reconciler:
                     for s in decision.shards
                     if (n := nodes.get(s.node_id)) is not None
                 },
+                self._weights_peers(model, profile, [s.node_id for s in decision.shards], nodes),
             )
             self.replicas[replica.replica_id] = replica
             shared.placed += 1
@@ -475,6 +483,23 @@ class Reconciler:
                 )
             self.acts.send_starts(replica, plan)
             plan.notes.append(Note(f"placed {replica.replica_id}: {decision.summary}"))
+
+    def _weights_peers(
+        self, model: Model, profile: Profile, takers: list[str], nodes: Mapping[str, Node]
+    ) -> dict[str, list[WeightsPeer]]:
+        """Whom each node of a new replica may take its weights from: agents of its
+        fabric that hold them or fetch them, or whose replicas starting now will."""
+        source = model.weights_source(profile)
+        if not source or profile.model_path:  # peers serve only where sources land
+            return {}
+        starting = [
+            s.node_id
+            for r in self.replicas.values()
+            if r.state in (R.PENDING, R.STARTING)
+            for s in r.shards
+            if s.spec.weights_source and same_source(s.spec.weights_source, source)
+        ]
+        return {n: weights_peers(source, n, nodes, also=starting) for n in takers}
 
     # --- moves -------------------------------------------------------------------------
 

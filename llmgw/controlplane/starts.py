@@ -26,7 +26,7 @@ from llmgw.controlplane.catalog import Model, Profile
 from llmgw.controlplane.claims import Sealer
 from llmgw.controlplane.placement import ShardPlacement
 from llmgw.controlplane.replicas import Replica, ReplicaState, Shard
-from llmgw.protocol.messages import ShardSpec, ShardState
+from llmgw.protocol.messages import ShardSpec, ShardState, WeightsPeer
 from llmgw.weights.source import parse_source, where
 
 # where an agent's fetched weights land when it does not say ([weights] default_dir)
@@ -42,10 +42,12 @@ def new_replica(
     sealer: Sealer,
     now: float,
     weights_dirs: Mapping[str, str] | None = None,
+    peers: Mapping[str, list[WeightsPeer]] | None = None,
 ) -> Replica:
     """A replica placed where ``placements`` say, none of its shards started yet
     (``head_address``: where rank 0's node is reached, for the ranks that join it;
-    ``weights_dirs``: where each node's fetched weights land, by node id)."""
+    ``weights_dirs``: where each node's fetched weights land, by node id; ``peers``:
+    whom each node may take them from, ``peers.weights_peers``)."""
     shards = []
     for p in placements:
         spec = ShardSpec(
@@ -71,6 +73,7 @@ def new_replica(
             weights_source=profile.source,
             weights_sha256=profile.sha256.lower(),
             fetch_stall_s=profile.fetch_stall_s,
+            weights_peers=list((peers or {}).get(p.node_id, [])),
         )
         shards.append(Shard(spec=sealer.seal(spec), node_id=p.node_id, sent=False))
     return Replica(

@@ -89,6 +89,15 @@ class WeightCopy(_Wire, frozen=True):
     last_used: float | None = None
 
 
+class WeightsPeer(_Wire, frozen=True):
+    """An agent to take weights from: its node id (its certificate's name) and where
+    its transfer listener is (``[weights] peer_listen``)."""
+
+    node_id: str
+    host: str
+    port: int
+
+
 class FetchProgress(_Wire, frozen=True):
     """A fetch of weights under way on a node: how far, how fast, and from where."""
 
@@ -118,6 +127,9 @@ class Inventory(_Wire, frozen=True):
     weights_dir: str = ""
     # what the weights in weights_dir may take ([weights] budget_gb); None: no budget
     weights_budget_bytes: int | None = None
+    # the port of its weights transfer listener, for agents of its fabric to take
+    # weights from (on its ``address``); 0: it serves none
+    weights_port: int = 0
     # fetches under way (a partial copy: placement prefers the node to one without);
     # their figures are the latest, and a change of figures alone is not news
     fetching: list[FetchProgress] = []
@@ -186,6 +198,9 @@ class ShardSpec(_Wire, frozen=True):
     weights_source: str = ""
     weights_sha256: str = ""
     fetch_stall_s: float = 120.0
+    # agents of its fabric that hold those weights or are fetching them, to take them
+    # from before the source, in order; empty: from the source
+    weights_peers: list[WeightsPeer] = []
 
 
 class ShardReport(_Wire, frozen=True):
@@ -355,6 +370,7 @@ class FetchWeights(Message, frozen=True):
     path: str
     sha256: str = ""
     stall_s: float = 120.0
+    peers: list[WeightsPeer] = []  # as ``ShardSpec.weights_peers``
 
 
 SLEEP = "sleep"  # ``Register.can``: the agent obeys SleepShard and WakeShard

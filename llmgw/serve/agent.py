@@ -31,8 +31,9 @@ from llmgw.http.metrics import metrics_app, registry_page
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import metrics_server, process_shares
 from llmgw.telemetry import daemon_registry
-from llmgw.tls.contexts import client_context
+from llmgw.tls.contexts import client_context, server_context
 from llmgw.weights.budget import Budget
+from llmgw.weights.peer import PeerServer, PeerTrust
 
 log = logging.getLogger("llmgw.agent")
 
@@ -121,8 +122,31 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         on_landed=source.refresh,  # placement hears at once that this node holds them
     )
     source.fetching = supervisor.fetcher.fetching
+    # agents prove who they are to each other's transfer listeners as to the control plane
+    supervisor.fetcher.trust = PeerTrust.load(ca, cert, key)
     metrics.watch_shards(lambda: [s.state for s in supervisor.shards.values()])
     return AgentStream(settings, source, supervisor, metrics)
+
+
+async def _serve_weights(
+    config: AgentConfig, base: Path, stream: AgentStream, nursery: trio.Nursery
+) -> None:
+    """The weights transfer listener (``[weights] peer_listen``): agents of the fabric
+    take what this node holds, or is fetching, from it; its port is in the inventory."""
+    nid = node_id(config)
+    host, port = parse_hostport(config.weights.peer_listen, key="weights.peer_listen")
+    context = server_context(
+        resolve(base, config.ca),
+        resolve(base, config.cert or f"pki/{nid}.pem"),
+        resolve(base, config.key or f"pki/{nid}-key.pem"),
+    )
+    server = PeerServer(stream.source.landing_dir(), context)
+    listeners = await open_listeners(
+        "weights.peer_listen", host, port, lambda: nursery.start(server.serve, host, port)
+    )
+    where = listeners[0].socket.getsockname()
+    stream.source.weights_port = where[1]
+    log.info("weights transfer listener on %s", join_hostport(where[0], where[1]))
 
 
 @attrs.frozen
@@ -219,6 +243,8 @@ async def _serve(
             len(inv.weights),
         )
         assert stream.metrics is not None  # build() gives it one
+        if config.weights.peer_listen:
+            await _serve_weights(config, base, stream, nursery)
         await nursery.start(stream.supervisor.run)
         if config.metrics.listen:
             host, port = parse_hostport(config.metrics.listen, key="metrics.listen")

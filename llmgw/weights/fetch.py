@@ -185,15 +185,15 @@ async def fetch_file(
         target = where(source, weights_dir)
     else:
         weights_dir = target.parent
-    if await _have(target, sha256):
+    if await have(target, sha256):
         commit = await trio.to_thread.run_sync(parts.read_commit, target)
         moved = None
         if check_revision and isinstance(source, HubFile):
             moved = await _moved(source, target, commit, token=token, endpoint=endpoint)
         return Fetched(target, commit=commit, moved=moved)
-    remote = await _ask(source, token=token, endpoint=endpoint, verify=verify)
+    remote = await ask(source, token=token, endpoint=endpoint, verify=verify)
     expected = _expect(str(source), remote, sha256, size)
-    part = parts.part_path(target, _tag(remote))
+    part = parts.part_path(target, tag(remote))
     if budget is not None and not budget.covers(target):
         budget = None  # a target outside its folder: the disk's room is what counts
     kept, room = await trio.to_thread.run_sync(
@@ -298,7 +298,7 @@ def _prepare(
     return kept, room
 
 
-def _tag(remote: Remote) -> str:
+def tag(remote: Remote) -> str:
     """Names the ``.part`` of these bytes: another version of the file, another tag."""
     ident = f"{remote.sha256 or remote.etag or ''}/{remote.size}"
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
@@ -321,7 +321,7 @@ async def _on_mount(path: Path, size: int | None) -> Path:
     return path
 
 
-async def _have(target: Path, sha256: str | None) -> bool:
+async def have(target: Path, sha256: str | None) -> bool:
     """Whether ``target`` is there and the one wanted (its record says, else its hash)."""
     if not await trio.to_thread.run_sync(target.is_file):
         return False
@@ -337,7 +337,7 @@ async def _have(target: Path, sha256: str | None) -> bool:
     return recorded == sha256
 
 
-async def _ask(
+async def ask(
     source: HubFile | UrlFile,
     *,
     token: str | None,
@@ -381,7 +381,7 @@ async def _moved(
     if _COMMIT.fullmatch(source.revision):
         return None  # a commit never moves
     try:
-        remote = await _ask(source, token=token, endpoint=endpoint, verify=True)
+        remote = await ask(source, token=token, endpoint=endpoint, verify=True)
     except FetchError as exc:
         log.info(
             "%s: cannot ask whether %s moved (%s); using %s", source, source.revision, exc, target

@@ -64,7 +64,7 @@ from llmgw.weights import chunks as chunk_files
 from llmgw.weights import part as parts
 from llmgw.weights.chunks import Chunks, digest
 from llmgw.weights.errors import Corrupt, FetchError, Stalled
-from llmgw.weights.fetch import _have, _tag  # the rules a fetch from the source follows
+from llmgw.weights.fetch import have, tag  # the rules a fetch from the source follows
 from llmgw.weights.peerwire import (
     DAMAGED,
     MAX_HEAD,
@@ -254,7 +254,7 @@ async def fetch_from_peer(
         target = where(source, weights_dir)
     else:
         weights_dir = target.parent
-    if await _have(target, sha256):
+    if await have(target, sha256):
         return target
     what = str(source)
     name = source.landing()
@@ -264,7 +264,7 @@ async def fetch_from_peer(
         fetch = _Fetch(what, name, target, states, reference, stall_s)
         part = parts.part_path(
             target,
-            _tag(
+            tag(
                 Remote(url="", headers={}, size=reference.size, sha256=reference.sha256, etag=None)
             ),
         )

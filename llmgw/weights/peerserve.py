@@ -50,7 +50,7 @@ import trio
 from llmgw.weights import chunks as chunk_files
 from llmgw.weights import part as parts
 from llmgw.weights.chunks import CHUNK_SIZE, Chunks, Hashing
-from llmgw.weights.fetch import _tag  # the one rule that names a version's .part
+from llmgw.weights.fetch import tag  # the one rule that names a version's .part
 from llmgw.weights.peerwire import (
     BAD,
     BUSY,
@@ -159,7 +159,9 @@ class PeerServer:
                 return
             who = f"{peer_name(tls.getpeercert())} ({peer})"
             await self._serve_requests(tls, who)
-        except (trio.BrokenResourceError, ssl.SSLError, h11.ProtocolError) as exc:
+        except trio.BrokenResourceError:  # the taker went: done, or gave up
+            log.debug("weights listener: connection from %s closed by the taker", peer)
+        except (ssl.SSLError, h11.ProtocolError) as exc:
             log.info("weights listener: connection from %s ended: %s", peer, exc or type(exc))
         except Exception:
             log.exception("weights listener: connection from %s failed", peer)
@@ -449,7 +451,7 @@ def _parts(target: Path, asked: Asked) -> list[tuple[Path, Chunks | None]]:
     if asked.sha256 is not None and asked.size is not None:
         named = parts.part_path(
             target,
-            _tag(Remote(url="", headers={}, size=asked.size, sha256=asked.sha256, etag=None)),
+            tag(Remote(url="", headers={}, size=asked.size, sha256=asked.sha256, etag=None)),
         )
     for p in sorted(target.parent.glob(f"{glob.escape(target.name)}.*.part")):
         manifest = chunk_files.load(p)

@@ -339,3 +339,54 @@ async def test_a_disk_budget_evicts_the_longest_unused_never_what_runs(
             metrics_port = int(agent_log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
             text = await agent_metrics(metrics_port)
             assert 'llmgw_agent_weights_fetch_failures_total{reason="no_room"} 1.0' in text
+
+
+async def test_nodes_of_a_fabric_take_weights_from_each_other_and_read_the_hub_once(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Three agents with transfer listeners, prefetched together: the first fetches
+    from the hub, the second takes from the first and the third from the second, each
+    chunk as soon as it is checked; the hub serves the file once, and the bytes are
+    counted as from a peer."""
+    root, file = serve_model(tmp_path)
+    size = file.stat().st_size
+    source = "hf://acme/tiny-GGUF/tiny.gguf"
+    with HubStandIn(root) as hub:
+        hub.rate = int(size / 3)
+        catalog = fetched(source, replicas=0)
+        async with cluster(tmp_path, pki, 0, extra_catalog=catalog) as c:
+            for node in ("n1", "n2", "n3"):
+                landing = tmp_path / f"weights-{node}"
+                c.agent(
+                    node,
+                    env=hub_env(tmp_path, hub),
+                    more=f'[weights]\ndefault_dir = "{landing}"\npeer_listen = "127.0.0.1:0"\n'
+                    '[metrics]\nlisten = "127.0.0.1:0"\n',
+                )
+                node_view = await c.server.wait_node(node, "Ready")
+            with trio.fail_after(10):
+                while not all(n["weights_port"] for n in (await c.server.nodes()).values()):
+                    await trio.sleep(0.1)
+            said = (await c.server.ctl("weights", "prefetch", "fetched")).stdout.decode()
+            assert "on n1, n2, n3" in said, said
+            with trio.fail_after(30):
+                while True:
+                    nodes = json.loads((await c.server.ctl("weights", "--json")).stdout)["nodes"]
+                    held = {n["node_id"] for n in nodes for w in n["copies"] if w["source"]}
+                    if held == {"n1", "n2", "n3"}:
+                        break
+                    await trio.sleep(0.2)
+            assert hub.served == size, (hub.served, size)  # the hub read once
+            for node in ("n2", "n3"):
+                agent_log = c.agents[node].log()
+                port = int(agent_log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
+                text = await agent_metrics(port)
+                line = f'llmgw_agent_weights_fetched_bytes_total{{source="peer"}} {size:.1f}'
+                assert line in text, (node, text)
+                assert 'source="hub"' not in text, text
+            landed = [
+                tmp_path / f"weights-{n}" / "hf" / "acme" / "tiny-GGUF" / "main" / "tiny.gguf"
+                for n in ("n1", "n2", "n3")
+            ]
+            assert all(p.read_bytes() == file.read_bytes() for p in landed)
+            assert node_view is not None
