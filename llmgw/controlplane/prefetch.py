@@ -14,8 +14,9 @@ said so; the others are each sent a ``Fetch`` (``plan.Fetch``) of the file to
 where its source lands under that node's ``weights_dir`` (the profile's
 ``model_path`` where it names one), exactly where a replica placed there
 would look (``starts.model_path``), with the agents to take it from
-(``peers``): those that hold it or fetch it, then the node told just before,
-so that the nodes told together form a chain and the source is read once.
+(``peers``): those that hold it or fetch it, then the node told just before
+(and the ones before that, should it go), so that the nodes told together
+form a chain and the source is read once.
 
 This module is pure: it decides and says, the fleet manager sends.
 """
@@ -86,9 +87,10 @@ def plan_prefetch(
             skipped.append((node.node_id, why))
             continue
         path = model_path(profile, node.inventory.weights_dir)
-        # a chain: each takes from the one told before it (peers serve only where a
-        # source lands, not a profile's own model_path)
-        before = [f.node for f in fetches[-1:]]
+        # a chain: each takes from the one told before it, and should that one go,
+        # from the one before that (peers serve only where a source lands, not a
+        # profile's own model_path)
+        before = [f.node for f in reversed(fetches)]
         peers = [] if profile.model_path else weights_peers(source, node.node_id, nodes, before)
         fetches.append(
             Fetch(

@@ -45,7 +45,9 @@ import msgspec
 
 from llmgw.files import write_atomic
 
-CHUNK_SIZE = 16 << 20
+# a chain of takers is about a chunk behind at each hop: small enough that eight hops
+# add seconds, large enough that a 100 GB file's manifest stays a few megabytes
+CHUNK_SIZE = 4 << 20
 
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 

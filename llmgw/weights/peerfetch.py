@@ -87,7 +87,7 @@ log = logging.getLogger("llmgw.weights.peer")
 
 CONNECT_S = 10.0  # a connection and its TLS handshake
 ASK_S = 30.0  # a manifest's answer (a peer may hash for a while first)
-POLL_S = 0.5  # between asking peers that do not yet hold the next chunk
+POLL_S = 0.25  # between asking peers that do not yet hold the next chunk
 RETRY_S = 1.0  # before a peer that failed is asked again
 SAVE_S = 1.0  # at most this often, the manifest beside the .part rewritten
 

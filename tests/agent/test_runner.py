@@ -23,6 +23,7 @@ from llmgw.agent.lifecycle import Event, Move, Phase, move
 from llmgw.agent.output import OutputTail
 from llmgw.agent.records import RecordStore
 from llmgw.agent.shard import Outbox, Shard
+from llmgw.agent.weights import Fetcher
 from llmgw.engines import llamacpp
 from llmgw.protocol.messages import ShardSpec
 from tests.ports import own_port
@@ -42,6 +43,7 @@ class StandIn:
     fired: list[tuple[Event, str | None]] = attrs.Factory(list)
     events: list[str] = attrs.Factory(list)
     written: list[str] = attrs.Factory(list)
+    fetcher: Fetcher = attrs.Factory(lambda: Fetcher(Path("/nonexistent/llmgw-weights")))
 
     def binaries(self) -> Mapping[str, str]:
         return self.engines

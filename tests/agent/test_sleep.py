@@ -383,7 +383,7 @@ async def test_sleep_and_wake_through_the_stream(tmp_path: Path, pki: Pki) -> No
             plane.control.on_shard_status.append(lambda node, status: heard.append(status))
             async with supervised(agent):
                 await wait_for(lambda: plane.control.dispatcher.connected("n1"))
-                assert plane.control.nodes.nodes["n1"].can == frozenset({"sleep"})
+                assert plane.control.nodes.nodes["n1"].can == frozenset({"sleep", "fetch"})
                 dispatcher = plane.control.dispatcher
 
                 def now(state: str) -> Callable[[], bool]:

@@ -73,10 +73,11 @@ def test_a_prefetch_of_many_nodes_is_a_chain_unless_one_holds_the_file() -> None
     nodes = table(node("n1"), node("n2"), node("n3"), node("n4"))
     done = plan_prefetch(model, nodes)
     chain = {f.node: [p.node_id for p in f.peers] for f in done.fetches}
-    assert chain == {"n1": [], "n2": ["n1"], "n3": ["n2"], "n4": ["n3"]}
+    # each from the one before it, then (should it go) the ones before that
+    assert chain == {"n1": [], "n2": ["n1"], "n3": ["n2", "n1"], "n4": ["n3", "n2", "n1"]}
     assert done.fetches[0].path == "/srv/w/hf/acme/m-GGUF/main/m.gguf"
     nodes["n4"] = node("n4", holds=True)
     done = plan_prefetch(model, nodes)
     chain = {f.node: [p.node_id for p in f.peers] for f in done.fetches}
-    assert chain == {"n1": ["n4"], "n2": ["n4", "n1"], "n3": ["n4", "n2"]}
+    assert chain == {"n1": ["n4"], "n2": ["n4", "n1"], "n3": ["n4", "n2", "n1"]}
     assert done.skipped == [("n4", "it holds them already")]

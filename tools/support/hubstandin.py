@@ -33,7 +33,7 @@ values, taken from the front), ``commit`` (what ``X-Repo-Commit`` says).
 It counts what it sends (``served``, body bytes) and keeps what it was asked
 (``requests``, each with when it came and the body bytes sent in answer).
 
-``HubStandIn`` runs a threaded standard-library server on 127.0.0.1, port 0
+``HubStandIn`` runs a threaded standard-library server on 127.0.0.1 (or ``host``), port 0
 (``url`` says where), optionally with TLS; ``close`` (or leaving the
 ``with``) wakes what hangs, cuts open connections and joins every thread.
 """
@@ -69,7 +69,9 @@ class Request:
 class HubStandIn:
     """The hub's file API over ``root``; see the module's docstring."""
 
-    def __init__(self, root: Path, *, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, root: Path, *, tls: ssl.SSLContext | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.root = root
         self.token: str | None = None
         self.cdn = False
@@ -86,13 +88,13 @@ class HubStandIn:
         self.lock = threading.Lock()
         self.closing = threading.Event()
         self._hashes: dict[Path, tuple[tuple[int, int, int], str]] = {}
-        self._server = _Server(("127.0.0.1", 0), _Handler)
+        self._server = _Server((host, 0), _Handler)
         self._server.hub = self
         if tls is not None:
             self._server.socket = tls.wrap_socket(self._server.socket, server_side=True)
         self.port: int = self._server.server_address[1]
         scheme = "https" if tls is not None else "http"
-        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.url = f"{scheme}://{host}:{self.port}"
         self.cdn_url = f"{scheme}://localhost:{self.port}"  # another host name: off the hub
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()

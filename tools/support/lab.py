@@ -103,6 +103,10 @@ class Lab:
         gpus: bool = False,
         routers: int = 1,
         program: list[str] | None = None,
+        agent_config: str = "",
+        agent_env: dict[str, str] | None = None,
+        extra_catalog: str = "",
+        before_start: Callable[[Lab], None] | None = None,
     ) -> None:
         if not NAME_RE.fullmatch(name):
             raise LabError(f"lab name {name!r}: use 1-5 characters a-z, 0-9 (it names links)")
@@ -126,6 +130,14 @@ class Lab:
         self.program = program or llmgw()
         self.state: dict[str, Any] = {}
         self._procs: dict[int, Proc] = {}  # what this process started, by pid
+        # for a benchmark's own fleet: more of each agent's config (``{node}`` is its
+        # name), more of each agent's environment, more models in the catalog, and what
+        # to do once the network is up and before any daemon starts (start a server on
+        # the bridge, say, that ``agent_env`` then points at)
+        self.agent_config = agent_config
+        self.agent_env = dict(agent_env or {})
+        self.extra_catalog = extra_catalog
+        self.before_start = before_start
 
     # -- the record -------------------------------------------------------------
 
@@ -218,6 +230,8 @@ class Lab:
         try:
             self._network(prefix, subnet)
             self._files()
+            if self.before_start is not None:
+                self.before_start(self)
             self._start_all(timeout)
         except BaseException:
             self.down()
@@ -276,6 +290,9 @@ class Lab:
         for node in self.node_names:
             issue_agent(ca, node, pki)
         catalog = write_tiny_catalog(d)
+        if self.extra_catalog:
+            with catalog.open("a") as f:
+                f.write(self.extra_catalog)
         if self.gpus:
             with catalog.open("a") as f:
                 f.write(
@@ -335,6 +352,7 @@ sha256 = "{hash_key(key)}"
                 # back within a second of a restarted control plane, inside its settle time
                 + "[backoff]\ninitial_s = 0.25\nmax_s = 1\n"
                 + (self._gpu_node(node) if self.gpus else "")
+                + self.agent_config.replace("{node}", node)
             )
             state_dir = d / f"agent-{node}"
             state_dir.mkdir(exist_ok=True)
@@ -402,6 +420,8 @@ sha256 = "{hash_key(key)}"
         if self.gpus and who in self.node_names:  # its vLLM and Ray stand-ins
             path = f"{self.dir / f'bin-{who}'}:{path}"
         env["PATH"] = path
+        if who in self.node_names:
+            env.update(self.agent_env)
         # a session of its own: Ctrl-C reaches the lab, which tears down in order
         p = Proc(who, argv, self.dir, env=env, session=True).start()
         self._procs[p.pid] = p

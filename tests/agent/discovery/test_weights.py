@@ -11,6 +11,7 @@ import os
 import struct
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -25,6 +26,7 @@ from llmgw.agent.discovery.weights import (
 )
 from llmgw.gguf import INCOMPLETE_SUFFIXES, gguf_complete
 from llmgw.protocol.messages import WeightCopy
+from llmgw.weights.budget import Budget
 from tests.test_gguf import write_gguf
 
 # --- writers ------------------------------------------------------------------
@@ -68,11 +70,27 @@ def write_hf(directory: Path, shards: int = 2) -> int:
 def scan(
     *dirs: Path, mounts: list[Mount] | None = None, default: Path | None = None
 ) -> list[WeightCopy]:
-    return scan_weights(
+    """What discovery finds, less each copy's last use (its mtime, as the file was just
+    written: ``test_last_use_is_the_engines_start_else_the_files_mtime`` says it)."""
+    found = scan_weights(
         list(dirs),
         default_dir=default if default is not None else Path("/nonexistent/llmgw-test-default"),
         mounts=[] if mounts is None else mounts,
     )
+    for copy in found:
+        assert copy.last_used is not None, copy
+    return [msgspec.structs.replace(c, last_used=None) for c in found]
+
+
+def test_last_use_is_the_engines_start_else_the_files_mtime(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    write_gguf(path)
+    os.utime(path, (1000.0, 2000.0))
+    (found,) = scan_weights([tmp_path], default_dir=tmp_path / "none", mounts=[])
+    assert found.last_used == 2000.0
+    Budget(tmp_path, 1 << 30).mark_used(path, at=3000.0)  # what the agent does at a start
+    (found,) = scan_weights([tmp_path], default_dir=tmp_path / "none", mounts=[])
+    assert found.last_used == 3000.0
 
 
 def models(copies: list[WeightCopy]) -> list[tuple[str, str]]:
