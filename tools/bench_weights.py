@@ -39,6 +39,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -122,7 +123,7 @@ class Fleet:
                 continue
             for f in n["fetching"]:
                 if f["source"] == source and f.get("total_bytes"):
-                    return float(f["done_bytes"]) / float(f["total_bytes"])
+                    return float(f.get("done_bytes", 0)) / float(f["total_bytes"])
         return 0.0
 
     def wait_held(
@@ -161,6 +162,14 @@ def landed(lab: Lab, node: str, name: str) -> Path:
     return lab.dir / f"weights-{node}" / "hf" / REPO.format(name) / "main" / FILE
 
 
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def hub_bytes(hub: HubStandIn, name: str) -> int:
     return sum(r.sent for r in hub.gets(REPO.format(name)))
 
@@ -168,13 +177,20 @@ def hub_bytes(hub: HubStandIn, name: str) -> int:
 def run(args: argparse.Namespace) -> list[Result]:
     size = int(args.size_mb * 2**20)
     work = args.dir.resolve()
+    # what an earlier run left (its weights, a .part of a run cut short) is not this one's
+    shutil.rmtree(work / "lab", ignore_errors=True)
     hub_root = work / "hub"
-    data = random.Random(1).randbytes(size)
-    digest = hashlib.sha256(data).hexdigest()
-    for name in SCENARIOS:
+    first = hub_root / REPO.format(SCENARIOS[0]) / FILE
+    first.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(1)
+    with first.open("wb") as f:
+        for at in range(0, size, 1 << 20):
+            f.write(rng.randbytes(min(1 << 20, size - at)))
+    digest = sha256_of(first)
+    for name in SCENARIOS[1:]:  # the same bytes under another name: no scenario finds another's
         path = hub_root / REPO.format(name) / FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
+        shutil.copyfile(first, path)
     hubs: list[HubStandIn] = []
 
     def start_hub(lab: Lab) -> None:
@@ -186,15 +202,15 @@ def run(args: argparse.Namespace) -> list[Result]:
 
     lab = Lab(
         work / "lab",
-        name=f"bw{os.getpid() % 1000}",
-        nodes=NODES,
+        name=args.name or f"bw{os.getpid() % 1000}",
+        nodes=args.nodes,
         agent_config=('[weights]\ndefault_dir = "weights-{node}"\npeer_listen = "0.0.0.0:7445"\n'),
         agent_env={"HF_TOKEN": ""},
         extra_catalog=catalog(size),
         before_start=start_hub,
     )
     results: list[Result] = []
-    nodes = [f"n{i}" for i in range(1, NODES + 1)]
+    nodes = [f"n{i}" for i in range(1, args.nodes + 1)]
     bound = 10 * size / (args.hub_mbps * 1e6 / 8) + 60  # a whole run at a tenth the rate
     try:
         lab.up(timeout=180)
@@ -219,7 +235,7 @@ def run(args: argparse.Namespace) -> list[Result]:
             elif name == "resume":
                 t0 = time.monotonic()
                 fleet.prefetch(name)
-                victim = "n5"
+                victim = nodes[len(nodes) // 2]  # n5 of eight: nodes before it and after
                 deadline = time.monotonic() + bound
                 while fleet.progress(name, victim) < 0.4 and time.monotonic() < deadline:
                     time.sleep(0.1)
@@ -265,7 +281,7 @@ def run(args: argparse.Namespace) -> list[Result]:
             r.hub_bytes = hub_bytes(hub, name)
             for node in r.per_node_s:
                 got = landed(lab, node, name)
-                if hashlib.sha256(got.read_bytes()).hexdigest() != digest:
+                if sha256_of(got) != digest:
                     r.problems.append(f"{node}'s copy is not the file")
             if r.hub_bytes != size:
                 r.problems.append(f"the hub served {r.hub_bytes} bytes, not {size}")
@@ -302,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hub-mbps", type=float, default=32.0, help="the hub, per answer (32)")
     ap.add_argument("--link-mbps", type=int, default=200, help="each node's link (200)")
     ap.add_argument("--quick", action="store_true", help="a 64 MB file")
+    ap.add_argument("--nodes", type=int, default=NODES, help="in the fabric (8)")
+    ap.add_argument("--name", default="", help="the lab's name (links are named by it)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/llmgw-bench-weights"))
     args = ap.parse_args(argv)
@@ -318,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
         print(
-            f"{NODES} nodes, one fabric; file {args.size_mb:g} MiB; hub {args.hub_mbps:g} "
+            f"{args.nodes} nodes, one fabric; file {args.size_mb:g} MiB; hub {args.hub_mbps:g} "
             f"Mbit/s per answer; links {args.link_mbps} Mbit/s each way"
         )
         print(table(results))

@@ -58,6 +58,8 @@ class InventorySource:
         # set by the daemon: the fetches of weights under way (``agent.weights``)
         self.fetching: Callable[[], list[FetchProgress]] | None = None
         self.weights_port = 0  # set by the daemon: its weights transfer listener's
+        # set by the daemon: the sources whose last fetch found no room here
+        self.no_room: Callable[[], list[str]] | None = None
         self._full = False
         self.discovered: Discovered | None = None
         self.address = ""
@@ -150,6 +152,7 @@ class InventorySource:
             weights_dir=str(self.landing_dir()),
             weights_budget_bytes=self.budget_bytes(),
             weights_port=self.weights_port,
+            weights_no_room=self.no_room() if self.no_room is not None else [],
             fetching=self.fetching() if self.fetching is not None else [],
             labels=dict(o.labels),
             port_range=list(self.port_range),

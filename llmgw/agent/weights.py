@@ -57,6 +57,9 @@ log = logging.getLogger("llmgw.agent.weights")
 
 # no chunk from any peer this long: the source is asked instead (resuming what came)
 PEER_STALL_S = 30.0
+# a source whose fetch found no room is said to have none here this long (placement
+# looks elsewhere meanwhile), unless a fetch of it lands first
+NO_ROOM_S = 300.0
 
 
 def source_kind(source: Source) -> str:
@@ -117,7 +120,16 @@ class Fetcher:
         self.on_failure = on_failure or (lambda kind: None)
         self.on_landed = on_landed
         self.running: dict[Path, _Fetch] = {}
+        # sources whose last fetch found no room here, and until when that is said
+        # (``no_room``): placement puts their replicas elsewhere meanwhile
+        self._no_room: dict[str, float] = {}
         self.changed = trio.Event()  # a fetch began or ended (the inventory says which)
+
+    def no_room(self) -> list[str]:
+        """The sources whose last fetch here found no room, lately (``NO_ROOM_S``)."""
+        now = trio.current_time()
+        self._no_room = {s: until for s, until in self._no_room.items() if until > now}
+        return sorted(self._no_room)
 
     def fetching(self) -> list[FetchProgress]:
         """The fetches under way, and how far each has come."""
@@ -228,6 +240,8 @@ class Fetcher:
         except FetchError as exc:
             mine.error = exc
             self.on_failure(failure_kind(exc))
+            if isinstance(exc, NoRoom):
+                self._no_room[str(source)] = trio.current_time() + NO_ROOM_S
             log.warning("cannot fetch %s: %s", source, exc)
             raise
         except BaseException:
@@ -238,6 +252,7 @@ class Fetcher:
             del self.running[key]
             self._changed()
         mine.path = landed
+        self._no_room.pop(str(source), None)
         if self.on_landed is not None:
             await self.on_landed()
         return landed

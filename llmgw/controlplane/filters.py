@@ -64,6 +64,7 @@ class Kind(StrEnum):
     GPUS = "gpus"
     PORTS = "ports"
     FABRIC = "fabric"  # its fabric has too few fitting nodes
+    DISK = "disk"  # its last fetch of the profile's weights found no room on its disk
 
 
 # the failures that are want of room (what replicas already hold), not of a fitting node
@@ -88,6 +89,7 @@ class NodeView:
         "inv",
         "labels",
         "memory",
+        "no_room",
         "port_range",
         "shared",
     )
@@ -107,6 +109,7 @@ class NodeView:
         self.held_paths = frozenset(posixpath.normpath(c.path) for c in inv.weights)
         self.held_sources = frozenset(c.source for c in inv.weights if c.source)
         self.fetching = frozenset(f.source for f in inv.fetching)
+        self.no_room = frozenset(inv.weights_no_room)
         # storage the agent could not classify is local, never shared
         self.shared = frozenset(c.model for c in inv.weights if c.storage == "shared")
         self.gpu_reasons: dict[tuple[int, frozenset[int]], str] = {}

@@ -297,6 +297,10 @@ class _Pass:
             if ports and len(ports) >= size and free_port(node_id, node_range) is None:
                 append(Candidate(node_id, pname, False, "no free engine port", Kind.PORTS))
                 continue
+            if source and source in st.no_room:
+                why = "no room on its disk for the weights (its last fetch of them said so)"
+                append(Candidate(node_id, pname, False, why, Kind.DISK))
+                continue
             has: float
             if (
                 weights in st.held

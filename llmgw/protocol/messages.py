@@ -130,6 +130,9 @@ class Inventory(_Wire, frozen=True):
     # the port of its weights transfer listener, for agents of its fabric to take
     # weights from (on its ``address``); 0: it serves none
     weights_port: int = 0
+    # sources whose last fetch here found no room (disk or budget), for a few minutes:
+    # placement puts their replicas elsewhere meanwhile
+    weights_no_room: list[str] = []
     # fetches under way (a partial copy: placement prefers the node to one without);
     # their figures are the latest, and a change of figures alone is not news
     fetching: list[FetchProgress] = []

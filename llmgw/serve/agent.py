@@ -122,6 +122,7 @@ def build(config: AgentConfig, base: Path) -> AgentStream:
         on_landed=source.refresh,  # placement hears at once that this node holds them
     )
     source.fetching = supervisor.fetcher.fetching
+    source.no_room = supervisor.fetcher.no_room
     # agents prove who they are to each other's transfer listeners as to the control plane
     supervisor.fetcher.trust = PeerTrust.load(ca, cert, key)
     metrics.watch_shards(lambda: [s.state for s in supervisor.shards.values()])

@@ -390,3 +390,37 @@ async def test_nodes_of_a_fabric_take_weights_from_each_other_and_read_the_hub_o
             ]
             assert all(p.read_bytes() == file.read_bytes() for p in landed)
             assert node_view is not None
+
+
+async def test_a_node_without_room_for_the_weights_fails_the_fetch_and_the_replica_goes_elsewhere(
+    tmp_path: Path, pki: Pki
+) -> None:
+    root, file = serve_model(tmp_path)
+    size = file.stat().st_size
+    source = "hf://acme/tiny-GGUF/tiny.gguf"
+    with HubStandIn(root) as hub:
+        catalog = model_entry("roomy", source, 1)
+        async with cluster(tmp_path, pki, 0, extra_catalog=catalog) as c:
+            budget_gb = size / 2 / 2**30  # half the file
+            c.agent(
+                "n1",
+                env=hub_env(tmp_path, hub),
+                more=f'[weights]\ndefault_dir = "{tmp_path / "w1"}"\nbudget_gb = {budget_gb}\n',
+            )
+            await c.server.wait_node("n1", "Ready")
+            line = await c.agents["n1"].wait_log(
+                r"cannot fetch hf://acme/tiny-GGUF/tiny.gguf: (.*)"
+            )
+            assert "no room" in line.group(1) and "budget_gb" in line.group(1), line.group(0)
+            c.agent(
+                "n2",
+                env=hub_env(tmp_path, hub),
+                more=f'[weights]\ndefault_dir = "{tmp_path / "w2"}"\n',
+            )
+            (ready,) = await c.wait_ready(1, timeout=60, model="roomy")
+            assert ready["shards"][0]["node_id"] == "n2", ready
+            models = json.loads((await c.server.ctl("models", "--json")).stdout)["models"]
+            (view,) = [m for m in models if m["model"] == "roomy"]
+            assert any("no room" in f["reason"] for f in view["failures"]), view["failures"]
+            explained = (await c.server.ctl("explain-placement", "roomy")).stdout.decode()
+            assert "no room on its disk for the weights" in explained, explained
