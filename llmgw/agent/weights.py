@@ -50,7 +50,7 @@ from llmgw.weights.budget import Budget
 from llmgw.weights.errors import Corrupt, FetchError, NoRoom, Stalled
 from llmgw.weights.fetch import ask, fetch
 from llmgw.weights.peer import Peer, PeerTrust, fetch_from_peer
-from llmgw.weights.source import HubFile, MountFile, Source, UrlFile, parse_source
+from llmgw.weights.source import HubFile, HubRepo, MountFile, Source, UrlFile, parse_source
 from llmgw.weights.transfer import Progress
 
 log = logging.getLogger("llmgw.agent.weights")
@@ -64,7 +64,7 @@ NO_ROOM_S = 300.0
 
 def source_kind(source: Source) -> str:
     """The ``source`` label of the bytes-fetched counter."""
-    if isinstance(source, HubFile):
+    if isinstance(source, HubFile | HubRepo):
         return "hub"
     if isinstance(source, UrlFile):
         return "url"
@@ -219,7 +219,8 @@ class Fetcher:
             self.budget.set_in_use(self.in_use())
         try:
             landed = None
-            if self._may_take(source, target, peers):
+            # a whole repository comes from the hub: peers give single files
+            if not isinstance(source, HubRepo) and self._may_take(source, target, peers):
                 peer[0] = peers[0].node_id
                 landed = await self._from_peers(source, target, sha256, stall_s, peers, progressed)
                 peer[0] = ""

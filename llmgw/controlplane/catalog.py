@@ -33,7 +33,7 @@ import msgspec
 from llmgw.config.errors import ConfigError
 from llmgw.config.loader import parse_toml, read_text
 from llmgw.engines import adapter, adapters
-from llmgw.weights.source import parse_source
+from llmgw.weights.source import HubRepo, parse_source
 
 MAX_REPLICAS = 1000
 MAX_STARTUP_TIMEOUT_S = 86_400.0
@@ -93,7 +93,8 @@ class Profile(_Entry, frozen=True):
     selector: dict[str, str] = {}  # node labels that must all match
     model_path: str = ""  # on the node; empty: the engine resolves the model by name
     # where the weights come from when a node lacks them (hf://ORG/REPO/FILE,
-    # hf://ORG/REPO@REVISION/FILE, https://HOST/PATH, or /PATH on a shared mount): the
+    # hf://ORG/REPO@REVISION/FILE, hf://ORG/REPO[@REVISION] for a whole repository's
+    # folder (vLLM), https://HOST/PATH, or /PATH on a shared mount): the
     # agent fetches them before the engine starts, into its [weights] default_dir, or
     # to model_path when both are given. Empty: they must be on the node already
     source: str = ""
@@ -428,7 +429,7 @@ def _validate_profile(key: str, p: Profile) -> None:
             f"{key}.model_path",
             f"{p.engine} needs model_path ({needs.model_file}), or a source to fetch it from",
         )
-    _check_source(key, p)
+    _check_source(key, p, needs.model_file)
     for var in p.env:
         if not var or "=" in var or "\0" in var:
             raise ConfigError("", f"{key}.env", f"{var!r} is not an environment variable name")
@@ -467,12 +468,20 @@ def _validate_profile(key: str, p: Profile) -> None:
         )
 
 
-def _check_source(key: str, p: Profile) -> None:
+def _check_source(key: str, p: Profile, model_file: str) -> None:
+    """``model_file``: what the engine loads, when it must be one file."""
     if p.source:
         try:
-            parse_source(p.source)
+            source = parse_source(p.source)
         except ValueError as exc:
             raise ConfigError("", f"{key}.source", str(exc)) from None
+        if model_file and isinstance(source, HubRepo):
+            raise ConfigError(
+                "",
+                f"{key}.source",
+                f"names a whole repository, and {p.engine} loads {model_file}: name the "
+                f"file in it, {p.source}/FILE.gguf",
+            )
     elif p.sha256:
         raise ConfigError("", f"{key}.sha256", "is for a fetched file: give a source too")
     if p.sha256 and not _SHA256.fullmatch(p.sha256):

@@ -70,7 +70,7 @@ import trio
 from llmgw.weights import part as parts
 from llmgw.weights.budget import Budget, Reservation
 from llmgw.weights.errors import Corrupt, FetchError
-from llmgw.weights.source import HubFile, MountFile, Source, UrlFile, where
+from llmgw.weights.source import HubFile, HubRepo, MountFile, Source, UrlFile, where
 from llmgw.weights.transfer import (
     ProgressCallback,
     Remote,
@@ -117,7 +117,21 @@ async def fetch(
     budget: Budget | None = None,
 ) -> Path:
     """The path of ``source``'s file on this node, fetched into ``weights_dir``
-    when it is not there yet: ``fetch_file``'s, which see."""
+    when it is not there yet: ``fetch_file``'s, which see; a whole repository's
+    folder, ``repo.fetch_repo``'s (``sha256``, ``size`` and ``budget`` are for
+    one file, and not used for it)."""
+    if isinstance(source, HubRepo):
+        from llmgw.weights.repo import fetch_repo
+
+        return await fetch_repo(
+            source,
+            weights_dir,
+            target=target,
+            token=token,
+            endpoint=endpoint,
+            stall_s=stall_s,
+            progress=progress,
+        )
     fetched = await fetch_file(
         source,
         weights_dir,
@@ -181,6 +195,8 @@ async def fetch_file(
             raise ValueError(f"sha256 {sha256!r} is not 64 hex digits (as sha256sum prints one)")
     if isinstance(source, MountFile):
         return Fetched(await _on_mount(where(source, weights_dir), size), commit=None)
+    if isinstance(source, HubRepo):
+        raise ValueError(f"{source} is a whole repository: fetch it with fetch")
     if target is None:
         target = where(source, weights_dir)
     else:

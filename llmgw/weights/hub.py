@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import attrs
 import httpx
-from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+from huggingface_hub import HfApi, constants, get_hf_file_metadata, hf_hub_url
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -35,10 +35,11 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.hf_api import RepoFile
 from huggingface_hub.utils import build_hf_headers
 
 from llmgw.weights.errors import FetchError
-from llmgw.weights.source import HubFile
+from llmgw.weights.source import HubFile, HubRepo
 from llmgw.weights.transfer import describe
 
 
@@ -70,37 +71,8 @@ def ask(source: HubFile, *, token: str | None, endpoint: str | None, timeout: fl
     what = f"{source} (at {hub})"
     try:
         meta = get_hf_file_metadata(url, token=token, timeout=timeout, endpoint=hub)
-    except GatedRepoError as exc:  # before RepositoryNotFoundError, which it is
-        raise FetchError(
-            f"{what}: {source.repo} is gated: accept its terms on the hub with the account"
-            f" whose token this node sends (HF_TOKEN){_said(exc)}"
-        ) from exc
-    except RepositoryNotFoundError as exc:
-        raise FetchError(
-            f"{what}: the hub has no repository {source.repo}, or it is private and this"
-            f" node sends no token that may read it (set HF_TOKEN){_said(exc)}"
-        ) from exc
-    except RevisionNotFoundError as exc:
-        raise FetchError(
-            f"{what}: {source.repo} has no revision {source.revision!r}: name a branch,"
-            " tag or commit it has"
-        ) from exc
-    except RemoteEntryNotFoundError as exc:
-        raise FetchError(
-            f"{what}: {source.repo} at {source.revision} has no file {source.path!r}:"
-            " check the name against the repository's files"
-        ) from exc
-    except HfHubHTTPError as exc:
-        raise FetchError(
-            f"{what}: the hub answered {exc.response.status_code}{_said(exc)}"
-        ) from exc
-    except OfflineModeIsEnabled as exc:
-        raise FetchError(
-            f"{what}: HF_HUB_OFFLINE is set, so this node may not ask the hub: unset it,"
-            " or name the weights by a path on a shared mount"
-        ) from exc
-    except httpx.HTTPError as exc:
-        raise FetchError(f"{what}: cannot reach the hub: {describe(exc)}") from exc
+    except (HfHubHTTPError, OfflineModeIsEnabled, httpx.HTTPError) as exc:
+        raise _refusal(exc, what, source.repo, source.revision, source.path) from exc
     if meta.size is None:
         raise FetchError(f"{what}: the hub says no size for the file, so no room can be checked")
     etag = meta.etag or ""
@@ -114,6 +86,76 @@ def ask(source: HubFile, *, token: str | None, endpoint: str | None, timeout: fl
         sha256=sha256,
         commit=meta.commit_hash,
     )
+
+
+@attrs.frozen
+class RepoEntry:
+    """A file of a repository, as the hub lists it."""
+
+    path: str
+    size: int
+    sha256: str | None  # an LFS file's; None for one kept in git itself
+
+
+def list_repo(
+    source: HubRepo, *, token: str | None, endpoint: str | None, timeout: float
+) -> list[RepoEntry]:
+    """Every file of ``source`` at its revision (blocking: run it in a thread).
+
+    Raises:
+        FetchError: the hub could not be asked, or refused, or lists no file.
+    """
+    hub = endpoint_of(endpoint)
+    what = f"{source} (at {hub})"
+    api = HfApi(endpoint=hub, token=token)
+    try:
+        found = [
+            RepoEntry(e.path, e.size, e.lfs.sha256 if e.lfs is not None else None)
+            for e in api.list_repo_tree(source.repo, revision=source.revision, recursive=True)
+            if isinstance(e, RepoFile)
+        ]
+    except (HfHubHTTPError, OfflineModeIsEnabled, httpx.HTTPError) as exc:
+        raise _refusal(exc, what, source.repo, source.revision, "") from exc
+    if not found:
+        raise FetchError(f"{what}: the repository has no file at {source.revision}")
+    return found
+
+
+def _refusal(
+    exc: HfHubHTTPError | OfflineModeIsEnabled | httpx.HTTPError,
+    what: str,
+    repo: str,
+    revision: str,
+    path: str,
+) -> FetchError:
+    """What the hub's refusal means, in one line that says what to do."""
+    if isinstance(exc, GatedRepoError):  # before RepositoryNotFoundError, which it is
+        return FetchError(
+            f"{what}: {repo} is gated: accept its terms on the hub with the account"
+            f" whose token this node sends (HF_TOKEN){_said(exc)}"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return FetchError(
+            f"{what}: the hub has no repository {repo}, or it is private and this"
+            f" node sends no token that may read it (set HF_TOKEN){_said(exc)}"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return FetchError(
+            f"{what}: {repo} has no revision {revision!r}: name a branch, tag or commit it has"
+        )
+    if isinstance(exc, RemoteEntryNotFoundError):
+        return FetchError(
+            f"{what}: {repo} at {revision} has no file {path!r}:"
+            " check the name against the repository's files"
+        )
+    if isinstance(exc, HfHubHTTPError):
+        return FetchError(f"{what}: the hub answered {exc.response.status_code}{_said(exc)}")
+    if isinstance(exc, OfflineModeIsEnabled):
+        return FetchError(
+            f"{what}: HF_HUB_OFFLINE is set, so this node may not ask the hub: unset it,"
+            " or name the weights by a path on a shared mount"
+        )
+    return FetchError(f"{what}: cannot reach the hub: {describe(exc)}")
 
 
 def _is_sha256(text: str) -> bool:

@@ -6,7 +6,9 @@ A profile names its weights by a source, written one of three ways:
 
 - ``hf://ORG/REPO/PATH/IN/REPO`` (``HubFile``): a file of a Hugging Face
   repository, at revision ``main``; ``hf://ORG/REPO@REVISION/PATH`` for a
-  branch, tag or commit. A revision with a slash (``refs/pr/1``) is written
+  branch, tag or commit. ``hf://ORG/REPO[@REVISION]`` (``HubRepo``): the whole
+  repository, a folder (what vLLM loads); its files land where each would as a
+  file source, so a file of it is fetched, shared and found the same way. A revision with a slash (``refs/pr/1``) is written
   with ``%2F``, as huggingface_hub's own ``hf://`` paths write it.
 - ``https://HOST/PATH`` or ``http://HOST/PATH`` (``UrlFile``): a plain URL.
 - ``/ABSOLUTE/PATH`` (``MountFile``): a file on a mount every node shares. It
@@ -66,6 +68,26 @@ class HubFile:
 
 
 @attrs.frozen
+class HubRepo:
+    """A whole Hugging Face model repository at a revision (a vLLM model's folder)."""
+
+    repo: str  # ORG/REPO
+    revision: str = DEFAULT_REVISION
+
+    def landing(self) -> PurePosixPath:
+        # its files land where each would as a HubFile: a file of it is one source too
+        return PurePosixPath("hf", self.repo, quote(self.revision, safe=""))
+
+    def file(self, path: str) -> HubFile:
+        return HubFile(repo=self.repo, path=path, revision=self.revision)
+
+    def __str__(self) -> str:
+        at = "" if self.revision == DEFAULT_REVISION else "@" + quote(self.revision, safe="")
+        org, name = self.repo.split("/")
+        return f"hf://{org}/{name}{at}"
+
+
+@attrs.frozen
 class UrlFile:
     """A file at a plain http(s) URL."""
 
@@ -98,7 +120,7 @@ class MountFile:
         return str(self.path)
 
 
-Source = HubFile | UrlFile | MountFile
+Source = HubFile | HubRepo | UrlFile | MountFile
 
 
 def where(source: Source, weights_dir: Path) -> Path:
@@ -134,7 +156,7 @@ def parse_source(text: str) -> Source:
     )
 
 
-def _hub(text: str) -> HubFile:
+def _hub(text: str) -> HubFile | HubRepo:
     example = "hf://ORG/REPO/PATH/IN/REPO (hf://ORG/REPO@REVISION/PATH for a revision)"
     org, _, rest = text.removeprefix("hf://").partition("/")
     repo_rev, _, path = rest.partition("/")
@@ -156,11 +178,9 @@ def _hub(text: str) -> HubFile:
             "write a branch, tag or commit after '@' ('/' as %2F): hf://org/repo@v1.0/x.gguf",
         )
     if not path:
-        raise _bad(
-            text,
-            "names no file in the repository (whole repositories are not fetched yet)",
-            f"name one: hf://{org}/{name}/model-Q4_K_M.gguf",
-        )
+        if text.endswith("/"):
+            raise _bad(text, "ends in '/'", f"write hf://{org}/{name} for the whole repository")
+        return HubRepo(repo=f"{org}/{name}", revision=revision)
     _check_segments(text, path.split("/"), example)
     return HubFile(repo=f"{org}/{name}", path=path, revision=revision)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -21,8 +22,10 @@ from llmgw.protocol.messages import ShardSpec, StartShard, StopShard
 from tests.cluster.test_control_plane_processes import Cluster, chat, cluster
 from tests.cluster.test_engine_processes import PORT_BASE, fleet, llama_spec
 from tests.conftest import Pki
+from tests.engines.test_vllm import wrapper
 from tests.realparts import needs_server
 from tests.stream.harness import wait_for
+from tests.weights.test_fetch_repo import write_repo
 from tools.support.hubstandin import CHUNK, HubStandIn
 from tools.support.tinymodel import write_model
 
@@ -424,3 +427,40 @@ async def test_a_node_without_room_for_the_weights_fails_the_fetch_and_the_repli
             assert any("no room" in f["reason"] for f in view["failures"]), view["failures"]
             explained = (await c.server.ctl("explain-placement", "roomy")).stdout.decode()
             assert "no room on its disk for the weights" in explained, explained
+
+
+async def test_a_vllm_replica_of_a_whole_repository_fetches_its_folder_and_serves(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """hf://ORG/REPO: the agent lists the repository, fetches every file into one
+    folder (config.json last), and starts vLLM (the suite's stand-in) on the folder."""
+    root = tmp_path / "hub"
+    files = write_repo(root)
+    bindir = tmp_path / "bin"
+    wrapper(bindir, "vllm")
+    catalog = """
+[models.folder]
+replicas = 1
+[[models.folder.profiles]]
+name = "gpu"
+engine = "vllm"
+gpus = 1
+min_memory_gb = 1
+source = "hf://acme/tiny-vllm"
+env = { STANDIN_LOAD_S = "0.5" }
+startup_timeout_s = 30
+"""
+    with HubStandIn(root) as hub:
+        async with cluster(tmp_path, pki, 0, extra_catalog=catalog) as c:
+            landing = tmp_path / "w"
+            env = {**hub_env(tmp_path, hub), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+            c.agent("n1", env=env, more=f'[weights]\ndefault_dir = "{landing}"\n')
+            (ready,) = await c.wait_ready(1, timeout=60, model="folder")
+            folder = landing / "hf" / "acme" / "tiny-vllm" / "main"
+            for name, data in files.items():
+                assert (folder / name).read_bytes() == data, name
+            agent_log = c.agents["n1"].log()
+            assert str(folder) in agent_log, agent_log[-2000:]  # the engine was given it
+            n1 = (await c.server.nodes())["n1"]
+            assert any(w.get("source") == "hf://acme/tiny-vllm" for w in n1["weights"]), n1
+            assert ready["shards"][0]["node_id"] == "n1"

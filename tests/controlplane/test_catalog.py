@@ -305,6 +305,11 @@ def vllm(extra: str) -> str:
             "models.qwen-coder.profiles[h100].source: ",
         ),
         (
+            PROFILE + 'engine = "llama.cpp"\nsource = "hf://acme/m-GGUF"\n',
+            "models.qwen-coder.profiles[h100].source: names a whole repository, and llama.cpp "
+            "loads a GGUF file on the node: name the file in it, hf://acme/m-GGUF/FILE.gguf",
+        ),
+        (
             PROFILE + 'engine = "llama.cpp"\nmodel_path = "/m.gguf"\nsha256 = "ab"\n',
             "models.qwen-coder.profiles[h100].sha256: is for a fetched file: give a source too",
         ),
@@ -451,6 +456,9 @@ def test_a_source_stands_in_for_a_model_path() -> None:
     (p,) = model.profiles
     assert model.weights_source(p) == "hf://acme/m-GGUF/m.gguf"
     assert model.weights_path(p) == ""
+    repo = PROFILE + 'engine = "vllm"\ngpus = 1\nsource = "hf://acme/m@v1"\n'
+    model = parse_catalog(repo, "catalog.toml").models["qwen-coder"]
+    assert model.weights_source(model.profiles[0]) == "hf://acme/m@v1"  # a folder, for vLLM
     mounted = PROFILE + 'engine = "llama.cpp"\nsource = "/mnt/models/m.gguf"\n'
     model = parse_catalog(mounted, "catalog.toml").models["qwen-coder"]
     assert model.weights_source(model.profiles[0]) == ""  # read where it is, never fetched

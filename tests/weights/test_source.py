@@ -7,7 +7,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 
-from llmgw.weights.source import HubFile, MountFile, UrlFile, parse_source, where
+from llmgw.weights.source import HubFile, HubRepo, MountFile, UrlFile, parse_source, where
 
 W = Path("/var/lib/llmgw-weights")
 
@@ -68,6 +68,17 @@ def test_a_path_on_a_shared_mount_is_its_own_place() -> None:
     assert where(parsed, W) == Path("/mnt/models/x.gguf")
 
 
+def test_a_whole_repository_is_a_folder_whose_files_land_where_each_would() -> None:
+    repo = parse_source("hf://acme/tiny-vllm@v1.0")
+    assert isinstance(repo, HubRepo)
+    assert (repo.repo, repo.revision) == ("acme/tiny-vllm", "v1.0")
+    assert str(repo) == "hf://acme/tiny-vllm@v1.0"
+    assert str(parse_source("hf://acme/tiny-vllm@main")) == "hf://acme/tiny-vllm"
+    weights = Path("/w")
+    file = repo.file("model-00001-of-00002.safetensors")
+    assert where(file, weights) == where(repo, weights) / "model-00001-of-00002.safetensors"
+
+
 def test_the_default_revision_is_written_without_it() -> None:
     assert str(parse_source("hf://acme/tiny@main/x.gguf")) == "hf://acme/tiny/x.gguf"
 
@@ -78,8 +89,7 @@ def test_the_default_revision_is_written_without_it() -> None:
         ("s3://bucket/x.gguf", "has an unknown kind 's3': write hf://ORG/REPO/PATH/IN/REPO"),
         ("models/x.gguf", "is a relative path: write an absolute path on a mount"),
         ("hf://acme", "names no ORG/REPO: write hf://ORG/REPO/PATH/IN/REPO"),
-        ("hf://acme/tiny", "names no file in the repository (whole repositories are not"),
-        ("hf://acme/tiny/", "names no file in the repository"),
+        ("hf://acme/tiny/", "ends in '/': write hf://acme/tiny for the whole repository"),
         ("hf://acme/ti ny/x.gguf", "has 'ti ny', not a Hugging Face name"),
         ("hf://acme/a--b/x.gguf", "has 'a--b', not a Hugging Face name"),
         ("hf://acme/tiny@/x.gguf", "has the revision '', which names no branch, tag or commit"),

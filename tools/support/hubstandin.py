@@ -17,6 +17,9 @@ as the hub does, so the real library works against it unchanged:
   host name (``localhost``, the same server): the metadata on the redirect,
   the bytes at ``/cdn/SHA256``, which refuses a request that carries an
   ``Authorization`` (as S3 does a second authority beside the signature).
+- ``GET /api/models/ORG/REPO/tree/REVISION``: the repository's files, as the
+  hub's tree API lists them (``list_repo_tree``): sizes, and each LFS file's
+  sha256 (every file but ``*.json`` and ``*.txt``).
 - ``HEAD``/``GET /plain/PATH``: ``ROOT/PATH`` as a plain web server serves it:
   ``Content-Length``, a strong ``ETag``, ``Range`` and ``If-Range``.
 
@@ -41,6 +44,7 @@ It counts what it sends (``served``, body bytes) and keeps what it was asked
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import ssl
 import threading
@@ -202,7 +206,9 @@ class _Handler(BaseHTTPRequestHandler):
         ):
             # a URL signed for GET: S3 answers 403 (SignatureDoesNotMatch), others 405
             return self._error(hub.head_refused, "", "this URL is signed for GET")
-        if len(parts) >= 5 and parts[2] == "resolve":
+        if len(parts) >= 6 and parts[:2] == ["api", "models"] and parts[4] == "tree":
+            self._tree(hub, parts[2], parts[3], parts[5], body=body)
+        elif len(parts) >= 5 and parts[2] == "resolve":
             self._resolve(hub, parts[0], parts[1], parts[3], parts[4:], body=body)
         elif len(parts) == 2 and parts[0] == "cdn":
             self._cdn(hub, parts[1], body=body)
@@ -246,6 +252,38 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             return None
         self._file(hub, file, meta, body=body, etag=None)
+        return None
+
+    def _tree(self, hub: HubStandIn, org: str, repo: str, revision: str, *, body: bool) -> None:
+        """The repository's files, as the hub's tree API lists them (one page,
+        recursive): each with its size, and an LFS pointer (its sha256) for every
+        file but ``*.json`` and ``*.txt``, which the hub keeps in git itself."""
+        if hub.token is not None and self.headers.get("authorization") != f"Bearer {hub.token}":
+            return self._error(401, "RepoNotFound", "Repository not found")
+        repo_dir = _inside(hub.root, [org, repo])
+        if repo_dir is None or not repo_dir.is_dir():
+            return self._error(401, "RepoNotFound", "Repository not found")
+        if hub.revisions is not None and revision not in hub.revisions:
+            return self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        entries = []
+        for file in sorted(p for p in repo_dir.rglob("*") if p.is_file()):
+            size = file.stat().st_size
+            entry: dict[str, Any] = {
+                "type": "file",
+                "oid": hashlib.sha1(file.read_bytes()).hexdigest(),
+                "size": size,
+                "path": file.relative_to(repo_dir).as_posix(),
+            }
+            if file.suffix not in (".json", ".txt"):
+                entry["lfs"] = {"oid": hub.sha256(file), "size": size, "pointerSize": 134}
+            entries.append(entry)
+        data = json.dumps(entries).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
         return None
 
     def _cdn(self, hub: HubStandIn, sha: str, *, body: bool) -> None:

@@ -418,8 +418,9 @@ def fetched_record(path: Path) -> Path:
 
 
 def _fetched(root: Path, depth: int = MAX_FETCHED_DEPTH) -> Iterator[tuple[Path, str]]:
-    """(file, its source) of every file under ``root`` that a fetch landed: it has
-    its source's record, and is itself there (a ``.part`` never has one)."""
+    """(file or folder, its source) of everything under ``root`` that a fetch
+    landed: it has its source's record, and is itself there (a ``.part`` never
+    has one, nor a repository's folder before its last file landed)."""
     try:
         with os.scandir(root) as it:
             entries = [e for _, e in zip(range(MAX_DIR_ENTRIES), it, strict=False)]
@@ -434,13 +435,18 @@ def _fetched(root: Path, depth: int = MAX_FETCHED_DEPTH) -> Iterator[tuple[Path,
                     source = f.read(MAX_SOURCE_BYTES).decode("utf-8", "replace").strip()
             except OSError:
                 continue
-            if source and target.is_file():
+            if source and (target.is_file() or target.is_dir()):
                 yield target, source
         elif depth > 0 and not e.name.startswith(".") and e.is_dir(follow_symlinks=False):
             yield from _fetched(Path(e.path), depth - 1)
 
 
-def _fetched_found(path: Path) -> _Found:
+def _fetched_found(path: Path, source: str) -> _Found | None:
+    """A file a fetch landed, or a folder (a whole repository: named ORG/REPO, as a
+    hub cache's is); None for a folder that holds no whole model."""
+    if path.is_dir():
+        name = source.removeprefix("hf://").split("@")[0]
+        return next(_model_dir(name, path), None)
     for stem, first, size, kv in _gguf_models([path]):
         return _Found(stem, first, "gguf", size, kv)
     return _Found(path.stem, path, "gguf" if path.suffix.lower() == ".gguf" else "", _size(path))
@@ -501,9 +507,9 @@ def scan_weights(
         for path, source in _fetched(default_dir):
             real = os.path.realpath(path)
             sources[real] = source
-            if real not in seen:
+            if real not in seen and (landed := _fetched_found(path, source)) is not None:
                 seen.add(real)
-                found.append(_fetched_found(path))
+                found.append(landed)
 
     if mounts is None:
         mounts = read_mounts(mounts_path)
