@@ -50,8 +50,9 @@ from llmgw.weights.budget import Budget
 from llmgw.weights.errors import Corrupt, FetchError, NoRoom, Stalled
 from llmgw.weights.fetch import ask, fetch
 from llmgw.weights.peer import Peer, PeerTrust, fetch_from_peer
+from llmgw.weights.repo import TakeFirst, fetch_repo
 from llmgw.weights.source import HubFile, HubRepo, MountFile, Source, UrlFile, parse_source
-from llmgw.weights.transfer import Progress
+from llmgw.weights.transfer import Progress, ProgressCallback
 
 log = logging.getLogger("llmgw.agent.weights")
 
@@ -219,8 +220,17 @@ class Fetcher:
             self.budget.set_in_use(self.in_use())
         try:
             landed = None
-            # a whole repository comes from the hub: peers give single files
-            if not isinstance(source, HubRepo) and self._may_take(source, target, peers):
+            if isinstance(source, HubRepo):  # a folder: peers give it file by file
+                landed = await fetch_repo(
+                    source,
+                    self.weights_dir,
+                    target=target,
+                    stall_s=stall_s,
+                    progress=progressed,
+                    budget=self.budget,
+                    first=self._take_files(source, target, stall_s, peers, peer),
+                )
+            elif self._may_take(source, target, peers):
                 peer[0] = peers[0].node_id
                 landed = await self._from_peers(source, target, sha256, stall_s, peers, progressed)
                 peer[0] = ""
@@ -265,6 +275,32 @@ class Fetcher:
             return False
         return target is None or target == self.weights_dir / source.landing()
 
+    def _take_files(
+        self,
+        source: HubRepo,
+        target: Path | None,
+        stall_s: float,
+        peers: Sequence[WeightsPeer],
+        peer: list[str],
+    ) -> TakeFirst | None:
+        """For a repository's fetch: each file from ``peers`` before the hub, where
+        they may serve it (``peer`` says whose bytes are coming, for the counter)."""
+        if not self._may_take(source, target, peers):
+            return None
+
+        async def first(
+            file: HubFile, path: Path, sha256: str | None, size: int, progressed: ProgressCallback
+        ) -> Path | None:
+            peer[0] = peers[0].node_id
+            try:
+                return await self._from_peers(
+                    file, None, sha256 or "", stall_s, peers, progressed, size=size
+                )
+            finally:
+                peer[0] = ""
+
+        return first
+
     async def _from_peers(
         self,
         source: HubFile | UrlFile,
@@ -273,6 +309,8 @@ class Fetcher:
         stall_s: float,
         peers: Sequence[WeightsPeer],
         progressed: Callable[[Progress], None],
+        *,
+        size: int | None = None,
     ) -> Path | None:
         """The file taken from ``peers``; None when they could not give it (said in
         one line: the source is asked next, and resumes what they gave).
@@ -281,13 +319,13 @@ class Fetcher:
             NoRoom: no room for it here, from wherever it comes.
         """
         assert self.trust is not None
-        size: int | None = None
         expect = sha256 or None
-        try:  # a peer still fetching it is found by what the source says it is
-            remote = await ask(source, token=None, endpoint=None, verify=True)
-            size, expect = remote.size, expect or remote.sha256
-        except FetchError as exc:
-            log.info("%s: taking it from peers without the source's word on it: %s", source, exc)
+        if size is None or expect is None:
+            try:  # a peer still fetching it is found by what the source says it is
+                remote = await ask(source, token=None, endpoint=None, verify=True)
+                size, expect = remote.size, expect or remote.sha256
+            except FetchError as exc:
+                log.info("%s: taking it from peers without the source's word: %s", source, exc)
         budget = self.budget
         if budget is not None and size is not None:
             pinned = list(self.in_use())

@@ -199,7 +199,7 @@ class Budget:
         with self._flights_lock:
             flying = {p for f in self._flights.values() for p in (f.target, f.part)}
         return [
-            attrs.evolve(h, pinned=h.path in pins or h.path in flying or h.pinned)
+            attrs.evolve(h, pinned=_under(h.path, pins) or h.path in flying or h.pinned)
             for h in _scan(self.root)
         ]
 
@@ -288,7 +288,8 @@ class Budget:
             if h.path == own:
                 held.append(attrs.evolve(h, size=kept, pinned=True))
             else:
-                held.append(attrs.evolve(h, pinned=h.pinned or h.path in pins or h.path in targets))
+                pinned = h.pinned or _under(h.path, pins) or h.path in targets
+                held.append(attrs.evolve(h, pinned=pinned))
         to_write = 0
         for f in flights:
             try:
@@ -303,6 +304,11 @@ class Budget:
 
 def _used_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.used")
+
+
+def _under(path: Path, pins: frozenset[Path]) -> bool:
+    """Whether ``path`` is pinned: itself, or a folder it is in (a repository's, in use)."""
+    return path in pins or any(parent in pins for parent in path.parents)
 
 
 def last_used(target: Path, mtime: float) -> float:

@@ -118,8 +118,8 @@ async def fetch(
 ) -> Path:
     """The path of ``source``'s file on this node, fetched into ``weights_dir``
     when it is not there yet: ``fetch_file``'s, which see; a whole repository's
-    folder, ``repo.fetch_repo``'s (``sha256``, ``size`` and ``budget`` are for
-    one file, and not used for it)."""
+    folder, ``repo.fetch_repo``'s (``sha256`` and ``size`` are for one file, and
+    not used for it)."""
     if isinstance(source, HubRepo):
         from llmgw.weights.repo import fetch_repo
 
@@ -131,6 +131,7 @@ async def fetch(
             endpoint=endpoint,
             stall_s=stall_s,
             progress=progress,
+            budget=budget,
         )
     fetched = await fetch_file(
         source,

@@ -22,6 +22,7 @@ a landed file is. Progress is the whole folder's: bytes of all its files.
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,12 +31,18 @@ import trio
 
 from llmgw.files import write_atomic
 from llmgw.weights import part as parts
+from llmgw.weights.budget import Budget
 from llmgw.weights.errors import FetchError
-from llmgw.weights.source import HubRepo, where
+from llmgw.weights.source import HubFile, HubRepo, where
 from llmgw.weights.transfer import Progress, ProgressCallback
 
 if TYPE_CHECKING:
     from llmgw.weights.hub import RepoEntry
+
+# a file of a repository taken elsewhere first (from peers): the file, where it lands,
+# its sha256 and size as the hub lists them, and the progress callback; None when it
+# could not be had there (the hub is asked, resuming what came)
+TakeFirst = Callable[[HubFile, Path, str | None, int, ProgressCallback], Awaitable[Path | None]]
 
 ASK_S = 30.0
 LAST = "config.json"  # what makes a folder a model: it lands after everything else
@@ -74,9 +81,15 @@ async def fetch_repo(
     endpoint: str | None = None,
     stall_s: float = 60.0,
     progress: ProgressCallback | None = None,
+    budget: Budget | None = None,
+    first: TakeFirst | None = None,
 ) -> Path:
     """The folder of ``source`` on this node, fetched into ``weights_dir`` (or to
     ``target``) when it is not whole there yet.
+
+    ``budget``: as ``fetch``'s, file by file (files under a folder in use are never
+    evicted). ``first``: where to try each file before the hub (peers); None, or
+    its None, for a file: from the hub.
 
     Raises:
         NoRoom: the disk has no room for the bytes still to come.
@@ -113,17 +126,23 @@ async def fetch_repo(
             if progress is not None:
                 progress(Progress(done=base + p.done, total=total, rate=p.rate))
 
-        await fetch(
-            source.file(e.path),
-            weights_dir,
-            target=folder / e.path,
-            sha256=e.sha256,
-            size=e.size,
-            token=token,
-            endpoint=endpoint,
-            stall_s=stall_s,
-            progress=one,
-        )
+        file = source.file(e.path)
+        got = None
+        if first is not None and not _landed(folder / e.path, e.size):
+            got = await first(file, folder / e.path, e.sha256, e.size, one)
+        if got is None:
+            await fetch(
+                file,
+                weights_dir,
+                target=folder / e.path,
+                sha256=e.sha256,
+                size=e.size,
+                token=token,
+                endpoint=endpoint,
+                stall_s=stall_s,
+                progress=one,
+                budget=budget,
+            )
         before += e.size
     entries = [_Entry(e.path, e.size) for e in order]
     await trio.to_thread.run_sync(
@@ -132,12 +151,12 @@ async def fetch_repo(
     return folder
 
 
+def _landed(path: Path, size: int) -> bool:
+    try:
+        return os.stat(path).st_size == size
+    except OSError:
+        return False
+
+
 def _landed_bytes(folder: Path, entries: list[RepoEntry]) -> int:
-    out = 0
-    for e in entries:
-        try:
-            if os.stat(folder / e.path).st_size == e.size:
-                out += e.size
-        except OSError:
-            continue
-    return out
+    return sum(e.size for e in entries if _landed(folder / e.path, e.size))

@@ -429,6 +429,20 @@ async def test_a_node_without_room_for_the_weights_fails_the_fetch_and_the_repli
             assert "no room on its disk for the weights" in explained, explained
 
 
+FOLDER = """
+[models.folder]
+replicas = {replicas}
+[[models.folder.profiles]]
+name = "gpu"
+engine = "vllm"
+gpus = 1
+min_memory_gb = 1
+source = "hf://acme/tiny-vllm"
+env = {{ STANDIN_LOAD_S = "0.5" }}
+startup_timeout_s = 30
+"""
+
+
 async def test_a_vllm_replica_of_a_whole_repository_fetches_its_folder_and_serves(
     tmp_path: Path, pki: Pki
 ) -> None:
@@ -438,18 +452,7 @@ async def test_a_vllm_replica_of_a_whole_repository_fetches_its_folder_and_serve
     files = write_repo(root)
     bindir = tmp_path / "bin"
     wrapper(bindir, "vllm")
-    catalog = """
-[models.folder]
-replicas = 1
-[[models.folder.profiles]]
-name = "gpu"
-engine = "vllm"
-gpus = 1
-min_memory_gb = 1
-source = "hf://acme/tiny-vllm"
-env = { STANDIN_LOAD_S = "0.5" }
-startup_timeout_s = 30
-"""
+    catalog = FOLDER.format(replicas=1)
     with HubStandIn(root) as hub:
         async with cluster(tmp_path, pki, 0, extra_catalog=catalog) as c:
             landing = tmp_path / "w"
@@ -464,3 +467,42 @@ startup_timeout_s = 30
             n1 = (await c.server.nodes())["n1"]
             assert any(w.get("source") == "hf://acme/tiny-vllm" for w in n1["weights"]), n1
             assert ready["shards"][0]["node_id"] == "n1"
+
+
+async def test_a_repository_is_taken_from_a_peer_file_by_file_and_the_hub_read_once(
+    tmp_path: Path, pki: Pki
+) -> None:
+    root = tmp_path / "hub"
+    files = write_repo(root)
+    bindir = tmp_path / "bin"
+    wrapper(bindir, "vllm")
+    with HubStandIn(root) as hub:
+        hub.rate = 2 << 20  # the big file takes a second and a half: the second node follows
+        async with cluster(tmp_path, pki, 0, extra_catalog=FOLDER.format(replicas=0)) as c:
+            env = {**hub_env(tmp_path, hub), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
+            for node in ("n1", "n2"):
+                c.agent(
+                    node,
+                    env=env,
+                    more=f'[weights]\ndefault_dir = "{tmp_path / ("w" + node)}"\n'
+                    'peer_listen = "127.0.0.1:0"\n',
+                )
+                await c.server.wait_node(node, "Ready")
+            with trio.fail_after(10):
+                while not all(n["weights_port"] for n in (await c.server.nodes()).values()):
+                    await trio.sleep(0.1)
+            said = (await c.server.ctl("weights", "prefetch", "folder")).stdout.decode()
+            assert "on n1, n2" in said, said
+            with trio.fail_after(30):
+                while True:
+                    nodes = json.loads((await c.server.ctl("weights", "--json")).stdout)["nodes"]
+                    held = {n["node_id"] for n in nodes for w in n["copies"] if w["source"]}
+                    if held == {"n1", "n2"}:
+                        break
+                    await trio.sleep(0.2)
+            for name, data in files.items():
+                sent = sum(r.sent for r in hub.gets(f"/resolve/main/{name}"))
+                assert sent == len(data), (name, sent, len(data))  # once, to n1
+                folder = tmp_path / "wn2" / "hf" / "acme" / "tiny-vllm" / "main"
+                assert (folder / name).read_bytes() == data, name
+            assert "took hf://acme/tiny-vllm/model-00001" in c.agents["n2"].log()
