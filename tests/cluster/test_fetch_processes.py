@@ -344,6 +344,22 @@ async def test_a_disk_budget_evicts_the_longest_unused_never_what_runs(
             assert 'llmgw_agent_weights_fetch_failures_total{reason="no_room"} 1.0' in text
 
 
+async def prefetched(c: Cluster, model: str, nodes: set[str]) -> str:
+    """``ctl weights prefetch MODEL`` once every node's transfer listener is known,
+    and what it said, once ``nodes`` all hold the model's weights."""
+    with trio.fail_after(10):
+        while not all(n["weights_port"] for n in (await c.server.nodes()).values()):
+            await trio.sleep(0.1)
+    said = (await c.server.ctl("weights", "prefetch", model)).stdout.decode()
+    with trio.fail_after(30):
+        while True:
+            listed = json.loads((await c.server.ctl("weights", "--json")).stdout)["nodes"]
+            held = {n["node_id"] for n in listed for w in n["copies"] if w["source"]}
+            if held == nodes:
+                return said
+            await trio.sleep(0.2)
+
+
 async def test_nodes_of_a_fabric_take_weights_from_each_other_and_read_the_hub_once(
     tmp_path: Path, pki: Pki
 ) -> None:
@@ -367,18 +383,8 @@ async def test_nodes_of_a_fabric_take_weights_from_each_other_and_read_the_hub_o
                     '[metrics]\nlisten = "127.0.0.1:0"\n',
                 )
                 node_view = await c.server.wait_node(node, "Ready")
-            with trio.fail_after(10):
-                while not all(n["weights_port"] for n in (await c.server.nodes()).values()):
-                    await trio.sleep(0.1)
-            said = (await c.server.ctl("weights", "prefetch", "fetched")).stdout.decode()
+            said = await prefetched(c, "fetched", {"n1", "n2", "n3"})
             assert "on n1, n2, n3" in said, said
-            with trio.fail_after(30):
-                while True:
-                    nodes = json.loads((await c.server.ctl("weights", "--json")).stdout)["nodes"]
-                    held = {n["node_id"] for n in nodes for w in n["copies"] if w["source"]}
-                    if held == {"n1", "n2", "n3"}:
-                        break
-                    await trio.sleep(0.2)
             assert hub.served == size, (hub.served, size)  # the hub read once
             for node in ("n2", "n3"):
                 agent_log = c.agents[node].log()
@@ -488,18 +494,8 @@ async def test_a_repository_is_taken_from_a_peer_file_by_file_and_the_hub_read_o
                     'peer_listen = "127.0.0.1:0"\n',
                 )
                 await c.server.wait_node(node, "Ready")
-            with trio.fail_after(10):
-                while not all(n["weights_port"] for n in (await c.server.nodes()).values()):
-                    await trio.sleep(0.1)
-            said = (await c.server.ctl("weights", "prefetch", "folder")).stdout.decode()
+            said = await prefetched(c, "folder", {"n1", "n2"})
             assert "on n1, n2" in said, said
-            with trio.fail_after(30):
-                while True:
-                    nodes = json.loads((await c.server.ctl("weights", "--json")).stdout)["nodes"]
-                    held = {n["node_id"] for n in nodes for w in n["copies"] if w["source"]}
-                    if held == {"n1", "n2"}:
-                        break
-                    await trio.sleep(0.2)
             for name, data in files.items():
                 sent = sum(r.sent for r in hub.gets(f"/resolve/main/{name}"))
                 assert sent == len(data), (name, sent, len(data))  # once, to n1
