@@ -6,16 +6,16 @@ from llmgw.weights.part import human
 
 
 def progress_words(done: int, total: int | None, rate_bps: float, peer: str = "") -> str:
-    """``43 % of 2.1 GB, 120 MB/s, 40 s left`` (``from n1`` when from a peer); "" before
-    the size is known."""
+    """``43 % of 2.1 GiB, 120.0 MiB/s from n1, 40 s left``; "" before the size is
+    known."""
     if not total:
         return ""
     words = f"{100 * done / total:.0f} % of {human(total)}"
+    source = f" from {peer}" if peer else ""
     if rate_bps > 0:
-        words += f", {human(int(rate_bps))}/s, {(total - done) / rate_bps:.0f} s left"
-    if peer:
-        words += f" from {peer}"
-    return words
+        left = (total - done) / rate_bps
+        return words + f", {human(int(rate_bps))}/s{source}, {left:.0f} s left"
+    return words + source
 
 
 def fetching_words(
