@@ -34,21 +34,25 @@ pytestmark = needs_server
 FETCH_S = 6.0  # how long the stand-in takes to serve the file: past the startup timeout
 
 
-def fetched(source: str, sha256: str = "", startup_timeout_s: float = 3, replicas: int = 1) -> str:
-    pin = f'sha256 = "{sha256}"\n' if sha256 else ""
+def model_entry(name: str, source: str, replicas: int, more: str = "") -> str:
+    """A catalog model of one llama.cpp profile that fetches ``source``."""
     return f"""
-[models.fetched]
+[models.{name}]
 replicas = {replicas}
-[[models.fetched.profiles]]
+[[models.{name}.profiles]]
 name = "cpu"
 engine = "llama.cpp"
 gpus = 1
 min_memory_gb = 1
 source = "{source}"
-{pin}fetch_stall_s = 10
 settings = {{ context = 256, parallel = 1, threads = 1, threads_batch = 1 }}
-startup_timeout_s = {startup_timeout_s}
-"""
+{more}"""
+
+
+def fetched(source: str, sha256: str = "", startup_timeout_s: float = 3, replicas: int = 1) -> str:
+    pin = f'sha256 = "{sha256}"\n' if sha256 else ""
+    more = f"{pin}fetch_stall_s = 10\nstartup_timeout_s = {startup_timeout_s}\n"
+    return model_entry("fetched", source, replicas, more)
 
 
 def hub_env(tmp: Path, hub: HubStandIn) -> dict[str, str]:
@@ -267,20 +271,6 @@ async def test_two_shards_of_one_file_fetch_it_once_and_a_stop_cancels_the_fetch
             assert not Path(late.model_path).exists()
             assert list(Path(late.model_path).parent.glob("tiny.gguf.*.part"))  # kept
             assert stopped.pid is None  # no engine was launched
-
-
-def model_entry(name: str, source: str, replicas: int) -> str:
-    return f"""
-[models.{name}]
-replicas = {replicas}
-[[models.{name}.profiles]]
-name = "cpu"
-engine = "llama.cpp"
-gpus = 1
-min_memory_gb = 1
-source = "{source}"
-settings = {{ context = 256, parallel = 1, threads = 1, threads_batch = 1 }}
-"""
 
 
 async def test_a_disk_budget_evicts_the_longest_unused_never_what_runs(
