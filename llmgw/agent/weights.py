@@ -91,9 +91,7 @@ class _Fetch:
     progress: FetchProgress
     done: trio.Event = attrs.Factory(trio.Event)
     path: Path | None = None  # landed here
-    error: FetchError | None = None  # failed so
-    # cancelled with the shard that ran it: a follower fetches it itself
-    cancelled: bool = False
+    error: FetchError | None = None  # failed so; neither: cancelled, a follower fetches it
 
 
 class Fetcher:
@@ -124,7 +122,6 @@ class Fetcher:
         # sources whose last fetch found no room here, and until when that is said
         # (``no_room``): placement puts their replicas elsewhere meanwhile
         self._no_room: dict[str, float] = {}
-        self.changed = trio.Event()  # a fetch began or ended (the inventory says which)
 
     def no_room(self) -> list[str]:
         """The sources whose last fetch here found no room, lately (``NO_ROOM_S``)."""
@@ -196,7 +193,6 @@ class Fetcher:
                 raise running.error
         mine = _Fetch(FetchProgress(source=str(source), path=str(key)))
         self.running[key] = mine
-        self._changed()
         # where the bytes come from now: a peer's node id, or "" for the source
         peer = [""]
         seen: list[int] = []  # the bytes at the last report; none before the first
@@ -255,13 +251,9 @@ class Fetcher:
                 self._no_room[str(source)] = trio.current_time() + NO_ROOM_S
             log.warning("cannot fetch %s: %s", source, exc)
             raise
-        except BaseException:
-            mine.cancelled = True
-            raise
         finally:
             mine.done.set()
             del self.running[key]
-            self._changed()
         mine.path = landed
         self._no_room.pop(str(source), None)
         if self.on_landed is not None:
@@ -373,7 +365,3 @@ class Fetcher:
                 report(running.progress)
             with trio.move_on_after(0.25):
                 await running.done.wait()
-
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from llmgw.controlplane.catalog import Model, Profile
+from llmgw.controlplane.filters import NodeView, hardware
 from llmgw.controlplane.nodes import Node, NodeState
 from llmgw.controlplane.peers import weights_peers
 from llmgw.controlplane.plan import Fetch
@@ -67,15 +68,14 @@ def plan_prefetch(
             "(hf://ORG/REPO/FILE or https://...)"
         )
     source = model.weights_source(profile)
-    table = nodes
     named = list(dict.fromkeys(only))
-    unknown = [n for n in named if n not in table]
+    unknown = [n for n in named if n not in nodes]
     if unknown:
         raise ValueError(f"no node {', '.join(unknown)} is known: see llmgw ctl nodes")
     chosen = (
-        [table[n] for n in named]
+        [nodes[n] for n in named]
         if named
-        else [n for n in table.values() if not fabric or n.inventory.fabric == fabric]
+        else [n for n in nodes.values() if not fabric or n.inventory.fabric == fabric]
     )
     if fabric and not chosen:
         raise ValueError(f"no node is in fabric {fabric!r}: see llmgw ctl nodes")
@@ -116,10 +116,7 @@ def _why_not(node: Node, profile: Profile, source: str) -> str:
         return "it holds them already"
     if any(f.source == source for f in inv.fetching):
         return "it is fetching them already"
-    if any(inv.labels.get(k) != v for k, v in profile.selector.items()):
-        return f"its labels do not match profile {profile.name}'s selector"
-    have = {e.name for e in inv.engines}
-    missing = [name for name in installed(profile.engine) if name not in have]
-    if missing:
-        return f"it has no {', '.join(missing)}"
-    return ""
+    # placement's own rule for whether the node could run the profile at all
+    selector = list(profile.selector.items())
+    refused = hardware(NodeView(inv), selector, installed(profile.engine), profile.nodes > 1)
+    return f"it cannot run profile {profile.name}: {refused[1]}" if refused else ""

@@ -68,7 +68,9 @@ def serve_model(tmp: Path) -> tuple[Path, Path]:
     return root, file
 
 
-async def agent_metrics(port: int) -> str:
+async def agent_metrics(c: Cluster, node: str) -> str:
+    """NODE's agent's /metrics, where its log says it serves them."""
+    port = c.agents[node].log().split("metrics on http://127.0.0.1:")[1].split("/")[0]
     async with httpx.AsyncClient(timeout=5) as client:
         return (await client.get(f"http://127.0.0.1:{port}/metrics")).text
 
@@ -118,8 +120,7 @@ async def test_a_replica_placed_where_its_weights_are_not_fetches_them_and_serve
             assert n1["weights_dir"] == str(landing), n1
             # counted by where the bytes came from
             agent_log = c.agents["n1"].log()
-            metrics_port = int(agent_log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
-            text = await agent_metrics(metrics_port)
+            text = await agent_metrics(c, "n1")
             assert f'llmgw_agent_weights_fetched_bytes_total{{source="hub"}} {size:.1f}' in text
             assert "fetching hf://acme/tiny-GGUF/tiny.gguf" in agent_log, agent_log[-3000:]
             assert hub.served == size  # read once
@@ -329,8 +330,7 @@ async def test_a_disk_budget_evicts_the_longest_unused_never_what_runs(
             line = await c.agents["n1"].wait_log(r"cannot fetch hf://acme/d-GGUF/big.gguf: (.*)")
             assert "budget" in line.group(1) and "budget_gb" in line.group(1), line.group(0)
             assert await held() == {hf.format("tiny", "tiny.gguf"), hf.format("c", "tiny.gguf")}
-            metrics_port = int(agent_log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
-            text = await agent_metrics(metrics_port)
+            text = await agent_metrics(c, "n1")
             assert 'llmgw_agent_weights_fetch_failures_total{reason="no_room"} 1.0' in text
 
 
@@ -372,14 +372,12 @@ async def test_nodes_of_a_fabric_take_weights_from_each_other_and_read_the_hub_o
                     more=f'[weights]\ndefault_dir = "{landing}"\npeer_listen = "127.0.0.1:0"\n'
                     '[metrics]\nlisten = "127.0.0.1:0"\n',
                 )
-                node_view = await c.server.wait_node(node, "Ready")
+                await c.server.wait_node(node, "Ready")
             said = await prefetched(c, "fetched", {"n1", "n2", "n3"})
             assert "on n1, n2, n3" in said, said
             assert hub.served == size, (hub.served, size)  # the hub read once
             for node in ("n2", "n3"):
-                agent_log = c.agents[node].log()
-                port = int(agent_log.split("metrics on http://127.0.0.1:")[1].split("/")[0])
-                text = await agent_metrics(port)
+                text = await agent_metrics(c, node)
                 line = f'llmgw_agent_weights_fetched_bytes_total{{source="peer"}} {size:.1f}'
                 assert line in text, (node, text)
                 assert 'source="hub"' not in text, text
@@ -388,7 +386,6 @@ async def test_nodes_of_a_fabric_take_weights_from_each_other_and_read_the_hub_o
                 for n in ("n1", "n2", "n3")
             ]
             assert all(p.read_bytes() == file.read_bytes() for p in landed)
-            assert node_view is not None
 
 
 async def test_a_node_without_room_for_the_weights_fails_the_fetch_and_the_replica_goes_elsewhere(
