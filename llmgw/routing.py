@@ -216,6 +216,21 @@ class RouterReport(msgspec.Struct, kw_only=True, frozen=True):
     # the prompt blocks it believes each replica of a model that scales holds (its
     # affinity index): a scale-down lets the one with the least go. Empty: none
     cached: dict[str, int] = {}
+    # each model's requests through it since it started (``ModelCounters``); empty: none
+    traffic: dict[str, ModelCounters] = {}
+
+
+class ModelCounters(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A model's requests through one router since it started: counts that only grow
+    (the control plane keeps the last hour of what grew, for the web console)."""
+
+    requests: int = 0  # answered, any status
+    errors: int = 0  # answered with a 5xx
+    tokens: int = 0  # completion tokens of successful responses
+    # time to first token of streamed responses: the histogram's bucket bounds
+    # (seconds) and the count at or below each, cumulative
+    ttft_le: list[float] = []
+    ttft_counts: list[int] = []
 
 
 class ModelLoad(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -45,6 +45,7 @@ from llmgw.admin.views import (
     running_view,
     scaling_view,
 )
+from llmgw.bench.kept import BenchStore
 from llmgw.config.errors import one_line
 from llmgw.controlplane.fabrics import CannotPlace, fleet_status
 from llmgw.controlplane.fleet import FleetManager
@@ -74,6 +75,7 @@ class AdminApi:
         reload: Callable[[], Awaitable[Reloaded]] | None = None,
         routers: RouterReports | None = None,
         tenancy: TenancyApi | None = None,
+        benches: BenchStore | None = None,
     ) -> None:
         """``reload`` reads again what the server can change without a restart (the
         catalog, the API keys); without it a reload is the fleet's catalog alone."""
@@ -89,10 +91,11 @@ class AdminApi:
         self._routing = routing
         if routers is None:
             routers = fleet.routers if fleet is not None else RouterReports()
-        self._routers = routers  # what the routers that follow the routing report
+        self.routers = routers  # what the routers that follow the routing report
         self._traffic = traffic  # the in-process router's view of each replica
         self._token = token.encode()
         self._gpu_views = GpuViews()
+        self.benches = benches  # what ``ctl bench`` sent, for the console
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/v1/nodes"): self.nodes,
             ("GET", "/v1/status"): self.status,
@@ -103,6 +106,7 @@ class AdminApi:
             ("POST", "/v1/catalog/reload"): self.reload,
             ("GET", "/v1/routing"): self.routing,
             ("POST", REPORT_PATH): self.router_report,
+            ("POST", "/v1/bench"): self.bench,
         }
         # /v1/nodes/{node} (POST {"intent": ...}) and /v1/models/{model}/placement (GET)
         self._patterns: list[tuple[str, tuple[str | None, ...], ArgHandler]] = [
@@ -342,7 +346,7 @@ class AdminApi:
                 router=router, metrics=metrics, wedged=[r for r in said.split(",") if r]
             )
             try:
-                self._routers.take(report, request.client[0], trio.current_time())
+                self.routers.take(report, request.client[0], trio.current_time())
             except ReportRefused as exc:
                 return error(400, str(exc))
         fleet = self.fleet
@@ -372,7 +376,7 @@ class AdminApi:
             return report
         try:
             check_usage(report.usage)
-            self._routers.take(report, request.client[0], trio.current_time())
+            self.routers.take(report, request.client[0], trio.current_time())
         except (ReportRefused, UsageRefused) as exc:
             return error(400, str(exc))
         if self._tenancy is not None and report.router and report.usage:
@@ -395,6 +399,25 @@ class AdminApi:
             log.debug("the reload failed here", exc_info=True)
             return error(500, f"not reloaded, nothing changed: {one_line(exc)}")
         return json_response(200, ReloadAnswer(message=what.message, warnings=what.warnings))
+
+    async def bench(self, request: Request) -> Response:
+        """Keep a run ``ctl bench`` finished, for the console's curves."""
+        if self.benches is None:
+            return error(409, "this server keeps no bench results (it has no state directory)")
+        try:
+            run = self.benches.keep(request.body)
+        except ValueError as exc:
+            return error(400, str(exc))
+        except OSError as exc:
+            return error(500, f"cannot keep the bench result: {exc.strerror or exc}")
+        log.info(
+            "kept a bench result of %s (%s, %d levels, capacity %s) for the console",
+            run.model,
+            run.profile or "?",
+            len(run.levels),
+            run.capacity if run.capacity is not None else "none",
+        )
+        return json_response(200, {"message": f"kept for the console's page of {run.model}"})
 
     async def status(self, request: Request) -> Response:
         """Weights per fabric; with a control plane, also what it cannot place and the

@@ -352,6 +352,7 @@ def _bench(
         print(results.plot(run))
         drawn = ", ".join(str(p) for p in (png_path, svg_path) if p is not None)
         print(f"\nkept in {path}" + (f"; plot in {drawn}" if drawn else ""))
+    _send(client, run)
     if not keeper.kept:
         raise CtlError(f"cannot keep the result in {path}: {keeper.problem}")
     if catalog is not None:
@@ -440,6 +441,19 @@ class _Keeper:
     def _write(self, run: results.Run) -> None:
         write_atomic(self.path, msgspec.json.format(msgspec.json.encode(run)) + b"\n", 0o644)
         self.kept, self.problem = True, ""
+
+
+def _send(client: AdminClient, run: results.Run) -> None:
+    """Give the control plane the run, for the web console's curves; a server that does
+    not take it is said in one line, and the run stands."""
+    try:
+        client.request("POST", "/v1/bench", dict, msgspec.to_builtins(run))
+    except CtlError as exc:
+        print(
+            f"{PROGRAM}: warning: the server did not keep this result for its console: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _check_folder(flag: str, path: Path) -> None:

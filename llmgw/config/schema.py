@@ -83,6 +83,24 @@ class AdminConfig(_Section):
     insecure_listen: bool = False
 
 
+class ConsoleConfig(_Section):
+    """The web console: the fleet at a glance, live, in a browser (``llmgw.console``)."""
+
+    listen: str = ""  # e.g. "127.0.0.1:7445"; empty: no console
+    # serve it over TLS with the server's certificate (agent_stream.cert and .key), or
+    # with cert and key below; a listen address that is not loopback needs it
+    tls: bool = False
+    cert: str = ""  # a certificate browsers trust, instead of the server's own (PEM)
+    key: str = ""  # its private key (PEM)
+    # the token that signs in to see everything but secrets (the admin token signs in
+    # to act as well); default: <state_dir>/console-viewer-token, created on first start
+    viewer_token_file: str = ""
+    session_hours: float = 12.0  # a signed-in browser stays so this long
+    # the traffic page's step: the routers' counters are read this often, and an hour
+    # of steps is kept
+    traffic_step_s: float = 10.0
+
+
 def is_loopback(host: str) -> bool:
     """Whether a listen host is loopback only (a name other than localhost is not
     known to be: it could resolve to anything)."""
@@ -229,6 +247,7 @@ class ServerConfig(_Section):
     # Prometheus's own listener and token (the admin listener's /metrics needs the admin
     # token, which can drain nodes); defined further down
     metrics: MetricsConfig = msgspec.field(default_factory=lambda: MetricsConfig())
+    console: ConsoleConfig = msgspec.field(default_factory=ConsoleConfig)
 
     def validate(self) -> None:
         parse_hostport(self.agent_stream.listen, key="agent_stream.listen")
@@ -243,6 +262,7 @@ class ServerConfig(_Section):
                 " (its token would cross the network in clear): listen on 127.0.0.1 and"
                 " reach it over SSH, or set admin.insecure_listen = true to accept that",
             )
+        self.console_checked()
         lv = self.liveness
         _positive("liveness.heartbeat_interval_s", lv.heartbeat_interval_s, at_most=3600)
         _positive("liveness.unreachable_after_s", lv.unreachable_after_s, at_most=DAY_S)
@@ -276,6 +296,30 @@ class ServerConfig(_Section):
             _positive(f"reconcile.{key}", getattr(rc, key), at_most=DAY_S)
         self.router.validate()
         _check_log_level(self.log_level)
+
+    def console_checked(self) -> None:
+        c = self.console
+        if not c.listen:
+            return
+        host, _ = parse_hostport(c.listen, key="console.listen")
+        if not is_loopback(host) and not c.tls:
+            raise ConfigError(
+                "",
+                "console.listen",
+                f"{c.listen!r} is not loopback, and without TLS the console's sign-in token"
+                " and session would cross the network in clear: set console.tls = true"
+                " (the server's certificate, or console.cert and console.key), or listen"
+                " on 127.0.0.1 and reach it over SSH",
+            )
+        if bool(c.cert) != bool(c.key):
+            raise ConfigError("", "console.cert", "give console.cert and console.key together")
+        if (c.cert or c.key) and not c.tls:
+            raise ConfigError("", "console.tls", "console.cert is set: set console.tls = true")
+        _positive("console.session_hours", c.session_hours, at_most=24 * 30)
+        if not 1 <= c.traffic_step_s <= 60:
+            raise ConfigError(
+                "", "console.traffic_step_s", f"must be 1 to 60, got {c.traffic_step_s}"
+            )
 
 
 class GpuOverride(_Section):

@@ -149,6 +149,7 @@ class FleetManager:
         self._outboxes: dict[str, deque[Command]] = {}  # node -> commands not yet sent
         self._wake = trio.Event()
         self.failures = FailureLog()  # the last few engine failures of each model
+        self._seen = 0  # the replicas as the last pass left them (``_ring_on_change``)
         # the last pass's words for a model placement could not place, and when (wall clock)
         self.cannot_place: dict[str, tuple[str, float]] = {}
         self._cannot_place_kind: dict[str, str] = {}  # placement's bounded reason, for metrics
@@ -215,6 +216,7 @@ class FleetManager:
         """Keep a replica's failure (the agent's words for a failed shard, else ours: a
         startup timeout, a lost node), its exit and its engine's last lines."""
         exit_code, sig = how_ended(failed)
+        self.control.changes.ring("replicas")
         self.failures.record(
             Failure(
                 model=failed.model,
@@ -387,6 +389,7 @@ class FleetManager:
         """Persist the intent, say what it means, and run a pass soon."""
         self.intent.save(self.reconciler.cordoned, self.reconciler.draining, self.scaling.pins())
         log.info("%s", what)
+        self.control.changes.ring("intent")
         self._wake.set()
         return what
 
@@ -401,6 +404,7 @@ class FleetManager:
             raise ConfigError("", "catalog", "the server was started without a catalog file")
         catalog = await trio.to_thread.run_sync(load_catalog, path, abandon_on_cancel=True)
         self.reconciler.set_catalog(catalog)
+        self.control.changes.ring("intent")
         self._wake.set()
         # said once, with the keys and the warnings, by whoever asked (admin.reload.Reloader)
         return f"catalog reloaded from {path}: {len(catalog.models)} models"
@@ -476,6 +480,23 @@ class FleetManager:
         self._follow_drains()
         self._follow_known()
         self.publish_routing()
+        self._ring_on_change()
+
+    def _ring_on_change(self) -> None:
+        """Ring the change bell when this pass moved a replica or changed what placement
+        says: one look at every replica, no ring when nothing moved."""
+        seen = hash(
+            (
+                tuple(
+                    (r.replica_id, r.state, r.healthy, r.verified, r.leaving, len(r.shards))
+                    for r in self.reconciler.replicas.values()
+                ),
+                tuple(sorted((m, why) for m, (why, _) in self.cannot_place.items())),
+            )
+        )
+        if seen != self._seen:
+            self._seen = seen
+            self.control.changes.ring("replicas")
 
     def _follow_known(self) -> None:
         """Keep the list of nodes that are not Lost, and say once when the last node
@@ -510,6 +531,8 @@ class FleetManager:
         }
         for node_id in sorted(drained - self.drained):
             log.info("node %s drained: nothing runs there; uncordon it to use it again", node_id)
+        if drained != self.drained:
+            self.control.changes.ring("intent")
         self.drained = drained
 
     def publish_routing(self) -> None:
@@ -517,7 +540,7 @@ class FleetManager:
         r = self.reconciler
         nodes = self.control.nodes.nodes
         asleep = {x.model for x in r.replicas.values() if x.state is ReplicaState.SLEEPING}
-        self.routing.publish(
+        published = self.routing.publish(
             build_snapshot(
                 r.catalog,
                 r.replicas.values(),
@@ -534,6 +557,8 @@ class FleetManager:
                 tenants=self.routing.tenants,
             )
         )
+        if published:
+            self.control.changes.ring("routing")
 
     def _queue(self, plan: Plan) -> None:
         self._plans.append(plan)

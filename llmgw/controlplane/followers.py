@@ -29,14 +29,15 @@ from typing import TypeVar
 
 from llmgw.addr import join_hostport
 from llmgw.config import ConfigError, parse_hostport
-from llmgw.routing import ModelLoad, RouterReport, summed
+from llmgw.routing import ModelCounters, ModelLoad, RouterReport, summed
 
-_T = TypeVar("_T", dict[str, ModelLoad], frozenset[str], dict[str, int])
+_T = TypeVar("_T", dict[str, ModelLoad], frozenset[str], dict[str, int], dict[str, ModelCounters])
 ROUTER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 REPLICA_ID = re.compile(r"[A-Za-z0-9._:/-]{1,200}")
 MAX_WEDGED = 1000
 MAX_LOADS = 10_000  # models a report may say the load of
 MAX_CACHED = 10_000  # replicas a report may say the cache of
+MAX_BUCKETS = 64  # bounds of a time-to-first-token histogram in a report
 LOAD_TTL_S = 10.0  # a router's load counts this long after it said it (it says it every 2 s)
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -62,6 +63,8 @@ class RouterReports:
         self._loads: dict[str, tuple[dict[str, ModelLoad], float]] = {}
         # each router's estimate of what each replica of a ranged model holds cached
         self._cached: dict[str, tuple[dict[str, int], float]] = {}
+        # each router's requests per model since it started (the console's traffic)
+        self._traffic: dict[str, tuple[dict[str, ModelCounters], float]] = {}
 
     def take(self, report: RouterReport, seen_from: str, now: float) -> None:
         """Take what ``report`` says (a wildcard metrics host: ``seen_from``, the address
@@ -84,6 +87,15 @@ class RouterReports:
             n >= 0 and REPLICA_ID.fullmatch(r) for r, n in report.cached.items()
         ):
             raise ReportRefused("cached must be at most 10,000 replica ids, none below 0")
+        if len(report.traffic) > MAX_LOADS or not all(
+            min(c.requests, c.errors, c.tokens, *c.ttft_counts) >= 0
+            and len(c.ttft_le) == len(c.ttft_counts) <= MAX_BUCKETS
+            for c in report.traffic.values()
+        ):
+            raise ReportRefused(
+                "traffic must be at most 10,000 models, counts not below 0, as many"
+                f" ttft_counts as ttft_le, at most {MAX_BUCKETS}"
+            )
         address = ""
         if report.metrics:
             try:
@@ -97,6 +109,7 @@ class RouterReports:
             self.report_wedged(report.router, wedged, now)
             self.report_load(report.router, report.load, now)
             self._keep(self._cached, report.router, report.cached, now)
+            self._keep(self._traffic, report.router, report.traffic, now)
 
     def report_load(self, router: str, load: dict[str, ModelLoad], now: float) -> None:
         """One router's load per model now (every report says it again; empty: none)."""
@@ -118,6 +131,11 @@ class RouterReports:
             for replica, blocks in said.items():
                 out[replica] = out.get(replica, 0) + blocks
         return out
+
+    def traffic(self, now: float) -> dict[str, dict[str, ModelCounters]]:
+        """Each router heard from lately -> its requests per model since it started."""
+        self._forget_old(now)
+        return {router: said for router, (said, _) in self._traffic.items()}
 
     def followed_by(self, metrics_address: str, now: float) -> None:
         """A standalone router that serves metrics there reported."""
@@ -163,6 +181,7 @@ class RouterReports:
         for router, (_, said) in list(self._wedged.items()):
             if now - said > self.FOLLOWER_TTL_S:
                 del self._wedged[router]
-        for router, (_, said) in list(self._cached.items()):
-            if now - said > self.FOLLOWER_TTL_S:
-                del self._cached[router]
+        for table in (self._cached, self._traffic):
+            for router, (_, said) in list(table.items()):
+                if now - said > self.FOLLOWER_TTL_S:
+                    del table[router]

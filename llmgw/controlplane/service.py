@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import trio
 
+from llmgw.controlplane.changes import Bell
 from llmgw.controlplane.dispatcher import AgentConnection, Dispatcher
 from llmgw.controlplane.metrics import ControlPlaneMetrics
 from llmgw.controlplane.nodes import Change, LivenessPolicy, NodeTable
@@ -51,6 +52,7 @@ class ControlPlane:
         self.heartbeat_interval = heartbeat_interval
         self.metrics = metrics or ControlPlaneMetrics()
         self.nodes = NodeTable(policy)
+        self.changes = Bell()  # rung on every change an operator sees (``changes``)
         self.dispatcher = Dispatcher(self.metrics)
         self.metrics.watch_nodes(self.nodes.counts)
         self._clock = clock
@@ -100,6 +102,7 @@ class ControlPlane:
             len(msg.shards),
         )
         self._report(changes, news, msg.node_id)
+        self.changes.ring("nodes")  # its version, its connection
         for listener in self.on_register:
             listener(msg.node_id, msg)
         return RegisterAck(
@@ -198,6 +201,8 @@ class ControlPlane:
             self.sweep()
 
     def _report(self, changes: list[Change], news: list[str], node_id: str | None) -> None:
+        if changes or news:
+            self.changes.ring("nodes")
         for c in changes:
             self.metrics.liveness_changes.labels(c.new.value).inc()
             if c.old is not None:

@@ -321,6 +321,13 @@ class HttpServer:
             self._open += 1
             nursery.start_soon(self._run_connection, sock, client, host)
 
+    async def serve_socket(self, sock: socket.socket, client: tuple[str, int]) -> None:
+        """Serve one connection accepted elsewhere (``tls_front``: one end of a socket
+        pair), ``client`` the address it came from; returns when it is closed."""
+        sock.setblocking(False)
+        self._open += 1
+        await self._run_connection(sock, client, "")
+
     async def _run_connection(
         self, sock: socket.socket, client: tuple[str, int], host: str
     ) -> None:

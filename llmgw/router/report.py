@@ -35,12 +35,12 @@ import msgspec
 import trio
 
 from llmgw.router.tally import Tally
-from llmgw.routing import REPORT_PATH, ModelLoad, RouterReport
+from llmgw.routing import REPORT_PATH, ModelCounters, ModelLoad, RouterReport
 
 log = logging.getLogger("llmgw.router")
 
 REPORT_S = 20.0  # the control plane forgets a router not heard from for 75 s
-USAGE_S = 5.0  # what tenants used reaches the control plane this soon after
+USAGE_S = 5.0  # what tenants used, and requests answered, reach the control plane this soon
 LOAD_S = 2.0  # while a model that scales has requests here, reported this often
 GAP_S = 0.25  # two reports are at least this far apart, however much news comes
 RETRY_CAP_S = 2.0
@@ -64,6 +64,8 @@ class Reporter:
         self.load: Callable[[], dict[str, ModelLoad]] = dict
         # what it believes each replica of a ranged model holds (``RoutingTable.cached``)
         self.cached: Callable[[], dict[str, int]] = dict
+        # each model's requests here since it started (``counters.model_counters``)
+        self.traffic: Callable[[], dict[str, ModelCounters]] = dict
 
     def report(self) -> RouterReport:
         return RouterReport(
@@ -73,6 +75,7 @@ class Reporter:
             usage=self.tally.rows(),
             load=self.load(),
             cached=self.cached(),
+            traffic=self.traffic(),
         )
 
     def serves_metrics(self, address: str) -> None:
@@ -117,6 +120,7 @@ class Reporter:
                 self._changed = trio.Event()
                 counted = self.tally.changes
                 report = self.report()
+                answered = _answered(report.traffic)
                 sent = await self._send(client, report)
                 delay = 0.5 if sent else min(delay * 2, RETRY_CAP_S)
                 # a load is told again soon, and so is its end (an empty one after it)
@@ -125,7 +129,9 @@ class Reporter:
                 until = trio.current_time() + (every if sent else delay)
                 while not self._changed.is_set() and trio.current_time() < until:
                     # tenants' usage is news too, told at most every USAGE_S
-                    if sent and self.tally.changes != counted:
+                    if sent and (
+                        self.tally.changes != counted or _answered(self.traffic()) != answered
+                    ):
                         until = min(until, trio.current_time() + USAGE_S)
                     with trio.move_on_at(min(until, trio.current_time() + USAGE_S)):
                         await self._changed.wait()
@@ -153,3 +159,7 @@ class Reporter:
             log.warning("the control plane refused this router's report: %s", r.text[:300])
         self._refused = refused
         return True
+
+
+def _answered(traffic: dict[str, ModelCounters]) -> int:
+    return sum(c.requests for c in traffic.values())

@@ -31,6 +31,7 @@ from llmgw.http.client import ClientLimits, UpstreamPool
 from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
 from llmgw.router import worker_metrics
 from llmgw.router.app import RouterApp, error_body
+from llmgw.router.counters import model_counters
 from llmgw.router.guards import Limits
 from llmgw.router.hold import Holds
 from llmgw.router.keys import KeyRing, api_keys, followed
@@ -228,6 +229,7 @@ async def serve(
     reporter = Reporter(config.admin_url, token)  # what it tells the control plane
     watch.extra = reporter.query  # a control plane older than the report reads it there
     metrics = RouterMetrics(daemon_registry("router"))
+    reporter.traffic = lambda: model_counters(metrics)
     keys = KeyRing(api_keys(config.router))
     table = RoutingTable(
         watch,

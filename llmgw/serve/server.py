@@ -7,10 +7,12 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import msgspec
 import trio
 
@@ -19,10 +21,16 @@ from llmgw.admin.api import AdminApi
 from llmgw.admin.reload import NotReloaded, Reloader, unknown_settings
 from llmgw.admin.tenancy import TenancyApi
 from llmgw.agent.discovery.address import route_address
+from llmgw.bench.kept import BenchStore
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
 from llmgw.config.errors import one_line
 from llmgw.config.loader import read_text
 from llmgw.config.schema import is_loopback, resolve, token_from_file
+from llmgw.console.app import ConsoleApp
+from llmgw.console.listener import VIEWER_TOKEN_FILE, console_server, keep_traffic
+from llmgw.console.sessions import Sessions
+from llmgw.console.traffic import TrafficHistory
+from llmgw.console.traffic import sources as traffic_sources
 from llmgw.controlplane.catalog import load_catalog
 from llmgw.controlplane.fleet import FleetManager
 from llmgw.controlplane.followers import RouterReports
@@ -41,19 +49,21 @@ from llmgw.controlplane.usage import FILE as USAGE_FILE
 from llmgw.controlplane.usage import UsageLedger
 from llmgw.http import HttpServer
 from llmgw.http.metrics import metrics_app, registry_page, watch_listeners
+from llmgw.http.tls_front import serve_tls
+from llmgw.router.counters import model_counters
 from llmgw.router.keys import KeyRing, api_keys, followed, published
 from llmgw.router.leases import LeaseClient, Unreachable
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.quota import Quotas
 from llmgw.router.table import RoutingTable
 from llmgw.router.tally import Tally
-from llmgw.routing import LeaseAnswer, LeaseExchange, RouterKey
+from llmgw.routing import LeaseAnswer, LeaseExchange, ModelCounters, RouterKey
 from llmgw.serve import open_listeners
 from llmgw.serve.limits import admin_limits, metrics_server, process_shares
 from llmgw.serve.router import holds_of, router_app
 from llmgw.telemetry import daemon_registry
 from llmgw.tls.ca import CAError, describe_certificate
-from llmgw.tls.contexts import server_context
+from llmgw.tls.contexts import browser_context, server_context
 
 log = logging.getLogger("llmgw.server")
 
@@ -70,11 +80,16 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
         path = resolve(base, config.admin.token_file)
         return token_from_file(base, config.admin.token_file, "admin.token_file"), path
     path = resolve(base, config.state_dir) / "admin-token"
+    return state_token(path, "admin token"), path
+
+
+def state_token(path: Path, what: str) -> str:
+    """The token in the state directory's file ``path``, created (0600) on first use."""
     if path.exists():
         token = read_text(path).strip()
         if not token:
-            raise ConfigError(str(path), "", "the admin token is empty: delete it to make another")
-        return token, path
+            raise ConfigError(str(path), "", f"the {what} is empty: delete it to make another")
+        return token
     token = secrets.token_urlsafe(32)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,10 +98,22 @@ def admin_token(config: ServerConfig, base: Path) -> tuple[str, Path | None]:
             f.write(token + "\n")
     except OSError as exc:
         raise ConfigError(
-            str(path), "state_dir", f"cannot write the admin token: {exc.strerror or exc}"
+            str(path), "state_dir", f"cannot write the {what}: {exc.strerror or exc}"
         ) from None
-    log.info("created admin token in %s", path)
-    return token, path
+    log.info("created %s in %s", what, path)
+    return token
+
+
+def viewer_token(config: ServerConfig, base: Path) -> tuple[str, Path]:
+    """The console's viewer token: read from console.viewer_token_file, or created once
+    in the state directory."""
+    if config.console.viewer_token_file:
+        path = resolve(base, config.console.viewer_token_file)
+        return token_from_file(
+            base, config.console.viewer_token_file, "console.viewer_token_file"
+        ), path
+    path = resolve(base, config.state_dir) / VIEWER_TOKEN_FILE
+    return state_token(path, "console viewer token"), path
 
 
 async def _reload_on_sighup(reload: Reloader) -> None:
@@ -128,6 +155,75 @@ def _follow(ring: KeyRing, published: list[RouterKey]) -> None:
     """The in-process router takes the keys the routing carries (the tenants') besides
     its own; the control plane logged each change as it made it."""
     ring.follow(followed(published))
+
+
+@attrs.frozen
+class _Console:
+    server: HttpServer
+    app: ConsoleApp
+    tls: ssl.SSLContext | None
+    viewer_token_path: Path
+    read_traffic: Callable[[], dict[str, dict[str, ModelCounters]]]
+
+
+def _console(
+    config: ServerConfig,
+    base: Path,
+    admin_api: AdminApi,
+    token: str,
+    router_metrics: RouterMetrics | None,
+) -> _Console | None:
+    """The web console's parts, when [console] listen asks for it; its files are read
+    (tokens, certificate) before anything is served."""
+    c = config.console
+    if not c.listen:
+        return None
+    viewer, viewer_path = viewer_token(config, base)
+    try:
+        sessions = Sessions(token, viewer, c.session_hours * 3600)
+    except ValueError as exc:
+        raise ConfigError(str(viewer_path), "console.viewer_token_file", str(exc)) from None
+    tls = None
+    if c.tls:
+        sc = config.agent_stream
+        tls = browser_context(resolve(base, c.cert or sc.cert), resolve(base, c.key or sc.key))
+    in_process = None
+    if router_metrics is not None:
+        metrics = router_metrics
+        in_process = lambda: model_counters(metrics)  # noqa: E731
+    routers = admin_api.routers
+    read = traffic_sources(in_process, lambda: routers.traffic(trio.current_time()))
+    history = TrafficHistory(c.traffic_step_s)
+    app = ConsoleApp(
+        admin_api, sessions, admin_api.control.changes, history, secure=tls is not None
+    )
+    return _Console(console_server(app), app, tls, viewer_path, read)
+
+
+async def _open_console(config: ServerConfig, console: _Console, nursery: trio.Nursery) -> None:
+    await nursery.start(keep_traffic, console.app.traffic, console.read_traffic, console.app.bell)
+    host, port = parse_hostport(config.console.listen, key="console.listen")
+    tls = console.tls
+    if tls is not None:
+        listeners = await open_listeners(
+            "console.listen",
+            host,
+            port,
+            lambda: nursery.start(serve_tls, console.server, tls, host, port),
+        )
+    else:
+        listeners = await open_listeners(
+            "console.listen",
+            host,
+            port,
+            lambda: nursery.start(console.server.serve_tcp, host, port),
+        )
+    scheme = "https" if tls is not None else "http"
+    log.info(
+        "web console on %s (sign in with the viewer token in %s, or the admin token to act)",
+        ", ".join(f"{scheme}://{_show(x)}/" for x in listeners),
+        console.viewer_token_path,
+    )
 
 
 def _show(listener: trio.SocketListener) -> str:
@@ -203,8 +299,9 @@ async def serve(
             raise Unreachable(str(exc)) from None
 
     leases = LeaseClient(Quotas(), lease_here, f"in-process-{secrets.token_hex(6)}")
+    router_metrics = None
     if config.router.listen:
-        metrics = RouterMetrics(control.metrics.registry)
+        metrics = router_metrics = RouterMetrics(control.metrics.registry)
         keys = KeyRing(api_keys(config.router))
         ring = keys
         table = RoutingTable(
@@ -236,7 +333,9 @@ async def serve(
         reload,
         routers,
         tenancy,
+        BenchStore(resolve(base, config.state_dir) / "bench"),
     )
+    console = _console(config, base, admin_api, token, router_metrics)
     admin = HttpServer(admin_api, limits=admin_limits(got), name="admin", admit=admin_api.admit)
     watched = {"admin": admin} if router is None else {"router": router[1], "admin": admin}
     stream_host, stream_port = parse_hostport(sc.listen, key="agent_stream.listen")
@@ -315,6 +414,9 @@ async def serve(
                 " (token asked)" if metrics_token else "",
                 f"; service discovery names it {own[0]}" if own[0] != bound else "",
             )
+        if console is not None:
+            watched["console"] = console.server
+            await _open_console(config, console, nursery)
         watch_listeners(control.metrics.registry, watched)
         if router is not None:
             await nursery.start(router[0].run)

@@ -140,6 +140,14 @@ def server_context(ca_file: StrPath, cert_file: StrPath, key_file: StrPath) -> s
     return ctx
 
 
+def browser_context(cert_file: StrPath, key_file: StrPath) -> ssl.SSLContext:
+    """A listener browsers reach (the web console): our cert, no client cert asked."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _harden(ctx)
+    _load_identity(ctx, Path(cert_file), Path(key_file))
+    return ctx
+
+
 def client_context(
     ca_file: StrPath, cert_file: StrPath, key_file: StrPath, *, check_name: bool = True
 ) -> ssl.SSLContext:
