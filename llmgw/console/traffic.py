@@ -73,6 +73,7 @@ class TrafficHistory:
         self._last: dict[tuple[str, str], ModelCounters] = {}  # (router, model) -> as read
         self._series: dict[str, deque[_Point | None]] = {}
         self._end = 0.0
+        self._read = False  # a first reading was taken
 
     def sample(self, routers: Mapping[str, Mapping[str, ModelCounters]], wall: float) -> None:
         """One step: what grew at every router since the last reading."""
@@ -84,8 +85,8 @@ class TrafficHistory:
                 before = self._last.get((router, model))
                 if before is None or now.requests < before.requests:
                     before = ModelCounters()  # first seen, or restarted: all of it is new
-                    if (router, model) not in self._last and not self._end:
-                        continue  # the first reading of all: a start, not an hour's traffic
+                    if not self._read:
+                        continue  # the first reading of all: a start, not this step's traffic
                 grew = step.setdefault(model, _Point())
                 grew.requests += now.requests - before.requests
                 grew.errors += max(0, now.errors - before.errors)
@@ -94,6 +95,7 @@ class TrafficHistory:
                 for le, count in zip(now.ttft_le, now.ttft_counts, strict=False):
                     grew.ttft[le] = grew.ttft.get(le, 0) + max(0, count - old.get(le, 0))
         self._last = seen
+        self._read = True
         self._end = wall
         for model in step.keys() | self._series.keys():
             series = self._series.get(model)
