@@ -73,9 +73,7 @@ async def test_traffic_counts_every_routers_requests_and_bench_runs_are_drawn(
             )
             router = Daemon("router", ["router", "--config", "router.toml"], tmp_path).start()
             try:
-                m = await router.wait_log(
-                    r"serving on (http://127\.0\.0\.1:\d+/v1)"
-                )
+                m = await router.wait_log(r"serving on (http://127\.0\.0\.1:\d+/v1)")
                 with trio.fail_after(20):
                     while True:
                         async with httpx.AsyncClient() as probe:
