@@ -25,6 +25,7 @@ from llmgw.admin.answers import error, json_body, json_response
 from llmgw.admin.reload import NotReloaded, Reloaded, Reloader
 from llmgw.admin.tenancy import ArgHandler, Handler, TenancyApi
 from llmgw.admin.views import (
+    ConsoleInfo,
     FetchingView,
     GpuViews,
     IntentAnswer,
@@ -96,6 +97,7 @@ class AdminApi:
         self._token = token.encode()
         self._gpu_views = GpuViews()
         self.benches = benches  # what ``ctl bench`` sent, for the console
+        self.console = ConsoleInfo(on=False)  # where the web console listens (``serve``)
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/v1/nodes"): self.nodes,
             ("GET", "/v1/status"): self.status,
@@ -107,6 +109,7 @@ class AdminApi:
             ("GET", "/v1/routing"): self.routing,
             ("POST", REPORT_PATH): self.router_report,
             ("POST", "/v1/bench"): self.bench,
+            ("GET", "/v1/console"): self.console_info,
         }
         # /v1/nodes/{node} (POST {"intent": ...}) and /v1/models/{model}/placement (GET)
         self._patterns: list[tuple[str, tuple[str | None, ...], ArgHandler]] = [
@@ -399,6 +402,9 @@ class AdminApi:
             log.debug("the reload failed here", exc_info=True)
             return error(500, f"not reloaded, nothing changed: {one_line(exc)}")
         return json_response(200, ReloadAnswer(message=what.message, warnings=what.warnings))
+
+    async def console_info(self, request: Request) -> Response:
+        return json_response(200, self.console)
 
     async def bench(self, request: Request) -> Response:
         """Keep a run ``ctl bench`` finished, for the console's curves."""

@@ -438,6 +438,15 @@ def placement_view(d: Decision, running: list[RunningView]) -> PlacementView:
     )
 
 
+class ConsoleInfo(msgspec.Struct, kw_only=True):
+    """``GET /v1/console``: where the web console listens, if it does."""
+
+    on: bool
+    urls: list[str] = []
+    tls: bool = False
+    viewer_token_file: str = ""  # on the server's machine
+
+
 class ReloadAnswer(msgspec.Struct, kw_only=True):
     """``POST /v1/catalog/reload``."""
 

@@ -18,6 +18,7 @@ from urllib.parse import quote
 import cyclopts
 
 from llmgw.admin.views import (
+    ConsoleInfo,
     IntentAnswer,
     ModelList,
     NodeList,
@@ -29,6 +30,7 @@ from llmgw.admin.views import (
 from llmgw.cli.admin_client import AdminClient, CtlError, Target, run_command
 from llmgw.cli.render import (
     emit,
+    render_console,
     render_failures,
     render_models,
     render_nodes,
@@ -295,6 +297,18 @@ def explain_placement(model: str, *, target: Target | None = None, json: bool = 
     """
     path = f"/v1/models/{model}/placement"
     return _show("explain-placement", target, path, PlacementView, json, render_placement)
+
+
+@ctl_app.command
+def console(*, target: Target | None = None, json: bool = False) -> int:
+    """Where the web console listens, and which token signs in to it.
+
+    Parameters
+    ----------
+    json
+        Print the API's JSON instead (``on``, ``urls``, ``tls``, ``viewer_token_file``).
+    """
+    return _show("console", target, "/v1/console", ConsoleInfo, json, render_console)
 
 
 @ctl_app.command

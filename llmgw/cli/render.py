@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from llmgw.admin.views import (
+    ConsoleInfo,
     FailureView,
     ModelView,
     NodeView,
@@ -383,6 +384,21 @@ def render_placement(d: PlacementView) -> str:
     for profile, words in d.needs.items():
         lines.append(f"A replica of profile {profile} needs of each node's memory: {words}")
     return "\n".join(lines)
+
+
+def render_console(d: ConsoleInfo) -> str:
+    if not d.on:
+        return (
+            "the web console is off: set [console] listen in the server's config (and"
+            " console.tls = true beyond loopback), then restart the server"
+        )
+    return "\n".join(
+        [
+            "web console: " + ", ".join(d.urls) + (" (TLS)" if d.tls else ""),
+            f"sign in with the viewer token (in {d.viewer_token_file} on the server's machine)"
+            " to see the fleet, or with the admin token to act on it",
+        ]
+    )
 
 
 def render_reload(d: ReloadAnswer) -> str:

@@ -20,6 +20,7 @@ from llmgw.addr import advertised_host, is_wildcard, join_hostport
 from llmgw.admin.api import AdminApi
 from llmgw.admin.reload import NotReloaded, Reloader, unknown_settings
 from llmgw.admin.tenancy import TenancyApi
+from llmgw.admin.views import ConsoleInfo
 from llmgw.agent.discovery.address import route_address
 from llmgw.bench.kept import BenchStore
 from llmgw.config import ConfigError, ServerConfig, parse_hostport
@@ -219,9 +220,13 @@ async def _open_console(config: ServerConfig, console: _Console, nursery: trio.N
             lambda: nursery.start(console.server.serve_tcp, host, port),
         )
     scheme = "https" if tls is not None else "http"
+    urls = [f"{scheme}://{_show(x)}/" for x in listeners]
+    console.app.admin.console = ConsoleInfo(
+        on=True, urls=urls, tls=tls is not None, viewer_token_file=str(console.viewer_token_path)
+    )
     log.info(
         "web console on %s (sign in with the viewer token in %s, or the admin token to act)",
-        ", ".join(f"{scheme}://{_show(x)}/" for x in listeners),
+        ", ".join(urls),
         console.viewer_token_path,
     )
 

@@ -66,6 +66,9 @@ async def test_viewer_reads_admin_acts_and_cross_site_posts_are_refused(
 ) -> None:
     async with console_cluster(tmp_path, pki) as (c, url):
         admin, viewer = tokens(tmp_path)
+        said = (await c.server.ctl("console")).stdout.decode()
+        assert f"web console: {url}/" in said, said
+        assert str(tmp_path / "state" / "console-viewer-token") in said, said
         async with httpx.AsyncClient(base_url=url, timeout=10) as anon:
             page = await anon.get("/")
             assert page.status_code == 200 and b"<html" in page.content.lower()
