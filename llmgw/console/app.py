@@ -68,7 +68,7 @@ class _Login(msgspec.Struct):
 
 
 class SessionAnswer(msgspec.Struct, kw_only=True):
-    role: str
+    role: str  # "" when not signed in
     csrf: str
     server_version: str
 
@@ -138,6 +138,10 @@ class ConsoleApp:
                 return error(405, "sign in with POST")
             return self._login(request)
         session = self.sessions.find(cookie_value(request.headers.get("cookie")), self._wall())
+        if session is None and path == "/api/session" and request.method == "GET":
+            # the page asks before it shows anything: no session is an answer, not an error
+            # (a browser logs every 401 as an error in its console)
+            return json_response(200, SessionAnswer(role="", csrf="", server_version=""))
         if session is None:
             return error(401, "not signed in, or the session is over: sign in again")
         if request.method == "POST":

@@ -133,7 +133,8 @@ async def test_viewer_reads_admin_acts_and_cross_site_posts_are_refused(
             await c.server.wait_log(r"node n1 cordoned: nothing new is placed there")
             out = await client.post("/api/logout", headers={"x-csrf-token": csrf})
             assert out.status_code == 200
-            assert (await client.get("/api/session")).status_code == 401
+            assert (await client.get("/api/session")).json()["role"] == ""
+            assert (await client.get("/api/nodes")).status_code == 401
 
 
 async def test_the_live_feed_says_what_changed_as_it_changes(tmp_path: Path, pki: Pki) -> None:
