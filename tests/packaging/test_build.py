@@ -19,6 +19,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -160,6 +161,7 @@ async def test_a_server_and_an_agent_from_the_file_register_over_mutual_tls(
         'ca = "pki/ca.pem"\ncert = "pki/server.pem"\nkey = "pki/server-key.pem"\n'
         "[liveness]\nheartbeat_interval_s = 0.2\n"
         '[admin]\nlisten = "127.0.0.1:0"\n'
+        '[console]\nlisten = "127.0.0.1:0"\n'
     )
     server, server_log = node.start("server", "server", "--config", "server.toml")
     agent = None
@@ -167,6 +169,13 @@ async def test_a_server_and_an_agent_from_the_file_register_over_mutual_tls(
         m = await wait_log(server, server_log, r"agent stream listening on 127\.0\.0\.1:(\d+)")
         port = int(m.group(1))
         admin = (await wait_log(server, server_log, r"admin API listening on (http://\S+)"))[1]
+        # the web console's page comes out of the file itself
+        console = (await wait_log(server, server_log, r"web console on (http://\S+)/ "))[1]
+        async with httpx.AsyncClient(base_url=console, timeout=10) as client:
+            for path, name in (("/", "index.html"), ("/static/console.js", "console.js")):
+                page = await client.get(path)
+                assert page.status_code == 200, (path, page.text)
+                assert page.content == (ROOT / "llmgw/console/static" / name).read_bytes()
         (tmp_path / "agent.toml").write_text(
             f'control_plane = ["127.0.0.1:{port}"]\nnode_id = "n1"\n'
             'ca = "pki/ca.pem"\ncert = "pki/n1.pem"\nkey = "pki/n1-key.pem"\n'
