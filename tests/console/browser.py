@@ -29,10 +29,12 @@ import re
 import shutil
 import struct
 import tempfile
+import threading
 import warnings
 import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -407,3 +409,31 @@ def _unfilter(kind: int, line: bytes, prev: bytes, bpp: int) -> bytes:
     else:
         raise ValueError(f"PNG filter type {kind}")
     return bytes(out)
+
+
+@contextlib.contextmanager
+def serve_pages(pages: dict[str, str]) -> Iterator[str]:
+    """A plain HTTP site on 127.0.0.1 (a thread) serving ``pages`` (path -> HTML; any
+    other path is a 404), for the length of the block; yields its base URL."""
+
+    class Pages(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = pages.get(self.path.split("?")[0], "").encode()
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import random
 import struct
-import threading
 import time
 import zlib
 from collections.abc import Iterator
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from tests.console.browser import (
     open_browser_async,
     png_is_blank,
     png_pixels,
+    serve_pages,
 )
 
 NO_ICON = '<link rel="icon" href="data:,">'  # else Chromium asks for /favicon.ico
@@ -45,30 +44,10 @@ PAGES = {
 }
 
 
-class Pages(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = PAGES.get(self.path.split("?")[0], "").encode()
-        self.send_response(200 if body else 404)
-        self.send_header("Content-Type", "text/html; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def site() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Pages)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serve_pages(PAGES) as url:
+        yield url
 
 
 @pytest.fixture

@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import re
 import signal
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from tests.cluster.test_control_plane_processes import Cluster
 from tests.cluster.test_router_processes import routed
 from tests.conftest import Pki
-from tests.console.browser import Browser, open_browser_async, png_is_blank, screenshot_dir
+from tests.console.browser import (
+    Browser,
+    open_browser_async,
+    png_is_blank,
+    screenshot_dir,
+    serve_pages,
+)
 from tests.console.test_console_api import console_url, tokens
 from tests.console.test_console_traffic import chats
 from tests.realparts import needs_server
@@ -75,11 +80,7 @@ def logged_at(line: str) -> float:
 async def test_an_admin_signs_in_sees_every_page_live_and_drains_a_node(
     tmp_path: Path, pki: Pki
 ) -> None:
-    async with (
-        routed(tmp_path, pki, nodes=2, router_extra=CONSOLE) as (c, base, key),
-        open_browser_async() as b,
-    ):
-        url = await console_url(c.server)
+    async with console_in_browser(tmp_path, pki) as (c, base, key, url, b):
         admin, _ = tokens(tmp_path)
         await run(b, b.get, url + "/")
         await run(b, b.wait_for, "input#token")
@@ -144,44 +145,34 @@ async def test_an_admin_signs_in_sees_every_page_live_and_drains_a_node(
         await run(b, b.assert_no_console_errors)
 
 
-@contextmanager
-def other_site(target: str) -> Iterator[str]:
-    """A page on another origin whose form posts, with the browser's cookie, a cordon
-    as JSON in a text/plain body (what a form can forge) to ``target``."""
-    page = f"""<!doctype html><html><head><link rel="icon" href="data:,"></head><body>
+def forging(target: str) -> dict[str, str]:
+    """A page of another site whose form posts, with the browser's cookie, a cordon as
+    JSON in a text/plain body (what a form can forge) to ``target``."""
+    return {
+        "/": f"""<!doctype html><html><head><link rel="icon" href="data:,"></head><body>
 <form method="POST" action="{target}" enctype="text/plain">
 <input name='{{"intent": "cordon", "x": "' value='"}}'></form>
-<script>document.forms[0].submit()</script></body></html>""".encode()
+<script>document.forms[0].submit()</script></body></html>"""
+    }
 
-    class Evil(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("content-type", "text/html")
-            self.send_header("content-length", str(len(page)))
-            self.end_headers()
-            self.wfile.write(page)
 
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Evil)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
+@asynccontextmanager
+async def console_in_browser(
+    tmp_path: Path, pki: Pki
+) -> AsyncIterator[tuple[Cluster, str, str, str, Browser]]:
+    """Two nodes, one replica of the tiny model behind the server's router, the console,
+    and a browser: (cluster, router base URL, API key, console URL, browser)."""
+    async with (
+        routed(tmp_path, pki, nodes=2, router_extra=CONSOLE) as (c, base, key),
+        open_browser_async() as b,
+    ):
+        yield c, base, key, await console_url(c.server), b
 
 
 async def test_a_viewer_cannot_act_and_a_forged_cross_site_post_is_refused(
     tmp_path: Path, pki: Pki
 ) -> None:
-    async with (
-        routed(tmp_path, pki, nodes=2, router_extra=CONSOLE) as (c, _, _),
-        open_browser_async() as b,
-    ):
-        url = await console_url(c.server)
+    async with console_in_browser(tmp_path, pki) as (c, _, _, url, b):
         admin, viewer = tokens(tmp_path)
         await sign_in(b, url, viewer)
         assert await run(b, b.js, "return document.body.dataset.role") == "viewer"
@@ -209,8 +200,8 @@ async def test_a_viewer_cannot_act_and_a_forged_cross_site_post_is_refused(
         await run(b, b.get, url + "/")
         await run(b, b.click, "#signout")
         await sign_in(b, url, admin)
-        with other_site(url + "/api/nodes/n1") as evil:
-            await run(b, b.get, evil)
+        with serve_pages(forging(url + "/api/nodes/n1")) as evil:
+            await run(b, b.get, evil + "/")
             text = await run(b, b.wait_for_text, "body", "refused")
         assert "CSRF" in text, text
         assert (await c.server.nodes())["n1"]["cordoned"] is False
