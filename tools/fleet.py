@@ -36,6 +36,7 @@ def main() -> int:
     parser.add_argument("--stream-port", type=int, default=7443)
     parser.add_argument("--admin-port", type=int, default=7444)
     parser.add_argument("--router-port", type=int, default=8000)
+    parser.add_argument("--console-port", type=int, default=7445, help="the web console's")
     parser.add_argument(
         "--engine-ports",
         type=int,
@@ -82,6 +83,8 @@ settle_s = 1
 listen = "127.0.0.1:{args.stream_port}"
 [admin]
 listen = "127.0.0.1:{args.admin_port}"
+[console]
+listen = "127.0.0.1:{args.console_port}"
 """
     )
     low = args.engine_ports
@@ -129,6 +132,8 @@ listen = "127.0.0.1:{args.admin_port}"
             """-d '{"model":"tiny","messages":[{"role":"user","content":"hi"}]}'"""
             f"\n  .venv/bin/llmgw ctl nodes --config {d / 'server.toml'}"
             f"\n  .venv/bin/llmgw ctl replicas --config {d / 'server.toml'}"
+            f"\n  web console: http://127.0.0.1:{args.console_port}/ (viewer token in"
+            f" {d / 'state' / 'console-viewer-token'}, admin token in {token_file})"
             f"\n  logs above; Ctrl-C stops everything\n",
             flush=True,
         )

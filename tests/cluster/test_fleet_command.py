@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_fleet_command_serves_the_tiny_model_to_the_openai_client(tmp_path: Path) -> None:
     """A CA, a control plane, an agent, a real llama-server with the generated
     model, and the router: ``--check`` asks through the openai SDK and stops."""
-    ports = [own_port() for _ in range(3)]
+    ports = [own_port() for _ in range(4)]
     out = subprocess.run(
         [
             sys.executable,
@@ -32,6 +32,8 @@ def test_the_fleet_command_serves_the_tiny_model_to_the_openai_client(tmp_path: 
             str(ports[1]),
             "--router-port",
             str(ports[2]),
+            "--console-port",
+            str(ports[3]),
             # not the default 20000: the agent kills what it does not know on its
             # engine ports, and a developer's own tools/fleet may be running there
             "--engine-ports",
@@ -48,3 +50,4 @@ def test_the_fleet_command_serves_the_tiny_model_to_the_openai_client(tmp_path: 
     assert f"base URL: http://127.0.0.1:{ports[2]}/v1" in text
     assert "API key:  llmgw-" in text
     assert "check: the model answered" in text
+    assert f"web console: http://127.0.0.1:{ports[3]}/ (viewer token in" in text
