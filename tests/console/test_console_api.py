@@ -166,6 +166,10 @@ async def test_the_live_feed_says_what_changed_as_it_changes(tmp_path: Path, pki
                     pass
             nodes = (await client.get("/api/nodes")).json()["nodes"]
             assert nodes[0]["state"] in ("Unreachable", "Lost"), nodes
+            # an open feed does not hold the server up
+            took = await c.server.stop(signal.SIGTERM)
+            assert took < 1.0, f"the server took {took:.2f} s to stop with a feed open"
+            assert c.server.returncode() == 0
 
 
 async def test_tls_with_the_servers_certificate_and_a_secure_cookie(
