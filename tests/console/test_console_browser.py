@@ -196,6 +196,20 @@ async def test_a_viewer_cannot_act_and_a_forged_cross_site_post_is_refused(
         errors = await run(b, b.console_errors)
         assert errors and all("403" in e for e in errors), errors
 
+        # many tabs of the console in one browser: a hidden tab lets its live feed go
+        # (a browser keeps six connections to one server), the one shown stays live
+        for _ in range(7):
+            await run(b, b.driver.switch_to.new_window, "tab")
+            await run(b, b.get, url + "/#/fleet")
+            await run(b, b.wait_for_text, "#live", "live")
+        await c.server.ctl("cordon", "n2")
+        await run(b, b.wait_for_text, 'tr[data-node="n2"] td.intent', "cordoned", timeout=5)
+        await c.server.ctl("uncordon", "n2")
+        for handle in (await run(b, lambda: b.driver.window_handles))[1:]:
+            await run(b, b.driver.switch_to.window, handle)
+            await run(b, b.driver.close)
+        await run(b, b.driver.switch_to.window, (await run(b, lambda: b.driver.window_handles))[0])
+
         # signed in as admin, the browser visits another site that posts to the console
         await run(b, b.get, url + "/")
         await run(b, b.click, "#signout")

@@ -164,25 +164,9 @@ async function get(path) {
 
 // --- session: sign in, sign out ------------------------------------------------------
 
-// Whether this browser signed in and has not signed out since (the cookie is HttpOnly, so
-// the page cannot look at it). Without it the page shows the form without asking
-// /api/session: Chromium logs every 401 answer as a console error. null: no storage here.
-const HINT = 'llmgw-console-signed-in';
-function hint(on) {
-  try {
-    if (on === undefined) return localStorage.getItem(HINT) === '1';
-    if (on) localStorage.setItem(HINT, '1');
-    else localStorage.removeItem(HINT);
-  } catch (_) {
-    return null; // storage refused (a privacy setting): always ask the server
-  }
-  return on;
-}
-
 function signedIn(session, toFleet) {
   S.role = session.role === 'admin' ? 'admin' : 'viewer';
   S.csrf = session.csrf || '';
-  hint(true);
   document.body.dataset.role = S.role;
   document.body.classList.remove('signed-out');
   $('#role').textContent = S.role;
@@ -197,7 +181,6 @@ function signedIn(session, toFleet) {
 function signedOut() {
   stopLive();
   const was = S.role;
-  hint(false);
   S.role = '';
   S.csrf = '';
   S.view = null;
@@ -243,6 +226,10 @@ function setLive(on) {
 
 function startLive() {
   stopLive();
+  if (document.hidden) {
+    $('#live').textContent = 'paused';
+    return;
+  }
   const es = new EventSource('/api/events');
   S.es = es;
   let opened = false;
@@ -270,6 +257,18 @@ function startLive() {
   });
 }
 
+function pause() {
+  if (!S.es) return;
+  stopLive();
+  $('#live').textContent = 'paused';
+}
+
+function resume() {
+  if (!S.role || S.es || document.hidden) return;
+  startLive();
+  if (S.view) refresh(S.view, EVERYTHING); // what changed while it was away
+}
+
 function stopLive() {
   if (S.es) S.es.close();
   S.es = null;
@@ -279,8 +278,8 @@ function stopLive() {
 async function recheckSession() {
   if (!S.role || S.es) return;
   const r = await api('/api/session');
-  if (r.ok) startLive();
-  else if (r.status === 401) signedOut();
+  if (r.ok && r.data.role) startLive();
+  else if (r.ok || r.status === 401) signedOut();
   else setTimeout(recheckSession, 10000); // the server is away: the stream comes back later
 }
 
@@ -802,11 +801,13 @@ async function start() {
   $('#signin-form').addEventListener('submit', signIn);
   $('#signout').addEventListener('click', signOut);
   window.addEventListener('hashchange', route);
-  if (hint() === false) {
-    signedOut(); // never signed in here, or signed out since: nothing to ask
-    return;
-  }
-  const r = await api('/api/session');
+  // a page that is hidden, or left for another (kept in the back/forward cache), lets
+  // its live feed go: a browser holds six connections to one server, and every tab's
+  // feed would hold one; shown again, it opens the feed and reads what it missed
+  document.addEventListener('visibilitychange', () => (document.hidden ? pause() : resume()));
+  window.addEventListener('pagehide', pause);
+  window.addEventListener('pageshow', (ev) => ev.persisted && resume());
+  const r = await api('/api/session'); // role "" when not signed in
   if (r.ok && r.data.role) signedIn(r.data, false);
   else if (r.ok || r.status === 401) signedOut();
   else {
