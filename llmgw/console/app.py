@@ -42,6 +42,10 @@ MAX_STREAMS = 200  # live feeds open at once; past it, a new one is answered 503
 KEEPALIVE_S = 15.0  # a comment this often keeps proxies from closing a quiet feed
 GATHER_S = 0.1  # after a change, what else changes this soon goes in the same event
 WRONG_TOKEN_LOG_S = 10.0  # a wrong sign-in is logged at most this often
+# a view is built once per change and shared by every console that asks for it, for at
+# most this long (what changes without a ring, the router's in-flight counts, is as old)
+VIEW_AGE_S = 1.0
+MAX_VIEWS = 256  # views kept (one per path, per model's placement)
 
 _SECURITY = [
     (
@@ -108,12 +112,14 @@ class ConsoleApp:
         self.streams = 0  # live feeds open now
         self._wrong_logged = -WRONG_TOKEN_LOG_S
         self._wrong = 0  # wrong sign-ins since the last line that said so
+        # path -> (the bell's count, when built, status, headers, body)
+        self._views: dict[str, tuple[int, float, int, list[tuple[str, str]], bytes]] = {}
         self._gets: dict[str, Handler] = {
             "/api/session": self._session,
-            "/api/nodes": lambda r, s: self.admin.nodes(r),
-            "/api/models": lambda r, s: self.admin.models(r),
-            "/api/replicas": lambda r, s: self.admin.replicas(r),
-            "/api/status": lambda r, s: self.admin.status(r),
+            "/api/nodes": lambda r, s: self._shared(r, self.admin.nodes),
+            "/api/models": lambda r, s: self._shared(r, self.admin.models),
+            "/api/replicas": lambda r, s: self._shared(r, self.admin.replicas),
+            "/api/status": lambda r, s: self._shared(r, self.admin.status),
             "/api/traffic": self._traffic,
             "/api/events": self._events,
         }
@@ -167,7 +173,7 @@ class ConsoleApp:
         if len(parts) == 4 and parts[:2] == ["api", "models"]:
             model, what = parts[2], parts[3]
             if what == "placement":
-                return await self.admin.placement(request, model)
+                return await self._shared(request, lambda r: self.admin.placement(r, model))
             if what == "bench":
                 return self._bench(model)
             if what == "bench.svg":
@@ -270,6 +276,30 @@ class ConsoleApp:
         return await self.admin.reload(request)
 
     # --- views of its own -------------------------------------------------------------
+
+    async def _shared(
+        self, request: Request, build: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        """The admin API's view, built once per change of the fleet (and at most
+        ``VIEW_AGE_S`` old): ten consoles woken by one change cost one build, not ten."""
+        now = trio.current_time()
+        kept = self._views.get(request.path)
+        if kept is not None and kept[0] == self.bell.count and now - kept[1] < VIEW_AGE_S:
+            _, _, status, headers, body = kept
+            return Response(status=status, headers=list(headers), body=body)
+        count = self.bell.count
+        answer = await build(request)
+        if isinstance(answer.body, bytes):
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
+            self._views[request.path] = (
+                count,
+                now,
+                answer.status,
+                list(answer.headers),
+                answer.body,
+            )
+        return answer
 
     async def _traffic(self, request: Request, session: Session) -> Response:
         return json_response(200, self.traffic.view())

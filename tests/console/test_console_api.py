@@ -123,9 +123,13 @@ async def test_viewer_reads_admin_acts_and_cross_site_posts_are_refused(
             )
             assert elsewhere.status_code == 403, elsewhere.text
             assert (await c.server.nodes())["n1"]["cordoned"] is False
+            before = (await client.get("/api/nodes")).json()["nodes"][0]
+            assert before["cordoned"] is False  # the view is now kept until a change
             done = await client.post(
                 "/api/nodes/n1", json={"intent": "cordon"}, headers={"x-csrf-token": csrf}
             )
+            # the change rang the bell: no console is shown the view from before it
+            assert (await client.get("/api/nodes")).json()["nodes"][0]["cordoned"] is True
             assert done.status_code == 200, done.text
             assert "cordoned" in done.json()["message"]
             assert (await c.server.nodes())["n1"]["cordoned"] is True
