@@ -34,6 +34,13 @@ unreachable after 2 s. ``--py-spy`` profiles the server in each phase (and so
 skews the CPU figures); ``--no-ping`` stops the agents' per-heartbeat ping to
 show what it costs the server.
 
+Other tools drive these workers too (``WorkerProc``, ``Fleet``): a worker spec with
+``"shards": true`` makes its agents obey the control plane, as ``llmgw agent`` does
+without an engine: ShardStatus ``starting`` then ``ready`` (after ``ready_after_s``)
+for each StartShard, ``stopped`` for each StopShard (``draining`` first for a
+DrainShard), over the same session; with ``"weights": {node: [[model, path], ...]}``
+a node reports those weights (found in its ``weights_dirs``). Neither is used here.
+
 Certificates are issued once into ``.llmgw/bench-pki/`` and reused.
 Everything runs on 127.0.0.1; every wait is bounded; every process started
 here is stopped on exit, Ctrl-C included.
@@ -73,6 +80,7 @@ from trio_websocket import wrap_client_stream
 
 from llmgw.protocol import SUBPROTOCOL, CloseCode, Role, Session
 from llmgw.protocol.messages import (
+    DrainShard,
     Engine,
     Gpu,
     Heartbeat,
@@ -80,6 +88,11 @@ from llmgw.protocol.messages import (
     Memory,
     Register,
     RegisterAck,
+    ShardState,
+    ShardStatus,
+    StartShard,
+    StopShard,
+    WeightCopy,
 )
 from llmgw.tls import client_context, init_ca, issue_agent, issue_server, load_ca
 from llmgw.wsio import close_quietly, close_ws
@@ -129,6 +142,7 @@ class SimAgent:
     seq: int = 0
     last_sent: float = 0.0  # wall clock of the last heartbeat sent
     sessions: int = 0
+    running: dict[str, int] = field(default_factory=dict)  # shard id -> its made-up pid
 
 
 @dataclass
@@ -140,7 +154,21 @@ class WorkerStats:
     reconnects: int = 0
 
 
-def _inventory(node_id: str) -> Inventory:
+def _inventory(
+    node_id: str, weights: list[list[str]] | None = None, dirs: list[str] | None = None
+) -> Inventory:
+    """What a simulated node reports: 8 H100s, llama.cpp, and (only when given) the
+    weights its discovery found, as ``[model, path]`` pairs, in ``dirs``."""
+    found: dict[str, Any] = {}
+    if weights is not None:
+        found = {
+            "weights": [
+                WeightCopy(model=m, path=p, format="gguf", size_bytes=4 * 2**30, storage="local")
+                for m, p in weights
+            ],
+            "weights_scanned": True,
+            "weights_dirs": list(dirs or []),
+        }
     return Inventory(
         hostname=node_id,
         address=HOST,
@@ -164,6 +192,7 @@ def _inventory(node_id: str) -> Inventory:
         ],
         engines=[Engine(name="llama.cpp", version="b4000", path="/usr/local/bin/llama-server")],
         labels={"bench": "1"},
+        **found,
     )
 
 
@@ -172,6 +201,13 @@ class Worker:
         self.port: int = spec["port"]
         self.total: int = spec["total"]
         self.ping: bool = spec["ping"]
+        # opt-in (other tools): obey StartShard/StopShard; report weights
+        self.shards: bool = spec.get("shards", False)
+        self.ready_after: float = spec.get("ready_after_s", 0.05)
+        self.weights: dict[str, list[list[str]]] | None = spec.get("weights")
+        self.weights_dirs: list[str] = spec.get("weights_dirs", [])
+        self.starts = 0
+        self.stops = 0
         pki = Path(spec["pki"])
         self.agents: list[SimAgent] = []
         for i in spec["indices"]:
@@ -223,6 +259,15 @@ class Worker:
                     "errors": dict(s.errors),
                     "reconnects": s.reconnects,
                     "connected": sum(a.connected for a in self.agents),
+                    **(
+                        {
+                            "starts": self.starts,
+                            "stops": self.stops,
+                            "running": sum(len(a.running) for a in self.agents),
+                        }
+                        if self.shards
+                        else {}
+                    ),
                 }
             )
             self.stats = WorkerStats(errors=s.errors, reconnects=s.reconnects)
@@ -269,8 +314,11 @@ class Worker:
                     )
                 try:
                     session = Session(Role.AGENT)
+                    weights = None if self.weights is None else self.weights.get(a.node_id, [])
+                    inventory = _inventory(a.node_id, weights, self.weights_dirs)
+                    a.running.clear()  # a new session: the control plane hears of none
                     register = Register(
-                        node_id=a.node_id, inventory=_inventory(a.node_id), agent_version="bench"
+                        node_id=a.node_id, inventory=inventory, agent_version="bench"
                     )
                     await ws.send_message(session.send(register))
                     with trio.fail_after(10):
@@ -282,12 +330,46 @@ class Worker:
                         self.registered += 1
                         if self.registered == len(self.agents) and self.all_registered is not None:
                             self.all_registered.set()
+                    if self.shards:
+                        nursery.start_soon(self.obey, a, ws, session, nursery)
                     await self.heartbeats(a, ws, session, ack.heartbeat_interval_s)
                 finally:
                     await close_ws(ws, CloseCode.GOING_AWAY, "bench agent stopping")
                 nursery.cancel_scope.cancel()
         finally:
             await close_quietly(tls)
+
+    async def obey(self, a: SimAgent, ws: Any, session: Any, nursery: Any) -> None:
+        """The control plane's commands, answered as ``llmgw agent`` answers them when
+        every engine starts at once: ``starting``, then ``ready`` a moment later; a stop
+        (or drain) is over at once. A silenced agent answers nothing."""
+        while True:
+            msg = session.receive(await ws.get_message())
+            if a.silent:
+                continue
+            if isinstance(msg, StartShard):
+                sid = msg.spec.shard_id
+                pid = a.running[sid] = 100000 + random.randrange(800000)
+                self.starts += 1
+                nursery.start_soon(self.start_shard, a, ws, session, sid, pid)
+            elif isinstance(msg, (StopShard, DrainShard)):
+                sid = msg.shard_id
+                if sid in a.running and isinstance(msg, DrainShard):
+                    status = ShardStatus(shard_id=sid, state=ShardState.DRAINING)
+                    await ws.send_message(session.send(status))
+                a.running.pop(sid, None)
+                self.stops += 1
+                status = ShardStatus(shard_id=sid, state=ShardState.STOPPED, detail="stopped")
+                await ws.send_message(session.send(status))
+
+    async def start_shard(self, a: SimAgent, ws: Any, session: Any, sid: str, pid: int) -> None:
+        starting = ShardStatus(shard_id=sid, state=ShardState.STARTING, pid=pid)
+        await ws.send_message(session.send(starting))
+        await trio.sleep(self.ready_after)
+        if a.running.get(sid) != pid or a.silent:
+            return  # stopped meanwhile
+        ready = ShardStatus(shard_id=sid, state=ShardState.READY, pid=pid, engine_key=f"key-{sid}")
+        await ws.send_message(session.send(ready))
 
     async def heartbeats(self, a: SimAgent, ws: Any, session: Any, interval: float) -> None:
         due = trio.current_time() + random.uniform(0, interval)  # a random phase
@@ -517,11 +599,15 @@ def counter_total(
     return out
 
 
-def write_config(workdir: Path, pki: Path, hb: float, unreachable: float, lost: float) -> Path:
+def write_config(
+    workdir: Path, pki: Path, hb: float, unreachable: float, lost: float, *, more: str = ""
+) -> Path:
+    """The server's config; ``more``: top-level keys first (a catalog), then sections."""
+    top, _, sections = more.partition("[")
     cfg = workdir / "server.toml"
     cfg.write_text(
         f"""state_dir = "state"
-log_level = "info"
+{top}log_level = "info"
 [agent_stream]
 listen = "{HOST}:0"
 ca = "{pki / "ca.pem"}"
@@ -534,6 +620,7 @@ lost_after_s = {lost}
 [admin]
 listen = "{HOST}:0"
 """
+        + (f"[{sections}" if sections else "")
     )
     return cfg
 

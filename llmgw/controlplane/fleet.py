@@ -43,6 +43,7 @@ from llmgw.controlplane.intent import IntentStore
 from llmgw.controlplane.known import KnownNodes
 from llmgw.controlplane.nodes import NodeState, awaited
 from llmgw.controlplane.placement import Decision
+from llmgw.controlplane.placing import PassPlacement
 from llmgw.controlplane.plan import (
     Command,
     Drain,
@@ -80,6 +81,7 @@ from llmgw.routing import ModelLoad, summed
 log = logging.getLogger("llmgw.controlplane.fleet")
 
 PASS_INTERVAL_S = 1.0
+EXPLAIN_REUSE_S = 1.0  # what placement knows of the nodes, kept between two explanations
 REFUSALS_REMEMBERED = 10_000  # refused claims said once each; forgotten past this many
 SEAL_KEY_FILE = "placement-key"
 
@@ -150,6 +152,7 @@ class FleetManager:
         self._wake = trio.Event()
         self.failures = FailureLog()  # the last few engine failures of each model
         self._seen = 0  # the replicas as the last pass left them (``_ring_on_change``)
+        self._explaining: tuple[int, float, PassPlacement] | None = None  # (``explain``)
         # the last pass's words for a model placement could not place, and when (wall clock)
         self.cannot_place: dict[str, tuple[str, float]] = {}
         self._cannot_place_kind: dict[str, str] = {}  # placement's bounded reason, for metrics
@@ -410,7 +413,17 @@ class FleetManager:
         return f"catalog reloaded from {path}: {len(catalog.models)} models"
 
     def explain(self, model: str) -> Decision | None:
-        return self.reconciler.explain(model, self.control.nodes.nodes, self._clock())
+        """Where ``model``'s next replica would go. The facts and allocations of every
+        node are kept from one explanation to the next while nothing changes (the bell),
+        for at most ``EXPLAIN_REUSE_S``: a console going from model to model reads them
+        once, not once per model."""
+        now = self._clock()
+        nodes = self.control.nodes.nodes
+        kept = self._explaining
+        count = self.control.changes.count
+        if kept is None or kept[0] != count or now - kept[1] >= EXPLAIN_REUSE_S:
+            kept = self._explaining = (count, now, self.reconciler.placement_pass(nodes))
+        return self.reconciler.explain(model, nodes, now, kept[2])
 
     # --- the loop ---------------------------------------------------------------
 

@@ -356,6 +356,10 @@ class Reconciler:
         """What is handed out (``placing.allocated``)."""
         return allocated(self.replicas, self.catalog, without=without, nodes=nodes, needs=needs)
 
+    def placement_pass(self, nodes: Mapping[str, Node]) -> PassPlacement:
+        """What placements over ``nodes`` share (facts, allocations), built on first use."""
+        return self._pass(nodes)
+
     def _pass(self, nodes: Mapping[str, Node]) -> PassPlacement:
         return PassPlacement(
             nodes,
@@ -366,12 +370,19 @@ class Reconciler:
             cache=self.placement_cache,
         )
 
-    def explain(self, model: str, nodes: Mapping[str, Node], now: float) -> Decision | None:
-        """Where the next replica of ``model`` would go now, and why; None: no such model."""
+    def explain(
+        self,
+        model: str,
+        nodes: Mapping[str, Node],
+        now: float,
+        shared: PassPlacement | None = None,
+    ) -> Decision | None:
+        """Where the next replica of ``model`` would go now, and why; None: no such model.
+        ``shared``: a ``placement_pass`` of the fleet as it stands, kept by the caller."""
         m = self.catalog.models.get(model)
         if m is None:
             return None
-        return self._pass(nodes).place(m, now)
+        return (shared or self._pass(nodes)).place(m, now)
 
     def _scale(
         self, model: Model, mine: list[Replica], shared: PassPlacement, now: float, plan: Plan

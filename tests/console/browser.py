@@ -42,6 +42,8 @@ import pytest
 import trio
 
 from tests.ports import own_port
+from tools.support.chromium import CHROMEDRIVER, CHROMIUM
+from tools.support.chromium import FLAGS as CHROME_FLAGS
 
 try:
     from selenium import webdriver
@@ -57,30 +59,12 @@ try:
 except ModuleNotFoundError:  # chromium_missing() says so, and open_browser fails with it
     pass
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 15.0
 # the HTTP client's own limit on one call to chromedriver, over the page and script limits
 DRIVER_CALL_TIMEOUT = 60.0
 
-FLAGS = (
-    "--headless=new",
-    "--no-sandbox",  # as root, and in containers without user namespaces
-    "--disable-gpu",
-    "--disable-dev-shm-usage",  # a small /dev/shm (containers) crashes tabs; /tmp instead
-    "--disable-quic",
-    "--no-first-run",
-    "--no-default-browser-check",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-default-apps",
-    "--disable-extensions",
-    "--no-proxy-server",  # pages are on loopback; a proxy from the environment must not see them
-    "--force-device-scale-factor=1",
-    "--lang=en-US",
-)
+FLAGS = (*CHROME_FLAGS, "--force-device-scale-factor=1", "--lang=en-US")
 
 T = TypeVar("T")
 
