@@ -170,3 +170,23 @@ def test_bench_demand_counts_rises_stops_and_flaps_from_the_server_log() -> None
     )
     assert _sine(log, start, 120.0, 2) == ([2, 1], 1, 1)
     assert _sine("\n".join(log.splitlines()[:2]), start, 120.0, 2) == ([2, 0], 0, 0)
+
+
+@needs_server
+def test_bench_console_measures_every_figure_at_a_tiny_size() -> None:
+    """Its goals are judged on a quiet machine (exit 1 when one is missed): here, that it
+    measures every figure and that every console stayed live and error-free."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.bench_console", "--nodes", "10", "--models", "2",
+         "--replicas", "5", "--requests", "20", "--loads", "1", "--changes", "2",
+         "--unreachable", "1", "--window", "3", "--consoles", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode in (0, 1), text[-4000:]
+    for measure in ("first page load, cold", "GET /api/replicas p50 / p99",
+                    "GET /api/models/M/placement", "cordon -> on screen",
+                    "Unreachable (server's log) -> on screen", "server CPU, 2 consoles"):  # fmt: skip
+        assert measure in text, text[-4000:]
+    assert "consoles live and showing every change  2 of 2" in text, text[-4000:]
+    assert "the pages' console: no errors" in text, text[-4000:]
