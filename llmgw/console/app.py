@@ -33,7 +33,7 @@ from llmgw.console.sessions import (
 )
 from llmgw.console.traffic import TrafficHistory
 from llmgw.controlplane.changes import Bell
-from llmgw.http import Request, Response
+from llmgw.http import Request, Response, Throttled
 from llmgw.version import describe
 
 log = logging.getLogger("llmgw.console")
@@ -41,7 +41,6 @@ log = logging.getLogger("llmgw.console")
 MAX_STREAMS = 200  # live feeds open at once; past it, a new one is answered 503
 KEEPALIVE_S = 15.0  # a comment this often keeps proxies from closing a quiet feed
 GATHER_S = 0.1  # after a change, what else changes this soon goes in the same event
-WRONG_TOKEN_LOG_S = 10.0  # a wrong sign-in is logged at most this often
 # a view is built once per change and shared by every console that asks for it, for at
 # most this long (what changes without a ring, the router's in-flight counts, is as old)
 VIEW_AGE_S = 1.0
@@ -110,8 +109,11 @@ class ConsoleApp:
         self._wall = wall
         self._files = static_files()
         self.streams = 0  # live feeds open now
-        self._wrong_logged = -WRONG_TOKEN_LOG_S
-        self._wrong = 0  # wrong sign-ins since the last line that said so
+        # a wrong sign-in, and a feed refused, are said at most once per interval
+        self._warn_wrong = Throttled("console: a sign-in with a wrong token from %s")
+        self._warn_feeds = Throttled(
+            "console: %d live feeds are open, the most it keeps: a new one from %s is refused"
+        )
         # path -> (the bell's count, when built, status, headers, body)
         self._views: dict[str, tuple[int, float, int, list[tuple[str, str]], bytes]] = {}
         self._gets: dict[str, Handler] = {
@@ -211,15 +213,7 @@ class ConsoleApp:
         address = request.client[0]
         role = self.sessions.role_of(body.token)
         if role is None:
-            self._wrong += 1
-            now = trio.current_time()
-            if now - self._wrong_logged >= WRONG_TOKEN_LOG_S:
-                log.warning(
-                    "console: %d sign-in(s) with a wrong token, the last from %s",
-                    self._wrong,
-                    address,
-                )
-                self._wrong_logged, self._wrong = now, 0
+            self._warn_wrong.warn(address)
             return error(
                 401,
                 "wrong token: give the console's viewer token or the admin token (see"
@@ -330,6 +324,7 @@ class ConsoleApp:
         """Server-sent events: one ``change`` event as soon as the control plane's bell
         rings (gathering what rings with it), naming what changed."""
         if self.streams >= MAX_STREAMS:
+            self._warn_feeds.warn(MAX_STREAMS, request.client[0])
             return error(503, f"{MAX_STREAMS} live feeds are open: close a console tab")
         sid = cookie_value(request.headers.get("cookie"))
         return Response(

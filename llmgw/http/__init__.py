@@ -1,5 +1,6 @@
 """The lean HTTP/1.1 server shared by the admin API and the router."""
 
+from ._throttle import Throttled
 from .logsafe import printable
 from .server import HttpServer
 from .types import (
@@ -23,6 +24,7 @@ __all__ = [
     "Request",
     "Response",
     "ServerLimits",
+    "Throttled",
     "admission",
     "default_error_body",
     "printable",
