@@ -18,7 +18,7 @@ import msgspec
 from llmgw.routing import ModelCounters
 
 STEP_S = 10.0
-MAX_MODELS = 1000  # models kept; past it, the ones with the least traffic lately go
+MAX_MODELS = 1000  # models kept; past it, a new one waits until one is quiet for the span
 
 
 @attrs.define
@@ -27,6 +27,7 @@ class _Point:
     errors: int = 0
     tokens: int = 0
     ttft: dict[float, int] = attrs.Factory(dict)  # bound -> count at or below it, this step
+    ttft_p95_s: float | None = None  # of ``ttft``, worked out once when the step is kept
 
 
 class ModelSeries(msgspec.Struct, kw_only=True):
@@ -104,7 +105,11 @@ class TrafficHistory:
                     continue
                 series = self._series[model] = deque([None] * self.points, maxlen=self.points)
             point = step.get(model)
-            series.append(point if point is not None and point.requests else None)
+            if point is not None and point.requests:
+                point.ttft_p95_s, point.ttft = _rounded(p95(point.ttft)), {}
+                series.append(point)
+            else:
+                series.append(None)
         for model in [m for m, s in self._series.items() if not any(s)]:
             del self._series[model]  # nothing for an hour
 
@@ -118,7 +123,7 @@ class TrafficHistory:
             models[model] = ModelSeries(
                 requests=[p.requests if p else 0 for p in series],
                 errors=[p.errors if p else 0 for p in series],
-                ttft_p95_s=[_rounded(p95(p.ttft)) if p else None for p in series],
+                ttft_p95_s=[p.ttft_p95_s if p else None for p in series],
                 tokens_per_s=[round(p.tokens / self.step_s, 2) if p else 0.0 for p in series],
             )
         return TrafficView(step_s=self.step_s, end=self._end, points=self.points, models=models)
