@@ -10,6 +10,7 @@ import signal
 import ssl
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import attrs
@@ -188,10 +189,7 @@ def _console(
     if c.tls:
         sc = config.agent_stream
         tls = browser_context(resolve(base, c.cert or sc.cert), resolve(base, c.key or sc.key))
-    in_process = None
-    if router_metrics is not None:
-        metrics = router_metrics
-        in_process = lambda: model_counters(metrics)  # noqa: E731
+    in_process = partial(model_counters, router_metrics) if router_metrics is not None else None
     routers = admin_api.routers
     read = traffic_sources(in_process, lambda: routers.traffic(trio.current_time()))
     history = TrafficHistory(c.traffic_step_s)
@@ -205,20 +203,10 @@ async def _open_console(config: ServerConfig, console: _Console, nursery: trio.N
     await nursery.start(keep_traffic, console.app.traffic, console.read_traffic, console.app.bell)
     host, port = parse_hostport(config.console.listen, key="console.listen")
     tls = console.tls
-    if tls is not None:
-        listeners = await open_listeners(
-            "console.listen",
-            host,
-            port,
-            lambda: nursery.start(serve_tls, console.server, tls, host, port),
-        )
-    else:
-        listeners = await open_listeners(
-            "console.listen",
-            host,
-            port,
-            lambda: nursery.start(console.server.serve_tcp, host, port),
-        )
+    serve = partial(serve_tls, console.server, tls) if tls is not None else console.server.serve_tcp
+    listeners = await open_listeners(
+        "console.listen", host, port, lambda: nursery.start(serve, host, port)
+    )
     scheme = "https" if tls is not None else "http"
     urls = [f"{scheme}://{_show(x)}/" for x in listeners]
     console.app.admin.console = ConsoleInfo(
