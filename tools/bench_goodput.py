@@ -47,12 +47,22 @@ Figures per run: goodput (requests per second whose time to first token met
 router that finds, for every request, every token that an earlier request or
 reply left in some cache, with caches that never evict: an upper bound), load
 imbalance (max over mean of the replicas' busy time, the engines' own prompt
-and generation seconds) and the router's CPU per request.
+and generation seconds), and, from the router's access log, how many later turns
+of a session went to another replica than the turn before (``moved``) and how many
+stayed and found their conversation gone from the cache (``lost``). The router's
+CPU per request, by load and by prefix, is measured apart, side by side
+(``router_cpu``: a goodput run's few requests over a minute say more about what a
+router spends per second than per request).
+
+``--replicas`` above the machine's cores share them (one thread each): the
+calibration counts the cores, not the replicas, as the fleet's capacity, and the
+multi-turn workload has four conversations per replica unless told otherwise.
 
     .venv/bin/python -m tools.bench_goodput                   # the slow model, ~25 minutes
     .venv/bin/python -m tools.bench_goodput --smg /tmp/smg/bin/smg
     .venv/bin/python -m tools.bench_goodput --workload shared --size shared_load=3
     .venv/bin/python -m tools.bench_goodput --quick            # tiny sizes, the tiny model
+    .venv/bin/python -m tools.bench_goodput --cpu-only         # the router CPU measure alone
 
 Every process is ended on the way out, Ctrl-C included; every wait is bounded.
 """
@@ -61,13 +71,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import os
 import random
+import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -87,6 +101,7 @@ SLOT_CONTEXT = 4096
 SIMILARITY = "0.5"  # the llama.cpp adapter's --slot-prompt-similarity
 RUN_TIMEOUT_S = 600.0
 IDLE_S = 2.0
+CPU_CONCURRENCY = 4
 _WORDS = ("river", "stone", "lantern", "harbor", "meadow", "copper", "thistle", "orchard",
           "signal", "ember", "quarry", "willow", "falcon", "granite", "tundra", "velvet")  # fmt: skip
 
@@ -98,7 +113,8 @@ class Sizes:
     so that a run loads the fleet the same way on a fast machine and a slow one: a load
     of 1.0 is as much work as the replicas can do when no prompt is found cached."""
 
-    conversations: int = 8  # all at once under load: four per replica fit its cache, eight do not
+    # all at once under load: four per replica fit its cache, eight do not (0: four per replica)
+    conversations: int = 0
     turns: int = 4
     doc_chars: int = 600  # about 440 tokens of this model, 3.6 MiB of its KV
     think_s: float = 10.0  # a user reads the reply and types the next question
@@ -114,9 +130,11 @@ class Sizes:
     system_chars: int = 600
     requests: int = 60  # of the shared workload
     shared_load: float = 2.0
-    unique: int = 16  # requests of the unique workload, at a load the replicas can take
+    unique: int = 40  # requests of the unique workload, at a load the replicas can take
     unique_load: float = 0.6
     max_tokens: int = 16
+    cpu_rounds: int = 5  # of the side-by-side router CPU measure, each policy
+    cpu_requests: int = 300  # per round (the workload's requests, repeated)
     slo_factor: float = 2.0  # the TTFT SLO: this many times an unloaded replica's miss
     # set from the calibration unless given (--size NAME=VALUE)
     conversation_rate: float = 0.0  # conversations starting per second
@@ -124,9 +142,11 @@ class Sizes:
     unique_rate: float = 0.0
     slo_s: float = 0.0
 
-    def calibrate(self, miss: Miss, replicas: int) -> None:
-        """Rates and SLO from ``miss`` (what is set already stays)."""
-        per_s = replicas / miss.total_s  # misses the fleet serves per second
+    def calibrate(self, miss: Miss, replicas: int, cores: int) -> None:
+        """Rates and SLO from ``miss`` (what is set already stays). Replicas run one
+        thread each: more replicas than ``cores`` share them, and serve no more."""
+        self.conversations = self.conversations or 4 * replicas
+        per_s = min(replicas, cores) / miss.total_s  # misses the fleet serves per second
         self.conversation_rate = self.conversation_rate or (
             self.multiturn_load * per_s / self.turns
         )
@@ -147,6 +167,7 @@ class Miss:
 QUICK = Sizes(
     conversations=3, turns=3, doc_chars=1100, think_s=0.05, systems=3, system_chars=1100,
     requests=6, unique=6, max_tokens=4, multiturn_load=4, shared_load=4, unique_load=4,
+    cpu_rounds=1, cpu_requests=20,
 )  # fmt: skip
 
 
@@ -168,6 +189,12 @@ class Turn:
     # tokens it found cached and the ones it computed; -1: not said
     cache_n: int = -1
     prompt_n: int = -1
+    ended_at: float = 0.0  # wall clock (time.time()) when its reply ended
+    # from the router's access log (llmgw's policies): the replica that answered, and
+    # the prompt tokens it reused of how many; "" / -1: not known
+    replica: str = ""
+    cached: int = -1
+    prompt_tokens: int = -1
 
 
 @dataclass
@@ -332,7 +359,10 @@ class Result:
     oracle_rate: float = 0.0
     imbalance: float = 0.0  # max / mean busy seconds per replica
     busy_s: list[float] = field(default_factory=list)
-    cpu_ms_per_request: float | None = None
+    # later turns that went to another replica than their previous turn, and later
+    # turns that stayed but found less than half of their previous prompt cached
+    moved: int | None = None
+    lost: int | None = None
     error: str = ""
 
 
@@ -376,6 +406,7 @@ async def run_sessions(
             except httpx.HTTPError:
                 turn.status = -1
             turn.reply = "".join(pieces)
+            turn.ended_at = time.time()
             messages.append({"role": "assistant", "content": turn.reply})
             if session.think_s:
                 await trio.sleep(session.think_s)
@@ -400,25 +431,23 @@ def run(
     try:
         urls = engines(procs, model, args.replicas, args.cache_ram_mib)
         if policy == "smg":
-            pid, port = start_smg(procs, args.smg, urls)
+            _, port = start_smg(procs, args.smg, urls)
             key, models = "none", ["m"]
         else:
-            pid, port, key = br.start_llmgw(
-                procs, 0, None, catalog=catalog(policy, urls, args.bound)
+            # each request's line (replica, ttft, cached=N/M) in the run's llmgw.log
+            _, port, key = br.start_llmgw(
+                procs,
+                0,
+                None,
+                catalog=catalog(policy, urls, args.bound),
+                router="access_log = true\n",
             )
             models = [f"rr{i}" for i in range(len(urls))] if policy == "rr" else ["m"]
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        # what the router spends with no request (reading the engines' gauges), to take
-        # out of what it spends during the run
-        idle0, i0 = cpu_seconds(pid), time.monotonic()
-        time.sleep(IDLE_S)
-        idle_rate = (cpu_seconds(pid) - idle0) / (time.monotonic() - i0)
         before = [engine_counters(u) for u in urls]
-        cpu0 = cpu_seconds(pid)
         t0 = time.monotonic()
         trio.run(run_sessions, sessions, url, key, models, sizes.max_tokens)
         result.wall_s = time.monotonic() - t0
-        cpu = cpu_seconds(pid) - cpu0 - idle_rate * result.wall_s
         after = [engine_counters(u) for u in urls]
     except (RuntimeError, trio.TooSlowError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -427,13 +456,17 @@ def run(
         procs.stop_all()
     oracle(sessions)
     turns = [t for s in sessions for t in s.turns]
+    if policy != "smg":
+        from_access_log(workdir / "llmgw.log", turns)
+        result.moved, result.lost = moves(sessions)
     # each turn as it went, for a look at what missed and why (in the run's folder)
     (workdir / "turns.json").write_text(
         json.dumps(
             [
                 {"session": i, "group": s.group, "start": round(s.start, 2), "turn": j,
                  "status": t.status, "ttft": t.ttft, "prompt_chars": t.prompt_chars,
-                 "shared_chars": t.shared_chars, "cache_n": t.cache_n, "prompt_n": t.prompt_n}
+                 "shared_chars": t.shared_chars, "cache_n": t.cache_n, "prompt_n": t.prompt_n,
+                 "replica": t.replica, "cached": t.cached, "prompt_tokens": t.prompt_tokens}
                 for i, s in enumerate(sessions)
                 for j, t in enumerate(s.turns)
             ],
@@ -464,8 +497,59 @@ def run(
     ]
     mean = sum(result.busy_s) / n if n else 0.0
     result.imbalance = max(result.busy_s) / mean if mean else 0.0
-    result.cpu_ms_per_request = 1000 * cpu / result.requests if result.requests else None
     return result
+
+
+_ACCESS = re.compile(
+    r"^(\S+ \S+) INFO llmgw\.router\.access: .* replica=(\S+) .* cached=(\d+)/(\d+) "
+)
+
+
+def from_access_log(log: Path, turns: list[Turn]) -> None:
+    """Each turn's replica and what it reused, from the router's access log: the line
+    written as its reply ended (the nearest in time, within 0.25 s)."""
+    lines: list[tuple[float, str, int, int]] = []
+    for line in log.read_text(errors="replace").splitlines():
+        if m := _ACCESS.match(line):
+            when = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            lines.append((when, m[2], int(m[3]), int(m[4])))
+    for turn in sorted(turns, key=lambda t: t.ended_at):
+        if not lines or not turn.ended_at:
+            continue
+        i = min(range(len(lines)), key=lambda i: abs(lines[i][0] - turn.ended_at))
+        if abs(lines[i][0] - turn.ended_at) <= 0.25:
+            _, turn.replica, turn.cached, turn.prompt_tokens = lines.pop(i)
+
+
+def moves(sessions: list[Session]) -> tuple[int | None, int | None]:
+    """(later turns sent elsewhere than their previous turn, later turns that stayed
+    and found less than half of their previous prompt cached); None: not known."""
+    moved = lost = 0
+    known = False
+    for session in sessions:
+        for prev, turn in itertools.pairwise(session.turns):
+            if not prev.replica or not turn.replica:
+                continue
+            known = True
+            if turn.replica != prev.replica:
+                moved += 1
+            elif turn.cached * 2 < prev.prompt_tokens:
+                lost += 1
+    return (moved, lost) if known else (None, None)
+
+
+def bodies(name: str, sizes: Sizes, seed: int) -> list[dict[str, object]]:
+    """The workload's requests as they are sent, each earlier turn answered with a reply
+    of ``max_tokens`` words, without the schedule: for what the router spends on them."""
+    out: list[dict[str, object]] = []
+    for session in workload(name, sizes, seed):
+        messages = list(session.prefix)
+        for turn in session.turns:
+            messages.append({"role": "user", "content": turn.question})
+            out.append({"model": "m", "messages": list(messages),
+                        "max_tokens": sizes.max_tokens, "stream": True})  # fmt: skip
+            messages.append({"role": "assistant", "content": " ".join(["word"] * sizes.max_tokens)})
+    return out
 
 
 def decision_cost(name: str, sizes: Sizes, seed: int, replicas: int) -> tuple[float, float]:
@@ -476,14 +560,7 @@ def decision_cost(name: str, sizes: Sizes, seed: int, replicas: int) -> tuple[fl
     from llmgw.router.balancer import Admission, Endpoint, choose
     from llmgw.router.prefix import prompt_key
 
-    bodies: list[bytes] = []
-    for session in workload(name, sizes, seed):
-        messages = list(session.prefix)
-        for turn in session.turns:
-            messages.append({"role": "user", "content": turn.question})
-            body = {"model": "m", "messages": messages, "max_tokens": 16, "stream": True}
-            bodies.append(json.dumps(body).encode())
-            messages.append({"role": "assistant", "content": "an answer of sixteen tokens"})
+    encoded = [json.dumps(body).encode() for body in bodies(name, sizes, seed)]
     admission = Admission()
 
     def fleet() -> list[Endpoint]:
@@ -491,12 +568,12 @@ def decision_cost(name: str, sizes: Sizes, seed: int, replicas: int) -> tuple[fl
 
     def by_load() -> None:
         eps = fleet()
-        for _ in bodies:
+        for _ in encoded:
             choose(eps, 0.0, admission=admission, model="m")
 
     def by_prefix() -> None:
         eps = fleet()
-        for body in bodies:
+        for body in encoded:
             key = prompt_key(body, "prefix")
             choice = choose(eps, 0.0, admission=admission, model="m", key=key)
             if key is not None and choice.endpoint is not None:
@@ -508,9 +585,111 @@ def decision_cost(name: str, sizes: Sizes, seed: int, replicas: int) -> tuple[fl
             t = time.perf_counter()
             f()
             times.append(time.perf_counter() - t)
-        return 1e6 * min(times) / len(bodies)
+        return 1e6 * min(times) / len(encoded)
 
     return best(by_load), best(by_prefix)
+
+
+@dataclass
+class Cpu:
+    """Router CPU per request (ms) by load and by prefix, measured side by side."""
+
+    workload: str
+    load_ms: float
+    prefix_ms: float
+    rounds: int
+    requests: int  # per round
+
+    @property
+    def ratio(self) -> float:
+        return self.prefix_ms / self.load_ms if self.load_ms else 0.0
+
+
+async def _closed_loop(url: str, key: str, sent: list[dict[str, object]], concurrency: int) -> int:
+    """Send ``sent`` through the router, ``concurrency`` at a time, each stream read to
+    its end; how many were answered 200."""
+    todo = iter(sent)
+    ok = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    headers = {"authorization": f"Bearer {key}"}
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        nonlocal ok
+        for body in todo:
+            async with client.stream("POST", url, json=body, headers=headers) as r:
+                async for _ in r.aiter_bytes():
+                    pass
+                ok += r.status_code == 200
+
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(60, connect=5)) as client,
+            trio.open_nursery() as nursery,
+        ):
+            for _ in range(concurrency):
+                nursery.start_soon(worker, client)
+    return ok
+
+
+def router_cpu(names: list[str], sizes: Sizes, seed: int, args: argparse.Namespace) -> list[Cpu]:
+    """What a router process spends per request by load and by prefix, side by side.
+
+    The goodput runs cannot say it: their few requests are spread over a minute or
+    more, and what a router spends per second with no request (reading the engines'
+    gauges) outweighs them. Here two routers, ``load`` (``affinity = "off"``) and
+    ``prefix``, stand in front of the same two llama-servers of the tiny model
+    (answers in milliseconds, so a round is mostly the router's work); each workload's
+    requests (as sent, with their earlier replies) go through one, then the other, in
+    rounds that alternate which goes first, ``cpu_rounds`` times. Each round's figure:
+    the router's CPU over the round less its idle rate, per request answered.
+    Reported: the median round of each. (One router with both as two models would
+    rule out a difference between two processes, but a static engine serves one
+    model of a catalog.)"""
+    workdir = args.workdir / "cpu"
+    workdir.mkdir(parents=True, exist_ok=True)
+    engine_procs = Procs(workdir)
+    routers = {p: Procs(workdir / p) for p in ("load", "prefix")}
+    out: list[Cpu] = []
+    try:
+        tiny = workdir / "tiny.gguf"
+        write_tiny_model(tiny, ends_after=None, context_length=SLOT_CONTEXT)
+        urls = engines(engine_procs, tiny, 2, args.cache_ram_mib)
+        started = {
+            p: br.start_llmgw(procs, 0, None, catalog=catalog(p, urls))
+            for p, procs in routers.items()
+        }
+        time.sleep(IDLE_S)  # their start's work done
+        idle: dict[str, float] = {}
+        for p, (pid, _, _) in started.items():
+            c0, t0 = cpu_seconds(pid), time.monotonic()
+            time.sleep(IDLE_S)
+            idle[p] = (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+        for name in names:
+            sent = bodies(name, sizes, seed)
+            sent = sent * max(1, sizes.cpu_requests // len(sent))
+            per: dict[str, list[float]] = {"load": [], "prefix": []}
+            for r in range(sizes.cpu_rounds):
+                for p in ("load", "prefix") if r % 2 == 0 else ("prefix", "load"):
+                    pid, port, key = started[p]
+                    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                    c0, t0 = cpu_seconds(pid), time.monotonic()
+                    ok = trio.run(_closed_loop, url, key, sent, CPU_CONCURRENCY)
+                    spent = cpu_seconds(pid) - c0 - idle[p] * (time.monotonic() - t0)
+                    if ok:
+                        per[p].append(1000 * spent / ok)
+            load = sorted(per["load"])
+            prefix = sorted(per["prefix"])
+            if load and prefix:
+                out.append(Cpu(name, load[len(load) // 2], prefix[len(prefix) // 2],
+                               sizes.cpu_rounds, len(sent)))  # fmt: skip
+            if args.verbose:
+                print(f"# cpu {name}: load {[round(v, 3) for v in per['load']]} ms, "
+                      f"prefix {[round(v, 3) for v in per['prefix']]} ms", flush=True)  # fmt: skip
+    finally:
+        for procs in routers.values():
+            procs.stop_all()
+        engine_procs.stop_all()
+    return out
 
 
 # --- the report ----------------------------------------------------------------------------
@@ -522,23 +701,23 @@ def fmt(v: float | None, spec: str = ".2f") -> str:
 
 def table(results: list[Result]) -> str:
     head = ("workload", "policy", "ok", "goodput/s", "ttft p50", "ttft p95", "computed",
-            "hit", "oracle", "imbal", "cpu ms/req")  # fmt: skip
+            "hit", "oracle", "imbal", "moved", "lost")  # fmt: skip
     rows = [head]
     for r in results:
         if r.error:
-            rows.append((r.workload, r.policy, "error:", r.error, "", "", "", "", "", "", ""))
+            rows.append((r.workload, r.policy, "error:", r.error, "", "", "", "", "", "", "", ""))
             continue
         rows.append((r.workload, r.policy, f"{r.ok}/{r.requests}", fmt(r.goodput, ".3f"),
                      fmt(r.ttft_p50), fmt(r.ttft_p95), f"{r.computed:.0f}",
                      f"{r.hit_rate:.0%}", f"{r.oracle_rate:.0%}", fmt(r.imbalance),
-                     fmt(r.cpu_ms_per_request)))  # fmt: skip
+                     fmt(r.moved, "d"), fmt(r.lost, "d")))  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     return "\n".join(
         "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
     )
 
 
-def goals(results: list[Result]) -> list[str]:
+def goals(results: list[Result], cpus: list[Cpu]) -> list[str]:
     """The issue's goals, each judged from this run's figures."""
     by = {(r.workload, r.policy): r for r in results if not r.error}
     out: list[str] = []
@@ -571,13 +750,9 @@ def goals(results: list[Result]) -> list[str]:
         judge("unique: goodput within 5% of load-only", g, None if g is None else g >= 0.95)
         t = ratio(p.ttft_p95, load.ttft_p95)
         judge("unique: TTFT p95 within 5% of load-only", t, None if t is None else t <= 1.05)
-    for w in WORKLOADS:
-        p, load = by.get((w, "prefix")), by.get((w, "load"))
-        if p is not None and load is not None:
-            c = ratio(p.cpu_ms_per_request, load.cpu_ms_per_request)
-            judge(
-                f"{w}: router CPU per request <= 1.1x load-only", c, None if c is None else c <= 1.1
-            )
+    for cpu in cpus:
+        judge(f"{cpu.workload}: router CPU per request <= 1.1x load-only", cpu.ratio,
+              cpu.ratio <= 1.1)  # fmt: skip
     return out
 
 
@@ -609,6 +784,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--size", action="append", default=[], metavar="NAME=VALUE",
                         help="override one of the workloads' sizes, e.g. requests=64")  # fmt: skip
+    parser.add_argument("--no-cpu", dest="cpu", action="store_false",
+                        help="skip the side-by-side router CPU measure (tiny model, ~1 min)")  # fmt: skip
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="only the side-by-side router CPU measure")  # fmt: skip
+    parser.add_argument("--verbose", action="store_true", help="each CPU round's figure")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--workdir", type=Path, help="keep logs here (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -631,14 +811,20 @@ def main(argv: list[str] | None = None) -> int:
             args.workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         args.workdir.mkdir(parents=True, exist_ok=True)
         which = args.model or ("tiny" if args.quick else "slow")
-        model = stack.enter_context(model_file(which, args.workdir))
-        miss = calibrate(model, sizes, args.workdir, args.cache_ram_mib)
-        sizes.calibrate(miss, args.replicas)
+        cores = len(os.sched_getaffinity(0))
+        if args.cpu_only:  # the schedule is not used: any rates do
+            policies = []
+            miss = Miss(ttft_s=1.0, total_s=1.0)
+        else:
+            model = stack.enter_context(model_file(which, args.workdir))
+            miss = calibrate(model, sizes, args.workdir, args.cache_ram_mib)
+        sizes.calibrate(miss, args.replicas, cores)
         print(f"# one replica's miss, idle: TTFT {miss.ttft_s:.2f} s, whole reply "
               f"{miss.total_s:.2f} s; rates per second: conversations "
               f"{sizes.conversation_rate:.3f}, shared {sizes.request_rate:.3f}, unique "
               f"{sizes.unique_rate:.3f}", flush=True)  # fmt: skip
-        print(f"# {which} model, {args.replicas} replicas x {SLOTS} slots, 1 thread each, "
+        print(f"# {which} model, {args.replicas} replicas x {SLOTS} slots, 1 thread each "
+              f"on {cores} cores, {sizes.conversations} conversations, "
               f"--cache-ram {args.cache_ram_mib} MiB, TTFT SLO {sizes.slo_s:.2f} s, seed {args.seed}",
               flush=True)  # fmt: skip
         for name in args.workload or WORKLOADS:
@@ -646,11 +832,17 @@ def main(argv: list[str] | None = None) -> int:
                 r = run(name, policy, sizes, args.seed, model, args)
                 results.append(r)
                 print(f"# {name} {policy}: {r.error or f'{r.goodput:.3f} good/s'}", flush=True)
+        names = args.workload or list(WORKLOADS)
+        cpus = router_cpu(names, sizes, args.seed, args) if args.cpu else []
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))
     print(table(results))
-    for line in goals(results):
+    for line in goals(results, cpus):
         print(line)
+    for c in cpus:
+        print(f"cpu: {c.workload}: router CPU per request by load {c.load_ms:.3f} ms, by prefix "
+              f"{c.prefix_ms:.3f} ms (median of {c.rounds} rounds of {c.requests} "
+              f"requests each, side by side)")  # fmt: skip
     for name in args.workload or WORKLOADS:
         load_us, prefix_us = decision_cost(name, sizes, args.seed, args.replicas)
         print(f"choice: {name}: by load {load_us:.1f} us, by prefix {prefix_us:.1f} us per "

@@ -287,10 +287,11 @@ def start_engine(procs: Procs, python: Path, core: int | None) -> tuple[int, int
 
 
 def start_llmgw(
-    procs: Procs, engine_port: int, core: int | None, catalog: str = ""
+    procs: Procs, engine_port: int, core: int | None, catalog: str = "", router: str = ""
 ) -> tuple[int, int, str]:
     """``llmgw server`` routing the ``tiny`` model to the engine on ``engine_port`` (or
-    what ``catalog`` says): its pid, the router's port, and an API key it accepts."""
+    what ``catalog`` says), with ``router``'s lines added to its ``[router]`` section:
+    its pid, the router's port, and an API key it accepts."""
     from llmgw.router.keys import hash_key, new_key
 
     d = procs.workdir / "llmgw-server"
@@ -304,7 +305,7 @@ def start_llmgw(
         server_head(d)
         + f"""[router]
 listen = "127.0.0.1:{port}"
-[[router.keys]]
+{router}[[router.keys]]
 name = "bench"
 sha256 = "{hash_key(key)}"
 """

@@ -107,8 +107,12 @@ def test_bench_goodput_runs_every_workload_and_policy() -> None:
     ], text
     answered = [r[2].split("/") for r in rows]  # every request answered: "ok/requests"
     assert all(ok == total for ok, total in answered), text
+    # each turn matched to its access log line: the later turns' moves are counted
+    moved = [r[-2] for r in rows if r[0] == "multiturn"]
+    assert all(m.isdigit() for m in moved), text
     assert "goal: unique: TTFT p95 within 5% of load-only:" in text
     assert "choice: shared: by load" in text
+    assert "cpu: shared: router CPU per request by load" in text
 
 
 @needs_server
