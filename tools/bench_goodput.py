@@ -101,7 +101,6 @@ SLOT_CONTEXT = 4096
 SIMILARITY = "0.5"  # the llama.cpp adapter's --slot-prompt-similarity
 RUN_TIMEOUT_S = 600.0
 IDLE_S = 2.0
-CPU_CONCURRENCY = 4
 _WORDS = ("river", "stone", "lantern", "harbor", "meadow", "copper", "thistle", "orchard",
           "signal", "ember", "quarry", "willow", "falcon", "granite", "tundra", "velvet")  # fmt: skip
 
@@ -135,6 +134,7 @@ class Sizes:
     max_tokens: int = 16
     cpu_rounds: int = 5  # of the side-by-side router CPU measure, each policy
     cpu_requests: int = 300  # per round (the workload's requests, repeated)
+    cpu_concurrency: int = 4  # requests at once in a round
     slo_factor: float = 2.0  # the TTFT SLO: this many times an unloaded replica's miss
     # set from the calibration unless given (--size NAME=VALUE)
     conversation_rate: float = 0.0  # conversations starting per second
@@ -673,7 +673,7 @@ def router_cpu(names: list[str], sizes: Sizes, seed: int, args: argparse.Namespa
                     pid, port, key = started[p]
                     url = f"http://127.0.0.1:{port}/v1/chat/completions"
                     c0, t0 = cpu_seconds(pid), time.monotonic()
-                    ok = trio.run(_closed_loop, url, key, sent, CPU_CONCURRENCY)
+                    ok = trio.run(_closed_loop, url, key, sent, sizes.cpu_concurrency)
                     spent = cpu_seconds(pid) - c0 - idle[p] * (time.monotonic() - t0)
                     if ok:
                         per[p].append(1000 * spent / ok)
