@@ -677,11 +677,9 @@ def router_cpu(names: list[str], sizes: Sizes, seed: int, args: argparse.Namespa
                     spent = cpu_seconds(pid) - c0 - idle[p] * (time.monotonic() - t0)
                     if ok:
                         per[p].append(1000 * spent / ok)
-            load = sorted(per["load"])
-            prefix = sorted(per["prefix"])
-            if load and prefix:
-                out.append(Cpu(name, load[len(load) // 2], prefix[len(prefix) // 2],
-                               sizes.cpu_rounds, len(sent)))  # fmt: skip
+            load, prefix = percentile(per["load"], 0.5), percentile(per["prefix"], 0.5)
+            if load is not None and prefix is not None:
+                out.append(Cpu(name, load, prefix, sizes.cpu_rounds, len(sent)))
             if args.verbose:
                 print(f"# cpu {name}: load {[round(v, 3) for v in per['load']]} ms, "
                       f"prefix {[round(v, 3) for v in per['prefix']]} ms", flush=True)  # fmt: skip
