@@ -37,9 +37,11 @@ included), else this router's count. ``bound`` is:
   every router tells from the request alone, so that a router that has not
   seen the earlier turns keeps to the first choice as the one that has), when
   this router knows the replica holds some of the prompt, or when the request
-  is routed by its session hint alone. A cache hit saves a whole
-  prefill, and waiting behind one more request costs a share of a step, so the
-  default leans to the cache: on two replicas a bound of 1.25 already sends a
+  is routed by its session hint alone; and such a request stays, past that
+  bound, while the replica has a free slot to start it in at once (the engine
+  says how many requests it runs at once: llama.cpp's slots). A cache hit saves
+  a whole prefill, and waiting behind one more request costs a share of a step,
+  so the default leans to the cache: on two replicas a bound of 1.25 already sends a
   third request away from a replica holding two while the other holds none,
   and ``tools/bench_goodput.py``'s multi-turn workload reused 54% of its prompt
   tokens at 1.25 against 74% at 1.5 (an oracle's: 73%).
@@ -107,8 +109,11 @@ def pick(
         weights += ep.weight
     preferred = ranked[0][1][1]
     for held, (value, ep, load) in ranked:
-        bound = ep.affinity_bound if held or key.later or not key.blocks else 1.0
+        kept = bool(held or key.later or not key.blocks)
+        bound = ep.affinity_bound if kept else 1.0
         cap = math.ceil(bound * ep.weight * (total + 1) / weights - 1e-9)
+        if kept and load is not None and load.slots:  # a free slot starts it at once
+            cap = max(cap, math.floor(load.slots))
         if value * ep.weight + 1 <= cap:
             overruled = ep is not preferred
             why = _why(ep, held, key, overruled, preferred)

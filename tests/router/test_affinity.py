@@ -250,6 +250,29 @@ def test_turns_move_when_their_replica_is_past_its_load_bound_and_come_back() ->
     assert back.endpoint is moved.endpoint and not back.affinity.overruled  # type: ignore[union-attr]
 
 
+def test_a_turn_stays_past_its_bound_while_its_replica_has_a_free_slot() -> None:
+    """Four replicas, the conversation's with one request of two slots busy, the rest
+    idle: past 1.5 times its share (one of the two in flight), but a free slot starts
+    the turn at once, where moving computes its whole prompt again; with both slots
+    busy it moves."""
+    endpoints = fleet()
+    turns = conversation(8, 3)
+    key = prompt_key(body(turns[0]), "prefix")
+    assert key is not None
+    home = send(endpoints, key).endpoint
+    assert home is not None
+    for e in endpoints:
+        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
+    home.in_flight = home.in_flight_at_load = 1
+    home.load = LoadSignals(running=1, waiting=0, slots=2)
+    kept = send(endpoints, prompt_key(body(turns[1]), "prefix"))  # type: ignore[arg-type]
+    assert kept.endpoint is home and not kept.affinity.overruled  # type: ignore[union-attr]
+    home.in_flight = home.in_flight_at_load = 2
+    home.load = LoadSignals(running=2, waiting=0, slots=2)
+    moved = send(endpoints, prompt_key(body(turns[2]), "prefix"))  # type: ignore[arg-type]
+    assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
+
+
 def test_the_load_bound_keeps_a_hot_prompt_from_taking_everything() -> None:
     endpoints = fleet()
     system = {"role": "system", "content": "Rules. " * (ANCHOR_BYTES // 6)}
