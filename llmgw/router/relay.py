@@ -131,7 +131,7 @@ class Relay:
                 raise
             self._record.not_resumed(self._why_not.label)
             if self._unasked is not None:
-                self._unasked.rest()  # a part of an event: the error event follows
+                self._unasked.broke()  # a part of an event: the error event follows
             # then the body is over
             return cut_short(self._lease.endpoint.key, self._cut or str(exc), self._why_not.words)
         except BaseException:

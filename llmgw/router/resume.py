@@ -52,6 +52,7 @@ from llmgw.router import usage
 
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
+_END = b"\n\n"  # after each event
 
 # What shapes sampling and ending, sent on with a continuation as the client set it:
 # OpenAI's names, then the engines' own (``engines.carried_fields``); an engine ignores
@@ -111,6 +112,7 @@ class Transcript:
         "_ids",
         "_index",
         "_keep",
+        "_last",
         "_model",
         "_prompt_tokens",
         "_reasoning",
@@ -125,6 +127,7 @@ class Transcript:
         self._tokens: Tokens | None = None  # its engine family's, once one is asked
         self._keep = bool(body.get("return_token_ids"))  # the client asked for token ids
         self._usage_asked = usage.asked(body)  # else the engine is asked, the client not told
+        self._last = usage.Last()  # where not: the choice's last event, held for its extras
         self._id: Any = None
         self._created: Any = None
         self._model: Any = None
@@ -184,12 +187,15 @@ class Transcript:
         return _encode(body)
 
     def observe(self, event: bytes) -> bytes | None:
-        """An event of the stream's first replica, as the client gets it (None: one
-        that carried only the usage the client did not ask for)."""
+        """An event of the stream's first replica, as the client gets it now (None:
+        nothing now). Where the client did not ask for usage, the usage event is
+        dropped, and the choice's last event held until the next (``held``) for what
+        that carried (``usage.Last``): what the client gets may then be two events."""
         if not event.startswith(b"data: {"):
             return event
         obj = _decode(event[6:])
-        if not self._usage_asked and usage.unasked(obj):
+        if not self._usage_asked and (extra := usage.unasked(obj)) is not None:
+            self._last.next(b"", extra)
             return None
         if self._id is None:
             self._id = obj.get("id")
@@ -214,7 +220,16 @@ class Transcript:
             else:
                 piece = choice.get("text")
             self._took(choice, piece)
-        return b"data: " + _encode(obj)
+        shown = b"data: " + _encode(obj)
+        if self._usage_asked:
+            return shown
+        now = self._last.next(shown + _END)
+        return now[: -len(_END)] or None
+
+    def held(self) -> bytes:
+        """The event held, its blank line included, when nothing more comes (its
+        ``[DONE]`` follows)."""
+        return self._last.flush()
 
     def done(self) -> None:
         """The stream's last event (``data: [DONE]``) was relayed."""

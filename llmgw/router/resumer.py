@@ -242,8 +242,8 @@ class ResumableRelay(Relay):
             except StopAsyncIteration:
                 if self._transcript.finished:
                     self._over = True  # ended as a stream ends (its [DONE] relayed)
-                    if self._buf:
-                        out.append(self._buf)
+                    if held := self._transcript.held() + self._buf:
+                        out.append(held)
                     continue
                 await self._broke(
                     UpstreamReset("the stream ended before its last event", "body", False)
@@ -273,7 +273,7 @@ class ResumableRelay(Relay):
             if event.startswith(DONE):
                 transcript.done()
                 self._lease.finish(now, self._outcome)  # done on the replica
-                self._out.append(DONE + _END)
+                self._out.append(transcript.held() + DONE + _END)
                 continue
             if not self._translating:
                 self._reuse(event)
@@ -310,7 +310,7 @@ class ResumableRelay(Relay):
         why = self._cut or str(exc)
         self._cut = ""
         if transcript.finished:  # all but the [DONE]
-            self._out.append(DONE + _END)
+            self._out.append(transcript.held() + DONE + _END)
             self._over = True
             return
         found = transcript.refused() or await self._resumer.carry_on(

@@ -2,7 +2,9 @@
 client that did not ask for it sees none, and its tenant is counted what the engine
 says, the prompt included. Stand-in vLLM processes (the adapter's flags, prompt
 token details off: only the usage event says the prompt's tokens) behind the router,
-the real openai client in front."""
+the real openai client in front; and a real llama-server, which says more on its
+usage event when asked (its timings) than on its last choice's event: a client that
+did not ask gets that where the engine would have put it."""
 
 from __future__ import annotations
 
@@ -26,9 +28,13 @@ from llmgw.router.app import RouterApp
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
 from llmgw.router.table import RoutingTable
 from llmgw.routing import ModelRouting, Route, Snapshot
+from tests.engines.test_tinymodel import llama_server
 from tests.engines.test_vllm import STANDINS, running, spec, wait_healthy
 from tests.ports import own_port
+from tests.realparts import needs_server
+from tests.router.test_affinity_llama import front
 from tests.router.test_app import serve
+from tools.support.tinymodel import write_model
 
 KEY = "llmgw-test-key"
 MESSAGES: Any = [{"role": "user", "content": "Say hello to the tide, twice a day."}]
@@ -145,3 +151,87 @@ def test_the_usage_is_taken_out_of_a_stream_cut_anywhere() -> None:
         taker = usage.Unasked()
         out = taker.feed(stream[:cut]) + taker.feed(stream[cut:]) + taker.rest()
         assert out == expected, cut
+
+
+@needs_server
+@pytest.mark.parametrize("resume", [True, False], ids=["resumable", "relayed as it comes"])
+async def test_a_llama_cpp_chat_stream_keeps_its_timings_where_the_engine_puts_them(
+    tmp_path: Path, nursery: trio.Nursery, resume: bool
+) -> None:
+    """llama-server puts a chat stream's ``timings`` on its usage event when asked for
+    usage (as the router asks every stream), on the last choice's event when not: a
+    client that did not ask gets them there, through both relays, and no event without
+    a choice; one that asked gets the usage event as the engine sent it."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=2048)
+    messages: Any = [{"role": "user", "content": "The harbor lantern burns all night."}]
+    async with llama_server(model, tmp_path, context=2048) as url:
+        client = await front(nursery, url, resume=resume)
+        with trio.fail_after(30):
+            plain = await client.chat.completions.create(
+                model="m", messages=messages, max_tokens=4, stream=True
+            )
+            seen = [chunk async for chunk in plain]
+            asked = await client.chat.completions.create(
+                model="m",
+                messages=messages,
+                max_tokens=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            told = [chunk async for chunk in asked]
+    assert seen and all(c.choices and c.usage is None for c in seen), seen
+    last = seen[-1]
+    assert last.choices[0].finish_reason == "length", last
+    timings = (last.model_extra or {}).get("timings")
+    assert timings is not None and timings["predicted_n"] == 4, last
+    assert timings["prompt_n"] + timings["cache_n"] > 0, timings
+    assert not any((c.model_extra or {}).get("timings") for c in seen[:-1]), seen
+    usage_event = told[-1]
+    assert usage_event.choices == [] and usage_event.usage is not None, usage_event
+    assert (usage_event.model_extra or {})["timings"]["predicted_n"] == 4, usage_event
+    assert told[-2].choices[0].finish_reason == "length"
+    assert "timings" not in (told[-2].model_extra or {}), told[-2]
+
+
+# a real llama-server's chat stream, asked for usage (its build b11434)
+_HEAD = b'"created":1796522325,"id":"chatcmpl-y","model":"t.gguf","object":"chat.completion.chunk"'
+_TIMINGS = (
+    b'"timings":{"cache_n":0,"prompt_n":16,"prompt_ms":1.269,"predicted_n":3,"predicted_ms":1.019}'
+)
+ASKED = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant",'
+    b'"content":null}}],' + _HEAD + b"}\n\n"
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"he"}}],'
+    + _HEAD
+    + b"}\n\n"
+    b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],' + _HEAD + b"}\n\n"
+    b'data: {"choices":[],' + _HEAD + b',"usage":{"completion_tokens":3,"prompt_tokens":16,'
+    b'"total_tokens":19},' + _TIMINGS + b"}\n\n"
+    b"data: [DONE]\n\n"
+)
+# ... and as it sends it unasked: the timings on the last choice's event
+UNASKED = (
+    ASKED[: ASKED.index(b'data: {"choices":[{"finish_reason":"length"')]
+    + b'data: {"choices":[{"finish_reason":"length","index":0,"delta":{}}],'
+    + _HEAD
+    + b","
+    + _TIMINGS
+    + b"}\n\n"
+    b"data: [DONE]\n\n"
+)
+
+
+def test_a_usage_events_timings_go_to_the_last_choices_event_however_the_reads_fall() -> None:
+    for cut in range(1, len(ASKED)):
+        for second in (cut, (cut + len(ASKED)) // 2):
+            taker = usage.Unasked()
+            parts = (ASKED[:cut], ASKED[cut:second], ASKED[second:])
+            out = b"".join(taker.feed(part) for part in parts) + taker.rest()
+            assert out == UNASKED, (cut, second, out)
+    # a stream that breaks after its last choice's event: that event, then the error
+    taker = usage.Unasked()
+    cut = ASKED.index(b'data: {"choices":[],')
+    out = taker.feed(ASKED[: cut + 20])
+    taker.broke()
+    out += taker.feed(b'data: {"error":{"message":"gone"}}\n\n')
+    assert out == ASKED[:cut] + b'data: {"error":{"message":"gone"}}\n\n', out
