@@ -65,6 +65,8 @@ class RouterReports:
         self._cached: dict[str, tuple[dict[str, int], float]] = {}
         # each router's requests per model since it started (the console's traffic)
         self._traffic: dict[str, tuple[dict[str, ModelCounters], float]] = {}
+        # each router (its id) -> when it last reported
+        self._heard: dict[str, float] = {}
 
     def take(self, report: RouterReport, seen_from: str, now: float) -> None:
         """Take what ``report`` says (a wildcard metrics host: ``seen_from``, the address
@@ -106,6 +108,10 @@ class RouterReports:
         if address:
             self.followed_by(address, now)
         if report.router:
+            if report.router not in self._heard and len(self._heard) >= self.MAX_FOLLOWERS:
+                self._forget_old(now)
+            if len(self._heard) < self.MAX_FOLLOWERS or report.router in self._heard:
+                self._heard[report.router] = now
             self.report_wedged(report.router, wedged, now)
             self.report_load(report.router, report.load, now)
             self._keep(self._cached, report.router, report.cached, now)
@@ -174,6 +180,10 @@ class RouterReports:
         self._forget_old(now)
         return sorted(self._followers)
 
+    def routers(self, now: float) -> int:
+        """How many standalone routers (each worker one) reported lately."""
+        return sum(1 for seen in self._heard.values() if now - seen <= self.FOLLOWER_TTL_S)
+
     def _forget_old(self, now: float) -> None:
         for address, seen in list(self._followers.items()):
             if now - seen > self.FOLLOWER_TTL_S:
@@ -181,6 +191,9 @@ class RouterReports:
         for router, (_, said) in list(self._wedged.items()):
             if now - said > self.FOLLOWER_TTL_S:
                 del self._wedged[router]
+        for router, said in list(self._heard.items()):
+            if now - said > self.FOLLOWER_TTL_S:
+                del self._heard[router]
         for table in (self._cached, self._traffic):
             for router, (_, said) in list(table.items()):
                 if now - said > self.FOLLOWER_TTL_S:

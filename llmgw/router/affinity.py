@@ -23,6 +23,23 @@ Knowledge (1) agrees with the rendezvous (2) unless load moved the
 conversation, which is what lets a router that has never seen a conversation
 make the same first choice as one that routed all its turns.
 
+New conversations, placed evenly (``even``: this router is the fleet's only one,
+the server's own while no standalone router reports). Rendezvous places few keys
+unevenly, and a replica given more conversations than its cache holds evicts
+them: sixteen on four replicas went 5/5/4/2 in ``tools/bench_goodput.py``, and
+the replicas with five lost turns to eviction and had their later turns moved
+by the load bound. So a new conversation (a first turn with no session hint,
+of which no candidate holds anything) goes to the first replica in the
+rendezvous order that has had no more than an even share (by weight) of the
+model's recent new conversations (``PrefixIndex.placed``: counted where each
+went, all decayed by 1/``PLACEMENTS`` at each, so that a replica that joins
+takes its share from then on). That run then moved no turn and lost none, and
+its engines computed 0.54x the prompt tokens they had. A router that has not
+seen the conversation cannot know where it was placed, so where several routers
+share the fleet (standalone routers report to the control plane, each worker
+one) every router, the server's included, places by rendezvous alone and they
+agree; the server's router says in one log line which it does, when it changes.
+
 Load bound (consistent hashing with bounded loads): the first replica in that
 order whose work after taking this request stays within ``ceil(bound x its share
 of the work of all candidates, this request included)`` takes it; the least
@@ -74,6 +91,7 @@ if TYPE_CHECKING:
     from llmgw.router.balancer import Endpoint
 
 BOUND = 1.5  # a preferred replica takes at most this many times its share of the work
+PLACEMENTS = 32  # new conversations counted per model (decayed), to place the next evenly
 
 
 @attrs.frozen
@@ -91,14 +109,22 @@ class Pick:
     overruled: bool
     held: int
     why: str
+    # a prompt no replica was known to hold (a new conversation), placed by load: the
+    # proxy counts it where it went (``placed``)
+    new: bool = False
 
 
 def pick(
-    admissible: Sequence[tuple[float, Endpoint, LoadSignals | None]], key: PromptKey
+    admissible: Sequence[tuple[float, Endpoint, LoadSignals | None]],
+    key: PromptKey,
+    *,
+    even: bool = False,
 ) -> Pick | None:
     """The choice among ``admissible`` (the balancer's candidates below their
     thresholds: score, endpoint, fresh load); None when none of them routes by
-    affinity (the balancer's own choice stands)."""
+    affinity (the balancer's own choice stands). ``even``: a new conversation goes
+    where no more than an even share of the recent ones went (this router is the only
+    one; see the module docstring)."""
     ranked = _order(admissible, key)
     if not ranked:
         return None
@@ -107,21 +133,44 @@ def pick(
     for value, ep, _ in admissible:
         total += value * ep.weight
         weights += ep.weight
-    preferred = ranked[0][1][1]
+    # a new conversation (a first turn, no session hint) placed evenly: among the
+    # replicas that hold none of it, those with room for another of the recent ones
+    fresh = even and bool(key.blocks) and not key.later and not key.session
+    placed = sum(entry[1].prefix.placed for _, entry in ranked)
+    shares = sum(entry[1].weight for _, entry in ranked)
+
+    def room(held: int, ep: Endpoint) -> bool:
+        if not fresh or held:
+            return True
+        return ep.prefix.placed + 1 <= math.ceil(ep.weight * (placed + 1) / shares - 1e-9)
+
+    preferred = next((ep for held, (_, ep, _) in ranked if room(held, ep)), ranked[0][1][1])
     for held, (value, ep, load) in ranked:
         kept = bool(held or key.later or not key.blocks)
         bound = ep.affinity_bound if kept else 1.0
         cap = math.ceil(bound * ep.weight * (total + 1) / weights - 1e-9)
         if kept and load is not None and load.slots:  # a free slot starts it at once
             cap = max(cap, math.floor(load.slots))
-        if value * ep.weight + 1 <= cap:
+        if value * ep.weight + 1 <= cap and room(held, ep):
             overruled = ep is not preferred
-            why = _why(ep, held, key, overruled, preferred)
-            return Pick(ep, value, load, preferred, overruled, held, why)
-    # the least loaded is always within the bound; this is for weights that bend it
-    value, ep, load = min(admissible, key=lambda entry: (entry[0], entry[1].key))
-    held = ep.prefix.held(key.blocks) if key.blocks else 0
-    return Pick(ep, value, load, preferred, True, held, _why(ep, held, key, True, preferred))
+            new = fresh and not held
+            why = _why(ep, held, key, overruled, preferred, new)
+            return Pick(ep, value, load, preferred, overruled, held, why, new=new)
+    # the least loaded is always within the bound; this is for weights that bend it,
+    # and for a new conversation whose replicas with room are busier than their share
+    held, (value, ep, load) = min(ranked, key=lambda entry: entry[1][0])  # first of equals
+    new = fresh and not held
+    why = _why(ep, held, key, ep is not preferred, preferred, new)
+    return Pick(ep, value, load, preferred, ep is not preferred, held, why, new=new)
+
+
+def placed(endpoints: Sequence[Endpoint], chosen: Endpoint) -> None:
+    """A new conversation went to ``chosen``: counted there, and every count of its
+    model's ``endpoints`` decays, so that the counts are of about the last
+    ``PLACEMENTS``."""
+    for ep in endpoints:
+        ep.prefix.placed *= 1.0 - 1.0 / PLACEMENTS
+    chosen.prefix.placed += 1.0
 
 
 def _order(
@@ -154,9 +203,13 @@ def _order(
     return [(held[i], entries[i]) for i in [*first, *rest]]
 
 
-def _why(ep: Endpoint, held: int, key: PromptKey, overruled: bool, preferred: Endpoint) -> str:
+def _why(
+    ep: Endpoint, held: int, key: PromptKey, overruled: bool, preferred: Endpoint, new: bool
+) -> str:
     if overruled:
         return f"affinity overruled by load: {preferred.key} is past its bound; {ep.key} next"
+    if new:
+        return f"affinity: {ep.key} is first for the new conversation of those with room for one"
     if held and held >= max(1, key.turn_blocks):
         return f"affinity: {ep.key} holds {held} of the prompt's {len(key.blocks)} blocks"
     return f"affinity: {ep.key} is first for the {'session' if key.session else 'prompt'}"

@@ -383,6 +383,7 @@ def choose(
     rng_value: float | None = None,
     key: PromptKey | None = None,
     apart: bool = False,
+    even: bool = False,
 ) -> Choice:
     """Pick the replica for one request (or one retry of it).
 
@@ -404,6 +405,8 @@ def choose(
     admissible replicas, ``affinity.pick`` decides (the one holding the most of
     it, within a load bound) in place of the least score; None, or no candidate
     routing by affinity, and the choice is by load alone, as described above.
+    ``even``: new conversations are placed evenly (``affinity.pick``: this router is
+    the only one).
 
     ``apart``: the request was in flight at an engine's death (``poison``): only the
     admissible replicas where no other such request is in flight are considered,
@@ -453,7 +456,7 @@ def choose(
         admissible = clear or admissible
     if admissible:
         if key is not None:
-            found = prefer(admissible, key)
+            found = prefer(admissible, key, even=even)
             if found is not None:
                 why = f"{found.why}: {_describe(found.endpoint, found.load, now, found.value)}"
                 return Choice(found.endpoint, why, affinity=found, crowded=crowded)

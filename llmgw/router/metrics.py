@@ -68,6 +68,12 @@ class _EndpointsCollector(Collector):
             "Blocks of prompt (512 bytes each) the router remembers sending to the replica",
             labels=["model", "replica"],
         )
+        placed = GaugeMetricFamily(
+            "llmgw_router_new_conversations",
+            "New conversations this router placed on the replica, of about the model's last "
+            "32 (decayed; only while it is the only router and places them evenly)",
+            labels=["model", "replica"],
+        )
         held = 0
         for ep in self._endpoints():
             state = ep.breaker.state
@@ -82,6 +88,7 @@ class _EndpointsCollector(Collector):
             in_flight.add_metric([ep.model, ep.key], ep.in_flight)
             wedged.add_metric([ep.model, ep.key], 1.0 if ep.wedged else 0.0)
             blocks.add_metric([ep.model, ep.key], len(ep.prefix))
+            placed.add_metric([ep.model, ep.key], ep.prefix.placed)
             held += ep.prefix.bytes
             if ep.load is not None:
                 for name in _SIGNALS:
@@ -93,6 +100,7 @@ class _EndpointsCollector(Collector):
         yield wedged
         yield load
         yield blocks
+        yield placed
         yield GaugeMetricFamily(
             "llmgw_router_prefix_index_bytes",
             "Memory the router's prefix indexes take, about (bounded: 60 MiB at most)",

@@ -238,6 +238,9 @@ class PrefixIndex:
     cached_tokens: int = 0
     estimated_tokens: int = 0
     evicted: int = 0
+    # new conversations this router placed here, decayed as its model's others are
+    # placed (``affinity.placed``): about the share of the recent ones it keeps
+    placed: float = 0.0
     # block key -> when it was last sent there (``_STAMPS``), least recently first
     _keys: OrderedDict[int, int] = attrs.field(factory=OrderedDict, init=False)
 

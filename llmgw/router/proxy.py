@@ -69,6 +69,7 @@ from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamPool
 from llmgw.http.upstream_errors import UpstreamError, UpstreamTimeout
 from llmgw.router import attempt, poison, resume, usage
+from llmgw.router.affinity import placed
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
@@ -207,6 +208,7 @@ class Proxy:
                 model=model,
                 key=key,
                 apart=suspect,
+                even=self.table.even,
             )
             if choice.crowded:
                 if apart_until is None:
@@ -267,6 +269,8 @@ class Proxy:
                 record.affinity(ep.key, ep.prefix, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
                     ep.prefix.record(key.blocks)
+                if choice.affinity.new and attempts == 1:
+                    placed(endpoints, ep)
             lease = Lease(ep, now, room, suspect=suspect)
             record.sent_to(ep.key, now)
             if place is not None and len(room):

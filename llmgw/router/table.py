@@ -63,8 +63,16 @@ class RoutingTable:
         silent_after_s: float = 6.0,
         on_wedged: Callable[[frozenset[str]], None] = lambda _: None,
         on_keys: Callable[[list[RouterKey]], None] = lambda _: None,
+        alone: Callable[[], bool] | None = None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
+        # whether this is the fleet's only router (the server's, while no standalone
+        # router reports); None: a standalone router, which never is (the server's
+        # routes too). Read each scrape: ``even``
+        self.alone = alone
+        # this router places new conversations evenly over a model's replicas (it is
+        # the only one), not by rendezvous alone (which every router agrees on)
+        self.even = False
         self.on_gone = on_gone  # told the replicas that left the table, once each
         self.scrape_s = scrape_s
         self.wedged_after_s = wedged_after_s
@@ -215,8 +223,27 @@ class RoutingTable:
                         if adapter is not None:
                             nursery.start_soon(_scrape, client, ep, adapter, beat, self.rooms)
                 self._judge_progress(trio.current_time())
+                self._judge_alone()
                 self.rooms.wake_all()  # what time alone changes: cool-downs, old readings
                 await trio.sleep_until(beat)
+
+    def _judge_alone(self) -> None:
+        """Whether this router places new conversations evenly, said when it changes."""
+        even = self.alone is not None and self.alone()
+        if even == self.even:
+            return
+        self.even = even
+        if even:
+            log.info(
+                "affinity: no standalone router follows the routing: this router places "
+                "new conversations evenly over each model's replicas"
+            )
+        else:
+            log.info(
+                "affinity: standalone routers follow the routing: new conversations go to "
+                "their rendezvous first choice, so that every router sends a "
+                "conversation's turns to one replica"
+            )
 
     def _judge_progress(self, now: float) -> None:
         """A replica with work and a flat progress counter, or with work and nothing

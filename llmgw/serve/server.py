@@ -305,6 +305,7 @@ async def serve(
             silent_after_s=config.router.silent_after_s,
             on_wedged=lambda ids: routers.report_wedged("in-process", ids, trio.current_time()),
             on_keys=lambda published: _follow(ring, published),
+            alone=lambda: routers.routers(trio.current_time()) == 0,
         )
         holds = holds_of(config.router, table, lambda model: fleet.held() if fleet else None)
         if fleet is not None:  # what the router here sees of ranged models, read each pass

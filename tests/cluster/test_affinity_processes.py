@@ -170,7 +170,13 @@ async def test_a_conversation_stays_on_one_replica_and_an_eviction_is_noticed(
                 assert homes.setdefault(seed, replica) == replica, (seed, t, homes, replica)
                 if t:  # its replica's slot held the turn before: the engine reused it
                     assert cached > 0.6 * prompt, (seed, t, cached, prompt)
+        # the server's router is the only one: new conversations are placed evenly (the
+        # second where the first is not), where rendezvous alone puts all three on one
+        # replica one time in four
+        assert "this router places new conversations evenly" in c.server.log()
+        assert len(set(homes.values())) == 2, homes
         seen = await admin_metrics(c)
+        assert 2.5 < seen("llmgw_router_new_conversations", model="chat") <= 3, "decayed"
         # a first turn goes by load while its first choice is busier than its share
         # (the engine's gauges of the turn before may still say so); later turns stay
         kept = seen("llmgw_router_affinity_total", model="chat", outcome="kept")
@@ -300,6 +306,15 @@ async def test_two_workers_of_a_standalone_router_send_a_conversation_to_one_rep
             await workers_route(router, 2)
             m = await router.wait_log(r"router metrics on (http://127\.0\.0\.1:\d+/metrics)")
             metrics_url = m.group(1)
+            # its workers report: the server's router stops placing new conversations
+            # by its own counts, and every router goes by rendezvous alone
+            await c.server.wait_log(r"affinity: standalone routers follow the routing")
+            for seed in range(30, 36):  # new conversations first: even counts would differ
+                client = openai.AsyncOpenAI(
+                    base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60
+                )
+                await ask(client, conversation(seed, 1)[0])
+                await client.close()
             # the kernel picks a worker by a hash of each connection's ports: 16 turns
             # left one worker a single turn once in CI (a chance of ~1 in 2000); 40
             # make that ~1 in 10^10, and the loop ends as soon as both have two
@@ -309,8 +324,12 @@ async def test_two_workers_of_a_standalone_router_send_a_conversation_to_one_rep
                 async with httpx.AsyncClient(timeout=5) as raw:
                     return Samples.parse((await raw.get(metrics_url)).text)
 
+            before = await samples()  # the new conversations' requests, taken off below
+
             def served(s: Samples, worker: str) -> float:
-                return s("llmgw_router_requests_total", model="chat", worker=worker)
+                return s("llmgw_router_requests_total", model="chat", worker=worker) - before(
+                    "llmgw_router_requests_total", model="chat", worker=worker
+                )
 
             sent = 0
             for messages in turns:  # until each worker has served at least two turns
@@ -329,13 +348,22 @@ async def test_two_workers_of_a_standalone_router_send_a_conversation_to_one_rep
             replicas = {
                 dict(labels)["replica"]
                 for (name, labels), v in s.items()
-                if name == "llmgw_router_requests_total" and v and ("model", "chat") in labels
+                if name == "llmgw_router_requests_total"
+                and v > before.get((name, labels), 0.0)
+                and ("model", "chat") in labels
             }
             assert len(replicas) == 1, replicas
-            assert s("llmgw_router_requests_total", model="chat", status="200") == sent
+            ok = "llmgw_router_requests_total"
+            assert (
+                s(ok, model="chat", status="200") - before(ok, model="chat", status="200") == sent
+            )
+
             # and the engine reused each turn's predecessor
-            cached = s("llmgw_router_prompt_tokens_cached_total", model="chat")
-            assert cached > 0.5 * s("llmgw_router_prompt_tokens_total", model="chat")
+            def grew(name: str) -> float:
+                return s(name, model="chat") - before(name, model="chat")
+
+            cached = grew("llmgw_router_prompt_tokens_cached_total")
+            assert cached > 0.5 * grew("llmgw_router_prompt_tokens_total")
         finally:
             await router.stop()
             held.close()

@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmgw.engines.base import LoadSignals
+from llmgw.router.affinity import placed
 from llmgw.router.balancer import (
     Admission,
     Choice,
@@ -79,10 +80,13 @@ def conversation(seed: int, turns: int, doc_bytes: int = 3000) -> list[list[dict
 
 
 def send(endpoints: list[Endpoint], key: PromptKey, **kw: object) -> Choice:
-    """Choose as the proxy does, and record the prompt where it went."""
+    """Choose as the proxy does, and record the prompt where it went (and a new
+    conversation placed there)."""
     choice = choose(endpoints, NOW, admission=OPEN, key=key, **kw)  # type: ignore[arg-type]
     assert choice.endpoint is not None
     choice.endpoint.prefix.record(key.blocks)
+    if choice.affinity is not None and choice.affinity.new:
+        placed(endpoints, choice.endpoint)
     return choice
 
 
@@ -271,6 +275,36 @@ def test_a_turn_stays_past_its_bound_while_its_replica_has_a_free_slot() -> None
     home.load = LoadSignals(running=2, waiting=0, slots=2)
     moved = send(endpoints, prompt_key(body(turns[2]), "prefix"))  # type: ignore[arg-type]
     assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
+
+
+def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
+    """Sixteen conversations started one after another on an idle fleet of four: their
+    anchors' rendezvous winners split them unevenly (these seeds: 5/5/3/3), and a
+    replica given more conversations than its cache holds evicts them. Where this
+    router is the only one (``even``), each goes to its first choice among the replicas
+    with room for an even share of the recent ones: four each, and their later turns
+    follow. Where several routers are (not ``even``), rendezvous alone, which every
+    router computes alike."""
+    seeds = range(100, 116)
+    firsts = [prompt_key(body(conversation(seed, 2)[0]), "prefix") for seed in seeds]
+    seconds = [prompt_key(body(conversation(seed, 2)[1]), "prefix") for seed in seeds]
+    several = fleet()
+    split = Counter(send(several, key).endpoint.key for key in firsts)  # type: ignore[arg-type, union-attr]
+    assert sorted(split.values()) == [3, 3, 5, 5], split
+    only = fleet()
+    homes = [send(only, key, even=True) for key in firsts]  # type: ignore[arg-type]
+    spread = Counter(c.endpoint.key for c in homes)  # type: ignore[union-attr]
+    assert sorted(spread.values()) == [4, 4, 4, 4], spread
+    assert all(c.affinity is not None and not c.affinity.overruled for c in homes)
+    assert any(c.affinity.why.endswith("of those with room for one") for c in homes)  # type: ignore[union-attr]
+    for home, key in zip(homes, seconds, strict=True):
+        later = send(only, key, even=True)  # type: ignore[arg-type]
+        assert later.endpoint is home.endpoint and not later.affinity.new  # type: ignore[union-attr]
+    # the counts are of the recent ones: a replica that joins takes its share from now
+    only.append(ep("r4"))
+    more = [prompt_key(body(conversation(seed, 1)[0]), "prefix") for seed in range(200, 210)]
+    went = Counter(send(only, key, even=True).endpoint.key for key in more)  # type: ignore[arg-type, union-attr]
+    assert 2 <= went["r4"] <= 6, went  # not none, nor every one
 
 
 def test_the_load_bound_keeps_a_hot_prompt_from_taking_everything() -> None:

@@ -175,6 +175,30 @@ async def test_a_standalone_router_tells_the_control_plane_what_it_holds_wedged(
     ]
     assert len(reports) > 4 and len(polls) > 4
     assert not [q for q in polls if {"router", "wedged", "metrics"} & set(parse_qs(q))]
+    # both are counted as routers that follow the routing, until not heard from
+    assert admin.routers.routers(now()) == 2
+    assert admin.routers.routers(now() + RouterReports.FOLLOWER_TTL_S + 1) == 0
+
+
+def test_the_servers_router_places_new_conversations_evenly_only_while_it_is_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Told by the control plane whether standalone routers report: the server's router
+    places new conversations evenly while none does, by rendezvous alone while some do
+    (said once per change); a standalone router's table never places evenly."""
+    caplog.set_level(logging.INFO, "llmgw.router")
+    others = [0]
+    table = RoutingTable(alone=lambda: others[0] == 0)
+    assert not table.even  # until its first look
+    for n, even in ((0, True), (0, True), (2, False), (2, False), (0, True)):
+        others[0] = n
+        table._judge_alone()
+        assert table.even is even
+    said = [r.getMessage() for r in caplog.records if "affinity:" in r.getMessage()]
+    assert len(said) == 3 and "evenly" in said[0] and "standalone routers follow" in said[1]
+    standalone = RoutingTable()
+    standalone._judge_alone()
+    assert not standalone.even
 
 
 async def test_a_router_says_where_its_metrics_are_and_a_wildcard_is_where_it_is_seen(
