@@ -234,22 +234,27 @@ def test_a_cold_router_makes_the_same_first_choice_as_a_warm_one() -> None:
         assert b.affinity is not None and b.affinity.held == 0
 
 
-def test_turns_move_when_their_replica_is_past_its_load_bound_and_come_back() -> None:
+def homed(seed: int, turns: int) -> tuple[list[Endpoint], list[PromptKey], Endpoint]:
+    """A fleet of four, a conversation's turns' keys, and where its first turn went."""
     endpoints = fleet()
-    turns = conversation(7, 4)
-    key = prompt_key(body(turns[0]), "prefix")
-    assert key is not None
-    home = send(endpoints, key).endpoint
+    keys = [prompt_key(body(messages), "prefix") for messages in conversation(seed, turns)]
+    assert all(key is not None for key in keys)
+    home = send(endpoints, keys[0]).endpoint  # type: ignore[arg-type]
     assert home is not None
+    return endpoints, keys, home  # type: ignore[return-value]
+
+
+def test_turns_move_when_their_replica_is_past_its_load_bound_and_come_back() -> None:
+    endpoints, turns, home = homed(7, 4)
     home.in_flight = 3  # others idle: the mean with this request is 1, the bound 2
-    moved = send(endpoints, prompt_key(body(turns[1]), "prefix"))  # type: ignore[arg-type]
+    moved = send(endpoints, turns[1])
     assert moved.endpoint is not home
     assert moved.affinity is not None and moved.affinity.overruled
     assert moved.affinity.preferred is home
-    again = send(endpoints, prompt_key(body(turns[2]), "prefix"))  # type: ignore[arg-type]
+    again = send(endpoints, turns[2])
     assert again.endpoint is moved.endpoint  # spilled the same way again
     home.in_flight = 0
-    back = send(endpoints, prompt_key(body(turns[3]), "prefix"))  # type: ignore[arg-type]
+    back = send(endpoints, turns[3])
     # both hold it now: the one holding more of it (the last turns went there)
     assert back.endpoint is moved.endpoint and not back.affinity.overruled  # type: ignore[union-attr]
 
@@ -259,21 +264,16 @@ def test_a_turn_stays_past_its_bound_while_its_replica_has_a_free_slot() -> None
     idle: past 1.5 times its share (one of the two in flight), but a free slot starts
     the turn at once, where moving computes its whole prompt again; with both slots
     busy it moves."""
-    endpoints = fleet()
-    turns = conversation(8, 3)
-    key = prompt_key(body(turns[0]), "prefix")
-    assert key is not None
-    home = send(endpoints, key).endpoint
-    assert home is not None
+    endpoints, turns, home = homed(8, 3)
     for e in endpoints:
         e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
     home.in_flight = home.in_flight_at_load = 1
     home.load = LoadSignals(running=1, waiting=0, slots=2)
-    kept = send(endpoints, prompt_key(body(turns[1]), "prefix"))  # type: ignore[arg-type]
+    kept = send(endpoints, turns[1])
     assert kept.endpoint is home and not kept.affinity.overruled  # type: ignore[union-attr]
     home.in_flight = home.in_flight_at_load = 2
     home.load = LoadSignals(running=2, waiting=0, slots=2)
-    moved = send(endpoints, prompt_key(body(turns[2]), "prefix"))  # type: ignore[arg-type]
+    moved = send(endpoints, turns[2])
     assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
 
 

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 import trio
+from openai.types.chat import ChatCompletionChunk
 
 from llmgw.engines.base import Launch
 from llmgw.engines.vllm import VLLM
@@ -65,6 +66,24 @@ async def standin(tmp_path: Path) -> AsyncIterator[str]:
         yield url
 
 
+async def unasked_and_asked(
+    client: openai.AsyncOpenAI, messages: Any, max_tokens: int
+) -> tuple[list[ChatCompletionChunk], list[ChatCompletionChunk]]:
+    """The chunks of one chat streamed with no usage asked, then of one that asked."""
+    plain = await client.chat.completions.create(
+        model="m", messages=messages, max_tokens=max_tokens, stream=True
+    )
+    seen = [chunk async for chunk in plain]
+    asked = await client.chat.completions.create(
+        model="m",
+        messages=messages,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    return seen, [chunk async for chunk in asked]
+
+
 @pytest.mark.parametrize("resume", [True, False], ids=["resumable", "relayed as it comes"])
 async def test_a_stream_is_counted_what_its_engine_says_and_its_client_sees_no_usage_unasked(
     tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, resume: bool
@@ -89,21 +108,10 @@ async def test_a_stream_is_counted_what_its_engine_says_and_its_client_sees_no_u
             timeout=30,
         )
         with trio.fail_after(30):
-            plain = await client.chat.completions.create(
-                model="m", messages=MESSAGES, max_tokens=5, stream=True
-            )
-            seen = [chunk async for chunk in plain]
+            seen, told = await unasked_and_asked(client, MESSAGES, 5)
             assert seen and all(c.choices and c.usage is None for c in seen), seen
             text = "".join(c.choices[0].delta.content or "" for c in seen)
             assert text == "Hello from the vLLM stand-in"  # five words, whole
-            asked = await client.chat.completions.create(
-                model="m",
-                messages=MESSAGES,
-                max_tokens=5,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            told = [chunk async for chunk in asked]
             last = told[-1]
             assert last.choices == [] and last.usage is not None, last
             assert last.usage.completion_tokens == 5
@@ -167,18 +175,7 @@ async def test_a_llama_cpp_chat_stream_keeps_its_timings_where_the_engine_puts_t
     async with llama_server(model, tmp_path, context=2048) as url:
         client = await front(nursery, url, resume=resume)
         with trio.fail_after(30):
-            plain = await client.chat.completions.create(
-                model="m", messages=messages, max_tokens=4, stream=True
-            )
-            seen = [chunk async for chunk in plain]
-            asked = await client.chat.completions.create(
-                model="m",
-                messages=messages,
-                max_tokens=4,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
-            told = [chunk async for chunk in asked]
+            seen, told = await unasked_and_asked(client, messages, 4)
     assert seen and all(c.choices and c.usage is None for c in seen), seen
     last = seen[-1]
     assert last.choices[0].finish_reason == "length", last
