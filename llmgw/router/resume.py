@@ -226,6 +226,11 @@ class Transcript:
         now = self._last.next(shown + _END)
         return now[: -len(_END)] or None
 
+    @property
+    def holding(self) -> bool:
+        """A choice's last event is held (``observe``): relayed, as far as time goes."""
+        return bool(self._last.event)
+
     def held(self) -> bytes:
         """The event held, its blank line included, when nothing more comes (its
         ``[DONE]`` follows)."""

@@ -283,16 +283,17 @@ class ResumableRelay(Relay):
                 )
             except (msgspec.DecodeError, TypeError, KeyError, AttributeError):
                 shown = event  # not the JSON it should be: passed on as it came
-            if shown is None:
-                continue
-            if self._first:
+            if shown is None and not transcript.holding:
+                continue  # the usage the client did not ask for
+            if self._first:  # (a stream whose first event is its last: held, but here)
                 self._first = False
                 self._record.first_token(now)
             if self._broke_at is not None:
                 self._record.resumed(now - self._broke_at)
                 self._broke_at = None
             self._sent_at = now
-            self._out.append(shown + _END)
+            if shown is not None:
+                self._out.append(shown + _END)
 
     async def _broke(self, exc: UpstreamError) -> None:
         """The stream's replica failed: carry the stream on elsewhere, or end it with

@@ -232,3 +232,31 @@ def test_a_usage_events_timings_go_to_the_last_choices_event_however_the_reads_f
     taker.broke()
     out += taker.feed(b'data: {"error":{"message":"gone"}}\n\n')
     assert out == ASKED[:cut] + b'data: {"error":{"message":"gone"}}\n\n', out
+
+
+@pytest.mark.parametrize("resume", [True, False], ids=["resumable", "relayed as it comes"])
+async def test_a_stream_whose_first_event_is_its_last_has_its_first_token_timed(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, resume: bool
+) -> None:
+    """vLLM puts the finish on the last token's event: a completion of one token is one
+    event, held for what a usage event might carry, and still its first token."""
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+    async with standin(tmp_path) as url:
+        table = RoutingTable()
+        routes = [Route(key="v", model="m", url=url, engine="vllm")]
+        table.apply(Snapshot(version="1", models={"m": ModelRouting()}, routes=routes))
+        keys = KeyRing([ApiKey("t", hash_key(KEY))])
+        app = RouterApp(table, keys, access_log=True, resume_streams=resume)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=30,
+        )
+        with trio.fail_after(30):
+            stream = await client.completions.create(
+                model="m", prompt="The tide", max_tokens=1, stream=True
+            )
+            seen = [chunk async for chunk in stream]
+    assert [c.choices[0].finish_reason for c in seen] == ["length"], seen
+    assert re.search(r"ttft=\d+\.\d+s tokens=1 ", caplog.text), caplog.text
