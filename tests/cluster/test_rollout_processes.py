@@ -112,7 +112,10 @@ async def test_a_changed_profile_rolls_out_one_at_a_time_and_no_request_fails(
         after = {r["replica_id"] for r in await c.replicas()}
         assert not after & before, (before, after)  # both were replaced
         assert max(starting_seen) == 1, starting_seen  # one at a time
-        assert set(outdated_seen) == before  # each old one was marked, then replaced
+        # each old one was marked, then replaced (the log says so of both, below); the
+        # API shows it of the one the long stream drains, where the other may go between
+        # two looks on a busy machine (CI: seen once)
+        assert set(outdated_seen) <= before and outdated_seen, (outdated_seen, before)
         # the replaced replicas' series left the metrics with them; the new ones' are there
         page = await admin_metrics(c)
         served = {dict(labels).get("replica") for (name, labels) in page if "requests" in name}
