@@ -242,17 +242,7 @@ async def test_a_stream_whose_first_event_is_its_last_has_its_first_token_timed(
     event, held for what a usage event might carry, and still its first token."""
     caplog.set_level(logging.INFO, "llmgw.router.access")
     async with standin(tmp_path) as url:
-        table = RoutingTable()
-        routes = [Route(key="v", model="m", url=url, engine="vllm")]
-        table.apply(Snapshot(version="1", models={"m": ModelRouting()}, routes=routes))
-        keys = KeyRing([ApiKey("t", hash_key(KEY))])
-        app = RouterApp(table, keys, access_log=True, resume_streams=resume)
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
-            api_key=KEY,
-            max_retries=0,
-            timeout=30,
-        )
+        client = await front(nursery, url, "vllm", resume=resume)
         with trio.fail_after(30):
             stream = await client.completions.create(
                 model="m", prompt="The tide", max_tokens=1, stream=True
