@@ -108,10 +108,7 @@ class RouterReports:
         if address:
             self.followed_by(address, now)
         if report.router:
-            if report.router not in self._heard and len(self._heard) >= self.MAX_FOLLOWERS:
-                self._forget_old(now)
-            if len(self._heard) < self.MAX_FOLLOWERS or report.router in self._heard:
-                self._heard[report.router] = now
+            self._seen(self._heard, report.router, now)
             self.report_wedged(report.router, wedged, now)
             self.report_load(report.router, report.load, now)
             self._keep(self._cached, report.router, report.cached, now)
@@ -145,11 +142,15 @@ class RouterReports:
 
     def followed_by(self, metrics_address: str, now: float) -> None:
         """A standalone router that serves metrics there reported."""
-        if metrics_address not in self._followers and len(self._followers) >= self.MAX_FOLLOWERS:
+        self._seen(self._followers, metrics_address, now)
+
+    def _seen(self, table: dict[str, float], key: str, now: float) -> None:
+        """``key`` heard from now; bounded: one never heard before waits for room."""
+        if key not in table and len(table) >= self.MAX_FOLLOWERS:
             self._forget_old(now)
-            if len(self._followers) >= self.MAX_FOLLOWERS:
-                return  # bounded: an address never seen before waits for room
-        self._followers[metrics_address] = now
+            if len(table) >= self.MAX_FOLLOWERS:
+                return
+        table[key] = now
 
     def report_wedged(self, router: str, replica_ids: frozenset[str], now: float) -> None:
         """What one router holds wedged now (every report says it again; empty: none)."""
@@ -185,15 +186,13 @@ class RouterReports:
         return sum(1 for seen in self._heard.values() if now - seen <= self.FOLLOWER_TTL_S)
 
     def _forget_old(self, now: float) -> None:
-        for address, seen in list(self._followers.items()):
-            if now - seen > self.FOLLOWER_TTL_S:
-                del self._followers[address]
+        for heard in (self._followers, self._heard):
+            for name, seen in list(heard.items()):
+                if now - seen > self.FOLLOWER_TTL_S:
+                    del heard[name]
         for router, (_, said) in list(self._wedged.items()):
             if now - said > self.FOLLOWER_TTL_S:
                 del self._wedged[router]
-        for router, said in list(self._heard.items()):
-            if now - said > self.FOLLOWER_TTL_S:
-                del self._heard[router]
         for table in (self._cached, self._traffic):
             for router, (_, said) in list(table.items()):
                 if now - said > self.FOLLOWER_TTL_S:

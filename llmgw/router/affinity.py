@@ -109,8 +109,8 @@ class Pick:
     overruled: bool
     held: int
     why: str
-    # a prompt no replica was known to hold (a new conversation), placed by load: the
-    # proxy counts it where it went (``placed``)
+    # a new conversation placed evenly (``pick``'s ``even``): the proxy counts it where
+    # it went (``placed``)
     new: bool = False
 
 
@@ -136,8 +136,11 @@ def pick(
     # a new conversation (a first turn, no session hint) placed evenly: among the
     # replicas that hold none of it, those with room for another of the recent ones
     fresh = even and bool(key.blocks) and not key.later and not key.session
-    placed = sum(entry[1].prefix.placed for _, entry in ranked)
-    shares = sum(entry[1].weight for _, entry in ranked)
+    placed = shares = 0.0
+    if fresh:
+        for _, (_, ep, _) in ranked:
+            placed += ep.prefix.placed
+            shares += ep.weight
 
     def room(held: int, ep: Endpoint) -> bool:
         if not fresh or held:
