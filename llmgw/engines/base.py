@@ -266,6 +266,35 @@ _CACHED_TOKENS = re.compile(rb'"cached_tokens":\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
 
+_PROMPT_MS = re.compile(rb'"prompt_ms":\s*([0-9.eE+-]+)')
+_PREDICTED_MS = re.compile(rb'"predicted_ms":\s*([0-9.eE+-]+)')
+
+
+@attrs.frozen
+class Timings:
+    """What llama.cpp's ``timings`` say of one reply: the prompt tokens it computed
+    (not reused) and the milliseconds they took, and the milliseconds its tokens took."""
+
+    prompt_n: int
+    prompt_ms: float
+    predicted_ms: float
+
+
+def reply_timings(data: bytes) -> Timings | None:
+    """The ``timings`` of a reply (a whole one, or a stream's last event), or None
+    (another engine, or not this event)."""
+    if b'"timings"' not in data:
+        return None
+    computed, prompt_ms = _PROMPT_N.search(data), _PROMPT_MS.search(data)
+    predicted_ms = _PREDICTED_MS.search(data)
+    if computed is None or prompt_ms is None or predicted_ms is None:
+        return None
+    try:
+        return Timings(int(computed[1]), float(prompt_ms[1]), float(predicted_ms[1]))
+    except ValueError:
+        return None
+
+
 def reported_prompt(data: bytes) -> int | None:
     """The prompt's tokens as a reply's ``usage`` says (``prompt_tokens``), or None."""
     if b'"prompt_tokens"' in data and (found := _PROMPT_TOKENS.search(data)):

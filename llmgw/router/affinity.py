@@ -30,11 +30,14 @@ them: sixteen on four replicas went 5/5/4/2 in ``tools/bench_goodput.py``, and
 the replicas with five lost turns to eviction and had their later turns moved
 by the load bound. So a new conversation (a first turn with no session hint,
 of which no candidate holds anything) goes to the first replica in the
-rendezvous order that has had no more than an even share (by weight) of the
-model's recent new conversations (``PrefixIndex.placed``: counted where each
-went, all decayed by 1/``PLACEMENTS`` at each, so that a replica that joins
-takes its share from then on). That run then moved no turn and lost none, and
-its engines computed 0.54x the prompt tokens they had. A router that has not
+rendezvous order that has had fewer than ``EVEN`` more (per weight) of the
+model's recent new conversations than the one that has had the fewest
+(``PrefixIndex.placed``: counted where each went, all decayed by
+1/``PLACEMENTS`` at each, so that a replica that joins takes its share from then
+on). That run then moved no turn and lost none, and its engines computed 0.54x
+the prompt tokens they had. (A first rule, no more than the ceiling of an even
+share, let a replica whose early conversations' counts had decayed take a fifth
+of sixteen one time in four: 5/4/4/3, and the fifth evicted the others.) A router that has not
 seen the conversation cannot know where it was placed, so where several routers
 share the fleet (standalone routers report to the control plane, each worker
 one) every router, the server's included, places by rendezvous alone and they
@@ -45,9 +48,10 @@ order whose work after taking this request stays within ``ceil(bound x its share
 of the work of all candidates, this request included)`` takes it; the least
 loaded always is within it. A preferred replica past its bound is *overruled*
 and the request goes on down the order (a spilled conversation spills to the
-same replica each turn). Work is the balancer's ``score`` times weight: the
-engine's own queue where its gauges are fresh (other routers' traffic
-included), else this router's count. ``bound`` is:
+same replica each turn). Work is the requests on a replica, running or
+waiting, each counted once (``_requests``: this router's, and where the engine's
+gauges are fresh the other routers' as it said), not the balancer's score,
+which counts a waiting request twice. ``bound`` is:
 
 - the replica's ``affinity_bound`` (the catalog's ``routing.affinity_bound``,
   1.5 unless set) when the request is a later turn of a conversation (which
@@ -56,7 +60,10 @@ included), else this router's count. ``bound`` is:
   this router knows the replica holds some of the prompt, or when the request
   is routed by its session hint alone; and such a request stays, past that
   bound, while the replica has a free slot to start it in at once (the engine
-  says how many requests it runs at once: llama.cpp's slots). A cache hit saves
+  says how many requests it runs at once: llama.cpp's slots), or while the wait
+  for one is shorter than computing what the replica holds of the prompt again
+  elsewhere (``pace``: how fast the replica computes a prompt and frees a slot,
+  as its replies say). A cache hit saves
   a whole prefill, and waiting behind one more request costs a share of a step,
   so the default leans to the cache: on two replicas a bound of 1.25 already sends a
   third request away from a replica holding two while the other holds none,
@@ -84,6 +91,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from llmgw.router.pace import held_bytes
 from llmgw.router.prefix import PromptKey, rendezvous
 
 if TYPE_CHECKING:
@@ -92,6 +100,9 @@ if TYPE_CHECKING:
 
 BOUND = 1.5  # a preferred replica takes at most this many times its share of the work
 PLACEMENTS = 32  # new conversations counted per model (decayed), to place the next evenly
+# a new conversation goes to a replica with fewer than this many (per weight) more of the
+# recent ones than the one with the fewest
+EVEN = 0.5
 
 
 @attrs.frozen
@@ -123,38 +134,40 @@ def pick(
     """The choice among ``admissible`` (the balancer's candidates below their
     thresholds: score, endpoint, fresh load); None when none of them routes by
     affinity (the balancer's own choice stands). ``even``: a new conversation goes
-    where no more than an even share of the recent ones went (this router is the only
-    one; see the module docstring)."""
+    where about the fewest of the recent ones went (this router is the only one; see
+    the module docstring)."""
     ranked = _order(admissible, key)
     if not ranked:
         return None
     total = 0.0
     weights = 0.0
-    for value, ep, _ in admissible:
-        total += value * ep.weight
+    for _, ep, load in admissible:
+        total += _requests(ep, load)
         weights += ep.weight
     # a new conversation (a first turn, no session hint) placed evenly: among the
     # replicas that hold none of it, those with room for another of the recent ones
     fresh = even and bool(key.blocks) and not key.later and not key.session
-    placed = shares = 0.0
-    if fresh:
-        for _, (_, ep, _) in ranked:
-            placed += ep.prefix.placed
-            shares += ep.weight
+    least = min(ep.prefix.placed / ep.weight for _, (_, ep, _) in ranked) if fresh else 0.0
 
     def room(held: int, ep: Endpoint) -> bool:
         if not fresh or held:
             return True
-        return ep.prefix.placed + 1 <= math.ceil(ep.weight * (placed + 1) / shares - 1e-9)
+        return ep.prefix.placed / ep.weight < least + EVEN
 
     preferred = next((ep for held, (_, ep, _) in ranked if room(held, ep)), ranked[0][1][1])
     for held, (value, ep, load) in ranked:
         kept = bool(held or key.later or not key.blocks)
         bound = ep.affinity_bound if kept else 1.0
         cap = math.ceil(bound * ep.weight * (total + 1) / weights - 1e-9)
-        if kept and load is not None and load.slots:  # a free slot starts it at once
-            cap = max(cap, math.floor(load.slots))
-        if value * ep.weight + 1 <= cap and room(held, ep):
+        requests = _requests(ep, load)
+        within = requests + 1 <= cap
+        if not within and kept and load is not None and load.slots:
+            # a free slot starts it at once; a slot that frees sooner than what it holds
+            # would take to compute again elsewhere is worth waiting for (``pace``)
+            slots = math.floor(load.slots)
+            shared = held_bytes(held, key.size, ep.prefix.kept)
+            within = requests + 1 <= slots + ep.pace.patience(shared, slots)
+        if within and room(held, ep):
             overruled = ep is not preferred
             new = fresh and not held
             why = _why(ep, held, key, overruled, preferred, new)
@@ -165,6 +178,19 @@ def pick(
     new = fresh and not held
     why = _why(ep, held, key, ep is not preferred, preferred, new)
     return Pick(ep, value, load, preferred, ep is not preferred, held, why, new=new)
+
+
+def _requests(ep: Endpoint, load: LoadSignals | None) -> float:
+    """The requests on ``ep``, running or waiting, each once: this router's now, and
+    (where its gauges are fresh) the others' as the engine said when read. The
+    balancer's score counts a waiting request again, as worse than a running one, for
+    the least-loaded choice; counted so here, a replica with a queue was past its
+    bound at half its share of requests, and a popular prompt moved while every
+    replica was busy and the move only added work."""
+    if load is None:
+        return float(ep.in_flight)
+    others = (load.running or 0.0) + (load.waiting or 0.0) - ep.in_flight_at_load
+    return ep.in_flight + max(0.0, others)
 
 
 def placed(endpoints: Sequence[Endpoint], chosen: Endpoint) -> None:

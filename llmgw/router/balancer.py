@@ -47,6 +47,7 @@ from llmgw.engines.base import LoadSignals
 from llmgw.router.affinity import Pick
 from llmgw.router.affinity import pick as prefer
 from llmgw.router.breaker import Breaker, BreakerState, Outcome
+from llmgw.router.pace import Pace
 from llmgw.router.prefix import Mode, PrefixIndex, PromptKey
 from llmgw.router.validators import non_negative, optional_non_negative, positive
 
@@ -122,6 +123,9 @@ class Endpoint:
     # how far past its share of the load it still takes what it holds (affinity.BOUND)
     affinity_bound: float = 1.5
     prefix: PrefixIndex = attrs.Factory(PrefixIndex)
+    # how fast it computes a prompt and frees a slot, as its replies say (``pace``):
+    # how long what it holds is worth waiting for
+    pace: Pace = attrs.Factory(Pace)
 
     def start(self, now: float) -> None:
         """A request was sent to it: count it, and tell the breaker."""

@@ -74,6 +74,15 @@ class _EndpointsCollector(Collector):
             "32 (decayed; only while it is the only router and places them evenly)",
             labels=["model", "replica"],
         )
+        pace = GaugeMetricFamily(
+            "llmgw_router_pace",
+            "How fast the replica works, as its engine's replies say (llama.cpp's timings; "
+            "moving averages): prefill_seconds_per_token, slot_seconds (a request's time "
+            "in its slot), bytes_per_token (of the prompt as the router reads it). A turn "
+            "waits for its replica's slot while that is shorter than computing what it "
+            "holds again elsewhere",
+            labels=["model", "replica", "measure"],
+        )
         held = 0
         for ep in self._endpoints():
             state = ep.breaker.state
@@ -89,6 +98,11 @@ class _EndpointsCollector(Collector):
             wedged.add_metric([ep.model, ep.key], 1.0 if ep.wedged else 0.0)
             blocks.add_metric([ep.model, ep.key], len(ep.prefix))
             placed.add_metric([ep.model, ep.key], ep.prefix.placed)
+            if ep.pace.known:
+                p = ep.pace
+                pace.add_metric([ep.model, ep.key, "prefill_seconds_per_token"], p.prefill_ms / 1e3)
+                pace.add_metric([ep.model, ep.key, "slot_seconds"], p.slot_s)
+                pace.add_metric([ep.model, ep.key, "bytes_per_token"], p.bytes_per_token)
             held += ep.prefix.bytes
             if ep.load is not None:
                 for name in _SIGNALS:
@@ -101,6 +115,7 @@ class _EndpointsCollector(Collector):
         yield load
         yield blocks
         yield placed
+        yield pace
         yield GaugeMetricFamily(
             "llmgw_router_prefix_index_bytes",
             "Memory the router's prefix indexes take, about (bounded: 60 MiB at most)",

@@ -68,6 +68,7 @@ BYTES_PER_TOKEN = 4  # to size an index from what a replica holds in tokens
 SHRINK = 0.75  # an index found to overestimate keeps this share
 # an engine reading below the estimate by more than this share of the prompt: missed
 MISS_MARGIN = 0.25
+KEPT_WEIGHT = 0.25  # of the newest reading in ``PrefixIndex.kept``
 
 
 class _Message(msgspec.Struct):
@@ -241,6 +242,9 @@ class PrefixIndex:
     # new conversations this router placed here, decayed as its model's others are
     # placed (``affinity.placed``): about the share of the recent ones it keeps
     placed: float = 0.0
+    # what the replica's readings bore out of the index's estimates: a moving average of
+    # the share of the estimated tokens each reply said it reused (1: all of them)
+    kept: float = 1.0
     # block key -> when it was last sent there (``_STAMPS``), least recently first
     _keys: OrderedDict[int, int] = attrs.field(factory=OrderedDict, init=False)
 
@@ -291,6 +295,8 @@ class PrefixIndex:
         self.cached_tokens += reading.cached
         tokens = round(expected * reading.prompt)
         self.estimated_tokens += tokens
+        if tokens:
+            self.kept += KEPT_WEIGHT * (min(1.0, reading.cached / tokens) - self.kept)
         if expected - actual > MISS_MARGIN:
             self.evicted += 1
             self.capacity = max(MIN_BLOCKS, int(len(self._keys) * SHRINK))

@@ -266,7 +266,7 @@ class Proxy:
             attempts += 1
             tried.add(ep.key)
             if key is not None and choice.affinity is not None:
-                record.affinity(ep.key, ep.prefix, key, choice.affinity, first=attempts == 1)
+                record.affinity(ep, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
                     ep.prefix.record(key.blocks)
                 if choice.affinity.new and attempts == 1:

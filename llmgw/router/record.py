@@ -26,18 +26,21 @@ forged field.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from llmgw.addr import join_hostport
-from llmgw.engines.base import prompt_reuse, reported_prompt
+from llmgw.engines.base import Timings, prompt_reuse, reply_timings, reported_prompt
 from llmgw.http import Request, printable
 from llmgw.router.affinity import Pick
 from llmgw.router.breaker import Outcome
 from llmgw.router.fair import Shares
 from llmgw.router.metrics import RouterMetrics
 from llmgw.router.poison import Crashes
-from llmgw.router.prefix import PrefixIndex, PromptKey, Reading
+from llmgw.router.prefix import PromptKey, Reading
 from llmgw.router.quota import Short, Ticket, prompt_estimate
+
+if TYPE_CHECKING:
+    from llmgw.router.balancer import Endpoint
 
 access_log = logging.getLogger("llmgw.router.access")
 
@@ -107,9 +110,9 @@ class Record:
         # it did not say)
         self.cached: int | None = None
         self.prompt_tokens = 0
-        # the replica last sent the request, its index, the prompt's key and the blocks
-        # the index said it held: what the engine's word is checked against
-        self.estimate: tuple[str, PrefixIndex, PromptKey, int] | None = None
+        # the replica last sent the request, the prompt's key and the blocks its index
+        # said it held: what the engine's word is checked against, and its pace learns from
+        self.estimate: tuple[Endpoint, PromptKey, int] | None = None
 
     def died(self, replica: str, *, answered: bool, alone: bool) -> bool:
         """``replica``'s engine died with the request in flight on it (see
@@ -161,12 +164,10 @@ class Record:
         """Every replica was above its admission thresholds: the answer is a 429."""
         self.metrics.sheds.labels(self.model).inc()
 
-    def affinity(
-        self, replica: str, index: PrefixIndex, key: PromptKey, pick: Pick, *, first: bool
-    ) -> None:
-        """The request goes to ``replica`` as affinity chose (``pick``), its prompt
-        recorded in that replica's ``index``; ``first``: its first attempt (a retry's
-        choice, among the replicas it has not tried, is not counted again)."""
+    def affinity(self, ep: Endpoint, key: PromptKey, pick: Pick, *, first: bool) -> None:
+        """The request goes to ``ep`` as affinity chose (``pick``), its prompt recorded
+        in that replica's index; ``first``: its first attempt (a retry's choice, among
+        the replicas it has not tried, is not counted again)."""
         if first:
             preferred = pick.preferred
             outcome = "overruled" if pick.overruled else "kept"
@@ -174,33 +175,37 @@ class Record:
             preferred.prefix.preferred += 1
             if pick.overruled:
                 preferred.prefix.overruled += 1
-        self.estimate = (replica, index, key, pick.held)
+        self.estimate = (ep, key, pick.held)
 
     def reply_says(self, data: bytes) -> None:
         """Note what a reply (or a stream's event) says of the prompt: what the engine
         reused of it, else at least how many tokens it was (a usage without details)."""
         found = prompt_reuse(data)
         if found is not None:
-            self.reused(*found)
+            self.reused(*found, reply_timings(data))
         elif not self.prompt_tokens and (prompt := reported_prompt(data)):
             self.prompt_tokens = prompt
 
-    def reused(self, cached: int, prompt: int) -> None:
-        """The engine said it reused ``cached`` of the prompt's ``prompt`` tokens."""
+    def reused(self, cached: int, prompt: int, timings: Timings | None = None) -> None:
+        """The engine said it reused ``cached`` of the prompt's ``prompt`` tokens (and
+        what that took: llama.cpp's ``timings``, which its replica's pace learns from)."""
         self.cached, self.prompt_tokens = cached, prompt
         replica = self.replica
         m = self.metrics
         m.prompt_tokens.labels(self.model, replica).inc(prompt)
         m.cached_tokens.labels(self.model, replica).inc(cached)
         estimate = self.estimate
-        if estimate is None or estimate[0] != replica:
+        if estimate is None or estimate[0].key != replica:
             return
-        _, index, key, held = estimate
+        ep, key, held = estimate
+        index = ep.prefix
         evicted = index.evicted
         tokens = index.observe(held, len(key.blocks), Reading(cached, prompt), key.size)
         m.estimated_tokens.labels(self.model, replica).inc(tokens)
         if index.evicted != evicted:
             m.evicted.labels(self.model, replica).inc()
+        if timings is not None:
+            ep.pace.observe(timings, prompt, key.size)
 
     def resumed(self, gap: float) -> None:
         """A broken stream went on from another replica; the client waited ``gap``."""

@@ -20,7 +20,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.engines.base import LoadSignals
+from llmgw.engines.base import LoadSignals, Timings
 from llmgw.router.affinity import placed
 from llmgw.router.balancer import (
     Admission,
@@ -36,6 +36,7 @@ from llmgw.router.balancer import (
     score,
 )
 from llmgw.router.breaker import Breaker, BreakerState
+from llmgw.router.pace import FLEET, READINGS, Pace, held_bytes
 from llmgw.router.prefix import (
     ANCHOR_BYTES,
     BLOCK_BYTES,
@@ -277,6 +278,65 @@ def test_a_turn_stays_past_its_bound_while_its_replica_has_a_free_slot() -> None
     assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
 
 
+def test_a_turn_waits_for_a_slot_while_that_is_shorter_than_computing_it_again() -> None:
+    """Both of its replica's slots busy, the others idle: the bound moves the turn (the
+    test above) until the replica's replies have said how fast it works. Where a slot
+    frees in a second and the ~2,000 tokens it holds of the conversation take seven
+    seconds to compute (a CPU), it waits, up to a queue as long as that prefill;
+    where a slot is held for twenty seconds and the prefill takes a fifth of one (a GPU
+    with long replies), it moves."""
+    endpoints, turns, home = homed(8, 3)
+    for e in endpoints:
+        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
+
+    def busy(n: int) -> None:
+        home.in_flight = home.in_flight_at_load = n
+        home.load = LoadSignals(running=min(n, 2), waiting=max(0, n - 2), slots=2)
+
+    def taught(prompt_ms: float, predicted_ms: float) -> None:
+        home.pace = Pace()
+        for _ in range(READINGS):  # replies that computed 1,000 tokens of 1,400 bytes
+            home.pace.observe(Timings(1000, prompt_ms, predicted_ms), 1000, 1400)
+
+    def where(key: PromptKey) -> Choice:  # as ``send``, but nothing recorded
+        return choose(endpoints, NOW, admission=OPEN, key=key)
+
+    busy(2)
+    assert where(turns[1]).endpoint is not home  # nothing said yet: it moves
+    taught(prompt_ms=3500.0, predicted_ms=500.0)  # 3.5 ms a token; a slot frees in 4 s
+    held = home.prefix.held(turns[1].blocks)
+    saved = home.pace.saved_s(held_bytes(held, turns[1].size, home.prefix.kept))
+    assert 6.0 < saved < 9.0, saved  # ~2,000 tokens at 3.5 ms
+    kept = where(turns[1])
+    assert kept.endpoint is home and not kept.affinity.overruled  # type: ignore[union-attr]
+    # it waits while the queue ahead frees within twice that (its own wait, and the
+    # fleet's time a move would take): 2 slots of 4 s each, one freeing every 2 s
+    queue = math.floor(FLEET * saved * 2 / home.pace.slot_s)
+    assert 4 <= queue <= 8, queue
+    busy(2 + queue - 1)
+    assert where(turns[1]).endpoint is home
+    busy(2 + queue)
+    moved = where(turns[2])
+    assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
+    # a replica whose replies said they reused little of what the index held (it evicted
+    # them, or ran them in another slot) is not waited for as if it held them
+    busy(3)
+    assert where(turns[1]).endpoint is home
+    for _ in range(8):
+        home.prefix.observe(held, len(turns[1].blocks), Reading(40, 2000), turns[1].size)
+    assert home.prefix.held(turns[1].blocks) == held and home.prefix.kept < 0.25
+    assert where(turns[1]).endpoint is not home
+    # a GPU's pace: prefill at 0.1 ms a token, a slot held 20 s by a long reply
+    endpoints, turns, home = homed(9, 2)
+    for e in endpoints:
+        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
+    taught(prompt_ms=100.0, predicted_ms=20000.0)
+    busy(2)
+    shared = held_bytes(home.prefix.held(turns[1].blocks), turns[1].size, home.prefix.kept)
+    assert home.pace.patience(shared, 2) == 0
+    assert where(turns[1]).endpoint is not home
+
+
 def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     """Sixteen conversations started one after another on an idle fleet of four: their
     anchors' rendezvous winners split them unevenly (these seeds: 5/5/3/3), and a
@@ -295,6 +355,13 @@ def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     homes = [send(only, key, even=True) for key in firsts]  # type: ignore[arg-type]
     spread = Counter(c.endpoint.key for c in homes)  # type: ignore[union-attr]
     assert sorted(spread.values()) == [4, 4, 4, 4], spread
+    # the next sixteen: a replica whose early conversations' counts had decayed was
+    # below the ceiling of an even share and took a fifth (3/4/4/5); within half a
+    # conversation of the fewest, it does not
+    again = fleet()
+    keys = [prompt_key(body(conversation(seed, 2)[0]), "prefix") for seed in range(116, 132)]
+    went = Counter(send(again, key, even=True).endpoint.key for key in keys)  # type: ignore[arg-type, union-attr]
+    assert sorted(went.values()) == [4, 4, 4, 4], went
     assert all(c.affinity is not None and not c.affinity.overruled for c in homes)
     assert any(c.affinity.why.endswith("of those with room for one") for c in homes)  # type: ignore[union-attr]
     for home, key in zip(homes, seconds, strict=True):

@@ -16,6 +16,7 @@ import trio
 from llmgw.http import Request, Response
 from llmgw.router.app import RouterApp
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
+from llmgw.router.pace import ALPHA, PREFILL_TOKENS
 from llmgw.router.table import RoutingTable
 from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.engines.test_tinymodel import llama_server
@@ -28,15 +29,23 @@ CACHED = re.compile(r"cached=(\d+)/(\d+) end=ok")
 
 
 async def front(
-    nursery: trio.Nursery, url: str, engine: str = "llama.cpp", *, resume: bool = True
+    nursery: trio.Nursery,
+    url: str,
+    engine: str = "llama.cpp",
+    *,
+    resume: bool = True,
+    apps: list[RouterApp] | None = None,
 ) -> openai.AsyncOpenAI:
     """The router in front of ``url``; a stream is relayed as it comes, or (``resume``
-    and a known ``engine``) event by event, to be carried on elsewhere if it breaks."""
+    and a known ``engine``) event by event, to be carried on elsewhere if it breaks.
+    The router is appended to ``apps``."""
     table = RoutingTable()
     route = Route(key="a", model="m", url=url, engine=engine)
     table.apply(Snapshot(version="1", models={"m": ModelRouting()}, routes=[route]))
     keys = KeyRing([ApiKey("t", hash_key(KEY))])
     app = RouterApp(table, keys, access_log=True, resume_streams=resume)
+    if apps is not None:
+        apps.append(app)
     return openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
         api_key=KEY,
@@ -79,6 +88,50 @@ async def test_reuse_is_read_from_whole_and_streamed_chats_and_completions(
     assert len(said) == 5, caplog.text
     assert said[0][0] == 0 and all(c > 0.9 * p for c, p in said[1:3]), said
     assert said[4][0] > 0.9 * said[4][1], said
+
+
+@needs_server
+@pytest.mark.parametrize("resume", [True, False], ids=["by-event", "as-it-comes"])
+async def test_a_replicas_pace_is_learned_from_what_its_replies_say(
+    tmp_path: Path, nursery: trio.Nursery, resume: bool
+) -> None:
+    """The router learns how fast a replica computes a prompt and frees a slot from the
+    ``timings`` llama-server puts in each reply (which the client sees too), and shows
+    it in ``llmgw_router_pace``: the moving averages of what the replies said."""
+    model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=2048)
+    apps: list[RouterApp] = []
+    said: list[dict[str, float]] = []
+    async with llama_server(model, tmp_path, context=2048) as url:
+        client = await front(nursery, url, resume=resume, apps=apps)
+        with trio.fail_after(60):
+            for i in range(4):  # each computed whole: a new prompt each time
+                words = " ".join(f"w{i}x{j}" for j in range(120))
+                chunks = await client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": f"Prompt {i}: {words}"}],
+                    max_tokens=4,
+                    stream=True,
+                )
+                async for chunk in chunks:
+                    if (timings := (chunk.model_extra or {}).get("timings")) is not None:
+                        said.append(timings)
+    assert len(said) == 4 and all(t["prompt_n"] >= PREFILL_TOKENS for t in said), said
+    prefill = slot = 0.0
+    for i, t in enumerate(said):  # the moving averages, as the pace keeps them
+        new_prefill = t["prompt_ms"] / t["prompt_n"] / 1e3
+        new_slot = (t["prompt_ms"] + t["predicted_ms"]) / 1e3
+        prefill = new_prefill if i == 0 else prefill + ALPHA * (new_prefill - prefill)
+        slot = new_slot if i == 0 else slot + ALPHA * (new_slot - slot)
+    registry = apps[0].metrics.registry
+
+    def pace(measure: str) -> float | None:
+        labels = {"model": "m", "replica": "a", "measure": measure}
+        return registry.get_sample_value("llmgw_router_pace", labels)
+
+    assert pace("prefill_seconds_per_token") == pytest.approx(prefill, rel=1e-6)
+    assert pace("slot_seconds") == pytest.approx(slot, rel=1e-6)
+    per = pace("bytes_per_token")
+    assert per is not None and 1.0 < per < 8.0, per
 
 
 async def test_reuse_in_the_same_read_as_the_last_token_is_read(
