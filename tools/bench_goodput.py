@@ -507,7 +507,9 @@ _ACCESS = re.compile(
 
 def from_access_log(log: Path, turns: list[Turn]) -> None:
     """Each turn's replica and what it reused, from the router's access log: the line
-    written as its reply ended (the nearest in time, within 0.25 s)."""
+    written as its reply ended (within 0.25 s), the one saying what the reply's own
+    timings said it reused where there is one (two replies can end within a few ms,
+    and the nearest then may be the other's), else the nearest."""
     lines: list[tuple[float, str, int, int]] = []
     for line in log.read_text(errors="replace").splitlines():
         if m := _ACCESS.match(line):
@@ -516,7 +518,13 @@ def from_access_log(log: Path, turns: list[Turn]) -> None:
     for turn in sorted(turns, key=lambda t: t.ended_at):
         if not lines or not turn.ended_at:
             continue
-        i = min(range(len(lines)), key=lambda i: abs(lines[i][0] - turn.ended_at))
+        said = (turn.cache_n, turn.cache_n + turn.prompt_n) if turn.cache_n >= 0 else None
+
+        def distance(i: int) -> tuple[bool, float]:
+            away = abs(lines[i][0] - turn.ended_at)
+            return (away > 0.25 or lines[i][2:] != said, away)
+
+        i = min(range(len(lines)), key=distance)
         if abs(lines[i][0] - turn.ended_at) <= 0.25:
             _, turn.replica, turn.cached, turn.prompt_tokens = lines.pop(i)
 

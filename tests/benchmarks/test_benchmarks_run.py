@@ -194,3 +194,28 @@ def test_bench_console_measures_every_figure_at_a_tiny_size() -> None:
         assert measure in text, text[-4000:]
     assert "consoles live and showing every change  2 of 2" in text, text[-4000:]
     assert "the pages' console: no errors" in text, text[-4000:]
+
+
+def test_bench_goodput_takes_each_turns_replica_from_the_access_line_that_says_its_reuse(
+    tmp_path: Path,
+) -> None:
+    """Two replies that end 5 ms apart: each turn gets the access log line whose reuse is
+    what its own reply's timings said, not the nearer line (the other turn's), which
+    counted a turn that stayed as moved."""
+    from tools.bench_goodput import Turn, from_access_log
+
+    start = time.mktime(time.strptime("2026-12-05 10:00:00", "%Y-%m-%d %H:%M:%S"))
+
+    def line(at: float, replica: str, cached: int, prompt: int) -> str:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+        return (
+            f"{stamp},{round(at * 1000) % 1000:03d} INFO llmgw.router.access: key=k "
+            f"model=m replica={replica} status=200 time=1.0s cached={cached}/{prompt} end=ok"
+        )
+
+    log = tmp_path / "llmgw.log"
+    log.write_text(line(start + 1.000, "r0", 473, 516) + "\n" + line(start + 1.005, "r1", 39, 574))
+    stayed = Turn("q", cache_n=473, prompt_n=43, ended_at=start + 1.006)
+    other = Turn("q", cache_n=39, prompt_n=535, ended_at=start + 1.001)
+    from_access_log(log, [stayed, other])
+    assert (stayed.replica, stayed.cached, other.replica, other.cached) == ("r0", 473, "r1", 39)
