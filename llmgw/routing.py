@@ -294,6 +294,10 @@ class TrafficView(msgspec.Struct, kw_only=True):
     # the share of the requests that preferred it that went elsewhere, as it was
     # past its load bound (None: none preferred it)
     affinity_overruled: float | None = None
+    # its pace as its replies said (``router.pace``): a prompt token's prefill, and a
+    # request's time in its slot (None: not said enough yet)
+    prefill_ms_per_token: float | None = None
+    slot_s: float | None = None
 
 
 LEASE_PATH = "/v1/leases"

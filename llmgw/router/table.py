@@ -330,6 +330,8 @@ def traffic_view(ep: Endpoint, now: float) -> TrafficView:
         else None,
         affinity_overruled=seen.overruled / seen.preferred if seen.preferred else None,
         cached_blocks=len(seen),
+        prefill_ms_per_token=ep.pace.prefill_ms if ep.pace.known else None,
+        slot_s=ep.pace.slot_s if ep.pace.known else None,
         in_flight=ep.in_flight,
         breaker=ep.breaker.state.value,
         waiting=load.waiting if load else None,

@@ -134,7 +134,7 @@ def test_ctl_table_shows_dash_for_unknown_memory_and_why_gpus_are_excluded() -> 
 
 def test_the_routers_view_of_a_replica_in_words() -> None:
     from llmgw.cli.render import render_traffic
-    from llmgw.engines.base import LoadSignals
+    from llmgw.engines.base import LoadSignals, Timings
     from llmgw.router.balancer import Endpoint
     from llmgw.router.table import traffic_view
     from llmgw.routing import TrafficView
@@ -162,6 +162,11 @@ def test_the_routers_view_of_a_replica_in_words() -> None:
         "3 in flight, WEDGED: 3 requests in flight and no progress for 31 s, breaker open"
     )
     assert render_traffic(None) == "-"  # no router in this server
+    # what its replies said of its pace, once they said enough
+    ep.pace.observe(Timings(400, 2800.0, 1200.0), 420, 600)
+    assert "ms/token" not in render_traffic(as_json())
+    ep.pace.observe(Timings(400, 2800.0, 1200.0), 420, 600)
+    assert render_traffic(as_json()).endswith("prefill 7 ms/token, slot 4 s")
 
 
 async def test_a_request_without_the_token_is_refused_before_its_body(

@@ -36,7 +36,7 @@ from llmgw.router.balancer import (
     score,
 )
 from llmgw.router.breaker import Breaker, BreakerState
-from llmgw.router.pace import FLEET, READINGS, Pace, held_bytes
+from llmgw.router.pace import FLEET, QUEUE_PER_SLOT, READINGS, Pace, held_bytes
 from llmgw.router.prefix import (
     ANCHOR_BYTES,
     BLOCK_BYTES,
@@ -335,6 +335,30 @@ def test_a_turn_waits_for_a_slot_while_that_is_shorter_than_computing_it_again()
     shared = held_bytes(home.prefix.held(turns[1].blocks), turns[1].size, home.prefix.kept)
     assert home.pace.patience(shared, 2) == 0
     assert where(turns[1]).endpoint is not home
+
+
+def test_patience_is_bounded_so_that_a_hot_prompt_still_spreads() -> None:
+    """However slow the prefill against the slot time, a replica takes at most
+    ``QUEUE_PER_SLOT`` waiting requests per slot of a prompt it holds; the next goes on
+    down the order."""
+    endpoints = fleet()
+    for e in endpoints:
+        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
+        for _ in range(READINGS):  # 100 ms a prompt token, a slot free every second
+            e.pace.observe(Timings(1000, 100_000.0, 0.0), 1000, 4000)
+    system = {"role": "system", "content": "Rules. " * 2000}  # 14 KB: ~6 min to compute
+    key = prompt_key(body([system, {"role": "user", "content": "q"}]), "prefix")
+    assert key is not None
+    home = send(endpoints, key).endpoint
+    assert home is not None
+    shared = held_bytes(home.prefix.held(key.blocks), key.size, home.prefix.kept)
+    assert home.pace.patience(shared, 2) == QUEUE_PER_SLOT * 2
+    home.in_flight = home.in_flight_at_load = 2 + QUEUE_PER_SLOT * 2 - 1
+    home.load = LoadSignals(running=2, waiting=QUEUE_PER_SLOT * 2 - 1, slots=2)
+    assert choose(endpoints, NOW, admission=OPEN, key=key).endpoint is home
+    home.in_flight = home.in_flight_at_load = 2 + QUEUE_PER_SLOT * 2
+    home.load = LoadSignals(running=2, waiting=QUEUE_PER_SLOT * 2, slots=2)
+    assert choose(endpoints, NOW, admission=OPEN, key=key).endpoint is not home
 
 
 def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
