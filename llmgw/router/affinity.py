@@ -37,11 +37,12 @@ model's recent new conversations than the one that has had the fewest
 on). That run then moved no turn and lost none, and its engines computed 0.54x
 the prompt tokens they had. (A first rule, no more than the ceiling of an even
 share, let a replica whose early conversations' counts had decayed take a fifth
-of sixteen one time in four: 5/4/4/3, and the fifth evicted the others.) A router that has not
-seen the conversation cannot know where it was placed, so where several routers
-share the fleet (standalone routers report to the control plane, each worker
-one) every router, the server's included, places by rendezvous alone and they
-agree; the server's router says in one log line which it does, when it changes.
+of sixteen one time in four: 5/4/4/3, and the fifth evicted the others.) A
+router that has not seen the conversation cannot know where it was placed, so
+where several routers share the fleet (standalone routers report to the control
+plane, each worker one) every router, the server's included, places by
+rendezvous alone and they agree; the server's router says in one log line which
+it does, when it changes.
 
 Load bound (consistent hashing with bounded loads): the first replica in that
 order whose work after taking this request stays within ``ceil(bound x its share
