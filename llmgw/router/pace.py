@@ -35,8 +35,9 @@ The comparison is against the cost to the fleet, not the request's own time to
 its first token elsewhere: an idle replica always looks quicker to one request,
 and a bound on that moved more turns, not fewer (18 against 9 at four replicas).
 With it, four seeds of the benchmark's conversations moved no turn and lost
-none (0.61-0.75 good/s, 1.28x ``smg``'s on the mean), and the users behind shared
-system prompts went from 0.17-0.31 good/s to 0.29-0.77 (level with ``smg``).
+none (0.61-0.75 good/s, 1.28x ``smg``'s on the mean), and on the users behind
+shared system prompts the router went from 0.67x ``smg``'s goodput (mean of three
+seeds) to level with it (1.03x of four).
 
 Pure: no I/O, no clock.
 """
