@@ -516,17 +516,23 @@ def from_access_log(log: Path, turns: list[Turn]) -> None:
             when = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
             lines.append((when, m[2], int(m[3]), int(m[4])))
     for turn in sorted(turns, key=lambda t: t.ended_at):
-        if not lines or not turn.ended_at:
+        if not turn.ended_at:
             continue
         said = (turn.cache_n, turn.cache_n + turn.prompt_n) if turn.cache_n >= 0 else None
-
-        def distance(i: int) -> tuple[bool, float]:
-            away = abs(lines[i][0] - turn.ended_at)
-            return (away > 0.25 or lines[i][2:] != said, away)
-
-        i = min(range(len(lines)), key=distance)
-        if abs(lines[i][0] - turn.ended_at) <= 0.25:
+        i = _access_line(lines, turn.ended_at, said)
+        if i is not None:
             _, turn.replica, turn.cached, turn.prompt_tokens = lines.pop(i)
+
+
+def _access_line(
+    lines: list[tuple[float, str, int, int]], ended_at: float, said: tuple[int, int] | None
+) -> int | None:
+    """The access line of a reply that ended at ``ended_at``: of those within 0.25 s, the
+    one that says the reuse ``said`` if one does, else the nearest; None: none is near."""
+    near = [i for i in range(len(lines)) if abs(lines[i][0] - ended_at) <= 0.25]
+    if not near:
+        return None
+    return min(near, key=lambda i: (lines[i][2:] != said, abs(lines[i][0] - ended_at)))
 
 
 def moves(sessions: list[Session]) -> tuple[int | None, int | None]:
