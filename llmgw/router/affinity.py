@@ -140,11 +140,14 @@ def pick(
     ranked = _order(admissible, key)
     if not ranked:
         return None
-    total = 0.0
-    weights = 0.0
-    for _, ep, load in admissible:
-        total += _requests(ep, load)
-        weights += ep.weight
+    requests = {ep.key: _requests(ep, load) for _, ep, load in admissible}
+    total = sum(requests.values())
+    weights = sum(ep.weight for _, ep, _ in admissible)
+
+    def within(ep: Endpoint, bound: float) -> bool:
+        """``ep`` stays within ``bound`` x its share of the work with this request."""
+        return requests[ep.key] + 1 <= math.ceil(bound * ep.weight * (total + 1) / weights - 1e-9)
+
     # a new conversation (a first turn, no session hint) placed evenly: among the
     # replicas that hold none of it, those with room for another of the recent ones
     fresh = even and bool(key.blocks) and not key.later and not key.session
@@ -158,17 +161,14 @@ def pick(
     preferred = next((ep for held, (_, ep, _) in ranked if room(held, ep)), ranked[0][1][1])
     for held, (value, ep, load) in ranked:
         kept = bool(held or key.later or not key.blocks)
-        bound = ep.affinity_bound if kept else 1.0
-        cap = math.ceil(bound * ep.weight * (total + 1) / weights - 1e-9)
-        requests = _requests(ep, load)
-        within = requests + 1 <= cap
-        if not within and kept and load is not None and load.slots:
+        takes = within(ep, ep.affinity_bound if kept else 1.0)
+        if not takes and kept and load is not None and load.slots:
             # a free slot starts it at once; a slot that frees sooner than what it holds
             # would take to compute again elsewhere is worth waiting for (``pace``)
             slots = math.floor(load.slots)
             shared = held_bytes(held, key.size, ep.prefix.kept)
-            within = requests + 1 <= slots + ep.pace.patience(shared, slots)
-        if within and room(held, ep):
+            takes = requests[ep.key] + 1 <= slots + ep.pace.patience(shared, slots)
+        if takes and room(held, ep):
             overruled = ep is not preferred
             new = fresh and not held
             why = _why(ep, held, key, overruled, preferred, new)
@@ -181,9 +181,7 @@ def pick(
     held, (value, ep, load) = min(ranked, key=lambda entry: entry[1][0])  # first of equals
     if fresh and not room(held, ep):
         roomy = min((e for e in ranked if room(e[0], e[1][1])), key=lambda e: e[1][0])
-        other = roomy[1][1]
-        cap = math.ceil(other.affinity_bound * other.weight * (total + 1) / weights - 1e-9)
-        if _requests(other, roomy[1][2]) + 1 <= cap:
+        if within(roomy[1][1], roomy[1][1].affinity_bound):
             held, (value, ep, load) = roomy
     new = fresh and not held
     why = _why(ep, held, key, ep is not preferred, preferred, new)
