@@ -271,6 +271,8 @@ async def test_a_conversation_moves_when_its_replica_is_loaded_past_its_bound(
                 nursery.start_soon(hold)
             with trio.fail_after(30):
                 await begun.wait()  # the first runs; the others wait behind it
+                while (await traffic(c))[home]["traffic"]["in_flight"] < 3:
+                    await trio.sleep(0.05)  # all three sent: the bound counts each once
                 await ask(client, turns[1])
             nursery.cancel_scope.cancel()
         moved, cached, _ = await turn(2)
