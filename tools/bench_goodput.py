@@ -132,9 +132,11 @@ class Sizes:
     unique: int = 40  # requests of the unique workload, at a load the replicas can take
     unique_load: float = 0.6
     max_tokens: int = 16
-    cpu_rounds: int = 5  # of the side-by-side router CPU measure, each policy
+    cpu_rounds: int = 7  # of the side-by-side router CPU measure, each policy
     cpu_requests: int = 300  # per round (the workload's requests, repeated)
-    cpu_concurrency: int = 4  # requests at once in a round
+    # requests at once in a round: one, so that where they go cannot change how the
+    # engines deliver their tokens (see ``router_cpu``)
+    cpu_concurrency: int = 1
     slo_factor: float = 2.0  # the TTFT SLO: this many times an unloaded replica's miss
     # set from the calibration unless given (--size NAME=VALUE)
     conversation_rate: float = 0.0  # conversations starting per second
@@ -554,16 +556,20 @@ def moves(sessions: list[Session]) -> tuple[int | None, int | None]:
 
 def bodies(name: str, sizes: Sizes, seed: int) -> list[dict[str, object]]:
     """The workload's requests as they are sent, each earlier turn answered with a reply
-    of ``max_tokens`` words, without the schedule: for what the router spends on them."""
-    out: list[dict[str, object]] = []
+    of ``max_tokens`` words, in the order they come (a later turn a think time after
+    the one before; the replies' own time is left out), without the schedule: for what
+    the router spends on them."""
+    out: list[tuple[float, dict[str, object]]] = []
     for session in workload(name, sizes, seed):
         messages = list(session.prefix)
-        for turn in session.turns:
+        for t, turn in enumerate(session.turns):
             messages.append({"role": "user", "content": turn.question})
-            out.append({"model": "m", "messages": list(messages),
-                        "max_tokens": sizes.max_tokens, "stream": True})  # fmt: skip
+            body = {"model": "m", "messages": list(messages), "max_tokens": sizes.max_tokens,
+                    "stream": True}  # fmt: skip
+            out.append((session.start + t * session.think_s, body))
             messages.append({"role": "assistant", "content": " ".join(["word"] * sizes.max_tokens)})
-    return out
+    out.sort(key=lambda entry: entry[0])  # stable: a conversation's turns stay in order
+    return [body for _, body in out]
 
 
 def decision_cost(name: str, sizes: Sizes, seed: int, replicas: int) -> tuple[float, float]:
@@ -656,9 +662,19 @@ def router_cpu(names: list[str], sizes: Sizes, seed: int, args: argparse.Namespa
     requests (as sent, with their earlier replies) go through one, then the other, in
     rounds that alternate which goes first, ``cpu_rounds`` times. Each round's figure:
     the router's CPU over the round less its idle rate, per request answered.
-    Reported: the median round of each. (One router with both as two models would
-    rule out a difference between two processes, but a static engine serves one
-    model of a catalog.)"""
+    Reported: the median round of each.
+
+    One request at a time (``cpu_concurrency``): a router's CPU per streamed request
+    depends on how the engine delivers the tokens (one event per wake-up, or several
+    read at once), and where requests go changes that. With four at once, the
+    load-only router spent 1.27x as much per request sending them all to one of the
+    two engines as spreading them over both (4.78 against 3.77 ms, the shared
+    workload, median of 7 rounds), and the prefix router, which keeps a prompt's
+    requests on the replica that holds it, paid for that more than for its choice
+    (1.10-1.15x load-only four at once; 1.03-1.07x one at a time). One at a time,
+    both routers see the engines alike, and the difference is the choice.
+    (One router with both as two models would rule out a difference between two
+    processes, but a static engine serves one model of a catalog.)"""
     workdir = args.workdir / "cpu"
     workdir.mkdir(parents=True, exist_ok=True)
     engine_procs = Procs(workdir)

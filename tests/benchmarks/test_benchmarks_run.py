@@ -219,3 +219,19 @@ def test_bench_goodput_takes_each_turns_replica_from_the_access_line_that_says_i
     other = Turn("q", cache_n=39, prompt_n=535, ended_at=start + 1.001)
     from_access_log(log, [stayed, other])
     assert (stayed.replica, stayed.cached, other.replica, other.cached) == ("r0", 473, "r1", 39)
+
+
+def test_bench_goodputs_cpu_measure_sends_a_conversations_turns_in_the_order_they_come() -> None:
+    """The router CPU measure's requests interleave conversations as their turns arrive
+    (a turn comes a think time after the one before): never a conversation's turns
+    back to back, which a closed loop then sent at once, all to the replica holding it,
+    and what that did to the engines' pace, not the choice, set the router's CPU."""
+    from tools.bench_goodput import Sizes, bodies
+
+    sizes = Sizes()
+    sizes.conversations, sizes.conversation_rate = 16, 0.5
+    sent = bodies("multiturn", sizes, 1)
+    firsts = [str(body["messages"][1]["content"]) for body in sent]  # type: ignore[index]
+    assert len(sent) == 16 * sizes.turns
+    for i in range(len(sent) - 1):
+        assert firsts[i] != firsts[i + 1], f"requests {i} and {i + 1} are one conversation's"
