@@ -309,17 +309,15 @@ class Transcript:
             if self._keep:
                 shown["token_ids"] = ids
             choices.append(shown)
-        out = self._shell(choices)
-        if obj.get("usage"):
-            n = len(self._ids)
-            out["usage"] = {
-                "prompt_tokens": self._prompt_tokens,
-                "completion_tokens": n,
-                "total_tokens": self._prompt_tokens + n,
-            }
-        elif not choices:
-            return None
-        return b"data: " + _encode(out)
+        shown_choices = b"data: " + _encode(self._shell(choices)) if choices else b""
+        if not (obj.get("usage") and self._usage_asked):
+            return shown_choices or None  # usage the client did not ask for is not shown
+        # as OpenAI streams it: an event of its own, with no choices
+        n = len(self._ids)
+        counts = {"prompt_tokens": self._prompt_tokens, "completion_tokens": n}
+        usage = {**self._shell([]), "usage": {**counts, "total_tokens": sum(counts.values())}}
+        shown_usage = b"data: " + _encode(usage)
+        return shown_choices + _END + shown_usage if shown_choices else shown_usage
 
     def ending(self) -> bytes:
         """The last event of a stream that reached ``max_tokens`` just as it broke."""

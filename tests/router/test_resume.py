@@ -6,6 +6,7 @@ must read exactly what an unbroken greedy run gives, under one id."""
 
 from __future__ import annotations
 
+import json
 import signal
 from functools import partial
 from pathlib import Path
@@ -87,8 +88,9 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
     silent: found by nothing heard from it, ``router.silent_after_s``; with that off,
     by the stream's own ``idle_timeout_s``, here 2 s): the client's one stream carries
     on from the other replica, with the same id, created time and model throughout,
-    and its text is byte for byte an unbroken greedy run's; the metrics count one
-    stream resumed."""
+    and its text is byte for byte an unbroken greedy run's, with no usage the client
+    did not ask for (the continuation's engine is asked for it, as every stream's is);
+    the metrics count one stream resumed."""
     model = write_model(tmp_path / "never.gguf", ends_after=None, context_length=LONGER_CONTEXT)
     procs: list[trio.Process] = []
     async with (
@@ -117,6 +119,7 @@ async def test_a_failed_engines_stream_goes_on_from_another_replica_exactly(
             n = 0
             async for chunk in stream:
                 identity.add((chunk.id, chunk.created, chunk.model))
+                assert chunk.usage is None, chunk  # not asked for
                 for choice in chunk.choices:
                     assert choice.index == 0
                     text.append(choice.delta.content or "")
@@ -215,6 +218,43 @@ def test_a_continuation_is_shown_in_the_clients_shape(chat: bool) -> None:
     assert (b'"delta":{"content":" there"}' if chat else b'"text":" there"') in out
     assert b'"finish_reason":"length"' in out
     assert t.ids == [42, 7]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_continuations_usage_is_shown_as_openai_streams_it_and_only_when_asked(
+    asked: bool,
+) -> None:
+    """The continuation's engine is asked for the usage (every stream's is, for its
+    tenant): its last event's usage reaches a client that asked as OpenAI sends it,
+    an event of its own with no choices after the last choice's, counting the whole
+    stream; a client that did not ask sees none."""
+    options = ',"stream_options":{"include_usage":true}' if asked else ""
+    raw = b'{"model":"m","stream":true,"max_tokens":5,"prompt":"go"%s}' % options.encode()
+    t = plan(raw, chat=True)
+    assert isinstance(t, Transcript)
+    t.request("llama.cpp")
+    t.observe(
+        b'data: {"id":"x1","created":7,"model":"m","object":"chat.completion.chunk",'
+        b'"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null,'
+        b'"logprobs":{"content":[{"id":42,"token":"Hi","prob":1.0,"top_probs":[]}]}}]}'
+    )
+    t.continuation([1, 2, 3], [42])
+    out = t.translate(
+        b'data: {"id":"o","created":9,"model":"x","object":"text_completion",'
+        b'"choices":[{"index":0,"text":" there","finish_reason":"length",'
+        b'"logprobs":{"content":[{"id":7,"token":" there","prob":1.0,"top_probs":[]}]}}],'
+        b'"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}'
+    )
+    assert out is not None
+    events = [json.loads(e.removeprefix(b"data: ")) for e in out.split(b"\n\n")]
+    assert events[0]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in events[0]
+    if asked:
+        assert len(events) == 2
+        assert events[1]["choices"] == [] and events[1]["id"] == "x1"
+        assert events[1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    else:
+        assert len(events) == 1
 
 
 @needs_server
