@@ -116,7 +116,10 @@ class Sizes:
     conversations: int = 0
     turns: int = 4
     doc_chars: int = 600  # about 440 tokens of this model, 3.6 MiB of its KV
-    think_s: float = 10.0  # a user reads the reply and types the next question
+    # a user reads the reply and types the next question: this many times an idle
+    # miss's whole reply (the loads below were set with 10 s where that took 3.4 s; a
+    # fixed time offered a machine four times as fast a quarter of the load)
+    think_factor: float = 3.0
     # conversations start at this many times the rate the fleet could serve if their
     # turns came back to back, every prompt computed whole; they do not (a turn waits
     # for the reply and the think time), so the load offered is less: at 3.0 eight
@@ -143,6 +146,7 @@ class Sizes:
     request_rate: float = 0.0  # shared requests per second
     unique_rate: float = 0.0
     slo_s: float = 0.0
+    think_s: float = 0.0
 
     def calibrate(self, miss: Miss, replicas: int, cores: int) -> None:
         """Rates and SLO from ``miss`` (what is set already stays). Replicas run one
@@ -155,6 +159,7 @@ class Sizes:
         self.request_rate = self.request_rate or self.shared_load * per_s
         self.unique_rate = self.unique_rate or self.unique_load * per_s
         self.slo_s = self.slo_s or self.slo_factor * miss.ttft_s
+        self.think_s = self.think_s or self.think_factor * miss.total_s
 
 
 @dataclass
@@ -848,8 +853,8 @@ def main(argv: list[str] | None = None) -> int:
             miss = calibrate(model, sizes, args.workdir, args.cache_ram_mib)
         sizes.calibrate(miss, args.replicas, cores)
         print(f"# one replica's miss, idle: TTFT {miss.ttft_s:.2f} s, whole reply "
-              f"{miss.total_s:.2f} s; rates per second: conversations "
-              f"{sizes.conversation_rate:.3f}, shared {sizes.request_rate:.3f}, unique "
+              f"{miss.total_s:.2f} s; think time {sizes.think_s:.1f} s; rates per second: "
+              f"conversations {sizes.conversation_rate:.3f}, shared {sizes.request_rate:.3f}, unique "
               f"{sizes.unique_rate:.3f}", flush=True)  # fmt: skip
         print(f"# {which} model, {args.replicas} replicas x {SLOTS} slots, 1 thread each "
               f"on {cores} cores, {sizes.conversations} conversations, "

@@ -226,12 +226,30 @@ def test_bench_goodputs_cpu_measure_sends_a_conversations_turns_in_the_order_the
     (a turn comes a think time after the one before): never a conversation's turns
     back to back, which a closed loop then sent at once, all to the replica holding it,
     and what that did to the engines' pace, not the choice, set the router's CPU."""
-    from tools.bench_goodput import Sizes, bodies
+    from tools.bench_goodput import Miss, Sizes, bodies
 
     sizes = Sizes()
-    sizes.conversations, sizes.conversation_rate = 16, 0.5
+    sizes.calibrate(Miss(ttft_s=2.9, total_s=3.4), replicas=4, cores=2)
     sent = bodies("multiturn", sizes, 1)
     firsts = [str(body["messages"][1]["content"]) for body in sent]  # type: ignore[index]
     assert len(sent) == 16 * sizes.turns
     for i in range(len(sent) - 1):
         assert firsts[i] != firsts[i + 1], f"requests {i} and {i + 1} are one conversation's"
+
+
+def test_bench_goodputs_workloads_load_a_fast_machine_as_they_load_a_slow_one() -> None:
+    """Every time in a workload follows the machine's measured miss: on a machine four
+    times as fast, conversations start four times as often and their users think a
+    quarter as long (a fixed think time offered it a quarter of the load)."""
+    from tools.bench_goodput import Miss, Sizes, workload
+
+    def timed(total_s: float) -> list[tuple[float, float]]:
+        sizes = Sizes()
+        sizes.calibrate(Miss(ttft_s=0.85 * total_s, total_s=total_s), replicas=4, cores=2)
+        return [(s.start, s.think_s) for s in workload("multiturn", sizes, 1)]
+
+    slow, fast = timed(3.4), timed(0.85)
+    assert len(slow) == len(fast) == 16
+    for (start, think), (start_fast, think_fast) in zip(slow, fast, strict=True):
+        assert think > 0
+        assert abs(start - 4 * start_fast) < 1e-6 and abs(think - 4 * think_fast) < 1e-6
