@@ -12,8 +12,9 @@ The order of preference, from the request's ``PromptKey``:
 
 1. a replica this router knows holds the prompt's whole first turn (it has seen
    this conversation): the one holding the most of the prompt first, and of those
-   holding as much, the one it was sent to last (where the latest turn went, and
-   its reply, which blocks of 512 bytes do not tell apart);
+   holding as much, for a later turn the one it was sent to last (where the latest
+   turn went, and its reply, which blocks of 512 bytes do not tell apart), for a
+   first turn the least loaded;
 2. the anchor's rendezvous winner: the same in every router process, warm or
    cold, for every request of a conversation (or of one long system prompt, or
    of one session);
@@ -214,7 +215,14 @@ def _order(
     admissible: Sequence[tuple[float, Endpoint, LoadSignals | None]], key: PromptKey
 ) -> list[tuple[int, tuple[float, Endpoint, LoadSignals | None]]]:
     """The candidates that route by affinity, most preferred first, each with the
-    blocks this router knows it holds."""
+    blocks this router knows it holds.
+
+    Of replicas holding as much of the prompt, a conversation's later turn prefers
+    the one its last turn went to (its reply is there, which blocks of 512 bytes do
+    not tell apart), and a first turn the least loaded (by the balancer's score): what
+    they hold is a prompt it shares with others (a system prompt, or the same first
+    turn), alike in each, and the one sent it last may still be computing it, which
+    llama.cpp does again for a request that finds another slot free."""
     entries = [entry for entry in admissible if entry[1].affinity != "off"]
     if not entries:
         return []
@@ -223,9 +231,15 @@ def _order(
     anchor = [rendezvous(key.anchor, entry[1].key, entry[1].weight) for entry in entries]
     top = max(range(len(entries)), key=lambda i: anchor[i])
     seen = max(1, key.turn_blocks)
+
+    def tie(i: int) -> float:
+        if key.later:  # of equal holders, where the last turn went: its reply is there too
+            return -entries[i][1].prefix.last_sent(blocks, held[i])
+        return entries[i][0]  # a first turn: the least loaded
+
     known = sorted(
         (i for i in range(len(entries)) if held[i] >= seen),
-        key=lambda i: (-held[i], -entries[i][1].prefix.last_sent(blocks, held[i]), -anchor[i]),
+        key=lambda i: (-held[i], tie(i), -anchor[i]),
     )
     first = known or [top]
     rest = [i for i in range(len(entries)) if i not in first]

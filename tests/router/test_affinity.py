@@ -260,6 +260,35 @@ def test_turns_move_when_their_replica_is_past_its_load_bound_and_come_back() ->
     assert back.endpoint is moved.endpoint and not back.affinity.overruled  # type: ignore[union-attr]
 
 
+def test_a_first_turn_goes_to_the_least_loaded_of_the_replicas_holding_its_system_prompt() -> None:
+    """A hot system prompt spilled from its replica to another, which holds it too now,
+    and was sent it last; its own replica is idle again. A new user's first turn goes to
+    the idle one: both hold all of the prompt it shares, and the one sent it last may
+    still be computing it (llama.cpp computes it again in a free slot). A conversation's
+    later turn does go where the last turn went, its reply with it (the test above)."""
+    endpoints = fleet()
+    system = {"role": "system", "content": "Rules. " * (ANCHOR_BYTES // 6)}
+
+    def user(i: int) -> PromptKey:
+        key = prompt_key(body([system, {"role": "user", "content": f"q{i}"}]), "prefix")
+        assert key is not None
+        return key
+
+    home = send(endpoints, user(0)).endpoint
+    assert home is not None
+    home.in_flight = 6  # past its bound (no engine gauges: no slots to wait for)
+    spilled = send(endpoints, user(1)).endpoint
+    assert spilled is not None and spilled is not home
+    spilled.start(NOW)
+    for e in endpoints:
+        if e not in (home, spilled):
+            e.in_flight = 2  # the others busy, so that the spilled one is within its bound
+    home.in_flight = 0
+    back = send(endpoints, user(2))
+    assert back.endpoint is home, back.reason
+    assert back.affinity is not None and back.affinity.held == spilled.prefix.held(user(2).blocks)
+
+
 def test_a_turn_stays_past_its_bound_while_its_replica_has_a_free_slot() -> None:
     """Four replicas, the conversation's with one request of two slots busy, the rest
     idle: past 1.5 times its share (one of the two in flight), but a free slot starts
