@@ -45,7 +45,8 @@ Figures per run: goodput (requests per second whose time to first token met
 (their own counters: ``llamacpp:prompt_tokens_total`` computed, and
 ``prompt_tokens_cached_total`` reused), the hit rate an oracle would reach (a
 router that finds, for every request, every token that an earlier request or
-reply left in some cache, with caches that never evict: an upper bound), load
+reply left in some cache, with caches that never evict: an upper bound; a prompt
+is in a cache from its request's first token on, not from when it was sent), load
 imbalance (max over mean of the replicas' busy time, the engines' own prompt
 and generation seconds), and, from the router's access log, how many later turns
 of a session went to another replica than the turn before (``moved``) and how many
@@ -196,6 +197,7 @@ class Turn:
     # tokens it found cached and the ones it computed; -1: not said
     cache_n: int = -1
     prompt_n: int = -1
+    sent_at: float = 0.0  # wall clock (time.time()) when it was sent
     ended_at: float = 0.0  # wall clock (time.time()) when its reply ended
     # from the router's access log (llmgw's policies): the replica that answered, and
     # the prompt tokens it reused of how many; "" / -1: not known
@@ -257,19 +259,26 @@ def workload(name: str, sizes: Sizes, seed: int) -> list[Session]:
 
 def oracle(sessions: list[Session]) -> None:
     """Mark each turn with the characters an oracle finds cached (see the module
-    docstring): for a session's later turns, all of the previous turn and its reply;
-    for a first turn, what it shares with an earlier session's first messages."""
-    seen: dict[str, str] = {}  # group -> the shared messages' text, once a request sent it
-    by_start = sorted(sessions, key=lambda s: s.start)
-    for session in by_start:
-        lead = "".join(m["content"] for m in session.prefix)
+    docstring), from when the run sent each and its first token came: for a
+    session's later turns, all of the previous turn and its reply; for a first turn,
+    the first messages it shares with other sessions, once one of them has had its
+    first token. Until then no cache anywhere holds them (the first is still being
+    computed), and no router could have found them: a first count, from when a
+    request was sent, put 5-7 of the shared workload's 60 requests, sent while the
+    first request of their system prompt was computing it, among the hits."""
+    computed: dict[str, list[float]] = {}  # group -> when its first turns' first tokens came
+    for session in sessions:
+        first = session.turns[0]
+        if first.ttft is not None and first.sent_at:
+            computed.setdefault(session.group, []).append(first.sent_at + first.ttft)
+    for session in sessions:
+        lead = sum(len(m["content"]) for m in session.prefix)
         for i, turn in enumerate(session.turns):
             if i:
                 prev = session.turns[i - 1]
                 turn.shared_chars = prev.prompt_chars + len(prev.reply)
-            elif session.group in seen:
-                turn.shared_chars = len(seen[session.group])
-        seen.setdefault(session.group, lead)
+            elif turn.sent_at and any(at <= turn.sent_at for at in computed.get(session.group, ())):
+                turn.shared_chars = lead
 
 
 # --- processes -----------------------------------------------------------------------------
@@ -390,6 +399,7 @@ async def run_sessions(
             body = {"model": models[next(rr) % len(models)], "messages": messages,
                     "max_tokens": max_tokens, "stream": True}  # fmt: skip
             sent = trio.current_time()
+            turn.sent_at = time.time()
             pieces: list[str] = []
             try:
                 async with client.stream(

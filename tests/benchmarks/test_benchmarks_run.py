@@ -253,3 +253,23 @@ def test_bench_goodputs_workloads_load_a_fast_machine_as_they_load_a_slow_one() 
     for (start, think), (start_fast, think_fast) in zip(slow, fast, strict=True):
         assert think > 0
         assert abs(start - 4 * start_fast) < 1e-6 and abs(think - 4 * think_fast) < 1e-6
+
+
+def test_bench_goodputs_oracle_finds_a_shared_prompt_only_once_it_was_computed() -> None:
+    """Three users behind one system prompt: the second sent while the first's prompt
+    was still computing (before its first token) finds nothing cached, as on every
+    router; the third, sent after it, finds the system prompt. A conversation's later
+    turn finds its earlier turn and reply."""
+    from tools.bench_goodput import Session, Turn, oracle
+
+    system = [{"role": "system", "content": "S" * 600}]
+    first = Turn("a?", ttft=2.0, sent_at=100.0)
+    during = Turn("b?", ttft=2.5, sent_at=101.0)
+    after = Turn("c?", ttft=0.2, sent_at=102.5)
+    later = Turn("d?", ttft=0.2, sent_at=110.0)
+    first.prompt_chars, first.reply = 602, "yes"
+    sessions = [Session(0.0, system, [first, later], group="s0"),
+                Session(1.0, system, [during], group="s0"),
+                Session(2.5, system, [after], group="s0")]  # fmt: skip
+    oracle(sessions)
+    assert [t.shared_chars for t in (first, during, after, later)] == [0, 0, 600, 605]
