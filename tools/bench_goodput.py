@@ -197,6 +197,7 @@ class Turn:
     # tokens it found cached and the ones it computed; -1: not said
     cache_n: int = -1
     prompt_n: int = -1
+    prompt_ms: float = -1.0  # how long the engine computed its prompt
     sent_at: float = 0.0  # wall clock (time.time()) when it was sent
     ended_at: float = 0.0  # wall clock (time.time()) when its reply ended
     # from the router's access log (llmgw's policies): the replica that answered, and
@@ -259,25 +260,33 @@ def workload(name: str, sizes: Sizes, seed: int) -> list[Session]:
 
 def oracle(sessions: list[Session]) -> None:
     """Mark each turn with the characters an oracle finds cached (see the module
-    docstring), from when the run sent each and its first token came: for a
-    session's later turns, all of the previous turn and its reply; for a first turn,
-    the first messages it shares with other sessions, once one of them has had its
-    first token. Until then no cache anywhere holds them (the first is still being
-    computed), and no router could have found them: a first count, from when a
-    request was sent, put 5-7 of the shared workload's 60 requests, sent while the
-    first request of their system prompt was computing it, among the hits."""
-    computed: dict[str, list[float]] = {}  # group -> when its first turns' first tokens came
+    docstring), from when the run's engines computed each: for a session's later
+    turns, all of the previous turn and its reply; for a first turn, the first
+    messages it shares with other sessions, where one of those had its first token
+    (its prompt computed) before this one's engine began computing (its first token
+    less its ``prompt_ms``: a request that waited for a slot began late). Before that
+    no cache anywhere held them, and no router could have found them: a first count,
+    from when a request was sent, put 5-7 of the shared workload's 60 requests, sent
+    while the first request of their system prompt was computing it and given a free
+    slot, among the hits."""
+    computed: dict[str, list[tuple[float, Turn]]] = {}  # group -> (first token, turn)
     for session in sessions:
         first = session.turns[0]
         if first.ttft is not None and first.sent_at:
-            computed.setdefault(session.group, []).append(first.sent_at + first.ttft)
+            computed.setdefault(session.group, []).append((first.sent_at + first.ttft, first))
     for session in sessions:
         lead = sum(len(m["content"]) for m in session.prefix)
         for i, turn in enumerate(session.turns):
             if i:
                 prev = session.turns[i - 1]
                 turn.shared_chars = prev.prompt_chars + len(prev.reply)
-            elif turn.sent_at and any(at <= turn.sent_at for at in computed.get(session.group, ())):
+                continue
+            if not turn.sent_at:
+                continue
+            began = turn.sent_at
+            if turn.ttft is not None and turn.prompt_ms >= 0:
+                began = max(began, turn.sent_at + turn.ttft - turn.prompt_ms / 1000)
+            if any(at <= began for at, t in computed.get(session.group, ()) if t is not turn):
                 turn.shared_chars = lead
 
 
@@ -414,6 +423,7 @@ async def run_sessions(
                         if timings:
                             turn.cache_n = int(timings.get("cache_n", -1))
                             turn.prompt_n = int(timings.get("prompt_n", -1))
+                            turn.prompt_ms = float(timings.get("prompt_ms", -1.0))
                         for choice in event.get("choices") or ():
                             piece = (choice.get("delta") or {}).get("content") or ""
                             if piece:

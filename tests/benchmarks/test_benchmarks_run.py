@@ -256,20 +256,24 @@ def test_bench_goodputs_workloads_load_a_fast_machine_as_they_load_a_slow_one() 
 
 
 def test_bench_goodputs_oracle_finds_a_shared_prompt_only_once_it_was_computed() -> None:
-    """Three users behind one system prompt: the second sent while the first's prompt
-    was still computing (before its first token) finds nothing cached, as on every
-    router; the third, sent after it, finds the system prompt. A conversation's later
-    turn finds its earlier turn and reply."""
+    """Users behind one system prompt, its first computed from 100 s to its first token
+    at 102 s: a second, sent at 101 s and given a free slot at once, began before that
+    and finds nothing cached, as on every router; a third, sent at 101 s too but
+    waiting for a slot until 102.2 s, and a fourth sent at 102.5 s find the system
+    prompt. A conversation's later turn finds its earlier turn and reply."""
     from tools.bench_goodput import Session, Turn, oracle
 
     system = [{"role": "system", "content": "S" * 600}]
-    first = Turn("a?", ttft=2.0, sent_at=100.0)
-    during = Turn("b?", ttft=2.5, sent_at=101.0)
-    after = Turn("c?", ttft=0.2, sent_at=102.5)
-    later = Turn("d?", ttft=0.2, sent_at=110.0)
+    first = Turn("a?", ttft=2.0, sent_at=100.0, prompt_ms=2000)
+    during = Turn("b?", ttft=2.5, sent_at=101.0, prompt_ms=2500)
+    queued = Turn("c?", ttft=1.3, sent_at=101.0, prompt_ms=100)
+    after = Turn("d?", ttft=0.2, sent_at=102.5, prompt_ms=100)
+    later = Turn("e?", ttft=0.2, sent_at=110.0, prompt_ms=100)
     first.prompt_chars, first.reply = 602, "yes"
     sessions = [Session(0.0, system, [first, later], group="s0"),
                 Session(1.0, system, [during], group="s0"),
+                Session(1.0, system, [queued], group="s0"),
                 Session(2.5, system, [after], group="s0")]  # fmt: skip
     oracle(sessions)
-    assert [t.shared_chars for t in (first, during, after, later)] == [0, 0, 600, 605]
+    shared = [t.shared_chars for t in (first, during, queued, after, later)]
+    assert shared == [0, 0, 600, 600, 605]
