@@ -168,7 +168,12 @@ def pick(
             # would take to compute again elsewhere is worth waiting for (``pace``)
             slots = math.floor(load.slots)
             shared = held_bytes(held, key.size, ep.prefix.kept)
-            takes = requests[ep.key] + 1 <= slots + ep.pace.patience(shared, slots)
+            # and a move waits where it goes too, if every other replica is busy
+            others = (entry for entry in admissible if entry[1] is not ep)
+            elsewhere = min(
+                (_queue_s(e, signals, requests) for _, e, signals in others), default=0.0
+            )
+            takes = requests[ep.key] + 1 <= slots + ep.pace.patience(shared, slots, elsewhere)
         if takes and room(held, ep):
             overruled = ep is not preferred
             new = fresh and not held
@@ -200,6 +205,14 @@ def _requests(ep: Endpoint, load: LoadSignals | None) -> float:
         return float(ep.in_flight)
     others = (load.running or 0.0) + (load.waiting or 0.0) - ep.in_flight_at_load
     return ep.in_flight + max(0.0, others)
+
+
+def _queue_s(ep: Endpoint, load: LoadSignals | None, requests: dict[str, float]) -> float:
+    """How long a request sent to ``ep`` now would wait for a slot there (0: one is
+    free, or the engine has not said its slots, or its replies its pace)."""
+    if load is None or not load.slots:
+        return 0.0
+    return ep.pace.queue_s(requests[ep.key], math.floor(load.slots))
 
 
 def placed(endpoints: Sequence[Endpoint], chosen: Endpoint) -> None:

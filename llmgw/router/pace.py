@@ -24,7 +24,9 @@ how many requests past its slots a replica may have and still take one whose
 prompt it holds ``held`` bytes of: while the wait for a slot (those ahead x the
 slot time / slots) is no longer than ``FLEET`` times computing the held part
 again (the request's own time, and as much of another replica's, which every
-request behind it there waits for too), at most ``QUEUE_PER_SLOT`` per slot.
+request behind it there waits for too) plus the wait for a slot where it would go
+instead (``queue_s``: a move to a busy replica waits there too), at most
+``QUEUE_PER_SLOT`` per slot.
 What is held is what the router's index says, discounted by how much of its
 estimates the replica's replies bore out (``PrefixIndex.kept``): a replica that
 evicted what it was thought to hold, or ran a second request of one prompt in
@@ -111,14 +113,22 @@ class Pace:
             return 0.0
         return held / self.bytes_per_token * self.prefill_ms / 1e3
 
-    def patience(self, held: float, slots: int) -> int:
+    def patience(self, held: float, slots: int, elsewhere_s: float = 0.0) -> int:
         """Requests past its ``slots`` the replica may have and still take one whose
         prompt it holds ``held`` bytes of (``held_bytes``): while the wait is no longer
-        than ``FLEET`` times computing that again (0 until its pace is known)."""
+        than ``FLEET`` times computing that again, plus ``elsewhere_s``, the wait for a
+        slot where it would go instead (0 until its pace is known)."""
         if held <= 0 or slots <= 0 or not self.known:
             return 0
-        waits = math.floor(FLEET * self.saved_s(held) * slots / self.slot_s)
+        waits = math.floor((FLEET * self.saved_s(held) + elsewhere_s) * slots / self.slot_s)
         return max(0, min(waits, QUEUE_PER_SLOT * slots))
+
+    def queue_s(self, requests: float, slots: int) -> float:
+        """How long one more request would wait for a slot, with ``requests`` running
+        and waiting (0: a slot is free, or the pace is not known)."""
+        if slots <= 0 or not self.known:
+            return 0.0
+        return max(0.0, requests + 1 - slots) * self.slot_s / slots
 
 
 def held_bytes(held: int, size: int, kept: float) -> float:

@@ -366,6 +366,37 @@ def test_a_turn_waits_for_a_slot_while_that_is_shorter_than_computing_it_again()
     assert where(turns[1]).endpoint is not home
 
 
+def test_a_turn_waits_longer_for_its_replica_when_the_others_are_busy_too() -> None:
+    """Past the queue its prefill is worth, a turn moves while the other replicas have
+    a slot free (the test above). Where every other replica has both slots busy and
+    two waiting, a move would wait there too, and compute the prompt again after: the
+    turn waits at home for as long again (to ``QUEUE_PER_SLOT``)."""
+    endpoints, turns, home = homed(8, 3)
+
+    def busy(e: Endpoint, n: int) -> None:
+        e.in_flight = e.in_flight_at_load = n
+        e.load = LoadSignals(running=min(n, 2), waiting=max(0, n - 2), slots=2)
+        e.load_at = NOW
+
+    for e in endpoints:
+        busy(e, 0)
+        for _ in range(READINGS):  # 3.5 ms a token; a slot frees in 4 s
+            e.pace.observe(Timings(1000, 3500.0, 500.0), 1000, 1400)
+    shared = held_bytes(home.prefix.held(turns[1].blocks), turns[1].size, home.prefix.kept)
+    queue = home.pace.patience(shared, 2)
+    assert 4 <= queue < QUEUE_PER_SLOT * 2, queue
+    busy(home, 2 + queue)
+    moved = choose(endpoints, NOW, admission=OPEN, key=turns[1])
+    assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
+    for e in endpoints:
+        if e is not home:
+            busy(e, 4)
+    stays = choose(endpoints, NOW, admission=OPEN, key=turns[1])
+    assert stays.endpoint is home, stays.reason
+    busy(home, 2 + QUEUE_PER_SLOT * 2)  # the bound on patience still holds
+    assert choose(endpoints, NOW, admission=OPEN, key=turns[1]).endpoint is not home
+
+
 def test_patience_is_bounded_so_that_a_hot_prompt_still_spreads() -> None:
     """However slow the prefill against the slot time, a replica takes at most
     ``QUEUE_PER_SLOT`` waiting requests per slot of a prompt it holds; the next goes on
