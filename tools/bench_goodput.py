@@ -266,7 +266,7 @@ def oracle(sessions: list[Session]) -> None:
     (its prompt computed) before this one's engine began computing (its first token
     less its ``prompt_ms``: a request that waited for a slot began late). Before that
     no cache anywhere held them, and no router could have found them: a first count,
-    from when a request was sent, put 5-7 of the shared workload's 60 requests, sent
+    from when a request was sent, put 3-7 of the shared workload's 60 requests, sent
     while the first request of their system prompt was computing it and given a free
     slot, among the hits."""
     computed: dict[str, list[tuple[float, Turn]]] = {}  # group -> (first token, turn)
