@@ -298,6 +298,9 @@ class TrafficView(msgspec.Struct, kw_only=True):
     # request's time in its slot (None: not said enough yet)
     prefill_ms_per_token: float | None = None
     slot_s: float | None = None
+    # requests that waited for it to compute a prompt they shared with one in flight
+    # there, rather than compute it again in another slot (``router.computing``)
+    prompt_waits: int = 0
 
 
 LEASE_PATH = "/v1/leases"

@@ -223,6 +223,8 @@ def render_traffic(t: TrafficView | None) -> str:
         words.append(f"affinity overruled by load {t.affinity_overruled:.0%}")
     if t.prefill_ms_per_token is not None and t.slot_s is not None:
         words.append(f"prefill {t.prefill_ms_per_token:.3g} ms/token, slot {t.slot_s:.3g} s")
+    if t.prompt_waits:
+        words.append(f"{t.prompt_waits} waited for a prompt it was computing")
     return ", ".join(words)
 
 

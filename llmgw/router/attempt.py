@@ -17,6 +17,7 @@ from llmgw.http.upstream_errors import (
 )
 from llmgw.router.balancer import Endpoint
 from llmgw.router.breaker import Outcome
+from llmgw.router.computing import Computation
 from llmgw.router.room import Room
 from llmgw.router.verdict import Failure
 
@@ -49,12 +50,21 @@ class Lease:
     """One request on one replica: counted from the start, ended exactly once; its end
     wakes the requests queued in its model's ``room`` (``llmgw.router.room``)."""
 
-    __slots__ = ("endpoint", "open", "room", "seq", "sole", "suspect")
+    __slots__ = ("computation", "endpoint", "open", "room", "seq", "sole", "suspect")
 
     def __init__(
-        self, endpoint: Endpoint, now: float, room: Room, *, suspect: bool = False
+        self,
+        endpoint: Endpoint,
+        now: float,
+        room: Room,
+        *,
+        suspect: bool = False,
+        computation: Computation | None = None,
     ) -> None:
+        """``computation``: the prompt it computes there that others may wait for
+        (``llmgw.router.computing``), ended with it."""
         endpoint.start(now)
+        self.computation = computation
         self.suspect = suspect  # counted in ``endpoint.suspects`` while open
         endpoint.suspects += suspect
         self.endpoint = endpoint
@@ -74,6 +84,13 @@ class Lease:
             self.endpoint.suspects -= self.suspect
             self.endpoint.finish(now, outcome)
             self.room.wake()
+            if self.computation is not None:
+                self.computation.end()
+
+    def first_token(self, now: float) -> None:
+        """Its stream's first token came: its prompt is computed."""
+        if self.computation is not None:
+            self.computation.first_token(now)
 
 
 def hostport(url: str) -> tuple[str, int]:

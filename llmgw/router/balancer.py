@@ -47,6 +47,7 @@ from llmgw.engines.base import LoadSignals
 from llmgw.router.affinity import Pick
 from llmgw.router.affinity import pick as prefer
 from llmgw.router.breaker import Breaker, BreakerState, Outcome
+from llmgw.router.computing import Computing
 from llmgw.router.pace import Pace
 from llmgw.router.prefix import Mode, PrefixIndex, PromptKey
 from llmgw.router.validators import non_negative, optional_non_negative, positive
@@ -126,6 +127,9 @@ class Endpoint:
     # how fast it computes a prompt and frees a slot, as its replies say (``pace``):
     # how long what it holds is worth waiting for
     pace: Pace = attrs.Factory(Pace)
+    # the requests in flight on it computing prompt it did not hold, which others
+    # holding the same prompt wait for (``llmgw.router.computing``)
+    computing: Computing = attrs.Factory(Computing)
 
     def start(self, now: float) -> None:
         """A request was sent to it: count it, and tell the breaker."""

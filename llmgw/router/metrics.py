@@ -260,6 +260,23 @@ class RouterMetrics:
             ["model", "replica"],
             registry=r,
         )
+        self.prompt_waits = Counter(
+            "llmgw_router_prompt_waits",
+            "Requests that waited for the replica to finish computing the prompt they "
+            "share with a request in flight there (a second slot would compute it "
+            "again), by whether it did (computed) or the wait would have cost more than "
+            "computing it again (gave_up)",
+            ["model", "replica", "outcome"],
+            registry=r,
+        )
+        self.prompt_wait_seconds = Histogram(
+            "llmgw_router_prompt_wait_seconds",
+            "Time a request waited for its replica to compute the prompt it shares with "
+            "a request in flight there, of those that waited",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
 
         self.queue_wait = Histogram(
             "llmgw_router_queue_seconds",
@@ -303,6 +320,7 @@ class RouterMetrics:
                 self.cached_tokens,
                 self.estimated_tokens,
                 self.evicted,
+                self.prompt_waits,
             ):
                 counter.remove_by_labels({"replica": replica})
 

@@ -73,10 +73,12 @@ from llmgw.router.affinity import placed
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
+from llmgw.router.computing import Computation, wait
 from llmgw.router.errors import openai_error
 from llmgw.router.fair import Shares
 from llmgw.router.hold import Holds
-from llmgw.router.prefix import prompt_key
+from llmgw.router.pace import FLEET, fleet, held_bytes
+from llmgw.router.prefix import PromptKey, prompt_key
 from llmgw.router.record import Record
 from llmgw.router.relay import Relay
 from llmgw.router.resume import NotResumed, Transcript
@@ -265,17 +267,23 @@ class Proxy:
                 self._calm(model, record)
             attempts += 1
             tried.add(ep.key)
+            computing = computation = None
             if key is not None and choice.affinity is not None:
                 record.affinity(ep, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
+                    held_blocks = choice.affinity.held
+                    computing = ep.computing.of(key.blocks, held_blocks)
+                    computation = ep.computing.begin(key.blocks, held_blocks, now, streamed=stream)
                     ep.prefix.record(key.blocks)
                 if choice.affinity.new and attempts == 1:
                     placed(endpoints, ep)
-            lease = Lease(ep, now, room, suspect=suspect)
+            lease = Lease(ep, now, room, suspect=suspect, computation=computation)
             record.sent_to(ep.key, now)
             if place is not None and len(room):
                 room.wake()  # it took room: the next in turn looks (there may be more)
             try:
+                if computing is not None and key is not None and choice.affinity is not None:
+                    await _computed(computing, ep, endpoints, key, choice.affinity.held, record)
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:
                 # The client left (or the server is stopping) mid-attempt. The pool
@@ -454,6 +462,25 @@ async def _wait(room: Room, record: Record, deadline: float, place: int | None) 
             await room.wait(deadline, record.owner, place)
     finally:
         record.queued += trio.current_time() - began
+
+
+async def _computed(
+    computation: Computation,
+    ep: Endpoint,
+    endpoints: list[Endpoint],
+    key: PromptKey,
+    held: int,
+    record: Record,
+) -> None:
+    """Wait for the request in flight on ``ep`` that computes the prompt this one holds
+    ``held`` blocks of there (``llmgw.router.computing``), at most as long as computing
+    that again would cost by the replica's pace (its own, else its model's)."""
+    pace = fleet(ep.pace, (e.pace for e in endpoints))
+    budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
+    start = trio.current_time()
+    ended = await wait(computation, budget)
+    ep.computing.waits += 1
+    record.waited(ep.key, trio.current_time() - start, ended=ended)
 
 
 def _fault(

@@ -70,6 +70,7 @@ class Record:
         "metrics",
         "model",
         "prompt_tokens",
+        "prompt_wait",
         "queued",
         "replica",
         "request",
@@ -97,6 +98,8 @@ class Record:
         self.replica = "-"  # the replica whose answer the client gets
         self.sent: list[str] = []  # the replicas it was sent to, in order
         self.queued = 0.0  # seconds it waited for room on the model's replicas
+        # seconds it waited for a replica to compute the prompt it shares (``computing``)
+        self.prompt_wait = 0.0
         self.held = False  # it waited for a replica of its model to start (``hold``)
         self.shares: Shares | None = None  # where what it used counts for its turn (``fair``)
         self.charged = 0  # what it counted there when first sent (its prompt, estimated)
@@ -151,6 +154,14 @@ class Record:
         """An attempt got its response head."""
         assert self.started is not None
         self.metrics.ttfb.labels(self.model).observe(now - self.started)
+
+    def waited(self, replica: str, seconds: float, *, ended: bool) -> None:
+        """It waited ``seconds`` for another request to compute on ``replica`` the
+        prompt they share (``ended``: it did; else it went on without)."""
+        self.prompt_wait += seconds
+        outcome = "computed" if ended else "gave_up"
+        self.metrics.prompt_waits.labels(self.model, replica, outcome).inc()
+        self.metrics.prompt_wait_seconds.labels(self.model).observe(seconds)
 
     def upstream_error(self, replica: str, kind: str) -> None:
         """An attempt failed at the replica (``kind``: the metric's label)."""
@@ -277,6 +288,8 @@ class Record:
             sent += f" queued={self.queued:.3f}s"
         if self.held:  # ... for a replica of its model to start
             sent += " held=yes"
+        if self.prompt_wait:  # ... for its replica to compute the prompt it shares
+            sent += f" waited={self.prompt_wait:.3f}s"
         access_log.info(
             "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
             "tokens=%d cached=%s end=%s%s",

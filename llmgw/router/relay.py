@@ -153,7 +153,9 @@ class Relay:
         # The fewest scans for the common chunk, one token of content: about 0.5 µs.
         if self._first and b"data:" in chunk:
             self._first = False
-            self._record.first_token(trio.current_time())
+            now = trio.current_time()
+            self._record.first_token(now)
+            self._lease.first_token(now)
         n = chunk.count(_TEXT)
         if n:
             if _EMPTY_TEXT in chunk:

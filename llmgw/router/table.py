@@ -332,6 +332,7 @@ def traffic_view(ep: Endpoint, now: float) -> TrafficView:
         cached_blocks=len(seen),
         prefill_ms_per_token=ep.pace.prefill_ms if ep.pace.known else None,
         slot_s=ep.pace.slot_s if ep.pace.known else None,
+        prompt_waits=ep.computing.waits,
         in_flight=ep.in_flight,
         breaker=ep.breaker.state.value,
         waiting=load.waiting if load else None,

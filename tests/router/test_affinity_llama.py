@@ -22,6 +22,7 @@ from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.engines.test_tinymodel import llama_server
 from tests.realparts import needs_server
 from tests.router.test_app import serve
+from tools.support.slowmodel import write_slow_model
 from tools.support.tinymodel import write_model
 
 KEY = "llmgw-test-key"
@@ -161,3 +162,49 @@ async def test_reuse_in_the_same_read_as_the_last_token_is_read(
         )
         assert "".join([c.choices[0].delta.content or "" async for c in chunks]) == "ab"
     assert CACHED.findall(caplog.text) == [("120", "128")], caplog.text
+
+
+@needs_server
+async def test_a_second_request_of_a_prompt_in_its_prefill_waits_and_finds_it_cached(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two users behind one system prompt, the second arriving while the first's is
+    still being computed: llama-server would give the second its other free slot and
+    compute the whole prompt again there. The router holds it until the first ends
+    (its slot is then idle, holding the prompt), and the engine says it reused it."""
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+    model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
+    apps: list[RouterApp] = []
+    system = "The harbor lantern burns all night and the keeper writes it down. " * 18
+    async with llama_server(model, tmp_path, context=4096, parallel=2) as url:
+        client = await front(nursery, url, apps=apps)
+        replica = apps[0].table.endpoints["m"][0]
+
+        async def ask(question: str) -> None:
+            chunks = await client.chat.completions.create(
+                model="m",
+                messages=[
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+                max_tokens=4,
+                stream=True,
+            )
+            _ = [c async for c in chunks]
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as users:
+                users.start_soon(ask, "Who keeps the lantern?")
+                while not replica.in_flight:  # the first is on its way to the engine
+                    await trio.sleep(0.005)
+                users.start_soon(ask, "When is it lit?")
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
+    assert len(lines) == 2, lines
+    first, second = lines  # each logged as it ends: the second ended last
+    assert "waited=" not in first and "waited=" in second, lines
+    found = [CACHED.search(line) for line in lines]
+    assert all(found), lines
+    cached, prompt = (int(g) for g in found[1].groups())  # type: ignore[union-attr]
+    assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
+    labels = {"model": "m", "replica": "a", "outcome": "computed"}
+    assert apps[0].metrics.registry.get_sample_value("llmgw_router_prompt_waits_total", labels) == 1
