@@ -93,7 +93,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from llmgw.router.pace import held_bytes
+from llmgw.router.pace import Pace, fleet, held_bytes
 from llmgw.router.prefix import PromptKey, rendezvous
 
 if TYPE_CHECKING:
@@ -170,10 +170,12 @@ def pick(
             shared = held_bytes(held, key.size, ep.prefix.kept)
             # and a move waits where it goes too, if every other replica is busy
             others = (entry for entry in admissible if entry[1] is not ep)
+            paces = [e.pace for _, e, _ in admissible]
             elsewhere = min(
-                (_queue_s(e, signals, requests) for _, e, signals in others), default=0.0
+                (_queue_s(e, signals, requests, paces) for _, e, signals in others), default=0.0
             )
-            takes = requests[ep.key] + 1 <= slots + ep.pace.patience(shared, slots, elsewhere)
+            pace = fleet(ep.pace, paces)
+            takes = requests[ep.key] + 1 <= slots + pace.patience(shared, slots, elsewhere)
         if takes and room(held, ep):
             overruled = ep is not preferred
             new = fresh and not held
@@ -207,12 +209,14 @@ def _requests(ep: Endpoint, load: LoadSignals | None) -> float:
     return ep.in_flight + max(0.0, others)
 
 
-def _queue_s(ep: Endpoint, load: LoadSignals | None, requests: dict[str, float]) -> float:
+def _queue_s(
+    ep: Endpoint, load: LoadSignals | None, requests: dict[str, float], paces: list[Pace]
+) -> float:
     """How long a request sent to ``ep`` now would wait for a slot there (0: one is
-    free, or the engine has not said its slots, or its replies its pace)."""
+    free, or the engine has not said its slots, or no replica's replies the pace)."""
     if load is None or not load.slots:
         return 0.0
-    return ep.pace.queue_s(requests[ep.key], math.floor(load.slots))
+    return fleet(ep.pace, paces).queue_s(requests[ep.key], math.floor(load.slots))
 
 
 def placed(endpoints: Sequence[Endpoint], chosen: Endpoint) -> None:

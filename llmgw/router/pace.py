@@ -31,7 +31,8 @@ What is held is what the router's index says, discounted by how much of its
 estimates the replica's replies bore out (``PrefixIndex.kept``): a replica that
 evicted what it was thought to hold, or ran a second request of one prompt in
 another slot and computed it again, is not waited for. Until a replica has said
-enough (``READINGS`` of each), it has no patience, and the bound alone decides.
+enough (``READINGS`` of each), its model's other replicas' pace stands for its own
+(``fleet``); until one of them has, it has no patience, and the bound alone decides.
 
 The comparison is against the cost to the fleet, not the request's own time to
 its first token elsewhere: an idle replica always looks quicker to one request,
@@ -47,6 +48,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -129,6 +131,25 @@ class Pace:
         if slots <= 0 or not self.known:
             return 0.0
         return max(0.0, requests + 1 - slots) * self.slot_s / slots
+
+
+def fleet(own: Pace, others: Iterable[Pace]) -> Pace:
+    """``own`` where it is known; else the mean of the known ``others`` (the same
+    model's other replicas: a new replica's pace until it has said its own, so that a
+    fleet's early moves and waits are paced); else ``own``, not known."""
+    if own.known:
+        return own
+    known = [p for p in others if p.known]
+    if not known:
+        return own
+    n = len(known)
+    return Pace(
+        prefill_ms=sum(p.prefill_ms for p in known) / n,
+        slot_s=sum(p.slot_s for p in known) / n,
+        bytes_per_token=sum(p.bytes_per_token for p in known) / n,
+        prefills=READINGS,
+        replies=READINGS,
+    )
 
 
 def held_bytes(held: int, size: int, kept: float) -> float:

@@ -397,6 +397,26 @@ def test_a_turn_waits_longer_for_its_replica_when_the_others_are_busy_too() -> N
     assert choose(endpoints, NOW, admission=OPEN, key=turns[1]).endpoint is not home
 
 
+def test_a_replica_not_yet_paced_waits_as_its_models_other_replicas_say() -> None:
+    """A replica that has not said its pace (a new one, or every one in a fleet's first
+    seconds) is given its model's other replicas' pace: a turn waits for its slot as
+    long as theirs say it is worth, rather than moving at once."""
+    endpoints, turns, home = homed(8, 3)
+    for e in endpoints:
+        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
+    home.in_flight = home.in_flight_at_load = 3
+    home.load = LoadSignals(running=2, waiting=1, slots=2)
+    moved = choose(endpoints, NOW, admission=OPEN, key=turns[1])
+    assert moved.endpoint is not home  # none has said its pace: the bound alone
+    for e in endpoints:
+        if e is not home:
+            for _ in range(READINGS):  # 3.5 ms a token; a slot frees in 4 s
+                e.pace.observe(Timings(1000, 3500.0, 500.0), 1000, 1400)
+    assert not home.pace.known
+    stays = choose(endpoints, NOW, admission=OPEN, key=turns[1])
+    assert stays.endpoint is home, stays.reason
+
+
 def test_patience_is_bounded_so_that_a_hot_prompt_still_spreads() -> None:
     """However slow the prefill against the slot time, a replica takes at most
     ``QUEUE_PER_SLOT`` waiting requests per slot of a prompt it holds; the next goes on
