@@ -298,8 +298,8 @@ class TrafficView(msgspec.Struct, kw_only=True):
     # request's time in its slot (None: not said enough yet)
     prefill_ms_per_token: float | None = None
     slot_s: float | None = None
-    # requests that waited for it to compute a prompt they shared with one in flight
-    # there, rather than compute it again in another slot (``router.computing``)
+    # requests that waited for a slot of it holding the prompt they shared with requests
+    # in flight there, rather than compute it again in another (``router.computing``)
     prompt_waits: int = 0
 
 

@@ -224,7 +224,7 @@ def render_traffic(t: TrafficView | None) -> str:
     if t.prefill_ms_per_token is not None and t.slot_s is not None:
         words.append(f"prefill {t.prefill_ms_per_token:.3g} ms/token, slot {t.slot_s:.3g} s")
     if t.prompt_waits:
-        words.append(f"{t.prompt_waits} waited for a prompt it was computing")
+        words.append(f"{t.prompt_waits} waited for a slot holding their prompt")
     return ", ".join(words)
 
 

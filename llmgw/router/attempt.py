@@ -17,7 +17,7 @@ from llmgw.http.upstream_errors import (
 )
 from llmgw.router.balancer import Endpoint
 from llmgw.router.breaker import Outcome
-from llmgw.router.computing import Computation
+from llmgw.router.computing import Entry
 from llmgw.router.room import Room
 from llmgw.router.verdict import Failure
 
@@ -50,21 +50,15 @@ class Lease:
     """One request on one replica: counted from the start, ended exactly once; its end
     wakes the requests queued in its model's ``room`` (``llmgw.router.room``)."""
 
-    __slots__ = ("computation", "endpoint", "open", "room", "seq", "sole", "suspect")
+    __slots__ = ("endpoint", "entry", "open", "room", "seq", "sole", "suspect")
 
     def __init__(
-        self,
-        endpoint: Endpoint,
-        now: float,
-        room: Room,
-        *,
-        suspect: bool = False,
-        computation: Computation | None = None,
+        self, endpoint: Endpoint, now: float, room: Room, *, suspect: bool = False
     ) -> None:
-        """``computation``: the prompt it computes there that others may wait for
-        (``llmgw.router.computing``), ended with it."""
         endpoint.start(now)
-        self.computation = computation
+        # the prompt it holds there, which others may wait for a copy of
+        # (``llmgw.router.computing``): ended with it
+        self.entry: Entry | None = None
         self.suspect = suspect  # counted in ``endpoint.suspects`` while open
         endpoint.suspects += suspect
         self.endpoint = endpoint
@@ -84,13 +78,13 @@ class Lease:
             self.endpoint.suspects -= self.suspect
             self.endpoint.finish(now, outcome)
             self.room.wake()
-            if self.computation is not None:
-                self.computation.end()
+            if self.entry is not None:
+                self.entry.end()
 
     def first_token(self, now: float) -> None:
         """Its stream's first token came: its prompt is computed."""
-        if self.computation is not None:
-            self.computation.first_token(now)
+        if self.entry is not None:
+            self.entry.first_token(now)
 
 
 def hostport(url: str) -> tuple[str, int]:

@@ -1,52 +1,61 @@
-"""A prompt a replica is computing now, and the requests that wait for it there.
+"""The requests in flight on a replica, by the prompt they hold there, and the requests
+that wait for one of them to end rather than compute that prompt again.
 
 Theory of operation
 -------------------
 llama.cpp reuses a prompt's KV only from an idle slot (its own, or its host-memory
-cache, which a slot's state enters when the slot takes other work): a second
-request of one system prompt, sent while the first is still in its slot, is given
-another free slot and computes the whole prompt again (llama.cpp issue #27616,
-open), and on a replica whose slots share its compute it slows the first as much.
-Affinity sends both to the replica that holds the prompt, rightly, and the engine
-computes it twice. In ``tools/bench_goodput.py``'s shared system prompts that was
-4-7 of 60 requests a run, each about 430 tokens computed again, nearly all in the
-first seconds, while the first of each prompt was still in its prefill.
+cache, which a slot's state enters when the slot takes other work): a request of a
+system prompt sent while every slot holding that prompt is busy, with the first
+request still computing it or with later ones generating, is given another free
+slot and computes the whole prompt again (llama.cpp issue #27616, open), and on a
+replica whose slots share its compute it slows the others as much. Affinity sends
+them to the replica that holds the prompt, rightly, and the engine computes it
+again. In ``tools/bench_goodput.py``'s shared system prompts that was 4-7 of 60
+requests a run while the first of each prompt was in its prefill, and, once only
+those waited, as many again sent while the one holding the slot was generating.
 
-So, per replica, ``Computing`` knows the requests in flight there that brought it
-blocks of prompt it did not hold (``begin``, as each is sent; ``end``, from its
-``Lease``, as it ends, however), and a request whose held part (what the index
-says the replica holds) includes a block one of them is computing waits for that
-request to end before it is sent (``wait``): its slot is then idle and holds the
-prompt. It is counted on the replica all the while (its ``Lease`` is open), so
+So, per replica, ``Computing`` keeps the requests in flight there (``Entry``: from
+when each is sent until its ``Lease`` ends, however) under every block of their
+prompt, and how many copies of a block the replica is known to have computed
+(one, unless requests were sent while every copy was busy: each of those computed
+another). A request whose held part (what the index says the replica holds of its
+prompt, to its deepest block) is in use by as many requests in flight as there
+are copies waits (``enter``) until one of them ends: a slot is then idle and holds
+the prompt. It is counted on the replica all the while (its ``Lease`` is open), so
 the load bound and the balancer see it, and the client's leaving ends it as any.
+Waiters go one at a time, in the order they came: each that goes is in flight
+again, and the next waits for the next to end.
 
 Bounded, so that waiting never costs more than computing again would:
 
 - where the replica's pace is known (``pace``; its own, else its model's other
   replicas'), at most ``FLEET`` times what computing the held part again would
   take, as a move past the load bound is;
-- where none is, until the request waited for has its first token (a stream's:
-  before it, the prompt is still being computed, and a second computation could be
-  done no sooner), then as long again as that took, which is what computing it
-  again would take at most; a request waited for that is not streamed says no
+- where none is, for the first of those in flight to have its first token (a
+  stream's: before it, the prompt is still being computed, and a second
+  computation could be done no sooner), then as long again as that took, which is
+  what computing it again would take at most; one that is not streamed says no
   first token, and is not waited for;
 - never more than ``WAIT_S``.
 
-All the waiters of one computation go when it ends: the first takes the idle slot
-that holds the prompt, and the others are the engine's to place, as before.
+A request that went on while every copy was busy computes one more (counted, up
+to the replica's slots).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
+
 import trio
 
-WAIT_S = 30.0  # the longest a request waits for a prompt's computation, however paced
+WAIT_S = 30.0  # the longest a request waits for a copy of its prompt to come free
+COPIES = 4096  # blocks whose copies a replica keeps count of (the others have one)
 
 
-class Computation:
-    """One request in flight on a replica, computing ``blocks`` of prompt there."""
+class Entry:
+    """One request in flight on a replica, holding ``blocks`` of prompt there."""
 
-    __slots__ = ("_owner", "blocks", "done", "first", "first_at", "sent_at", "streamed")
+    __slots__ = ("_owner", "blocks", "first", "first_at", "sent_at", "streamed")
 
     def __init__(
         self, owner: Computing, blocks: tuple[int, ...], sent_at: float, *, streamed: bool
@@ -55,79 +64,141 @@ class Computation:
         self.blocks = blocks
         self.sent_at = sent_at
         self.streamed = streamed
-        self.first = trio.Event()  # its first token was relayed (a stream's)
+        self.first = False  # its first token was relayed (a stream's)
         self.first_at = 0.0
-        self.done = trio.Event()  # it ended, however
 
     def first_token(self, now: float) -> None:
-        if not self.first.is_set():
-            self.first_at = now
-            self.first.set()
+        if not self.first:
+            self.first, self.first_at = True, now
+            self._owner.changed()
 
     def end(self) -> None:
-        """It ended (once; later calls do nothing): its blocks are no longer being
-        computed, and whoever waits for them goes."""
-        if not self.done.is_set():
-            self._owner.forget(self)
-            self.first_token(self.sent_at)  # (none came: nothing to wait for past it)
-            self.done.set()
+        """It ended (once; later calls do nothing): the slot it held is idle."""
+        self._owner.leave(self)
 
 
 class Computing:
-    """One replica's requests in flight that brought it prompt it did not hold."""
+    """One replica's requests in flight, by the blocks of prompt they hold there."""
 
-    __slots__ = ("_by_block", "waits")
+    __slots__ = ("_changed", "_copies", "_lines", "_users", "waits")
 
     def __init__(self) -> None:
-        self._by_block: dict[int, Computation] = {}
-        self.waits = 0  # requests that waited here for one, ever (``ctl replicas``)
+        self._users: dict[int, list[Entry]] = {}
+        self._lines: dict[int, deque[object]] = {}  # who waits for a block, in order
+        self._copies: OrderedDict[int, int] = OrderedDict()
+        self._changed = trio.Event()  # set (and replaced) when one ends or has its first token
+        self.waits = 0  # requests that waited here, ever (``ctl replicas``)
 
     def __len__(self) -> int:
-        return len(self._by_block)
+        return len(self._users)
 
-    def of(self, blocks: tuple[int, ...], held: int) -> Computation | None:
-        """The computation in flight of the deepest of the first ``held`` of
-        ``blocks`` (what the index says the replica holds of a prompt), if any."""
-        for block in reversed(blocks[:held]):
-            found = self._by_block.get(block)
-            if found is not None:
-                return found
-        return None
-
-    def begin(
-        self, blocks: tuple[int, ...], held: int, now: float, *, streamed: bool
-    ) -> Computation | None:
-        """A request whose prompt's first ``held`` blocks the replica holds is sent
-        there: the rest, those not already being computed, are its to compute (None:
-        it brings none)."""
-        new = tuple(b for b in blocks[held:] if b not in self._by_block)
-        if not new:
+    def busy(self, blocks: tuple[int, ...], held: int) -> list[Entry] | None:
+        """The requests in flight holding every copy of the first ``held`` of ``blocks``
+        (what the index says the replica holds of a prompt); None: a copy is idle, or
+        nothing is held."""
+        if not held:
             return None
-        computation = Computation(self, new, now, streamed=streamed)
-        for block in new:
-            self._by_block[block] = computation
-        return computation
+        deepest = blocks[held - 1]
+        users = self._users.get(deepest)
+        if not users or len(users) < self._copies.get(deepest, 1):
+            return None
+        return users
 
-    def forget(self, computation: Computation) -> None:
-        for block in computation.blocks:
-            if self._by_block.get(block) is computation:
-                del self._by_block[block]
+    def enter(
+        self, blocks: tuple[int, ...], held: int, now: float, *, streamed: bool, slots: int
+    ) -> Entry:
+        """A request whose prompt's first ``held`` blocks the replica holds is sent there
+        now; if every copy of those is busy, it computes another (up to ``slots``; 0:
+        not known)."""
+        copies = self._copies
+        if self.busy(blocks, held) is not None:
+            for block in blocks[:held]:
+                n = copies.get(block, 1)
+                copies[block] = min(n + 1, slots) if slots else n + 1
+                copies.move_to_end(block)
+            while len(copies) > COPIES:
+                copies.popitem(last=False)
+        for block in blocks[held:]:  # new to it: computed once, now
+            copies.pop(block, None)
+        entry = Entry(self, blocks, now, streamed=streamed)
+        users = self._users
+        for block in blocks:
+            users.setdefault(block, []).append(entry)
+        return entry
+
+    def leave(self, entry: Entry) -> None:
+        users = self._users
+        left = False
+        for block in entry.blocks:
+            holding = users.get(block)
+            if holding is not None and entry in holding:
+                holding.remove(entry)
+                left = True
+                if not holding:
+                    del users[block]
+        if left:
+            self.changed()
+
+    def changed(self) -> None:
+        changed, self._changed = self._changed, trio.Event()
+        changed.set()
+
+    def line(self, block: int) -> deque[object]:
+        """The requests waiting for a copy of ``block``, in the order they came."""
+        return self._lines.setdefault(block, deque())
+
+    def out_of_line(self, block: int, ticket: object) -> None:
+        line = self._lines[block]
+        line.remove(ticket)
+        if not line:
+            del self._lines[block]
+        self.changed()  # the next in line looks
+
+    async def change(self) -> None:
+        """Until a request in flight ends or has its first token."""
+        await self._changed.wait()
 
 
-async def wait(computation: Computation, budget_s: float) -> bool:
-    """Wait for ``computation`` to end, as the module docstring bounds it (``budget_s``:
-    what computing the held part again would cost, by the replica's pace; 0: not
-    known). True: it ended; False: the request goes on without it."""
-    if budget_s <= 0 and not computation.streamed:
-        return computation.done.is_set()
+async def enter(
+    computing: Computing,
+    blocks: tuple[int, ...],
+    held: int,
+    budget_s: float,
+    *,
+    streamed: bool,
+    slots: int,
+) -> tuple[Entry, float, bool]:
+    """Wait while every copy of the held part is busy, or an earlier request waits for
+    one, as the module docstring bounds it (``budget_s``: what computing the held part
+    again would cost, by the replica's pace; 0: not known), then go. Returns the
+    request's entry, how long it waited and whether it found a copy idle."""
     start = trio.current_time()
-    with trio.move_on_at(start + WAIT_S):
-        if budget_s > 0:
-            with trio.move_on_at(start + budget_s):
-                await computation.done.wait()
-        else:
-            await computation.first.wait()  # its prefill is over
-            took = computation.first_at - computation.sent_at
-            with trio.move_on_at(computation.first_at + took):
-                await computation.done.wait()
-    return computation.done.is_set()
+    deadline = start + (min(WAIT_S, budget_s) if budget_s > 0 else WAIT_S)
+    waited = False
+    line = computing.line(blocks[held - 1]) if held else None
+    ticket = object()
+    if line is not None:
+        line.append(ticket)
+    try:
+        while (users := computing.busy(blocks, held)) is not None or (
+            line and line[0] is not ticket
+        ):
+            until = deadline
+            if users and budget_s <= 0:  # unpaced: by the first in flight's time to its first token
+                oldest = min(users, key=lambda e: e.sent_at)
+                if not oldest.streamed:
+                    break
+                if oldest.first:
+                    until = min(until, oldest.first_at + (oldest.first_at - oldest.sent_at))
+            if trio.current_time() >= until:
+                break
+            waited = True
+            with trio.move_on_at(until):
+                await computing.change()
+    finally:
+        if line is not None:
+            computing.out_of_line(blocks[held - 1], ticket)
+    now = trio.current_time()
+    idle = computing.busy(blocks, held) is None
+    entry = computing.enter(blocks, held, now, streamed=streamed, slots=slots)
+    return entry, now - start if waited else 0.0, idle

@@ -262,17 +262,17 @@ class RouterMetrics:
         )
         self.prompt_waits = Counter(
             "llmgw_router_prompt_waits",
-            "Requests that waited for the replica to finish computing the prompt they "
-            "share with a request in flight there (a second slot would compute it "
-            "again), by whether it did (computed) or the wait would have cost more than "
+            "Requests that waited for a slot of the replica holding the prompt they share "
+            "with requests in flight there to come free (another slot would compute it "
+            "again), by whether one did (freed) or the wait would have cost more than "
             "computing it again (gave_up)",
             ["model", "replica", "outcome"],
             registry=r,
         )
         self.prompt_wait_seconds = Histogram(
             "llmgw_router_prompt_wait_seconds",
-            "Time a request waited for its replica to compute the prompt it shares with "
-            "a request in flight there, of those that waited",
+            "Time a request waited for a slot holding the prompt it shares with requests "
+            "in flight on its replica to come free, of those that waited",
             ["model"],
             buckets=_LATENCY,
             registry=r,

@@ -61,6 +61,7 @@ no verdict for its breaker.
 from __future__ import annotations
 
 import logging
+import math
 
 import msgspec
 import trio
@@ -68,12 +69,11 @@ import trio
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamPool
 from llmgw.http.upstream_errors import UpstreamError, UpstreamTimeout
-from llmgw.router import attempt, poison, resume, usage
+from llmgw.router import attempt, computing, poison, resume, usage
 from llmgw.router.affinity import placed
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
-from llmgw.router.computing import Computation, wait
 from llmgw.router.errors import openai_error
 from llmgw.router.fair import Shares
 from llmgw.router.hold import Holds
@@ -267,23 +267,20 @@ class Proxy:
                 self._calm(model, record)
             attempts += 1
             tried.add(ep.key)
-            computing = computation = None
             if key is not None and choice.affinity is not None:
                 record.affinity(ep, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
-                    held_blocks = choice.affinity.held
-                    computing = ep.computing.of(key.blocks, held_blocks)
-                    computation = ep.computing.begin(key.blocks, held_blocks, now, streamed=stream)
                     ep.prefix.record(key.blocks)
                 if choice.affinity.new and attempts == 1:
                     placed(endpoints, ep)
-            lease = Lease(ep, now, room, suspect=suspect, computation=computation)
+            lease = Lease(ep, now, room, suspect=suspect)
             record.sent_to(ep.key, now)
             if place is not None and len(room):
                 room.wake()  # it took room: the next in turn looks (there may be more)
             try:
-                if computing is not None and key is not None and choice.affinity is not None:
-                    await _computed(computing, ep, endpoints, key, choice.affinity.held, record)
+                if key is not None and key.blocks and choice.affinity is not None:
+                    held_blocks = choice.affinity.held
+                    lease.entry = await _enter(ep, endpoints, key, held_blocks, stream, record)
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:
                 # The client left (or the server is stopping) mid-attempt. The pool
@@ -464,23 +461,27 @@ async def _wait(room: Room, record: Record, deadline: float, place: int | None) 
         record.queued += trio.current_time() - began
 
 
-async def _computed(
-    computation: Computation,
+async def _enter(
     ep: Endpoint,
     endpoints: list[Endpoint],
     key: PromptKey,
     held: int,
+    stream: bool,
     record: Record,
-) -> None:
-    """Wait for the request in flight on ``ep`` that computes the prompt this one holds
-    ``held`` blocks of there (``llmgw.router.computing``), at most as long as computing
+) -> computing.Entry:
+    """Send the request to ``ep`` once a copy of the prompt it holds ``held`` blocks of
+    there is idle (``llmgw.router.computing``), waiting at most as long as computing
     that again would cost by the replica's pace (its own, else its model's)."""
     pace = fleet(ep.pace, (e.pace for e in endpoints))
     budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
-    start = trio.current_time()
-    ended = await wait(computation, budget)
-    ep.computing.waits += 1
-    record.waited(ep.key, trio.current_time() - start, ended=ended)
+    slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
+    entry, waited, idle = await computing.enter(
+        ep.computing, key.blocks, held, budget, streamed=stream, slots=slots
+    )
+    if waited:
+        ep.computing.waits += 1
+        record.waited(ep.key, waited, idle=idle)
+    return entry
 
 
 def _fault(

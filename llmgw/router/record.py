@@ -155,11 +155,12 @@ class Record:
         assert self.started is not None
         self.metrics.ttfb.labels(self.model).observe(now - self.started)
 
-    def waited(self, replica: str, seconds: float, *, ended: bool) -> None:
-        """It waited ``seconds`` for another request to compute on ``replica`` the
-        prompt they share (``ended``: it did; else it went on without)."""
+    def waited(self, replica: str, seconds: float, *, idle: bool) -> None:
+        """It waited ``seconds`` for a copy on ``replica`` of the prompt it shares with
+        requests in flight there to come free (``idle``: one did; else it went on to
+        compute another)."""
         self.prompt_wait += seconds
-        outcome = "computed" if ended else "gave_up"
+        outcome = "freed" if idle else "gave_up"
         self.metrics.prompt_waits.labels(self.model, replica, outcome).inc()
         self.metrics.prompt_wait_seconds.labels(self.model).observe(seconds)
 

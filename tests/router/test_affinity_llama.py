@@ -206,5 +206,5 @@ async def test_a_second_request_of_a_prompt_in_its_prefill_waits_and_finds_it_ca
     assert all(found), lines
     cached, prompt = (int(g) for g in found[1].groups())  # type: ignore[union-attr]
     assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
-    labels = {"model": "m", "replica": "a", "outcome": "computed"}
+    labels = {"model": "m", "replica": "a", "outcome": "freed"}
     assert apps[0].metrics.registry.get_sample_value("llmgw_router_prompt_waits_total", labels) == 1

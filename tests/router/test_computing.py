@@ -1,97 +1,118 @@
-"""Waiting for a replica to compute a prompt it is computing already, without a network:
-whose blocks are whose, and how long a request waits by what is known of the replica's
-pace (the real engine's side is ``test_affinity_llama``)."""
+"""Waiting for a copy of a prompt on a replica to come free, without a network: which
+requests hold which blocks, how many copies there are, and how long a request waits
+by what is known of the replica's pace (the real engine's side is
+``test_affinity_llama``)."""
 
 from __future__ import annotations
 
 import trio
 import trio.testing
 
-from llmgw.router.computing import WAIT_S, Computation, Computing, wait
+from llmgw.router.computing import WAIT_S, Computing, Entry, enter
 
-BLOCKS = (11, 12, 13, 14)
+SYSTEM = (11, 12, 13)  # a system prompt's blocks
+ONE = (*SYSTEM, 21)  # two users' prompts behind it
+TWO = (*SYSTEM, 22)
 
 
-def test_a_request_computes_only_the_blocks_no_one_holds_or_computes() -> None:
+def test_a_prompt_is_busy_while_as_many_hold_it_as_there_are_copies() -> None:
     computing = Computing()
-    first = computing.begin(BLOCKS[:3], 1, 0.0, streamed=True)  # held 11 already
-    assert first is not None and first.blocks == (12, 13)
-    assert computing.of(BLOCKS, 1) is None  # 11: held and idle, nothing to wait for
-    assert computing.of(BLOCKS, 3) is first
-    second = computing.begin(BLOCKS, 3, 0.0, streamed=True)  # 12, 13: first's
-    assert second is not None and second.blocks == (14,)
-    assert computing.of(BLOCKS, 4) is second  # the deepest block's computation
-    assert computing.begin(BLOCKS, 4, 0.0, streamed=True) is None
+    assert computing.busy(ONE, 3) is None  # none in flight
+    first = computing.enter(ONE, 0, 0.0, streamed=True, slots=2)  # computes it all
+    assert computing.busy(TWO, 3) == [first]
+    assert computing.busy(TWO, 2) == [first]
+    assert computing.busy(TWO, 0) is None  # it holds nothing of it
     first.end()
     first.end()  # once
-    assert computing.of(BLOCKS, 3) is None and computing.of(BLOCKS, 4) is second
-    assert len(computing) == 1
-    second.end()
-    assert len(computing) == 0
+    assert computing.busy(TWO, 3) is None and len(computing) == 0
+    # one in flight on the one copy; a second sent anyway computes another
+    a = computing.enter(ONE, 3, 1.0, streamed=True, slots=2)
+    b = computing.enter(TWO, 3, 1.0, streamed=True, slots=2)
+    assert computing.busy(ONE, 3) == [a, b]
+    a.end()
+    assert computing.busy(ONE, 3) is None  # two copies, one in flight
+    c = computing.enter(ONE, 3, 2.0, streamed=True, slots=2)
+    assert computing.busy(TWO, 3) == [b, c]
+    d = computing.enter(TWO, 3, 2.0, streamed=True, slots=2)  # no more copies than slots
+    b.end()
+    assert computing.busy(ONE, 3) == [c, d]
+    for e in (c, d):
+        e.end()
+    # a prompt new to the replica again (evicted, and sent whole) has one copy again
+    e = computing.enter(ONE, 0, 3.0, streamed=True, slots=2)
+    assert computing.busy(TWO, 3) == [e]
+
+
+async def test_waiters_go_one_at_a_time_as_the_slot_holding_it_frees(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    computing = Computing()
+    first = computing.enter(ONE, 0, trio.current_time(), streamed=True, slots=2)
+    went: list[tuple[str, float, bool]] = []
+
+    async def user(name: str, blocks: tuple[int, ...], holds_for: float) -> None:
+        entry, waited, idle = await enter(computing, blocks, 3, 10.0, streamed=True, slots=2)
+        went.append((name, waited, idle))
+        await trio.sleep(holds_for)
+        entry.end()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(user, "second", TWO, 1.0)
+        await trio.sleep(0.1)
+        nursery.start_soon(user, "third", ONE, 1.0)
+        await trio.sleep(0.9)
+        first.end()  # at 1 s: the second goes, and the third waits for it
+    assert went == [("second", 1.0, True), ("third", 1.9, True)], went
 
 
 async def test_unpaced_a_request_waits_for_the_first_token_then_as_long_again(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     computing = Computing()
-    start = trio.current_time()
-    computation = computing.begin(BLOCKS, 0, start, streamed=True)
-    assert computation is not None
 
-    async def engine(first_after: float, ends_after: float) -> None:
+    async def engine(entry: Entry, first_after: float, ends_after: float) -> None:
         await trio.sleep(first_after)
-        computation.first_token(trio.current_time())
+        entry.first_token(trio.current_time())
         await trio.sleep(ends_after)
-        computation.end()
+        entry.end()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine, 3.0, 2.5)  # prefill 3 s, then 2.5 s of tokens
-        assert await wait(computation, 0.0)
-        assert trio.current_time() - start == 5.5
-    # a reply longer than its prefill again: computing it again costs less than that
-    computation = computing.begin(BLOCKS, 0, trio.current_time(), streamed=True)
-    assert computation is not None
-    start = trio.current_time()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine, 2.0, 10.0)
-        assert not await wait(computation, 0.0)
-        assert trio.current_time() - start == 4.0
-        nursery.cancel_scope.cancel()
+    for reply_s, waited, idle in ((2.5, 5.5, True), (10.0, 6.0, False)):
+        # prefill 3 s, then the reply: a reply longer than the prefill again is not
+        # waited for, as computing it again costs less than that
+        first = computing.enter(ONE, 0, trio.current_time(), streamed=True, slots=2)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine, first, 3.0, reply_s)
+            second, took, found = await enter(computing, TWO, 3, 0.0, streamed=True, slots=2)
+            assert (took, found) == (waited, idle)
+            second.end()
+    # unpaced, and the one in flight not streamed: no first token to go by
+    first = computing.enter(ONE, 0, trio.current_time(), streamed=False, slots=2)
+    second, took, found = await enter(computing, TWO, 3, 0.0, streamed=True, slots=2)
+    assert (took, found) == (0.0, False)
 
 
-async def test_paced_a_request_waits_at_most_its_budget(
+async def test_paced_a_request_waits_at_most_its_budget_and_never_past_wait_s(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     computing = Computing()
-    computation = computing.begin(BLOCKS, 0, trio.current_time(), streamed=False)
-    assert computation is not None
-    start = trio.current_time()
-    assert not await wait(computation, 1.5)
-    assert trio.current_time() - start == 1.5
-    # unpaced and not streamed, no first token to go by: it does not wait
-    assert not await wait(computation, 0.0)
-    assert trio.current_time() - start == 1.5
-    # however slow the pace says the prompt is, never more than WAIT_S
-    assert not await wait(computation, 10 * WAIT_S)
-    assert trio.current_time() - start == 1.5 + WAIT_S
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_end_after, computation, 0.5)
-        assert await wait(computation, 1.5)
+    computing.enter(ONE, 0, trio.current_time(), streamed=False, slots=2)
+    _, took, found = await enter(computing, TWO, 3, 1.5, streamed=True, slots=2)
+    assert (took, found) == (1.5, False)
+    _, took, found = await enter(computing, TWO, 3, 10 * WAIT_S, streamed=True, slots=4)
+    assert (took, found) == (WAIT_S, False)
 
 
 async def test_a_request_that_ends_with_no_first_token_lets_its_waiters_go(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     computing = Computing()
-    computation = computing.begin(BLOCKS, 0, trio.current_time(), streamed=True)
-    assert computation is not None
-    start = trio.current_time()
+    first = computing.enter(ONE, 0, trio.current_time(), streamed=True, slots=2)
+
+    async def fails() -> None:
+        await trio.sleep(0.5)
+        first.end()
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_end_after, computation, 0.5)  # it failed before any token
-        assert await wait(computation, 0.0)
-    assert trio.current_time() - start == 0.5
-
-
-async def _end_after(computation: Computation, seconds: float) -> None:
-    await trio.sleep(seconds)
-    computation.end()
+        nursery.start_soon(fails)
+        _, took, found = await enter(computing, TWO, 3, 0.0, streamed=True, slots=2)
+    assert (took, found) == (0.5, True)
