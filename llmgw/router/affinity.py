@@ -163,10 +163,12 @@ def pick(
     for held, (value, ep, load) in ranked:
         kept = bool(held or key.later or not key.blocks)
         takes = within(ep, ep.affinity_bound if kept else 1.0)
-        if not takes and kept and load is not None and load.slots:
-            # a free slot starts it at once; a slot that frees sooner than what it holds
-            # would take to compute again elsewhere is worth waiting for (``pace``)
-            slots = math.floor(load.slots)
+        slots = math.floor(load.slots) if load is not None and load.slots else 0
+        # a free slot starts it at once; a slot that frees sooner than what it holds
+        # would take to compute again elsewhere is worth waiting for (``pace``), unless
+        # the prompt's own requests fill its slots: then its queue is the prompt's, which
+        # waiting never drains, and the prompt spreads to a second replica
+        if not takes and kept and slots and ep.computing.holding(key.blocks, held) < slots:
             shared = held_bytes(held, key.size, ep.prefix.kept)
             # and a move waits where it goes too, if every other replica is busy
             others = (entry for entry in admissible if entry[1] is not ep)

@@ -441,6 +441,38 @@ def test_patience_is_bounded_so_that_a_hot_prompt_still_spreads() -> None:
     assert choose(endpoints, NOW, admission=OPEN, key=key).endpoint is not home
 
 
+def test_a_prompt_whose_own_requests_fill_its_replica_spreads_past_the_bound() -> None:
+    """Patience waits for a replica's other work to drain. Where the requests filling
+    its slots are the prompt's own (users behind one popular system prompt), its queue
+    never drains by waiting: past the load bound, the prompt goes to a second replica
+    (and computes it there once), where the same queue of other prompts' requests
+    would have kept it home."""
+    endpoints = fleet()
+    for e in endpoints:
+        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
+        for _ in range(READINGS):  # 3.5 ms a token; a slot frees in 4 s
+            e.pace.observe(Timings(1000, 3500.0, 500.0), 1000, 1400)
+    system = {"role": "system", "content": "Rules. " * 400}
+    keys = [
+        prompt_key(body([system, {"role": "user", "content": f"question {i}"}]), "prefix")
+        for i in range(4)
+    ]
+    assert all(k is not None for k in keys)
+    home = send(endpoints, keys[0]).endpoint  # type: ignore[arg-type]
+    assert home is not None
+    held = home.prefix.held(keys[1].blocks)  # type: ignore[union-attr]
+    assert held and home.pace.patience(held_bytes(held, keys[1].size, 1.0), 2) >= 2  # type: ignore[union-attr]
+    home.in_flight = home.in_flight_at_load = 3
+    home.load = LoadSignals(running=2, waiting=1, slots=2)
+    # three of other prompts ahead: it waits
+    assert choose(endpoints, NOW, admission=OPEN, key=keys[1]).endpoint is home  # type: ignore[arg-type]
+    # two of its own among them, in the two slots: it spreads
+    for k in keys[2:]:
+        home.computing.enter(k.blocks, held, NOW, streamed=True, slots=2)  # type: ignore[union-attr]
+    moved = choose(endpoints, NOW, admission=OPEN, key=keys[1])  # type: ignore[arg-type]
+    assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
+
+
 def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     """Sixteen conversations started one after another on an idle fleet of four: their
     anchors' rendezvous winners split them unevenly (these seeds: 5/5/3/3), and a
