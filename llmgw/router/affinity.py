@@ -65,7 +65,12 @@ which counts a waiting request twice. ``bound`` is:
   says how many requests it runs at once: llama.cpp's slots), or while the wait
   for one is shorter than computing what the replica holds of the prompt again
   elsewhere (``pace``: how fast the replica computes a prompt and frees a slot,
-  as its replies say). A cache hit saves
+  as its replies say; a replica not yet paced, as its model's others are), unless
+  the prompt's own requests fill its slots (``Computing.holding``: users behind one
+  popular system prompt): then the queue is the prompt's, which waiting never
+  drains, and the prompt goes on down the order to a second replica (kept on one,
+  the benchmark's most popular prompt, 25 of 60 requests, left that replica busy
+  1.39-1.43x the mean on two seeds of six). A cache hit saves
   a whole prefill, and waiting behind one more request costs a share of a step,
   so the default leans to the cache: on two replicas a bound of 1.25 already sends a
   third request away from a replica holding two while the other holds none,

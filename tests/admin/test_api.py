@@ -167,6 +167,10 @@ def test_the_routers_view_of_a_replica_in_words() -> None:
     assert "ms/token" not in render_traffic(as_json())
     ep.pace.observe(Timings(400, 2800.0, 1200.0), 420, 600)
     assert render_traffic(as_json()).endswith("prefill 7 ms/token, slot 4 s")
+    ep.computing.waits = 3  # requests that waited for a slot holding their prompt
+    assert render_traffic(as_json()).endswith(
+        "prefill 7 ms/token, slot 4 s, 3 waited for a slot holding their prompt"
+    )
 
 
 async def test_a_request_without_the_token_is_refused_before_its_body(
