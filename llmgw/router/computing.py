@@ -36,9 +36,7 @@ Bounded, so that waiting never costs more than computing again would:
   computation could be done no sooner), then as long again as that took, which is
   what computing it again would take at most; one that is not streamed says no
   first token, and is not waited for;
-- never more than ``WAIT_S``;
-- and a request whose turn would come past that, by the pace (each of those ahead
-  of it in line, and itself, a slot's time, shared by the copies), goes at once.
+- never more than ``WAIT_S``.
 
 A request that went on while every copy was busy computes one more (counted, up
 to the replica's slots).
@@ -102,13 +100,9 @@ class Computing:
             return None
         deepest = blocks[held - 1]
         users = self._users.get(deepest)
-        if not users or len(users) < self.copies(deepest):
+        if not users or len(users) < self._copies.get(deepest, 1):
             return None
         return users
-
-    def copies(self, block: int) -> int:
-        """The copies of ``block`` the replica is known to have computed."""
-        return self._copies.get(block, 1)
 
     def holding(self, blocks: tuple[int, ...], held: int) -> int:
         """The requests on the replica, in flight or waiting for a copy, of the prompt
@@ -181,13 +175,11 @@ async def enter(
     *,
     streamed: bool,
     slots: int,
-    slot_s: float = 0.0,
 ) -> tuple[Entry, float, bool]:
     """Wait while every copy of the held part is busy, or an earlier request waits for
     one, as the module docstring bounds it (``budget_s``: what computing the held part
-    again would cost, and ``slot_s`` a request's time in its slot, by the replica's
-    pace; 0: not known), then go. Returns the request's entry, how long it waited and
-    whether it found a copy idle."""
+    again would cost, by the replica's pace; 0: not known), then go. Returns the
+    request's entry, how long it waited and whether it found a copy idle."""
     start = trio.current_time()
     deadline = start + (min(WAIT_S, budget_s) if budget_s > 0 else WAIT_S)
     waited = False
@@ -206,13 +198,8 @@ async def enter(
                     break
                 if oldest.first:
                     until = min(until, oldest.first_at + (oldest.first_at - oldest.sent_at))
-            now = trio.current_time()
-            if now >= until:
+            if trio.current_time() >= until:
                 break
-            if line and budget_s > 0 and slot_s > 0:  # its turn would come past the budget
-                turn = (line.index(ticket) + 1) * slot_s / computing.copies(blocks[held - 1])
-                if now + turn > until:
-                    break
             waited = True
             with trio.move_on_at(until):
                 await computing.change()

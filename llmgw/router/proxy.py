@@ -476,7 +476,7 @@ async def _enter(
     budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
     slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
     entry, waited, idle = await computing.enter(
-        ep.computing, key.blocks, held, budget, streamed=stream, slots=slots, slot_s=pace.slot_s
+        ep.computing, key.blocks, held, budget, streamed=stream, slots=slots
     )
     if waited:
         ep.computing.waits += 1

@@ -116,33 +116,3 @@ async def test_a_request_that_ends_with_no_first_token_lets_its_waiters_go(
         nursery.start_soon(fails)
         _, took, found = await enter(computing, TWO, 3, 0.0, streamed=True, slots=2)
     assert (took, found) == (0.5, True)
-
-
-async def test_a_request_whose_turn_would_come_past_its_budget_goes_at_once(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Paced, a request does not wait to find out: with the one copy busy and one ahead
-    of it in line, its turn comes in two slots' time; past its budget, it goes now and
-    computes a second copy, and the next in line waits for either."""
-    computing = Computing()
-    first = computing.enter(ONE, 0, trio.current_time(), streamed=True, slots=2)
-    went: list[tuple[str, float, bool]] = []
-
-    async def user(name: str) -> None:
-        entry, waited, idle = await enter(
-            computing, TWO, 3, 1.5, streamed=True, slots=2, slot_s=1.0
-        )
-        went.append((name, waited, idle))
-        await trio.sleep(1.0)
-        entry.end()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(user, "second")  # its turn in 1 s: within 1.5
-        await trio.sleep(0.1)
-        nursery.start_soon(user, "third")  # in 2 s: past it
-        await trio.sleep(0.1)
-        assert went == [("third", 0.0, False)]
-        assert computing.copies(SYSTEM[-1]) == 2
-        await trio.sleep(0.8)
-        first.end()
-    assert went == [("third", 0.0, False), ("second", 1.0, True)], went
