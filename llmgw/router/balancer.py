@@ -127,8 +127,8 @@ class Endpoint:
     # how fast it computes a prompt and frees a slot, as its replies say (``pace``):
     # how long what it holds is worth waiting for
     pace: Pace = attrs.Factory(Pace)
-    # the requests in flight on it computing prompt it did not hold, which others
-    # holding the same prompt wait for (``llmgw.router.computing``)
+    # its requests in flight by the prompt they hold there, which others of the same
+    # prompt wait for a copy of to come free (``llmgw.router.computing``)
     computing: Computing = attrs.Factory(Computing)
 
     def start(self, now: float) -> None:

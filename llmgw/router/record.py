@@ -98,7 +98,7 @@ class Record:
         self.replica = "-"  # the replica whose answer the client gets
         self.sent: list[str] = []  # the replicas it was sent to, in order
         self.queued = 0.0  # seconds it waited for room on the model's replicas
-        # seconds it waited for a replica to compute the prompt it shares (``computing``)
+        # seconds it waited for a slot holding its prompt to come free (``computing``)
         self.prompt_wait = 0.0
         self.held = False  # it waited for a replica of its model to start (``hold``)
         self.shares: Shares | None = None  # where what it used counts for its turn (``fair``)
@@ -289,7 +289,7 @@ class Record:
             sent += f" queued={self.queued:.3f}s"
         if self.held:  # ... for a replica of its model to start
             sent += " held=yes"
-        if self.prompt_wait:  # ... for its replica to compute the prompt it shares
+        if self.prompt_wait:  # ... for a slot holding its prompt to come free
             sent += f" waited={self.prompt_wait:.3f}s"
         access_log.info(
             "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
