@@ -1,5 +1,6 @@
 """The requests in flight on a replica, by the prompt they hold there, and the requests
-that wait for one of them to end rather than compute that prompt again.
+that wait for one of them to end rather than compute that prompt again (the waiting
+itself, with its clock, is ``llmgw.router.waits``).
 
 Theory of operation
 -------------------
@@ -20,7 +21,7 @@ prompt, and how many copies of a block the replica is known to have computed
 (one, unless requests were sent while every copy was busy: each of those computed
 another). A request whose held part (what the index says the replica holds of its
 prompt, to its deepest block) is in use by as many requests in flight as there
-are copies waits (``enter``) until one of them ends: a slot is then idle and holds
+are copies waits (``waits.enter``) until one of them ends: a slot is then idle and holds
 the prompt. It is counted on the replica all the while (its ``Lease`` is open), so
 the load bound and the balancer see it, and the client's leaving ends it as any.
 Waiters go one at a time, in the order they came: each that goes is in flight
@@ -36,19 +37,19 @@ Bounded, so that waiting never costs more than computing again would:
   computation could be done no sooner), then as long again as that took, which is
   what computing it again would take at most; one that is not streamed says no
   first token, and is not waited for;
-- never more than ``WAIT_S``.
+- never more than ``waits.WAIT_S``.
 
 A request that went on while every copy was busy computes one more (counted, up
 to the replica's slots).
+
+Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
-import trio
-
-WAIT_S = 30.0  # the longest a request waits for a copy of its prompt to come free
 COPIES = 4096  # blocks whose copies a replica keeps count of (the others have one)
 
 
@@ -80,13 +81,14 @@ class Entry:
 class Computing:
     """One replica's requests in flight, by the blocks of prompt they hold there."""
 
-    __slots__ = ("_changed", "_copies", "_lines", "_users", "waits")
+    __slots__ = ("_copies", "_lines", "_listeners", "_users", "waits")
 
     def __init__(self) -> None:
         self._users: dict[int, list[Entry]] = {}
         self._lines: dict[int, deque[object]] = {}  # who waits for a block, in order
         self._copies: OrderedDict[int, int] = OrderedDict()
-        self._changed = trio.Event()  # set (and replaced) when one ends or has its first token
+        # called (once each) when one ends or has its first token
+        self._listeners: list[Callable[[], None]] = []
         self.waits = 0  # requests that waited here, ever (``ctl replicas``)
 
     def __len__(self) -> int:
@@ -148,8 +150,14 @@ class Computing:
             self.changed()
 
     def changed(self) -> None:
-        changed, self._changed = self._changed, trio.Event()
-        changed.set()
+        listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` once, when a request in flight ends or has its first token
+        (or one waiting goes)."""
+        self._listeners.append(listener)
 
     def line(self, block: int) -> deque[object]:
         """The requests waiting for a copy of ``block``, in the order they came."""
@@ -161,52 +169,3 @@ class Computing:
         if not line:
             del self._lines[block]
         self.changed()  # the next in line looks
-
-    async def change(self) -> None:
-        """Until a request in flight ends or has its first token."""
-        await self._changed.wait()
-
-
-async def enter(
-    computing: Computing,
-    blocks: tuple[int, ...],
-    held: int,
-    budget_s: float,
-    *,
-    streamed: bool,
-    slots: int,
-) -> tuple[Entry, float, bool]:
-    """Wait while every copy of the held part is busy, or an earlier request waits for
-    one, as the module docstring bounds it (``budget_s``: what computing the held part
-    again would cost, by the replica's pace; 0: not known), then go. Returns the
-    request's entry, how long it waited and whether it found a copy idle."""
-    start = trio.current_time()
-    deadline = start + (min(WAIT_S, budget_s) if budget_s > 0 else WAIT_S)
-    waited = False
-    line = computing.line(blocks[held - 1]) if held else None
-    ticket = object()
-    if line is not None:
-        line.append(ticket)
-    try:
-        while (users := computing.busy(blocks, held)) is not None or (
-            line and line[0] is not ticket
-        ):
-            until = deadline
-            if users and budget_s <= 0:  # unpaced: by the first in flight's time to its first token
-                oldest = min(users, key=lambda e: e.sent_at)
-                if not oldest.streamed:
-                    break
-                if oldest.first:
-                    until = min(until, oldest.first_at + (oldest.first_at - oldest.sent_at))
-            if trio.current_time() >= until:
-                break
-            waited = True
-            with trio.move_on_at(until):
-                await computing.change()
-    finally:
-        if line is not None:
-            computing.out_of_line(blocks[held - 1], ticket)
-    now = trio.current_time()
-    idle = computing.busy(blocks, held) is None
-    entry = computing.enter(blocks, held, now, streamed=streamed, slots=slots)
-    return entry, now - start if waited else 0.0, idle

@@ -69,11 +69,12 @@ import trio
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamPool
 from llmgw.http.upstream_errors import UpstreamError, UpstreamTimeout
-from llmgw.router import attempt, computing, poison, resume, usage
+from llmgw.router import attempt, poison, resume, usage, waits
 from llmgw.router.affinity import placed
 from llmgw.router.attempt import Lease, hostport
 from llmgw.router.balancer import Admission, Choice, Endpoint, RetryBudget, choose
 from llmgw.router.breaker import BreakerState
+from llmgw.router.computing import Entry
 from llmgw.router.errors import openai_error
 from llmgw.router.fair import Shares
 from llmgw.router.hold import Holds
@@ -468,14 +469,14 @@ async def _enter(
     held: int,
     stream: bool,
     record: Record,
-) -> computing.Entry:
+) -> Entry:
     """Send the request to ``ep`` once a copy of the prompt it holds ``held`` blocks of
     there is idle (``llmgw.router.computing``), waiting at most as long as computing
     that again would cost by the replica's pace (its own, else its model's)."""
     pace = fleet(ep.pace, (e.pace for e in endpoints))
     budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
     slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
-    entry, waited, idle = await computing.enter(
+    entry, waited, idle = await waits.enter(
         ep.computing, key.blocks, held, budget, streamed=stream, slots=slots
     )
     if waited:

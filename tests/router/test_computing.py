@@ -8,7 +8,8 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from llmgw.router.computing import WAIT_S, Computing, Entry, enter
+from llmgw.router.computing import Computing, Entry
+from llmgw.router.waits import WAIT_S, enter
 
 SYSTEM = (11, 12, 13)  # a system prompt's blocks
 ONE = (*SYSTEM, 21)  # two users' prompts behind it
