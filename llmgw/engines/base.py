@@ -142,6 +142,11 @@ class EngineAdapter(Protocol):
     # whether its engine can sleep: launched from a spec with ``sleep``, its ``Launch``
     # has the sleep, wake and is-sleeping URLs. False: ``validate`` refuses such a spec
     sleeps: bool
+    # whether it reuses a prompt's KV only from an idle slot (llama.cpp): a request sent
+    # while every slot holding its prompt is busy computes it again, so the router holds
+    # it until one is free (``llmgw.router.computing``). False: running requests share
+    # what is cached (vLLM's prefix cache), and none is held
+    slot_cache: bool
 
     def validate(self, spec: ShardSpec) -> list[str]:
         """Problems in words, empty when the engine would accept the spec."""

@@ -270,6 +270,7 @@ class LlamaCppAdapter:
     sizing: Sizing | None = LlamaCppSizing()
     tokens: Tokens | None = LlamaCppTokens()
     sleeps: bool = False  # llama-server has no sleep: an idle replica is stopped
+    slot_cache: bool = True  # a busy slot's prompt is another slot's to compute again
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems: list[str] = []

@@ -278,6 +278,7 @@ class _VllmBase:
     sizing: Sizing | None = None  # not known: a profile says its min_memory_gb
     tokens: Tokens | None = _TOKENS
     sleeps: bool = True
+    slot_cache: bool = False  # its prefix cache's blocks serve running requests too
     _why_no_sleep: str = ""  # where it cannot: why, for an operator
 
     # ------------------------------------------------------------- validation

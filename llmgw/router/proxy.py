@@ -66,6 +66,7 @@ import math
 import msgspec
 import trio
 
+from llmgw.engines import adapters
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamPool
 from llmgw.http.upstream_errors import UpstreamError, UpstreamTimeout
@@ -469,10 +470,15 @@ async def _enter(
     held: int,
     stream: bool,
     record: Record,
-) -> Entry:
+) -> Entry | None:
     """Send the request to ``ep`` once a copy of the prompt it holds ``held`` blocks of
     there is idle (``llmgw.router.computing``), waiting at most as long as computing
-    that again would cost by the replica's pace (its own, else its model's)."""
+    that again would cost by the replica's pace (its own, else its model's). None: its
+    engine shares what is cached between running requests (or is not known), and the
+    request goes at once."""
+    engine = adapters().get(ep.engine)
+    if engine is None or not engine.slot_cache:
+        return None
     pace = fleet(ep.pace, (e.pace for e in endpoints))
     budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
     slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0

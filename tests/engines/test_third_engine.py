@@ -94,6 +94,7 @@ class CountingAdapter:
     tokens: Tokens | None = CountingTokens()
     usage_path: str | None = None
     sleeps: bool = False
+    slot_cache: bool = False
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems = [

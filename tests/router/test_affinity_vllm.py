@@ -36,7 +36,9 @@ KEY = "llmgw-test-key"
 
 
 @asynccontextmanager
-async def standins(tmp_path: Path, n: int) -> AsyncIterator[list[str]]:
+async def standins(
+    tmp_path: Path, n: int, token_delay_s: float = 0.001
+) -> AsyncIterator[list[str]]:
     """``n`` stand-in vLLMs serving model ``m``, launched with the adapter's arguments."""
     urls = []
     async with AsyncExitStack() as stack:
@@ -51,7 +53,7 @@ async def standins(tmp_path: Path, n: int) -> AsyncIterator[list[str]]:
                     Launch(argv=argv, env={}, health_url=None, metrics_url=None),
                     tmp_path / f"vllm-{i}.log",
                     STANDIN_LOAD_S="0",
-                    STANDIN_TOKEN_DELAY_S="0.001",
+                    STANDIN_TOKEN_DELAY_S=str(token_delay_s),
                     VLLM_API_KEY="",
                     CUDA_VISIBLE_DEVICES="0,1",
                 )
@@ -124,3 +126,48 @@ async def test_a_vllm_replicas_reuse_is_read_and_an_eviction_noticed(
             ):
                 await trio.sleep(0.1)
         assert view.cache_hit_rate == pytest.approx(expected)
+
+
+async def test_a_vllm_replicas_running_requests_share_a_prompt_and_none_waits(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's prefix cache serves a prompt's blocks to every request running on it: a
+    second user of a system prompt sent while the first is in flight goes at once (a
+    llama.cpp replica would hold it for a slot holding the prompt: ``computing``)."""
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+    async with standins(tmp_path, 1, token_delay_s=0.1) as urls:  # a reply takes ~0.6 s
+        table = RoutingTable()
+        route = Route(key="v0", model="m", url=urls[0], engine="vllm")
+        table.apply(Snapshot(version="1", models={"m": ModelRouting()}, routes=[route]))
+        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), access_log=True)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
+            api_key=KEY,
+            max_retries=0,
+            timeout=30,
+        )
+        replica = table.endpoints["m"][0]
+        system = {"role": "system", "content": "Answer from the notes. " * 60}
+
+        async def ask(question: str) -> None:
+            chunks = await client.chat.completions.create(
+                model="m",
+                messages=[system, {"role": "user", "content": question}],  # type: ignore[list-item]
+                max_tokens=200,
+                stream=True,
+            )
+            _ = [c async for c in chunks]
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as users:
+                users.start_soon(ask, "When is high tide?")
+                while not replica.in_flight:
+                    await trio.sleep(0.005)
+                users.start_soon(ask, "When is low tide?")
+    records = [r for r in caplog.records if r.name == "llmgw.router.access"]
+    lines = [r.getMessage() for r in records]
+    assert len(lines) == 2 and not any("waited=" in line for line in lines), lines
+    # they ran at once: the second began before the first ended
+    took = [float(re.search(r" time=([0-9.]+)s", line)[1]) for line in lines]  # type: ignore[index]
+    began = [r.created - t for r, t in zip(records, took, strict=True)]
+    assert max(began) < min(r.created for r in records), lines
