@@ -15,6 +15,7 @@ import trio
 
 from llmgw.http import Request, Response
 from llmgw.router.app import RouterApp
+from llmgw.router.balancer import Endpoint
 from llmgw.router.keys import ApiKey, KeyRing, hash_key
 from llmgw.router.pace import ALPHA, PREFILL_TOKENS
 from llmgw.router.table import RoutingTable
@@ -164,6 +165,32 @@ async def test_reuse_in_the_same_read_as_the_last_token_is_read(
     assert CACHED.findall(caplog.text) == [("120", "128")], caplog.text
 
 
+async def two_users(
+    client: openai.AsyncOpenAI, replica: Endpoint, system: str, *, max_tokens: int
+) -> None:
+    """Two users behind one system prompt, streamed: the second sent as soon as the
+    first is in flight on ``replica`` (its only one)."""
+
+    async def ask(question: str) -> None:
+        chunks = await client.chat.completions.create(
+            model="m",
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+            max_tokens=max_tokens,
+            stream=True,
+        )
+        _ = [c async for c in chunks]
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as users:
+            users.start_soon(ask, "Who keeps the lantern?")
+            while not replica.in_flight:  # the first is on its way to the engine
+                await trio.sleep(0.005)
+            users.start_soon(ask, "When is it lit?")
+
+
 @needs_server
 async def test_a_second_request_of_a_prompt_in_its_prefill_waits_and_finds_it_cached(
     tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
@@ -178,26 +205,7 @@ async def test_a_second_request_of_a_prompt_in_its_prefill_waits_and_finds_it_ca
     system = "The harbor lantern burns all night and the keeper writes it down. " * 18
     async with llama_server(model, tmp_path, context=4096, parallel=2) as url:
         client = await front(nursery, url, apps=apps)
-        replica = apps[0].table.endpoints["m"][0]
-
-        async def ask(question: str) -> None:
-            chunks = await client.chat.completions.create(
-                model="m",
-                messages=[
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": question},
-                ],
-                max_tokens=4,
-                stream=True,
-            )
-            _ = [c async for c in chunks]
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as users:
-                users.start_soon(ask, "Who keeps the lantern?")
-                while not replica.in_flight:  # the first is on its way to the engine
-                    await trio.sleep(0.005)
-                users.start_soon(ask, "When is it lit?")
+        await two_users(client, apps[0].table.endpoints["m"][0], system, max_tokens=4)
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
     assert len(lines) == 2, lines
     first, second = lines  # each logged as it ends: the second ended last

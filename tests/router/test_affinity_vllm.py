@@ -18,21 +18,17 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import trio
 
 from llmgw.engines.base import Launch
 from llmgw.engines.vllm import VLLM
-from llmgw.router.app import RouterApp
-from llmgw.router.keys import ApiKey, KeyRing, hash_key
 from llmgw.router.table import RoutingTable
 from llmgw.routing import ModelRouting, Route, Snapshot
 from tests.engines.test_vllm import STANDINS, running, spec, wait_healthy
 from tests.ports import own_port
-from tests.router.test_app import serve
-
-KEY = "llmgw-test-key"
+from tests.router.test_affinity_llama import two_users
+from tests.router.test_resume import front
 
 
 @asynccontextmanager
@@ -73,13 +69,7 @@ async def test_a_vllm_replicas_reuse_is_read_and_an_eviction_noticed(
         routes = [Route(key=f"v{i}", model="m", url=u, engine="vllm") for i, u in enumerate(urls)]
         table.apply(Snapshot(version="1", models={"m": ModelRouting()}, routes=routes))
         await nursery.start(table.run)
-        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), access_log=True)
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
-            api_key=KEY,
-            max_retries=0,
-            timeout=30,
-        )
+        app, client = await front(nursery, table, access_log=True)
         messages = [
             {"role": "system", "content": "Answer from the notes. " * 20},
             {"role": "user", "content": "Notes: " + "the tide comes in twice a day. " * 30},
@@ -139,31 +129,9 @@ async def test_a_vllm_replicas_running_requests_share_a_prompt_and_none_waits(
         table = RoutingTable()
         route = Route(key="v0", model="m", url=urls[0], engine="vllm")
         table.apply(Snapshot(version="1", models={"m": ModelRouting()}, routes=[route]))
-        app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), access_log=True)
-        client = openai.AsyncOpenAI(
-            base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
-            api_key=KEY,
-            max_retries=0,
-            timeout=30,
-        )
-        replica = table.endpoints["m"][0]
-        system = {"role": "system", "content": "Answer from the notes. " * 60}
-
-        async def ask(question: str) -> None:
-            chunks = await client.chat.completions.create(
-                model="m",
-                messages=[system, {"role": "user", "content": question}],  # type: ignore[list-item]
-                max_tokens=200,
-                stream=True,
-            )
-            _ = [c async for c in chunks]
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as users:
-                users.start_soon(ask, "When is high tide?")
-                while not replica.in_flight:
-                    await trio.sleep(0.005)
-                users.start_soon(ask, "When is low tide?")
+        _, client = await front(nursery, table, access_log=True)
+        system = "Answer from the notes. " * 60
+        await two_users(client, table.endpoints["m"][0], system, max_tokens=200)
     records = [r for r in caplog.records if r.name == "llmgw.router.access"]
     lines = [r.getMessage() for r in records]
     assert len(lines) == 2 and not any("waited=" in line for line in lines), lines

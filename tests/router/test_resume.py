@@ -63,9 +63,12 @@ async def front(
     table: RoutingTable,
     pool: UpstreamPool | None = None,
     limits: guards.Limits = guards.Limits(),  # noqa: B008 (frozen)
+    *,
+    access_log: bool = False,
 ) -> tuple[RouterApp, openai.AsyncOpenAI]:
     """The router over ``table`` on loopback, and the openai client that talks to it."""
-    app = RouterApp(table, KeyRing([ApiKey("t", hash_key(KEY))]), pool, limits=limits)
+    keys = KeyRing([ApiKey("t", hash_key(KEY))])
+    app = RouterApp(table, keys, pool, limits=limits, access_log=access_log)
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{await serve(nursery, app)}/v1",
         api_key=KEY,
