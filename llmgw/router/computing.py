@@ -106,6 +106,11 @@ class Computing:
             return None
         return users
 
+    def free(self, blocks: tuple[int, ...], held: int) -> bool:
+        """A request of this prompt would go at once: a copy is idle (or nothing is
+        held) and none waits for one."""
+        return self.busy(blocks, held) is None and not (held and blocks[held - 1] in self._lines)
+
     def holding(self, blocks: tuple[int, ...], held: int) -> int:
         """The requests on the replica, in flight or waiting for a copy, of the prompt
         whose first ``held`` of ``blocks`` it holds."""

@@ -479,9 +479,12 @@ async def _enter(
     engine = adapters().get(ep.engine)
     if engine is None or not engine.slot_cache:
         return None
+    slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
+    if ep.computing.free(key.blocks, held):  # the common case: nothing to wait for
+        now = trio.current_time()
+        return ep.computing.enter(key.blocks, held, now, streamed=stream, slots=slots)
     pace = fleet(ep.pace, (e.pace for e in endpoints))
     budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
-    slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
     entry, waited, idle = await waits.enter(
         ep.computing, key.blocks, held, budget, streamed=stream, slots=slots
     )

@@ -18,8 +18,9 @@ TWO = (*SYSTEM, 22)
 
 def test_a_prompt_is_busy_while_as_many_hold_it_as_there_are_copies() -> None:
     computing = Computing()
-    assert computing.busy(ONE, 3) is None  # none in flight
+    assert computing.busy(ONE, 3) is None and computing.free(ONE, 3)  # none in flight
     first = computing.enter(ONE, 0, 0.0, streamed=True, slots=2)  # computes it all
+    assert not computing.free(TWO, 3) and computing.free(TWO, 0)
     assert computing.busy(TWO, 3) == [first]
     assert computing.busy(TWO, 2) == [first]
     assert computing.busy(TWO, 0) is None  # it holds nothing of it
