@@ -22,7 +22,16 @@ The order of preference, from the request's ``PromptKey``:
 
 Knowledge (1) agrees with the rendezvous (2) unless load moved the
 conversation, which is what lets a router that has never seen a conversation
-make the same first choice as one that routed all its turns.
+make the same first choice as one that routed all its turns. Where load moved
+it, only the router that sent the moved turn knows, so (1) comes first only at
+the fleet's only router (``only``: the server's, while no standalone router
+reports). Where several routers share the fleet (a standalone router's workers
+each take whichever turn the kernel hands them), the anchor's winner comes
+first and what this router knows next: a conversation whose first turn was
+moved by load (its first choice looked busy, if only by an engine gauge read
+before another router's request ended) comes back to its first choice at its
+next turn through every router, where knowledge first left it on two replicas
+for good, one per worker, each computing the other's turns again.
 
 New conversations, placed evenly (``even``: this router is the fleet's only one,
 the server's own while no standalone router reports). Rendezvous places few keys
@@ -79,9 +88,8 @@ which counts a waiting request twice. ``bound`` is:
 - 1 otherwise: a new conversation, or a prompt nothing else shares, goes to its
   first choice only while that is no busier than its share, so new work is
   spread by load, and only what a replica holds keeps it there past its share.
-  (A first turn moved by load is where a warm router sends the next turns; a
-  router that did not see it sends them to the first choice once, and from then
-  on to whichever of the two it knows holds the most.) Rendezvous alone places few keys
+  (A first turn moved by load is where the only router sends the next turns;
+  where several are, every one sends them back to the first choice.) Rendezvous alone places few keys
   unevenly (six conversations on two replicas go 5-1 or worse about one time in
   five), and the bound then moved their later turns off the replica that held
   them: a run of the benchmark reused 39% of the multi-turn prompt tokens
@@ -136,14 +144,15 @@ def pick(
     admissible: Sequence[tuple[float, Endpoint, LoadSignals | None]],
     key: PromptKey,
     *,
-    even: bool = False,
+    only: bool = False,
 ) -> Pick | None:
     """The choice among ``admissible`` (the balancer's candidates below their
     thresholds: score, endpoint, fresh load); None when none of them routes by
-    affinity (the balancer's own choice stands). ``even``: a new conversation goes
-    where about the fewest of the recent ones went (this router is the only one; see
-    the module docstring)."""
-    ranked = _order(admissible, key)
+    affinity (the balancer's own choice stands). ``only``: this router is the fleet's
+    only one: a new conversation goes where about the fewest of the recent ones went,
+    and what it knows of a conversation comes before the anchor's winner (see the
+    module docstring)."""
+    ranked = _order(admissible, key, only)
     if not ranked:
         return None
     requests = {ep.key: _requests(ep, load) for _, ep, load in admissible}
@@ -156,7 +165,7 @@ def pick(
 
     # a new conversation (a first turn, no session hint) placed evenly: among the
     # replicas that hold none of it, those with room for another of the recent ones
-    fresh = even and bool(key.blocks) and not key.later and not key.session
+    fresh = only and bool(key.blocks) and not key.later and not key.session
     least = min(ep.prefix.placed / ep.weight for _, (_, ep, _) in ranked) if fresh else 0.0
 
     def room(held: int, ep: Endpoint) -> bool:
@@ -236,10 +245,13 @@ def placed(endpoints: Sequence[Endpoint], chosen: Endpoint) -> None:
 
 
 def _order(
-    admissible: Sequence[tuple[float, Endpoint, LoadSignals | None]], key: PromptKey
+    admissible: Sequence[tuple[float, Endpoint, LoadSignals | None]],
+    key: PromptKey,
+    only: bool,
 ) -> list[tuple[int, tuple[float, Endpoint, LoadSignals | None]]]:
     """The candidates that route by affinity, most preferred first, each with the
-    blocks this router knows it holds.
+    blocks this router knows it holds. ``only``: this router is the fleet's only one,
+    and what it knows comes before the anchor's winner; otherwise after it.
 
     Of replicas holding as much of the prompt, a conversation's later turn prefers
     the one its last turn went to (its reply is there, which blocks of 512 bytes do
@@ -265,17 +277,17 @@ def _order(
         (i for i in range(len(entries)) if held[i] >= seen),
         key=lambda i: (-held[i], tie(i), -anchor[i]),
     )
-    first = known or [top]
-    rest = [i for i in range(len(entries)) if i not in first]
+    rest = [i for i in range(len(entries)) if i != top and i not in known]
     if key.spill != key.anchor:
         spill = {i: rendezvous(key.spill, entries[i][1].key, entries[i][1].weight) for i in rest}
         rest.sort(key=lambda i: -spill[i])
     else:
         rest.sort(key=lambda i: -anchor[i])
-    if known and top not in known:  # the anchor's winner next, before the spill order
-        rest.remove(top)
-        rest.insert(0, top)
-    return [(held[i], entries[i]) for i in [*first, *rest]]
+    if only:  # what this router knows first, then the anchor's winner
+        order = [*known, *([] if top in known else [top]), *rest]
+    else:  # the anchor's winner first, as every router has it, then what this one knows
+        order = [top, *(i for i in known if i != top), *rest]
+    return [(held[i], entries[i]) for i in order]
 
 
 def _why(

@@ -391,7 +391,7 @@ def choose(
     rng_value: float | None = None,
     key: PromptKey | None = None,
     apart: bool = False,
-    even: bool = False,
+    only: bool = False,
 ) -> Choice:
     """Pick the replica for one request (or one retry of it).
 
@@ -413,8 +413,9 @@ def choose(
     admissible replicas, ``affinity.pick`` decides (the one holding the most of
     it, within a load bound) in place of the least score; None, or no candidate
     routing by affinity, and the choice is by load alone, as described above.
-    ``even``: new conversations are placed evenly (``affinity.pick``: this router is
-    the only one).
+    ``only``: this router is the fleet's only one (``affinity.pick``: new
+    conversations are placed evenly, and what it knows of a conversation outranks its
+    rendezvous first choice).
 
     ``apart``: the request was in flight at an engine's death (``poison``): only the
     admissible replicas where no other such request is in flight are considered,
@@ -464,7 +465,7 @@ def choose(
         admissible = clear or admissible
     if admissible:
         if key is not None:
-            found = prefer(admissible, key, even=even)
+            found = prefer(admissible, key, only=only)
             if found is not None:
                 why = f"{found.why}: {_describe(found.endpoint, found.load, now, found.value)}"
                 return Choice(found.endpoint, why, affinity=found, crowded=crowded)

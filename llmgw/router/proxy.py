@@ -212,7 +212,7 @@ class Proxy:
                 model=model,
                 key=key,
                 apart=suspect,
-                even=self.table.even,
+                only=self.table.only,
             )
             if choice.crowded:
                 if apart_until is None:

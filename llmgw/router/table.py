@@ -68,11 +68,12 @@ class RoutingTable:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
         # whether this is the fleet's only router (the server's, while no standalone
         # router reports); None: a standalone router, which never is (the server's
-        # routes too). Read each scrape: ``even``
+        # routes too). Read each scrape: ``only``
         self.alone = alone
-        # this router places new conversations evenly over a model's replicas (it is
-        # the only one), not by rendezvous alone (which every router agrees on)
-        self.even = False
+        # this router is the only one: it places new conversations evenly over a model's
+        # replicas and keeps a conversation where it sent it, not by rendezvous alone
+        # (which every router agrees on)
+        self.only = False
         self.on_gone = on_gone  # told the replicas that left the table, once each
         self.scrape_s = scrape_s
         self.wedged_after_s = wedged_after_s
@@ -228,12 +229,13 @@ class RoutingTable:
                 await trio.sleep_until(beat)
 
     def _judge_alone(self) -> None:
-        """Whether this router places new conversations evenly, said when it changes."""
-        even = self.alone is not None and self.alone()
-        if even == self.even:
+        """Whether this router is the fleet's only one (it places new conversations
+        evenly), said when it changes."""
+        only = self.alone is not None and self.alone()
+        if only == self.only:
             return
-        self.even = even
-        if even:
+        self.only = only
+        if only:
             log.info(
                 "affinity: no standalone router follows the routing: this router places "
                 "new conversations evenly over each model's replicas"
@@ -241,8 +243,9 @@ class RoutingTable:
         else:
             log.info(
                 "affinity: standalone routers follow the routing: new conversations go to "
-                "their rendezvous first choice, so that every router sends a "
-                "conversation's turns to one replica"
+                "their rendezvous first choice, and a conversation moved by load comes back "
+                "to it once it has room, so that every router sends a conversation's turns "
+                "to one replica"
             )
 
     def _judge_progress(self, now: float) -> None:

@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import trio
 
 from llmgw.router.keys import hash_key, new_key
+from llmgw.router.prefix import prompt_key, rendezvous
 from tests.cluster.procs import Daemon, workers_route
 from tests.cluster.test_control_plane_processes import Cluster, cluster, engine_key
 from tests.cluster.test_router_processes import Samples, admin_metrics, reserved_port
@@ -290,7 +292,10 @@ async def test_two_workers_of_a_standalone_router_send_a_conversation_to_one_rep
     tmp_path: Path, pki: Pki
 ) -> None:
     """Each turn on a new connection, so the kernel hands it to either worker; the
-    workers share nothing, and every turn lands on the same replica."""
+    workers share nothing. The conversation's first choice is busy when its first turn
+    comes (a long request straight to its engine), so that turn goes to the other
+    replica, which only the worker that sent it knows; every later turn lands on the
+    first choice, through either worker."""
     async with chats(tmp_path, pki) as (c, _, key):
         held = reserved_port()
         port = held.getsockname()[1]
@@ -311,42 +316,91 @@ async def test_two_workers_of_a_standalone_router_send_a_conversation_to_one_rep
             # its workers report: the server's router stops placing new conversations
             # by its own counts, and every router goes by rendezvous alone
             await c.server.wait_log(r"affinity: standalone routers follow the routing")
-            for seed in range(30, 36):  # new conversations first: even counts would differ
-                client = openai.AsyncOpenAI(
-                    base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60
-                )
-                await ask(client, conversation(seed, 1)[0])
-                await client.close()
-            # the kernel picks a worker by a hash of each connection's ports: 16 turns
-            # left one worker a single turn once in CI (a chance of ~1 in 2000); 40
-            # make that ~1 in 10^10, and the loop ends as soon as both have two
-            turns = conversation(11, 40)
 
-            async def samples() -> Samples:
-                async with httpx.AsyncClient(timeout=5) as raw:
-                    return Samples.parse((await raw.get(metrics_url)).text)
-
-            before = await samples()  # the new conversations' requests, taken off below
-
-            def served(s: Samples, worker: str) -> float:
-                return s("llmgw_router_requests_total", model="chat", worker=worker) - before(
-                    "llmgw_router_requests_total", model="chat", worker=worker
-                )
-
-            sent = 0
-            for messages in turns:  # until each worker has served at least two turns
+            async def send(messages: list[dict[str, str]]) -> None:
                 client = openai.AsyncOpenAI(
                     base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60
                 )
                 await ask(client, messages)
                 await client.close()
+
+            async def samples() -> Samples:
+                async with httpx.AsyncClient(timeout=5) as raw:
+                    return Samples.parse((await raw.get(metrics_url)).text)
+
+            for seed in range(30, 36):  # new conversations first: even counts would differ
+                await send(conversation(seed, 1)[0])
+            # the kernel picks a worker by a hash of each connection's ports: 16 turns
+            # left one worker a single turn once in CI (a chance of ~1 in 2000); 40
+            # make that ~1 in 10^10, and the loop ends as soon as both have two
+            turns = conversation(11, 40)
+            anchor = prompt_key(msgspec.json.encode({"messages": turns[0]}), "prefix")
+            assert anchor is not None
+            views = await traffic(c)
+            first = max(views, key=lambda replica: rendezvous(anchor.anchor, replica))
+            [other] = set(views) - {first}
+
+            async def running(replica: str) -> list[float]:
+                """Each worker's reading of the engine's requests running there."""
+                s = await samples()
+                return [
+                    s("llmgw_router_load", replica=replica, signal="running", worker=w)
+                    for w in ("0", "1")
+                ]
+
+            # the first choice's only slot taken by a client of its engine's own, until
+            # both workers have read so: the first turn goes to the other replica
+            [shard] = views[first]["shards"]
+            engine = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{shard['port']}/v1",
+                api_key=engine_key(tmp_path, shard["node_id"], shard["shard_id"]),
+                max_retries=0,
+                timeout=60,
+            )
+            begun = trio.Event()
+
+            async def hold() -> None:
+                stream = await engine.chat.completions.create(
+                    model="chat",
+                    messages=conversation(12, 1)[0],  # type: ignore[arg-type]
+                    max_tokens=3000,
+                    stream=True,
+                )
+                async for _ in stream:
+                    begun.set()
+
+            before = await samples()
+
+            def served(s: Samples, **labels: str) -> float:
+                name = "llmgw_router_requests_total"
+                return s(name, model="chat", **labels) - before(name, model="chat", **labels)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hold)
+                with trio.fail_after(30):
+                    await begun.wait()
+                    while min(await running(first)) < 1:
+                        await trio.sleep(0.1)
+                    await send(turns[0])
+                nursery.cancel_scope.cancel()
+            await engine.close()
+            s = await samples()
+            assert served(s, replica=other) == 1, "the first turn went to its first choice"
+            with trio.fail_after(60):  # the engine let the held request go, and both read so
+                while max(await running(first)) > 0:
+                    await trio.sleep(0.1)
+
+            before = await samples()  # the first turn's request, taken off below
+            sent = 0
+            for messages in turns[1:]:  # until each worker has served at least two turns
+                await send(messages)
                 sent += 1
                 s = await samples()
-                if sent >= 6 and served(s, "0") >= 2 and served(s, "1") >= 2:
+                if served(s, worker="0") >= 2 and served(s, worker="1") >= 2:
                     break
             s = await samples()
             up = [s("llmgw_router_worker_up", worker=w) for w in ("0", "1")]
-            assert served(s, "0") >= 2 and served(s, "1") >= 2, (sent, served(s, "0"), up)
+            assert served(s, worker="0") >= 2 and served(s, worker="1") >= 2, (sent, up)
             replicas = {
                 dict(labels)["replica"]
                 for (name, labels), v in s.items()
@@ -354,11 +408,8 @@ async def test_two_workers_of_a_standalone_router_send_a_conversation_to_one_rep
                 and v > before.get((name, labels), 0.0)
                 and ("model", "chat") in labels
             }
-            assert len(replicas) == 1, replicas
-            ok = "llmgw_router_requests_total"
-            assert (
-                s(ok, model="chat", status="200") - before(ok, model="chat", status="200") == sent
-            )
+            assert replicas == {first}, (replicas, first)
+            assert served(s, status="200") == sent
 
             # and the engine reused each turn's predecessor
             def grew(name: str) -> float:

@@ -246,18 +246,28 @@ def homed(seed: int, turns: int) -> tuple[list[Endpoint], list[PromptKey], Endpo
 
 
 def test_turns_move_when_their_replica_is_past_its_load_bound_and_come_back() -> None:
-    endpoints, turns, home = homed(7, 4)
-    home.in_flight = 3  # others idle: the mean with this request is 1, the bound 2
-    moved = send(endpoints, turns[1])
-    assert moved.endpoint is not home
-    assert moved.affinity is not None and moved.affinity.overruled
-    assert moved.affinity.preferred is home
-    again = send(endpoints, turns[2])
-    assert again.endpoint is moved.endpoint  # spilled the same way again
-    home.in_flight = 0
-    back = send(endpoints, turns[3])
-    # both hold it now: the one holding more of it (the last turns went there)
-    assert back.endpoint is moved.endpoint and not back.affinity.overruled  # type: ignore[union-attr]
+    """Moved by load, a conversation's turns spill to one replica. Once its first
+    choice has room again, the fleet's only router keeps them where they were moved
+    (that replica holds the most of them); where several routers are, each sends
+    them back to the first choice, as a router that saw none of them does."""
+    for only in (True, False):
+        endpoints, turns, home = homed(7, 4)
+        home.in_flight = 3  # others idle: the mean with this request is 1, the bound 2
+        moved = send(endpoints, turns[1], only=only)
+        assert moved.endpoint is not home
+        assert moved.affinity is not None and moved.affinity.overruled
+        assert moved.affinity.preferred is home
+        again = send(endpoints, turns[2], only=only)
+        assert again.endpoint is moved.endpoint  # spilled the same way again
+        home.in_flight = 0
+        back = send(endpoints, turns[3], only=only)
+        assert back.affinity is not None and not back.affinity.overruled
+        cold = choose(fleet(), NOW, admission=OPEN, key=turns[3]).endpoint
+        assert cold is not None and cold.key == home.key
+        if only:  # both hold it now: the one holding more of it (the last turns went there)
+            assert back.endpoint is moved.endpoint, only
+        else:
+            assert back.endpoint is home, only
 
 
 def test_a_first_turn_goes_to_the_least_loaded_of_the_replicas_holding_its_system_prompt() -> None:
@@ -488,7 +498,7 @@ def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     split = Counter(send(several, key).endpoint.key for key in firsts)  # type: ignore[arg-type, union-attr]
     assert sorted(split.values()) == [3, 3, 5, 5], split
     only = fleet()
-    homes = [send(only, key, even=True) for key in firsts]  # type: ignore[arg-type]
+    homes = [send(only, key, only=True) for key in firsts]  # type: ignore[arg-type]
     spread = Counter(c.endpoint.key for c in homes)  # type: ignore[union-attr]
     assert sorted(spread.values()) == [4, 4, 4, 4], spread
     # the next sixteen: a replica whose early conversations' counts had decayed was
@@ -496,17 +506,17 @@ def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     # conversation of the fewest, it does not
     again = fleet()
     keys = [prompt_key(body(conversation(seed, 2)[0]), "prefix") for seed in range(116, 132)]
-    went = Counter(send(again, key, even=True).endpoint.key for key in keys)  # type: ignore[arg-type, union-attr]
+    went = Counter(send(again, key, only=True).endpoint.key for key in keys)  # type: ignore[arg-type, union-attr]
     assert sorted(went.values()) == [4, 4, 4, 4], went
     assert all(c.affinity is not None and not c.affinity.overruled for c in homes)
     assert any(c.affinity.why.endswith("of those with room for one") for c in homes)  # type: ignore[union-attr]
     for home, key in zip(homes, seconds, strict=True):
-        later = send(only, key, even=True)  # type: ignore[arg-type]
+        later = send(only, key, only=True)  # type: ignore[arg-type]
         assert later.endpoint is home.endpoint and not later.affinity.new  # type: ignore[union-attr]
     # the counts are of the recent ones: a replica that joins takes its share from now
     only.append(ep("r4"))
     more = [prompt_key(body(conversation(seed, 1)[0]), "prefix") for seed in range(200, 210)]
-    went = Counter(send(only, key, even=True).endpoint.key for key in more)  # type: ignore[arg-type, union-attr]
+    went = Counter(send(only, key, only=True).endpoint.key for key in more)  # type: ignore[arg-type, union-attr]
     assert 2 <= went["r4"] <= 6, went  # not none, nor every one
 
 
@@ -521,10 +531,10 @@ def test_a_new_conversation_waits_on_a_replica_with_room_rather_than_crowd_anoth
         e.prefix.placed, e.in_flight = placed_here, busy
     key = prompt_key(body(conversation(300, 1)[0]), "prefix")
     assert key is not None
-    choice = choose(endpoints, NOW, admission=OPEN, key=key, even=True)
+    choice = choose(endpoints, NOW, admission=OPEN, key=key, only=True)
     assert choice.endpoint is endpoints[3] and choice.affinity.new  # type: ignore[union-attr]
     endpoints[2].in_flight = endpoints[3].in_flight = 3  # past 1.5 x their share
-    assert choose(endpoints, NOW, admission=OPEN, key=key, even=True).endpoint in endpoints[:2]
+    assert choose(endpoints, NOW, admission=OPEN, key=key, only=True).endpoint in endpoints[:2]
 
 
 def test_the_load_bound_keeps_a_hot_prompt_from_taking_everything() -> None:
@@ -753,22 +763,26 @@ def test_affinity_only_reorders_the_replicas_the_balancer_allows(
 
 def test_new_work_is_spread_by_load_and_only_what_is_held_stays_past_its_share() -> None:
     """A first turn goes to its first choice only while that is as little loaded as the
-    rest; a later turn stays with the replica that holds it up to its bound."""
-    endpoints = fleet(2)
-    first = conversation(3, 2)
-    key = prompt_key(body(first[0]), "prefix")
-    assert key is not None
-    top = choose(endpoints, NOW, admission=OPEN, key=key).endpoint
-    assert top is not None
-    top.in_flight = 1  # one more than the other: a new conversation goes there
-    spilled = send(endpoints, key)
-    assert spilled.endpoint is not top and spilled.affinity is not None
-    assert spilled.affinity.overruled
-    # its next turn is known where the first went, which may take it past an even share
-    spilled.endpoint.in_flight = 1  # type: ignore[union-attr]
-    top.in_flight = 0
-    later = send(endpoints, prompt_key(body(first[1]), "prefix"))  # type: ignore[arg-type]
-    assert later.endpoint is spilled.endpoint and not later.affinity.overruled  # type: ignore[union-attr]
+    rest; a later turn stays with the replica that holds it up to its bound (the fleet's
+    only router), or goes to its first choice as every router's does (several)."""
+    for only in (True, False):
+        endpoints = fleet(2)
+        first = conversation(3, 2)
+        key = prompt_key(body(first[0]), "prefix")
+        assert key is not None
+        top = choose(endpoints, NOW, admission=OPEN, key=key).endpoint
+        assert top is not None
+        top.in_flight = 1  # one more than the other: a new conversation goes elsewhere
+        spilled = send(endpoints, key, only=only)
+        assert spilled.endpoint is not top and spilled.affinity is not None
+        assert spilled.affinity.overruled
+        # its next turn is known where the first went, which may take it past an even
+        # share; where several routers are, the others cannot know it
+        spilled.endpoint.in_flight = 1  # type: ignore[union-attr]
+        top.in_flight = 0
+        later = send(endpoints, prompt_key(body(first[1]), "prefix"), only=only)  # type: ignore[arg-type]
+        assert later.affinity is not None and not later.affinity.overruled
+        assert later.endpoint is (spilled.endpoint if only else top), only
 
 
 def test_a_cold_router_keeps_a_later_turn_on_its_first_choice_as_a_warm_one_does() -> None:

@@ -189,16 +189,16 @@ def test_the_servers_router_places_new_conversations_evenly_only_while_it_is_alo
     caplog.set_level(logging.INFO, "llmgw.router")
     others = [0]
     table = RoutingTable(alone=lambda: others[0] == 0)
-    assert not table.even  # until its first look
-    for n, even in ((0, True), (0, True), (2, False), (2, False), (0, True)):
+    assert not table.only  # until its first look
+    for n, only in ((0, True), (0, True), (2, False), (2, False), (0, True)):
         others[0] = n
         table._judge_alone()
-        assert table.even is even
+        assert table.only is only
     said = [r.getMessage() for r in caplog.records if "affinity:" in r.getMessage()]
     assert len(said) == 3 and "evenly" in said[0] and "standalone routers follow" in said[1]
     standalone = RoutingTable()
     standalone._judge_alone()
-    assert not standalone.even
+    assert not standalone.only
 
 
 async def test_a_router_says_where_its_metrics_are_and_a_wildcard_is_where_it_is_seen(
