@@ -487,9 +487,9 @@ def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     """Sixteen conversations started one after another on an idle fleet of four: their
     anchors' rendezvous winners split them unevenly (these seeds: 5/5/3/3), and a
     replica given more conversations than its cache holds evicts them. Where this
-    router is the only one (``even``), each goes to its first choice among the replicas
+    router is the only one (``only``), each goes to its first choice among the replicas
     with room for an even share of the recent ones: four each, and their later turns
-    follow. Where several routers are (not ``even``), rendezvous alone, which every
+    follow. Where several routers are (not ``only``), rendezvous alone, which every
     router computes alike."""
     seeds = range(100, 116)
     firsts = [prompt_key(body(conversation(seed, 2)[0]), "prefix") for seed in seeds]
