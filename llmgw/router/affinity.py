@@ -33,7 +33,7 @@ before another router's request ended) comes back to its first choice at its
 next turn through every router, where knowledge first left it on two replicas
 for good, one per worker, each computing the other's turns again.
 
-New conversations, placed evenly (``even``: this router is the fleet's only one,
+New conversations, placed evenly (``only``: this router is the fleet's only one,
 the server's own while no standalone router reports). Rendezvous places few keys
 unevenly, and a replica given more conversations than its cache holds evicts
 them: sixteen on four replicas went 5/5/4/2 in ``tools/bench_goodput.py``, and
@@ -47,7 +47,15 @@ model's recent new conversations than the one that has had the fewest
 on). That run then moved no turn and lost none, and its engines computed 0.54x
 the prompt tokens they had. (A first rule, no more than the ceiling of an even
 share, let a replica whose early conversations' counts had decayed take a fifth
-of sixteen one time in four: 5/4/4/3, and the fifth evicted the others.) A
+of sixteen one time in four: 5/4/4/3, and the fifth evicted the others.) Every
+first turn counts, by the share of its prompt the replica computes (``work``;
+the decay is by as much): a new conversation one, another user of a system
+prompt the replica holds the rest of the prompt, its question. Counted only when
+new, the replica that took a popular system prompt's users (18 of the shared
+workload's 60) had had one prompt as the others had and took a second one's
+users too, busy 1.40x the mean; counted one a request, it had had so many that
+new prompts, each computed whole, piled on the others (1.53x). By work, six
+seeds' imbalance was 1.06-1.22, where it had been 1.10-1.40. A
 router that has not seen the conversation cannot know where it was placed, so
 where several routers share the fleet (standalone routers report to the control
 plane, each worker one) every router, the server's included, places by
@@ -135,9 +143,12 @@ class Pick:
     overruled: bool
     held: int
     why: str
-    # a new conversation placed evenly (``pick``'s ``even``): the proxy counts it where
-    # it went (``placed``)
+    # a new conversation placed evenly (``pick``'s ``only``): none of its prompt was held
     new: bool = False
+    # a first turn placed by the only router (a new conversation, or another user of a
+    # shared prompt): the share of its prompt the replica computes, which the proxy
+    # counts where it went (``placed``); 0: not counted
+    work: float = 0.0
 
 
 def pick(
@@ -196,7 +207,8 @@ def pick(
             overruled = ep is not preferred
             new = fresh and not held
             why = _why(ep, held, key, overruled, preferred, new)
-            return Pick(ep, value, load, preferred, overruled, held, why, new=new)
+            work = _work(ep, held, key) if fresh else 0.0
+            return Pick(ep, value, load, preferred, overruled, held, why, new=new, work=work)
     # the least loaded is always within the bound; this is for weights that bend it,
     # and for a new conversation whose replicas with room are busier than their share:
     # the least loaded of those while within the bound a conversation's later turns
@@ -209,7 +221,14 @@ def pick(
             held, (value, ep, load) = roomy
     new = fresh and not held
     why = _why(ep, held, key, ep is not preferred, preferred, new)
-    return Pick(ep, value, load, preferred, ep is not preferred, held, why, new=new)
+    overruled = ep is not preferred
+    work = _work(ep, held, key) if fresh else 0.0
+    return Pick(ep, value, load, preferred, overruled, held, why, new=new, work=work)
+
+
+def _work(ep: Endpoint, held: int, key: PromptKey) -> float:
+    """The share of the prompt ``ep`` computes, holding ``held`` of its blocks."""
+    return 1.0 - held_bytes(held, key.size, ep.prefix.kept) / key.size if key.size else 1.0
 
 
 def _requests(ep: Endpoint, load: LoadSignals | None) -> float:
@@ -235,13 +254,14 @@ def _queue_s(
     return fleet(ep.pace, paces).queue_s(requests[ep.key], math.floor(load.slots))
 
 
-def placed(endpoints: Sequence[Endpoint], chosen: Endpoint) -> None:
-    """A new conversation went to ``chosen``: counted there, and every count of its
-    model's ``endpoints`` decays, so that the counts are of about the last
-    ``PLACEMENTS``."""
+def placed(endpoints: Sequence[Endpoint], chosen: Endpoint, work: float = 1.0) -> None:
+    """A first turn went to ``chosen``, which computes ``work`` of its prompt (1: a new
+    conversation): counted there by that, and every count of its model's ``endpoints``
+    decays by as much, so that the counts are of about the last ``PLACEMENTS`` new
+    conversations' worth."""
     for ep in endpoints:
-        ep.prefix.placed *= 1.0 - 1.0 / PLACEMENTS
-    chosen.prefix.placed += 1.0
+        ep.prefix.placed *= (1.0 - 1.0 / PLACEMENTS) ** work
+    chosen.prefix.placed += work
 
 
 def _order(

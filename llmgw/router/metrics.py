@@ -71,7 +71,9 @@ class _EndpointsCollector(Collector):
         placed = GaugeMetricFamily(
             "llmgw_router_new_conversations",
             "New conversations this router placed on the replica, of about the model's last "
-            "32 (decayed; only while it is the only router and places them evenly)",
+            "32 (decayed; each first turn counted by the share of its prompt the replica "
+            "computes, so that another user of a system prompt it holds counts its question; "
+            "only while it is the only router and places them evenly)",
             labels=["model", "replica"],
         )
         pace = GaugeMetricFamily(

@@ -273,8 +273,8 @@ class Proxy:
                 record.affinity(ep, key, choice.affinity, first=attempts == 1)
                 if key.blocks:
                     ep.prefix.record(key.blocks)
-                if choice.affinity.new and attempts == 1:
-                    placed(endpoints, ep)
+                if choice.affinity.work and attempts == 1:
+                    placed(endpoints, ep, choice.affinity.work)
             lease = Lease(ep, now, room, suspect=suspect)
             record.sent_to(ep.key, now)
             if place is not None and len(room):

@@ -228,6 +228,18 @@ async def test_a_conversation_stays_on_one_replica_and_an_eviction_is_noticed(
                 where.add((await log.next())[0])
             assert len(where) == 1, (hint, where)
 
+        # another user of the first conversation's document asks something else: a first
+        # turn its replica holds most of, counted there by the part it computes
+        # (last: what the engine evicted for it is not looked at after)
+        before = (await admin_metrics(c))("llmgw_router_new_conversations", model="chat")
+        [system, first] = conversation(0, 1)[0]
+        ask_more = "Which of its words comes most often? " * 16  # a block and more
+        other = first["content"].replace("What is it about?", ask_more)
+        await ask(client, [system, {"role": "user", "content": other}])
+        assert (await log.next())[0] == homes[0]  # the first was placed at its first choice
+        grew = (await admin_metrics(c))("llmgw_router_new_conversations", model="chat") - before
+        assert 0.05 < grew < 0.7, grew  # as a new conversation, 0.9; not counted, 0
+
 
 async def test_a_conversation_moves_when_its_replica_is_loaded_past_its_bound(
     tmp_path: Path, pki: Pki

@@ -81,13 +81,13 @@ def conversation(seed: int, turns: int, doc_bytes: int = 3000) -> list[list[dict
 
 
 def send(endpoints: list[Endpoint], key: PromptKey, **kw: object) -> Choice:
-    """Choose as the proxy does, and record the prompt where it went (and a new
-    conversation placed there)."""
+    """Choose as the proxy does, and record the prompt where it went (and a first turn
+    placed there, by its work)."""
     choice = choose(endpoints, NOW, admission=OPEN, key=key, **kw)  # type: ignore[arg-type]
     assert choice.endpoint is not None
     choice.endpoint.prefix.record(key.blocks)
-    if choice.affinity is not None and choice.affinity.new:
-        placed(endpoints, choice.endpoint)
+    if choice.affinity is not None and choice.affinity.work:
+        placed(endpoints, choice.endpoint, choice.affinity.work)
     return choice
 
 
@@ -535,6 +535,59 @@ def test_a_new_conversation_waits_on_a_replica_with_room_rather_than_crowd_anoth
     assert choice.endpoint is endpoints[3] and choice.affinity.new  # type: ignore[union-attr]
     endpoints[2].in_flight = endpoints[3].in_flight = 3  # past 1.5 x their share
     assert choose(endpoints, NOW, admission=OPEN, key=key, only=True).endpoint in endpoints[:2]
+
+
+def user(system: str, question: int) -> PromptKey:
+    """A user's first turn behind a long shared system prompt (its two full blocks)."""
+    messages = [
+        {"role": "system", "content": f"{system} " * (ANCHOR_BYTES // 6)},
+        {"role": "user", "content": f"q{question} " * 100},
+    ]
+    key = prompt_key(body(messages), "prefix")
+    assert key is not None
+    return key
+
+
+def test_new_prompts_are_placed_by_the_work_their_replicas_took() -> None:
+    """Every first turn counts where it went by the share of its prompt that replica
+    computes: a new prompt the whole, another user of a held system prompt the rest.
+    The replica taking a popular prompt's users has had more than its share of the
+    recent work, and a new prompt goes past it (counted only when new, it had had one
+    prompt as the others had, and took a second prompt's users on top of the popular
+    one's: busy 1.40x the mean in the benchmark's shared workload); but it has had less
+    work than a replica that computed as many new prompts as it took users (counted by
+    request, new prompts piled on the replicas without a popular one: 1.53x)."""
+    endpoints = fleet()
+    home = send(endpoints, user("Popular", 0), only=True).endpoint
+    assert home is not None
+    others = iter(f"Rules{i}" for i in range(1000))
+    while min(e.prefix.placed for e in endpoints) == 0:  # a prompt on each of the others
+        send(endpoints, user(next(others), 0), only=True)
+    for question in range(1, 7):  # the popular prompt's users, each where it is held
+        went = send(endpoints, user("Popular", question), only=True)
+        assert went.endpoint is home and went.affinity is not None and not went.affinity.new
+        assert 0.1 < went.affinity.work < 0.5, went.affinity.work  # the question's part
+    # a new prompt whose first choice is the popular prompt's replica
+    system = next(
+        name
+        for name in others
+        if choose(fleet(), NOW, admission=OPEN, key=user(name, 0)).endpoint.key == home.key  # type: ignore[union-attr]
+    )
+    new = send(endpoints, user(system, 0), only=True)
+    assert new.affinity is not None and new.affinity.new and new.affinity.work == 1.0
+    assert new.endpoint is not home
+
+    # the others computed three new prompts each; the popular one's replica one, and
+    # three users' questions: a new prompt goes there
+    endpoints = fleet()
+    for e in endpoints[1:]:
+        e.prefix.placed = 3.0
+    home = send(endpoints, user("Popular", 0), only=True).endpoint
+    assert home is endpoints[0]
+    for question in range(1, 4):
+        send(endpoints, user("Popular", question), only=True)
+    assert home.prefix.placed < 2.5 < min(e.prefix.placed for e in endpoints[1:])
+    assert send(endpoints, user(next(others), 0), only=True).endpoint is home
 
 
 def test_the_load_bound_keeps_a_hot_prompt_from_taking_everything() -> None:
