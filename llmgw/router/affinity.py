@@ -97,7 +97,8 @@ which counts a waiting request twice. ``bound`` is:
   first choice only while that is no busier than its share, so new work is
   spread by load, and only what a replica holds keeps it there past its share.
   (A first turn moved by load is where the only router sends the next turns;
-  where several are, every one sends them back to the first choice.) Rendezvous alone places few keys
+  where several are, every one sends them back to the first choice while that is
+  within its bound.) Rendezvous alone places few keys
   unevenly (six conversations on two replicas go 5-1 or worse about one time in
   five), and the bound then moved their later turns off the replica that held
   them: a run of the benchmark reused 39% of the multi-turn prompt tokens
