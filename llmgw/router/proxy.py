@@ -66,7 +66,7 @@ import math
 import msgspec
 import trio
 
-from llmgw.engines import adapters
+from llmgw.engines import adapter
 from llmgw.http import Request, Response
 from llmgw.http.client import UpstreamPool
 from llmgw.http.upstream_errors import UpstreamError, UpstreamTimeout
@@ -476,7 +476,7 @@ async def _enter(
     that again would cost by the replica's pace (its own, else its model's). None: its
     engine shares what is cached between running requests (or is not known), and the
     request goes at once."""
-    engine = adapters().get(ep.engine)
+    engine = adapter(ep.engine)
     if engine is None or not engine.slot_cache:
         return None
     slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
