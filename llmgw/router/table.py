@@ -238,7 +238,8 @@ class RoutingTable:
         if only:
             log.info(
                 "affinity: no standalone router follows the routing: this router places "
-                "new conversations evenly over each model's replicas"
+                "new conversations evenly over each model's replicas, and keeps a "
+                "conversation moved by load where it sent it"
             )
         else:
             log.info(
