@@ -277,3 +277,33 @@ def test_bench_goodputs_oracle_finds_a_shared_prompt_only_once_it_was_computed()
     oracle(sessions)
     shared = [t.shared_chars for t in (first, during, queued, after, later)]
     assert shared == [0, 0, 600, 600, 605]
+
+
+def test_bench_goodput_pools_its_seeds_as_one_run_of_them_all() -> None:
+    """Two seeds of one policy: goodput is the requests that met the SLO over both runs'
+    wall time (not the mean of two rates: a short run would weigh as much as a long
+    one), tokens and hits are summed, the imbalance is the median run's; and a goal
+    judged on the pool says on how many seeds it was met."""
+    from tools.bench_goodput import Result, goals, pooled, seed_range
+
+    def run(seed: int, policy: str, met: int, wall: float, computed: float, imbal: float) -> Result:
+        r = Result("shared", policy, seed, requests=10, ok=10, met=met, wall_s=wall)
+        r.goodput, r.computed, r.cached = met / wall, computed, 1000 - computed
+        r.hit_rate, r.imbalance, r.ttfts = r.cached / 1000, imbal, [0.5] * 10
+        r.oracle_rate, r.oracle_computed = 0.8, 200
+        return r
+
+    runs = [run(1, "rr", 2, 10, 800, 1.1), run(1, "prefix", 8, 10, 300, 1.1),
+            run(2, "rr", 1, 30, 600, 1.0), run(2, "prefix", 10, 30, 400, 1.4)]  # fmt: skip
+    rr, prefix = pooled(runs)
+    assert (prefix.met, prefix.wall_s, prefix.goodput) == (18, 40, 18 / 40)
+    assert (rr.goodput, prefix.computed, prefix.hit_rate) == (3 / 40, 700, 1300 / 2000)
+    assert prefix.imbalance == 1.25 and prefix.oracle_computed == 400
+    judged = {g.what.split(" (")[0]: g for g in goals([rr, prefix], [])}
+    tokens = judged["shared: prompt tokens computed <= 0.5x round robin"]
+    assert tokens.value == 0.5 and tokens.ok
+    assert "(an oracle's: 0.29)" in tokens.what  # 400 / 1400
+    assert judged["shared: goodput >= 2x round robin"].value == 6.0
+    assert seed_range("1-3") == [1, 2, 3] and seed_range("4") == [4]
+    with pytest.raises(Exception, match="N or N-M"):
+        seed_range("x")
