@@ -83,6 +83,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import random
 import re
@@ -810,7 +811,11 @@ def goals(results: list[Result], cpus: list[Cpu]) -> list[Goal]:
     out: list[Goal] = []
 
     def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None or b == 0 else a / b
+        """a / b; infinite where b is 0 and a is not (round robin met the SLO with no
+        request), None where either is not known."""
+        if a is None or b is None or (a == 0 and b == 0):
+            return None
+        return math.inf if b == 0 else a / b
 
     def judge(what: str, value: float | None, ok: bool | None) -> None:
         out.append(Goal(what, value, ok))

@@ -307,3 +307,15 @@ def test_bench_goodput_pools_its_seeds_as_one_run_of_them_all() -> None:
     assert seed_range("1-3") == [1, 2, 3] and seed_range("4") == [4]
     with pytest.raises(Exception, match="N or N-M"):
         seed_range("x")
+
+
+def test_bench_goodputs_goal_against_a_baseline_that_met_no_slo_is_met() -> None:
+    """A seed where round robin's goodput is 0 is a seed where the goal is met (an
+    infinite ratio), not one left out of the tally."""
+    from tools.bench_goodput import Result, goals
+
+    rr = Result("shared", "rr", 1, requests=10, ok=10, computed=1000, imbalance=1.0)
+    prefix = Result("shared", "prefix", 1, requests=10, ok=10, goodput=2.0, computed=400)
+    prefix.imbalance = 1.1
+    judged = {g.what: g for g in goals([rr, prefix], [])}
+    assert judged["shared: goodput >= 2x round robin"].ok is True
