@@ -59,7 +59,9 @@ where round robin finds much cached too, no router gets far below it.
 
 One seed's goodput on a loaded fleet moves several-fold between runs of it (a few
 requests more that queue behind a prefill miss the SLO together), so ``--seed 1-6``
-runs each seed in turn, on one calibration, and judges the goals on them all pooled
+runs each seed in turn, on one calibration, each starting with the next policy (so
+that none always runs first, on a machine that changes as it goes), and judges the
+goals on them all pooled
 (goodput: the requests that met the SLO over the runs' wall time; tokens and hits
 summed; imbalance the median run's), saying on how many seeds each was met.
 
@@ -972,9 +974,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.cache_ram_mib} MiB, TTFT SLO {sizes.slo_s:.2f} s, seed {seeds}",
               flush=True)  # fmt: skip
         names = args.workload or list(WORKLOADS)
-        for seed in args.seeds:
+        for n, seed in enumerate(args.seeds):
             for name in names:
-                for policy in policies:
+                # each seed starts with the next policy: none always runs first (or last)
+                for policy in policies[n % len(policies) :] + policies[: n % len(policies)]:
                     r = run(name, policy, sizes, seed, model, args)
                     results.append(r)
                     print(f"# {name} {policy} seed {seed}: "
@@ -989,7 +992,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         by_seed: dict[int, list[Goal]] = {}
         for seed in args.seeds:
-            ran = [r for r in results if r.seed == seed]
+            ran = sorted(
+                (r for r in results if r.seed == seed),
+                key=lambda r: (names.index(r.workload), policies.index(r.policy)),
+            )
             by_seed[seed] = goals(ran, [])
             print(f"## seed {seed}")
             print(table(ran))
