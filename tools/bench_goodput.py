@@ -977,7 +977,8 @@ def main(argv: list[str] | None = None) -> int:
         for n, seed in enumerate(args.seeds):
             for name in names:
                 # each seed starts with the next policy: none always runs first (or last)
-                for policy in policies[n % len(policies) :] + policies[: n % len(policies)]:
+                turn = n % max(1, len(policies))
+                for policy in policies[turn:] + policies[:turn]:
                     r = run(name, policy, sizes, seed, model, args)
                     results.append(r)
                     print(f"# {name} {policy} seed {seed}: "

@@ -115,6 +115,14 @@ def test_bench_goodput_runs_every_workload_and_policy() -> None:
     assert "cpu: shared: router CPU per request by load" in text
 
 
+def test_bench_goodputs_cpu_measure_runs_alone_over_several_seeds() -> None:
+    """``--cpu-only`` runs no policy's goodput run: with several seeds, no sweep (the
+    rotation of the policies' order once divided by their count, zero here)."""
+    text = run_tool("tools.bench_goodput", "--quick", "--cpu-only", "--seed", "1-2", timeout=300)
+    assert "cpu: shared: router CPU per request by load" in text, text
+    assert "goal: unique: router CPU per request <= 1.1x load-only" in text, text
+
+
 @needs_server
 def test_bench_tenants_runs_and_holds_budgets_across_killed_routers() -> None:
     """Small: what it prints is the issue's table; a budget overspent or a request
