@@ -292,7 +292,7 @@ def test_bench_goodput_pools_its_seeds_as_one_run_of_them_all() -> None:
     wall time (not the mean of two rates: a short run would weigh as much as a long
     one), tokens and hits are summed, the imbalance is the median run's; and a goal
     judged on the pool says on how many seeds it was met."""
-    from tools.bench_goodput import Result, goals, pooled, seed_range
+    from tools.bench_goodput import Result, goals, pooled, resampled, seed_range
 
     def run(seed: int, policy: str, met: int, wall: float, computed: float, imbal: float) -> Result:
         r = Result("shared", policy, seed, requests=10, ok=10, met=met, wall_s=wall)
@@ -313,6 +313,16 @@ def test_bench_goodput_pools_its_seeds_as_one_run_of_them_all() -> None:
     assert "(an oracle's: 0.29)" in tokens.line()  # 400 / 1400
     assert judged["shared: goodput >= 2x round robin"].value == 6.0
     assert seed_range("1-3") == [1, 2, 3] and seed_range("4") == [4]
+    # how far the pooled figure moves over the seed sets one might have drawn: from
+    # seed 1's alone (4x round robin's goodput, 0.375x its tokens) to seed 2's (10x,
+    # 0.67x), which two seeds drawn with replacement give each one time in four
+    spread = resampled(runs, [1, 2])
+    assert spread["shared: goodput >= 2x round robin"] == (4.0, 10.0)
+    assert spread["shared: prompt tokens computed <= 0.5x round robin"] == (300 / 800, 400 / 600)
+    assert resampled([r for r in runs if r.seed == 1], [1])["shared: load imbalance <= 1.25"] == (
+        1.1,
+        1.1,
+    )
     with pytest.raises(Exception, match="N or N-M"):
         seed_range("x")
 
