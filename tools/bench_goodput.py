@@ -65,7 +65,7 @@ goals on them all pooled
 (goodput: the requests that met the SLO over the runs' wall time; tokens and hits
 summed; imbalance the median run's), saying on how many seeds each was met and
 how far the pooled figure moves over sets of the seeds drawn with replacement
-(the 5th to the 95th percentile of ``RESAMPLES``): where that range straddles a
+(the 5th to the 95th percentile over ``RESAMPLES`` draws): where that range straddles a
 goal's line, the sweep does not say whether it is met. Two sweeps of the shared
 prompts' twelve seeds at one load gave one seed's ``smg`` 0.29 and 2.48 good/s.
 
