@@ -193,37 +193,43 @@ def pick(
         return ep.prefix.placed / ep.weight < least + EVEN
 
     preferred = next((ep for held, (_, ep, _) in ranked if room(held, ep)), ranked[0][1][1])
-    for held, (value, ep, load) in ranked:
+
+    def takes(held: int, ep: Endpoint, load: LoadSignals | None) -> bool:
         kept = bool(held or key.later or not key.blocks)
-        takes = within(ep, ep.affinity_bound if kept else 1.0)
+        if within(ep, ep.affinity_bound if kept else 1.0):
+            return True
         slots = math.floor(load.slots) if load is not None and load.slots else 0
         # a free slot starts it at once; a slot that frees sooner than what it holds
         # would take to compute again elsewhere is worth waiting for (``pace``), unless
         # the prompt's own requests fill its slots: then its queue is the prompt's, which
         # waiting never drains, and the prompt spreads to a second replica
-        if not takes and kept and slots and ep.computing.holding(key.blocks, held) < slots:
-            shared = held_bytes(held, key.size, ep.prefix.kept)
-            # and a move waits where it goes too, if every other replica is busy
-            others = (entry for entry in admissible if entry[1] is not ep)
-            paces = [e.pace for _, e, _ in admissible]
-            elsewhere = min(
-                (_queue_s(e, signals, requests, paces) for _, e, signals in others), default=0.0
-            )
-            pace = fleet(ep.pace, paces)
-            takes = requests[ep.key] + 1 <= slots + pace.patience(shared, slots, elsewhere)
-        if takes and room(held, ep):
-            overruled = ep is not preferred
-            new = fresh and not held
-            why = _why(ep, held, key, overruled, preferred, new)
-            work = _work(ep, held, key) if fresh else 0.0
-            return Pick(ep, value, load, preferred, overruled, held, why, new=new, work=work)
-    # the least loaded is always within the bound; this is for weights that bend it,
-    # and for a new conversation whose replicas with room are busier than their share:
-    # load comes first (see the module docstring)
-    held, (value, ep, load) = min(ranked, key=lambda entry: entry[1][0])  # first of equals
-    new = fresh and not held
-    why = _why(ep, held, key, ep is not preferred, preferred, new)
+        if not (kept and slots and ep.computing.holding(key.blocks, held) < slots):
+            return False
+        shared = held_bytes(held, key.size, ep.prefix.kept)
+        # and a move waits where it goes too, if every other replica is busy
+        others = (entry for entry in admissible if entry[1] is not ep)
+        paces = [e.pace for _, e, _ in admissible]
+        elsewhere = min(
+            (_queue_s(e, signals, requests, paces) for _, e, signals in others), default=0.0
+        )
+        pace = fleet(ep.pace, paces)
+        return requests[ep.key] + 1 <= slots + pace.patience(shared, slots, elsewhere)
+
+    chosen = next(
+        (
+            entry
+            for entry in ranked
+            if room(entry[0], entry[1][1]) and takes(entry[0], *entry[1][1:])
+        ),
+        None,
+    )
+    # the least loaded is always within the bound; this is for weights that bend it, and
+    # for a new conversation whose replicas with room are busier than their share: load
+    # comes first (see the module docstring)
+    held, (value, ep, load) = chosen or min(ranked, key=lambda entry: entry[1][0])
     overruled = ep is not preferred
+    new = fresh and not held
+    why = _why(ep, held, key, overruled, preferred, new)
     work = _work(ep, held, key) if fresh else 0.0
     return Pick(ep, value, load, preferred, overruled, held, why, new=new, work=work)
 
