@@ -49,8 +49,10 @@ reply left in some cache, with caches that never evict: an upper bound; a prompt
 is in a cache from its request's first token on, not from when it was sent), load
 imbalance (max over mean of the replicas' busy time, the engines' own prompt
 and generation seconds), and, from the router's access log, how many later turns
-of a session went to another replica than the turn before (``moved``) and how many
-stayed and found their conversation gone from the cache (``lost``). The router's
+of a session went to another replica than the turn before (``moved``), how many
+stayed and found their conversation gone from the cache (``lost``), and how many
+requests load sent elsewhere than affinity's first choice (``spilled``; each
+request's ``route=``, counted by why on a ``routes:`` line). The router's
 CPU per request, by load and by prefix, is measured apart, side by side
 (``router_cpu``: a goodput run's few requests over a minute say more about what a
 router spends per second than per request). Beside the prompt tokens computed, the
@@ -97,6 +99,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
@@ -222,6 +225,7 @@ class Turn:
     replica: str = ""
     cached: int = -1
     prompt_tokens: int = -1
+    route: str = ""  # why affinity sent it there (``route=``); "": it did not
 
 
 @dataclass
@@ -411,6 +415,9 @@ class Result:
     # turns that stayed but found less than half of their previous prompt cached
     moved: int | None = None
     lost: int | None = None
+    # requests by why affinity sent them where they went (the access log's ``route=``):
+    # held, first, even, spill:<why>; empty: no affinity (or not our router)
+    routes: dict[str, int] = field(default_factory=dict)
     error: str = ""
 
 
@@ -509,6 +516,8 @@ def run(
     if policy != "smg":
         from_access_log(workdir / "llmgw.log", turns)
         result.moved, result.lost = moves(sessions)
+        if policy == "prefix":  # round robin's models have one replica each: no choice
+            result.routes = dict(Counter(t.route for t in turns if t.route))
     # each turn as it went, for a look at what missed and why (in the run's folder)
     (workdir / "turns.json").write_text(
         json.dumps(
@@ -516,7 +525,8 @@ def run(
                 {"session": i, "group": s.group, "start": round(s.start, 2), "turn": j,
                  "status": t.status, "ttft": t.ttft, "prompt_chars": t.prompt_chars,
                  "shared_chars": t.shared_chars, "cache_n": t.cache_n, "prompt_n": t.prompt_n,
-                 "replica": t.replica, "cached": t.cached, "prompt_tokens": t.prompt_tokens}
+                 "replica": t.replica, "cached": t.cached, "prompt_tokens": t.prompt_tokens,
+                 "route": t.route}
                 for i, s in enumerate(sessions)
                 for j, t in enumerate(s.turns)
             ],
@@ -558,6 +568,7 @@ def run(
 
 _ACCESS = re.compile(
     r"^(\S+ \S+) INFO llmgw\.router\.access: .* replica=(\S+) .* cached=(\d+)/(\d+) "
+    r"(?:.* route=(\S+))?"
 )
 
 
@@ -566,29 +577,29 @@ def from_access_log(log: Path, turns: list[Turn]) -> None:
     written as its reply ended (within 0.25 s), the one saying what the reply's own
     timings said it reused where there is one (two replies can end within a few ms,
     and the nearest then may be the other's), else the nearest."""
-    lines: list[tuple[float, str, int, int]] = []
+    lines: list[tuple[float, str, int, int, str]] = []
     for line in log.read_text(errors="replace").splitlines():
         if m := _ACCESS.match(line):
             when = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            lines.append((when, m[2], int(m[3]), int(m[4])))
+            lines.append((when, m[2], int(m[3]), int(m[4]), m[5] or ""))
     for turn in sorted(turns, key=lambda t: t.ended_at):
         if not turn.ended_at:
             continue
         said = (turn.cache_n, turn.cache_n + turn.prompt_n) if turn.cache_n >= 0 else None
         i = _access_line(lines, turn.ended_at, said)
         if i is not None:
-            _, turn.replica, turn.cached, turn.prompt_tokens = lines.pop(i)
+            _, turn.replica, turn.cached, turn.prompt_tokens, turn.route = lines.pop(i)
 
 
 def _access_line(
-    lines: list[tuple[float, str, int, int]], ended_at: float, said: tuple[int, int] | None
+    lines: list[tuple[float, str, int, int, str]], ended_at: float, said: tuple[int, int] | None
 ) -> int | None:
     """The access line of a reply that ended at ``ended_at``: of those within 0.25 s, the
     one that says the reuse ``said`` if one does, else the nearest; None: none is near."""
     near = [i for i in range(len(lines)) if abs(lines[i][0] - ended_at) <= 0.25]
     if not near:
         return None
-    return min(near, key=lambda i: (lines[i][2:] != said, abs(lines[i][0] - ended_at)))
+    return min(near, key=lambda i: (lines[i][2:4] != said, abs(lines[i][0] - ended_at)))
 
 
 def moves(sessions: list[Session]) -> tuple[int | None, int | None]:
@@ -781,18 +792,35 @@ def fmt(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def spilled(r: Result) -> int | None:
+    """Requests affinity sent elsewhere than its first choice, by load; None: not known."""
+    if not r.routes:
+        return None
+    return sum(n for route, n in r.routes.items() if route.startswith("spill:"))
+
+
+def routes(results: list[Result]) -> list[str]:
+    """A line per run that routed by affinity: its requests by why they went where."""
+    return [
+        f"routes: {r.workload} {r.policy}: "
+        + ", ".join(f"{route} {n}" for route, n in sorted(r.routes.items()))
+        for r in results
+        if r.routes
+    ]
+
+
 def table(results: list[Result]) -> str:
     head = ("workload", "policy", "ok", "goodput/s", "ttft p50", "ttft p95", "computed",
-            "hit", "oracle", "imbal", "moved", "lost")  # fmt: skip
-    rows = [head]
+            "hit", "oracle", "imbal", "moved", "lost", "spilled")  # fmt: skip
+    rows: list[tuple[str, ...]] = [head]
     for r in results:
         if r.error:
-            rows.append((r.workload, r.policy, "error:", r.error, "", "", "", "", "", "", "", ""))
+            rows.append((r.workload, r.policy, "error:", r.error, *[""] * (len(head) - 4)))
             continue
         rows.append((r.workload, r.policy, f"{r.ok}/{r.requests}", fmt(r.goodput, ".3f"),
                      fmt(r.ttft_p50), fmt(r.ttft_p95), f"{r.computed:.0f}",
                      f"{r.hit_rate:.0%}", f"{r.oracle_rate:.0%}", fmt(r.imbalance),
-                     fmt(r.moved, "d"), fmt(r.lost, "d")))  # fmt: skip
+                     fmt(r.moved, "d"), fmt(r.lost, "d"), fmt(spilled(r), "d")))  # fmt: skip
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
     return "\n".join(
         "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
@@ -889,6 +917,7 @@ def pooled(results: list[Result]) -> list[Result]:
         if all(r.moved is not None for r in runs):
             p.moved = sum(r.moved or 0 for r in runs)
             p.lost = sum(r.lost or 0 for r in runs)
+        p.routes = dict(sum((Counter(r.routes) for r in runs), Counter()))
         out.append(p)
     return out
 
@@ -1020,7 +1049,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=1))
     if len(args.seeds) == 1:
-        print(table(results))
+        print("\n".join([table(results), *routes(results)]))
         for goal in goals(results, cpus):
             print(goal.line())
     else:
@@ -1032,12 +1061,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             by_seed[seed] = goals(ran, [])
             print(f"## seed {seed}")
-            print(table(ran))
+            print("\n".join([table(ran), *routes(ran)]))
             for goal in by_seed[seed]:
                 print(goal.line())
         pool = pooled(results)
         print(f"## pooled over seeds {seeds}")
-        print(table(pool))
+        print("\n".join([table(pool), *routes(pool)]))
         spread = resampled(results, args.seeds)
         for goal in goals(pool, cpus):
             judged = [

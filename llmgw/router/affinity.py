@@ -134,6 +134,13 @@ PLACEMENTS = 32  # new conversations counted per model (decayed), to place the n
 # a new conversation goes to a replica with fewer than this many (per weight) more of the
 # recent ones than the one with the fewest
 EVEN = 0.5
+# why a preferred replica did not take a request (the access log's ``route=spill:<key>``)
+SPILLS = {
+    "share": "is past its share of the work, and holds none of the prompt",
+    "bound": "is past its bound, and its engine has not said its slots",
+    "full": "is past its bound, its slots full of this prompt's requests",
+    "wait": "is past its bound, and its slots free later than the prompt computes elsewhere",
+}
 
 
 @attrs.frozen
@@ -151,6 +158,8 @@ class Pick:
     overruled: bool
     held: int
     why: str
+    # the access log's ``route=``: held, first, even, or spill:<SPILLS' key>
+    route: str
     # a new conversation placed evenly (``pick``'s ``only``): none of its prompt was held
     new: bool = False
     # a first turn placed by the only router (a new conversation, or another user of a
@@ -194,17 +203,22 @@ def pick(
 
     preferred = next((ep for held, (_, ep, _) in ranked if room(held, ep)), ranked[0][1][1])
 
-    def takes(held: int, ep: Endpoint, load: LoadSignals | None) -> bool:
+    def refuses(held: int, ep: Endpoint, load: LoadSignals | None) -> str:
+        """Why ``ep`` does not take the request ("": it does; else ``SPILLS``' key)."""
         kept = bool(held or key.later or not key.blocks)
         if within(ep, ep.affinity_bound if kept else 1.0):
-            return True
+            return ""
+        if not kept:
+            return "share"
         slots = math.floor(load.slots) if load is not None and load.slots else 0
+        if not slots:
+            return "bound"
         # a free slot starts it at once; a slot that frees sooner than what it holds
         # would take to compute again elsewhere is worth waiting for (``pace``), unless
         # the prompt's own requests fill its slots: then its queue is the prompt's, which
         # waiting never drains, and the prompt spreads to a second replica
-        if not (kept and slots and ep.computing.holding(key.blocks, held) < slots):
-            return False
+        if ep.computing.holding(key.blocks, held) >= slots:
+            return "full"
         shared = held_bytes(held, key.size, ep.prefix.kept)
         # and a move waits where it goes too, if every other replica is busy
         others = (entry for entry in admissible if entry[1] is not ep)
@@ -213,25 +227,33 @@ def pick(
             (_queue_s(e, signals, requests, paces) for _, e, signals in others), default=0.0
         )
         pace = fleet(ep.pace, paces)
-        return requests[ep.key] + 1 <= slots + pace.patience(shared, slots, elsewhere)
+        return (
+            ""
+            if requests[ep.key] + 1 <= slots + pace.patience(shared, slots, elsewhere)
+            else "wait"
+        )
 
-    chosen = next(
-        (
-            entry
-            for entry in ranked
-            if room(entry[0], entry[1][1]) and takes(entry[0], *entry[1][1:])
-        ),
-        None,
-    )
+    spill = ""  # why the preferred replica did not take it
+    chosen = None
+    for entry in ranked:
+        if not room(entry[0], entry[1][1]):
+            continue
+        why_not = refuses(entry[0], *entry[1][1:])
+        if not why_not:
+            chosen = entry
+            break
+        if entry[1][1] is preferred:
+            spill = why_not
     # the least loaded is always within the bound; this is for weights that bend it, and
     # for a new conversation whose replicas with room are busier than their share: load
     # comes first (see the module docstring)
     held, (value, ep, load) = chosen or min(ranked, key=lambda entry: entry[1][0])
     overruled = ep is not preferred
     new = fresh and not held
-    why = _why(ep, held, key, overruled, preferred, new)
+    route = _route(held, key, (spill or "bound") if overruled else "", new)
+    why = _why(ep, held, key, preferred, route)
     work = _work(ep, held, key) if fresh else 0.0
-    return Pick(ep, value, load, preferred, overruled, held, why, new=new, work=work)
+    return Pick(ep, value, load, preferred, overruled, held, why, route, new=new, work=work)
 
 
 def _work(ep: Endpoint, held: int, key: PromptKey) -> float:
@@ -318,13 +340,23 @@ def _order(
     return [(held[i], entries[i]) for i in order]
 
 
-def _why(
-    ep: Endpoint, held: int, key: PromptKey, overruled: bool, preferred: Endpoint, new: bool
-) -> str:
-    if overruled:
-        return f"affinity overruled by load: {preferred.key} is past its bound; {ep.key} next"
+def _route(held: int, key: PromptKey, spill: str, new: bool) -> str:
+    """The access log's ``route=``: ``spill:<why>`` (``SPILLS``), ``even``, ``held``,
+    or ``first`` (the rendezvous winner for the prompt or its session)."""
+    if spill:
+        return f"spill:{spill}"
     if new:
-        return f"affinity: {ep.key} is first for the new conversation of those with room for one"
+        return "even"
     if held and held >= max(1, key.turn_blocks):
+        return "held"
+    return "first"
+
+
+def _why(ep: Endpoint, held: int, key: PromptKey, preferred: Endpoint, route: str) -> str:
+    if route.startswith("spill:"):
+        return f"affinity overruled by load: {preferred.key} {SPILLS[route[6:]]}; {ep.key} next"
+    if route == "even":
+        return f"affinity: {ep.key} is first for the new conversation of those with room for one"
+    if route == "held":
         return f"affinity: {ep.key} holds {held} of the prompt's {len(key.blocks)} blocks"
     return f"affinity: {ep.key} is first for the {'session' if key.session else 'prompt'}"

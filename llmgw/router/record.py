@@ -74,6 +74,7 @@ class Record:
         "queued",
         "replica",
         "request",
+        "routed",
         "sent",
         "shares",
         "short",
@@ -101,6 +102,7 @@ class Record:
         # seconds it waited for a slot holding its prompt to come free (``computing``)
         self.prompt_wait = 0.0
         self.held = False  # it waited for a replica of its model to start (``hold``)
+        self.routed = ""  # why affinity sent it where it first went (``Pick.route``)
         self.shares: Shares | None = None  # where what it used counts for its turn (``fair``)
         self.charged = 0  # what it counted there when first sent (its prompt, estimated)
         self.started: float | None = None  # when it was routed; None: it was not
@@ -181,6 +183,7 @@ class Record:
         in that replica's index; ``first``: its first attempt (a retry's choice, among
         the replicas it has not tried, is not counted again)."""
         if first:
+            self.routed = pick.route
             preferred = pick.preferred
             outcome = "overruled" if pick.overruled else "kept"
             self.metrics.affinity.labels(self.model, preferred.key, outcome).inc()
@@ -291,6 +294,8 @@ class Record:
             sent += " held=yes"
         if self.prompt_wait:  # ... for a slot holding its prompt to come free
             sent += f" waited={self.prompt_wait:.3f}s"
+        if self.routed:  # why affinity chose where it first went
+            sent += f" route={self.routed}"
         access_log.info(
             "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
             "tokens=%d cached=%s end=%s%s",

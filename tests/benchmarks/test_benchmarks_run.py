@@ -9,6 +9,7 @@ cluster tests do.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -108,8 +109,12 @@ def test_bench_goodput_runs_every_workload_and_policy() -> None:
     answered = [r[2].split("/") for r in rows]  # every request answered: "ok/requests"
     assert all(ok == total for ok, total in answered), text
     # each turn matched to its access log line: the later turns' moves are counted
-    moved = [r[-2] for r in rows if r[0] == "multiturn"]
+    moved = [r[-3] for r in rows if r[0] == "multiturn"]
     assert all(m.isdigit() for m in moved), text
+    # and why affinity sent each where it went: only prefix routes by it
+    assert [r[-1].isdigit() for r in rows] == [r[1] == "prefix" for r in rows], text
+    for w in ("multiturn", "shared", "unique"):
+        assert re.search(rf"^routes: {w} prefix: .*\b(first|even|held) \d+", text, re.M), text
     assert "goal: unique: TTFT p95 within 5% of load-only:" in text
     assert "choice: shared: by load" in text
     assert "cpu: shared: router CPU per request by load" in text
@@ -209,24 +214,30 @@ def test_bench_goodput_takes_each_turns_replica_from_the_access_line_that_says_i
 ) -> None:
     """Two replies that end 5 ms apart: each turn gets the access log line whose reuse is
     what its own reply's timings said, not the nearer line (the other turn's), which
-    counted a turn that stayed as moved."""
+    counted a turn that stayed as moved; and why affinity sent it there, where the
+    line says (``route=``)."""
     from tools.bench_goodput import Turn, from_access_log
 
     start = time.mktime(time.strptime("2026-12-05 10:00:00", "%Y-%m-%d %H:%M:%S"))
 
-    def line(at: float, replica: str, cached: int, prompt: int) -> str:
+    def line(at: float, replica: str, cached: int, prompt: int, more: str = "") -> str:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
         return (
             f"{stamp},{round(at * 1000) % 1000:03d} INFO llmgw.router.access: key=k "
-            f"model=m replica={replica} status=200 time=1.0s cached={cached}/{prompt} end=ok"
+            f"model=m replica={replica} status=200 time=1.0s cached={cached}/{prompt} end=ok" + more
         )
 
     log = tmp_path / "llmgw.log"
-    log.write_text(line(start + 1.000, "r0", 473, 516) + "\n" + line(start + 1.005, "r1", 39, 574))
+    log.write_text(
+        line(start + 1.000, "r0", 473, 516, " waited=0.100s route=held")
+        + "\n"
+        + line(start + 1.005, "r1", 39, 574, " sent=r2,r1 route=spill:full")
+    )
     stayed = Turn("q", cache_n=473, prompt_n=43, ended_at=start + 1.006)
     other = Turn("q", cache_n=39, prompt_n=535, ended_at=start + 1.001)
     from_access_log(log, [stayed, other])
     assert (stayed.replica, stayed.cached, other.replica, other.cached) == ("r0", 473, "r1", 39)
+    assert (stayed.route, other.route) == ("held", "spill:full")
 
 
 def test_bench_goodputs_cpu_measure_sends_a_conversations_turns_in_the_order_they_come() -> None:

@@ -311,10 +311,13 @@ def test_a_turn_stays_past_its_bound_while_its_replica_has_a_free_slot() -> None
     home.load = LoadSignals(running=1, waiting=0, slots=2)
     kept = send(endpoints, turns[1])
     assert kept.endpoint is home and not kept.affinity.overruled  # type: ignore[union-attr]
+    assert kept.affinity.route == "held"  # type: ignore[union-attr]
     home.in_flight = home.in_flight_at_load = 2
     home.load = LoadSignals(running=2, waiting=0, slots=2)
     moved = send(endpoints, turns[2])
     assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
+    # the access log's word for it: its slots free later than computing it elsewhere
+    assert moved.affinity.route == "spill:wait", moved.reason  # type: ignore[union-attr]
 
 
 def test_a_turn_waits_for_a_slot_while_that_is_shorter_than_computing_it_again() -> None:
@@ -481,6 +484,8 @@ def test_a_prompt_whose_own_requests_fill_its_replica_spreads_past_the_bound() -
         home.computing.enter(k.blocks, held, NOW, streamed=True, slots=2)  # type: ignore[union-attr]
     moved = choose(endpoints, NOW, admission=OPEN, key=keys[1])  # type: ignore[arg-type]
     assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
+    assert moved.affinity.route == "spill:full", moved.reason  # type: ignore[union-attr]
+    assert "its slots full of this prompt's requests" in moved.reason
 
 
 def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
@@ -510,6 +515,7 @@ def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     assert sorted(went.values()) == [4, 4, 4, 4], went
     assert all(c.affinity is not None and not c.affinity.overruled for c in homes)
     assert any(c.affinity.why.endswith("of those with room for one") for c in homes)  # type: ignore[union-attr]
+    assert {c.affinity.route for c in homes} == {"even"}  # type: ignore[union-attr]
     for home, key in zip(homes, seconds, strict=True):
         later = send(only, key, only=True)  # type: ignore[arg-type]
         assert later.endpoint is home.endpoint and not later.affinity.new  # type: ignore[union-attr]
@@ -829,7 +835,7 @@ def test_new_work_is_spread_by_load_and_only_what_is_held_stays_past_its_share()
         top.in_flight = 1  # one more than the other: a new conversation goes elsewhere
         spilled = send(endpoints, key, only=only)
         assert spilled.endpoint is not top and spilled.affinity is not None
-        assert spilled.affinity.overruled
+        assert spilled.affinity.overruled and spilled.affinity.route == "spill:share"
         # its next turn is known where the first went, which may take it past an even
         # share; where several routers are, the others cannot know it
         spilled.endpoint.in_flight = 1  # type: ignore[union-attr]

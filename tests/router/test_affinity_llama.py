@@ -28,6 +28,7 @@ from tools.support.tinymodel import write_model
 
 KEY = "llmgw-test-key"
 CACHED = re.compile(r"cached=(\d+)/(\d+) end=ok")
+ROUTE = re.compile(r" route=(\S+)")
 
 
 async def front(
@@ -210,6 +211,9 @@ async def test_a_second_request_of_a_prompt_in_its_prefill_waits_and_finds_it_ca
     assert len(lines) == 2, lines
     first, second = lines  # each logged as it ends: the second ended last
     assert "waited=" not in first and "waited=" in second, lines
+    # why each went there: the first to the prompt's rendezvous winner (a router not
+    # known to be the only one), the second where its prompt is held
+    assert ROUTE.findall(first) == ["first"] and ROUTE.findall(second) == ["held"], lines
     found = [CACHED.search(line) for line in lines]
     assert all(found), lines
     cached, prompt = (int(g) for g in found[1].groups())  # type: ignore[union-attr]
