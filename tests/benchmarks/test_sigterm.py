@@ -1,5 +1,6 @@
 """A benchmark killed with SIGTERM (``timeout``, a killed job) stops what it started,
-as on Ctrl-C: ``tools.support.procs.interrupt_on_sigterm``."""
+as on Ctrl-C: ``tools.support.procs.interrupt_on_sigterm``; and what it starts of
+this Python imports the checkout it runs from."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.support.procs import ROOT, alive, python_path
+from tools.support.procs import ROOT, Proc, alive, python_path
 
 SCRIPT = """
 import sys, time
@@ -51,3 +52,20 @@ def test_a_tool_stopped_with_sigterm_stops_its_children(tmp_path: Path, handled:
         tool.kill()
         if child:
             subprocess.run(["kill", "-9", str(child)], check=False, capture_output=True)
+
+
+def test_a_child_of_this_python_imports_the_checkout_the_tool_runs_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m llmgw`` started in a run's folder, from a worktree whose virtualenv
+    has another checkout installed, imported that one: a benchmark of a change measured
+    the unchanged router. A child of this Python gets this checkout first on its path;
+    another program's Python (a venv of its own) is left as it is."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    code = "import sys; print(sys.path[1])"  # [0]: the script's ("" for -c)
+    ours = Proc("ours", [sys.executable, "-c", code], tmp_path, fresh=True).start()
+    other = Proc("other", ["/usr/bin/env", "python3", "-c", code], tmp_path, fresh=True).start()
+    for p in (ours, other):
+        assert p.proc is not None and p.proc.wait(timeout=30) == 0
+    assert (tmp_path / "ours.log").read_text().strip() == str(ROOT)
+    assert (tmp_path / "other.log").read_text().strip() != str(ROOT)

@@ -150,7 +150,13 @@ class Process:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Self:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # a child of this Python (``llmgw()``) imports this checkout, as this process
+        # does, not what its virtualenv has installed: a benchmark run from a worktree
+        # otherwise measured the main checkout's router, started from the run's folder
+        if self.argv[:1] == [sys.executable]:
+            env.update(python_path())
+        env.update(self.env)
         needs_preexec = self.nofile is not None or self.core is not None or self.preexec
         stdin: int | None = subprocess.PIPE if self.output == "pipes" else subprocess.DEVNULL
         log: IO[bytes] | None = None
