@@ -89,17 +89,12 @@ which counts a waiting request twice. ``bound`` is:
   says how many requests it runs at once: llama.cpp's slots), or while the wait
   for one is shorter than computing what the replica holds of the prompt again
   elsewhere (``pace``: how fast the replica computes a prompt and frees a slot,
-  as its replies say; a replica not yet paced, as its model's others are, or in
-  a fleet's first seconds as their first replies say between them), up to
-  ``pace.QUEUE_PER_SLOT`` per slot, past which a popular prompt spreads to a
-  second replica. (A rule that sent a prompt on as soon as its own requests
-  filled its replica's slots, on the ground that such a queue never drains,
-  made 28 of the 40 recomputed prompts of twelve seeds of the benchmark's
-  shared system prompts, most of them a prompt's requests that would have waited
-  less than a prefill; without it and with the pooled first readings, 24 were,
-  the engines computed 81,118 prompt tokens where the code before had computed
-  83,596-88,161 over three sweeps of the same seeds and rates, and the replicas'
-  busy time stayed within 1.18x the mean.) A cache hit saves
+  as its replies say; a replica not yet paced, as its model's others are), unless
+  the prompt's own requests fill its slots (``Computing.holding``: users behind one
+  popular system prompt): then the queue is the prompt's, which waiting never
+  drains, and the prompt goes on down the order to a second replica (kept on one,
+  the benchmark's most popular prompt, 25 of 60 requests, left that replica busy
+  1.39-1.43x the mean on two seeds of six). A cache hit saves
   a whole prefill, and waiting behind one more request costs a share of a step,
   so the default leans to the cache: on two replicas a bound of 1.25 already sends a
   third request away from a replica holding two while the other holds none,
@@ -120,10 +115,8 @@ Each choice says which rule made it (``Pick.route``, the access log's ``route=``
 ``held``, ``first``, ``even``, or ``spill:`` and the rule that turned its first
 choice down (``SPILLS``), so that a prompt computed again on a second replica is
 told apart by cause from the log alone: on the benchmark's shared system prompts,
-twelve seeds at 3.8 requests a second, 28 of 40 such requests were sent on by a
-rule since removed (its prompt's own requests filled the replica's slots) and 5
-because the wait was longer than a prefill (``spill:wait``), where counting
-requests in flight had guessed at them.
+twelve seeds at 3.8 requests a second, 28 of 40 such requests were ``spill:full``
+and 5 ``spill:wait``, where counting requests in flight had guessed at them.
 
 Pure: no I/O, no clock.
 """
@@ -152,6 +145,7 @@ EVEN = 0.5
 SPILLS = {
     "share": "is past its share of the work, and holds none of the prompt",
     "bound": "is past its bound, and its engine has not said its slots",
+    "full": "is past its bound, its slots full of this prompt's requests",
     "wait": "is past its bound, and its slots free later than the prompt computes elsewhere",
 }
 
@@ -227,7 +221,11 @@ def pick(
         if not slots:
             return "bound"
         # a free slot starts it at once; a slot that frees sooner than what it holds
-        # would take to compute again elsewhere is worth waiting for (``pace``)
+        # would take to compute again elsewhere is worth waiting for (``pace``), unless
+        # the prompt's own requests fill its slots: then its queue is the prompt's, which
+        # waiting never drains, and the prompt spreads to a second replica
+        if ep.computing.holding(key.blocks, held) >= slots:
+            return "full"
         shared = held_bytes(held, key.size, ep.prefix.kept)
         # and a move waits where it goes too, if every other replica is busy
         others = (entry for entry in admissible if entry[1] is not ep)

@@ -111,6 +111,14 @@ class Computing:
         held) and none waits for one."""
         return self.busy(blocks, held) is None and not (held and blocks[held - 1] in self._lines)
 
+    def holding(self, blocks: tuple[int, ...], held: int) -> int:
+        """The requests on the replica, in flight or waiting for a copy, of the prompt
+        whose first ``held`` of ``blocks`` it holds."""
+        if not held:
+            return 0
+        deepest = blocks[held - 1]
+        return len(self._users.get(deepest, ())) + len(self._lines.get(deepest, ()))
+
     def enter(
         self, blocks: tuple[int, ...], held: int, now: float, *, streamed: bool, slots: int
     ) -> Entry:

@@ -136,20 +136,12 @@ class Pace:
 def fleet(own: Pace, others: Iterable[Pace]) -> Pace:
     """``own`` where it is known; else the mean of the known ``others`` (the same
     model's other replicas: a new replica's pace until it has said its own, so that a
-    fleet's early moves and waits are paced); else, where none is known alone, the mean
-    of all that have said something, once that is ``READINGS`` between them (a fleet's
-    first seconds: the benchmark's shared prompts came in bursts before any replica had
-    ended two replies, and 8-14 of each sweep's recomputed prompts were sent on then,
-    unpaced, with no patience); else ``own``, not known. ``others`` may include ``own``."""
+    fleet's early moves and waits are paced); else ``own``, not known."""
     if own.known:
         return own
-    paces = list({id(p): p for p in (own, *others)}.values())
-    known = [p for p in paces if p.known]
+    known = [p for p in others if p.known]
     if not known:
-        said = [p for p in paces if p.prefills and p.slot_s > 0 and p.bytes_per_token > 0]
-        if sum(p.prefills for p in said) < READINGS or sum(p.replies for p in said) < READINGS:
-            return own
-        known = said
+        return own
     n = len(known)
     return Pace(
         prefill_ms=sum(p.prefill_ms for p in known) / n,

@@ -231,13 +231,13 @@ def test_bench_goodput_takes_each_turns_replica_from_the_access_line_that_says_i
     log.write_text(
         line(start + 1.000, "r0", 473, 516, " waited=0.100s route=held")
         + "\n"
-        + line(start + 1.005, "r1", 39, 574, " sent=r2,r1 route=spill:wait")
+        + line(start + 1.005, "r1", 39, 574, " sent=r2,r1 route=spill:full")
     )
     stayed = Turn("q", cache_n=473, prompt_n=43, ended_at=start + 1.006)
     other = Turn("q", cache_n=39, prompt_n=535, ended_at=start + 1.001)
     from_access_log(log, [stayed, other])
     assert (stayed.replica, stayed.cached, other.replica, other.cached) == ("r0", 473, "r1", 39)
-    assert (stayed.route, other.route) == ("held", "spill:wait")
+    assert (stayed.route, other.route) == ("held", "spill:full")
 
 
 def test_bench_goodputs_cpu_measure_sends_a_conversations_turns_in_the_order_they_come() -> None:
