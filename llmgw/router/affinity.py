@@ -361,7 +361,8 @@ def _route(held: int, key: PromptKey, spill: str, new: bool) -> str:
 
 def _why(ep: Endpoint, held: int, key: PromptKey, preferred: Endpoint, route: str) -> str:
     if route.startswith("spill:"):
-        return f"affinity overruled by load: {preferred.key} {SPILLS[route[6:]]}; {ep.key} next"
+        why_not = SPILLS[route.removeprefix("spill:")]
+        return f"affinity overruled by load: {preferred.key} {why_not}; {ep.key} next"
     if route == "even":
         return f"affinity: {ep.key} is first for the new conversation of those with room for one"
     if route == "held":
