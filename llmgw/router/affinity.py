@@ -155,14 +155,13 @@ class Pick:
     """The replica chosen, and what affinity had to do with it.
 
     ``preferred``: the first in the order of preference; ``overruled``: it was past
-    its load bound, so ``endpoint`` is another; ``held``: the blocks of the prompt
-    this router's index says ``endpoint`` holds."""
+    its load bound, so ``endpoint`` is another (``route`` says why); ``held``: the
+    blocks of the prompt this router's index says ``endpoint`` holds."""
 
     endpoint: Endpoint
     value: float  # its balancer score
     load: LoadSignals | None
     preferred: Endpoint
-    overruled: bool
     held: int
     why: str
     # the access log's ``route=``: held, first, even, or spill:<SPILLS' key>
@@ -173,6 +172,10 @@ class Pick:
     # shared prompt): the share of its prompt the replica computes, which the proxy
     # counts where it went (``placed``); 0: not counted
     work: float = 0.0
+
+    @property
+    def overruled(self) -> bool:
+        return self.route.startswith("spill:")
 
 
 def pick(
@@ -255,12 +258,11 @@ def pick(
     # for a new conversation whose replicas with room are busier than their share: load
     # comes first (see the module docstring)
     held, (value, ep, load) = chosen or min(ranked, key=lambda entry: entry[1][0])
-    overruled = ep is not preferred
     new = fresh and not held
-    route = _route(held, key, (spill or "bound") if overruled else "", new)
+    route = _route(held, key, (spill or "bound") if ep is not preferred else "", new)
     why = _why(ep, held, key, preferred, route)
     work = _work(ep, held, key) if fresh else 0.0
-    return Pick(ep, value, load, preferred, overruled, held, why, route, new=new, work=work)
+    return Pick(ep, value, load, preferred, held, why, route, new=new, work=work)
 
 
 def _work(ep: Endpoint, held: int, key: PromptKey) -> float:
