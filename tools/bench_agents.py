@@ -97,7 +97,7 @@ from llmgw.protocol.messages import (
 from llmgw.tls import client_context, init_ca, issue_agent, issue_server, load_ca
 from llmgw.wsio import close_quietly, close_ws
 from tools.support.benchlib import cpu_seconds, percentile
-from tools.support.procs import ROOT, Failed, Proc, interrupt_on_sigterm, llmgw, python_path
+from tools.support.procs import ROOT, Failed, Proc, interrupt_on_sigterm, llmgw
 
 PKI_DIR = ROOT / ".llmgw" / "bench-pki"
 HOST = "127.0.0.1"
@@ -462,8 +462,8 @@ class WorkerProc:
     def __init__(self, idx: int, workdir: Path) -> None:
         self.idx = idx
         argv = [sys.executable, "-m", "tools.bench_agents", "--worker"]
-        self.proc = Proc(f"worker-{idx}", argv, workdir, env=python_path(), session=True,
-                         preexec=_pdeathsig, output="pipes", fresh=True).start()  # fmt: skip
+        self.proc = Proc(f"worker-{idx}", argv, workdir, session=True, preexec=_pdeathsig,
+                         output="pipes", fresh=True).start()  # fmt: skip
         self.pid = self.proc.pid
 
     def send(self, obj: dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ import trio
 from llmgw.router.keys import hash_key, new_key
 from tools.support.benchlib import cpu_seconds, free_port, percentile, pin, server_head
 from tools.support.llama import start_servers
-from tools.support.procs import Procs, interrupt_on_sigterm, llmgw, python_path
+from tools.support.procs import Procs, interrupt_on_sigterm, llmgw
 from tools.support.slowmodel import write_slow_model
 from tools.support.tinymodel import write_model
 
@@ -323,7 +323,7 @@ async def fairness(run: Run, rounds: int) -> dict[str, Any]:
         if with_noisy:
             spec = {"base": base, "key": noisy, "streams": 90, "for_s": 120}
             argv = llmgw("--noisy", json.dumps(spec), module="tools.bench_tenants")
-            run.procs.start("noisy", argv, env=python_path())
+            run.procs.start("noisy", argv)  # this Python: the checkout is on its path
             await trio.sleep(3.0)  # the model is full, and the noisy one has used tokens
         try:
             async with httpx.AsyncClient(timeout=60) as c:
