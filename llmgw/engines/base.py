@@ -147,6 +147,10 @@ class EngineAdapter(Protocol):
     # it until one is free (``llmgw.router.computing``). False: running requests share
     # what is cached (vLLM's prefix cache), and none is held
     slot_cache: bool
+    # the request field that sends a request to one of its slots (llama.cpp's
+    # ``id_slot``), where the router chooses the slot holding its prompt
+    # (``llmgw.router.slotmap``); None: the engine places requests itself
+    slot_field: str | None
 
     def validate(self, spec: ShardSpec) -> list[str]:
         """Problems in words, empty when the engine would accept the spec."""

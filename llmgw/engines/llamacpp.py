@@ -271,6 +271,7 @@ class LlamaCppAdapter:
     tokens: Tokens | None = LlamaCppTokens()
     sleeps: bool = False  # llama-server has no sleep: an idle replica is stopped
     slot_cache: bool = True  # a busy slot's prompt is another slot's to compute again
+    slot_field: str | None = "id_slot"  # it waits for that slot, and hands it to them first
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems: list[str] = []

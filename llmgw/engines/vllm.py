@@ -279,6 +279,7 @@ class _VllmBase:
     tokens: Tokens | None = _TOKENS
     sleeps: bool = True
     slot_cache: bool = False  # its prefix cache's blocks serve running requests too
+    slot_field: str | None = None  # it schedules requests itself
     _why_no_sleep: str = ""  # where it cannot: why, for an operator
 
     # ------------------------------------------------------------- validation

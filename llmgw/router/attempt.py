@@ -19,6 +19,7 @@ from llmgw.router.balancer import Endpoint
 from llmgw.router.breaker import Outcome
 from llmgw.router.computing import Entry
 from llmgw.router.room import Room
+from llmgw.router.slotmap import Pin
 from llmgw.router.verdict import Failure
 
 
@@ -50,7 +51,7 @@ class Lease:
     """One request on one replica: counted from the start, ended exactly once; its end
     wakes the requests queued in its model's ``room`` (``llmgw.router.room``)."""
 
-    __slots__ = ("endpoint", "entry", "open", "room", "seq", "sole", "suspect")
+    __slots__ = ("endpoint", "entry", "open", "pin", "room", "seq", "sole", "suspect")
 
     def __init__(
         self, endpoint: Endpoint, now: float, room: Room, *, suspect: bool = False
@@ -59,6 +60,8 @@ class Lease:
         # the prompt it holds there, which others may wait for a copy of
         # (``llmgw.router.computing``): ended with it
         self.entry: Entry | None = None
+        # the engine's slot it was sent to (``llmgw.router.slotmap``): ended with it
+        self.pin: Pin | None = None
         self.suspect = suspect  # counted in ``endpoint.suspects`` while open
         endpoint.suspects += suspect
         self.endpoint = endpoint
@@ -80,6 +83,8 @@ class Lease:
             self.room.wake()
             if self.entry is not None:
                 self.entry.end()
+            if self.pin is not None:
+                self.pin.end()
 
     def first_token(self, now: float) -> None:
         """Its stream's first token came: its prompt is computed."""

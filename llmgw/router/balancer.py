@@ -50,6 +50,7 @@ from llmgw.router.breaker import Breaker, BreakerState, Outcome
 from llmgw.router.computing import Computing
 from llmgw.router.pace import Pace
 from llmgw.router.prefix import Mode, PrefixIndex, PromptKey
+from llmgw.router.slotmap import SlotMap
 from llmgw.router.validators import non_negative, optional_non_negative, positive
 
 
@@ -130,6 +131,9 @@ class Endpoint:
     # its requests in flight by the prompt they hold there, which others of the same
     # prompt wait for a copy of to come free (``llmgw.router.computing``)
     computing: Computing = attrs.Factory(Computing)
+    # what this router sent each of its engine's slots, where it chooses them
+    # (``llmgw.router.slotmap``)
+    slot_map: SlotMap = attrs.Factory(SlotMap)
 
     def start(self, now: float) -> None:
         """A request was sent to it: count it, and tell the breaker."""

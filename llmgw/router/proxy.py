@@ -282,7 +282,9 @@ class Proxy:
             try:
                 if key is not None and key.blocks and choice.affinity is not None:
                     held_blocks = choice.affinity.held
-                    lease.entry = await _enter(ep, endpoints, key, held_blocks, stream, record)
+                    lease.entry = await _enter(
+                        lease, endpoints, key, held_blocks, stream, record, pin=self.table.only
+                    )
                 result = await self._attempt(request, headers, stream, lease, record, plan, tried)
             except BaseException:
                 # The client left (or the server is stopping) mid-attempt. The pool
@@ -364,6 +366,8 @@ class Proxy:
         unasked = False
         if transcript is None and stream and request.path in _STREAMED:
             body, unasked = usage.ask(body)  # what it used, for its tenant's limits
+        if lease.pin is not None and (engine := adapter(ep.engine)) and engine.slot_field:
+            body = usage.lead(body, b'"%s":%d,' % (engine.slot_field.encode(), lease.pin.slot))
         waiting = _Attempt()
         ep.streams.add(waiting)
         try:
@@ -464,26 +468,35 @@ async def _wait(room: Room, record: Record, deadline: float, place: int | None) 
 
 
 async def _enter(
-    ep: Endpoint,
+    lease: Lease,
     endpoints: list[Endpoint],
     key: PromptKey,
     held: int,
     stream: bool,
     record: Record,
+    *,
+    pin: bool,
 ) -> Entry | None:
-    """Send the request to ``ep`` once a copy of the prompt it holds ``held`` blocks of
-    there is idle (``llmgw.router.computing``), waiting at most as long as computing
-    that again would cost by the replica's pace (its own, else its model's). None: its
-    engine shares what is cached between running requests (or is not known), and the
-    request goes at once."""
+    """Send the request to the lease's replica once a copy of the prompt it holds
+    ``held`` blocks of there is idle (``llmgw.router.computing``), waiting at most as
+    long as computing that again would cost by the replica's pace (its own, else its
+    model's). None: its engine shares what is cached between running requests (or is
+    not known), and the request goes at once. ``pin``: this router sends every request
+    the replica has, and where its engine takes a slot for a request
+    (``llmgw.router.slotmap``) the request goes at once to the slot it chooses
+    (``lease.pin``), and the engine waits for that slot in place of the router."""
+    ep = lease.endpoint
     engine = adapter(ep.engine)
     if engine is None or not engine.slot_cache:
         return None
     slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
-    if ep.computing.free(key.blocks, held):  # the common case: nothing to wait for
-        now = trio.current_time()
-        return ep.computing.enter(key.blocks, held, now, streamed=stream, slots=slots)
     pace = fleet(ep.pace, (e.pace for e in endpoints))
+    if pin and engine.slot_field and slots > 1:
+        lease.pin = ep.slot_map.choose(key.blocks, slots, pace, key.size, ep.prefix.kept)
+        record.slot = lease.pin.slot
+    if lease.pin is not None or ep.computing.free(key.blocks, held):
+        now = trio.current_time()  # the common case: nothing to wait for
+        return ep.computing.enter(key.blocks, held, now, streamed=stream, slots=slots)
     budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
     entry, waited, idle = await waits.enter(
         ep.computing, key.blocks, held, budget, streamed=stream, slots=slots

@@ -78,6 +78,7 @@ class Record:
         "sent",
         "shares",
         "short",
+        "slot",
         "started",
         "status",
         "tenant",
@@ -103,6 +104,7 @@ class Record:
         self.prompt_wait = 0.0
         self.held = False  # it waited for a replica of its model to start (``hold``)
         self.routed = ""  # why affinity sent it where it first went (``Pick.route``)
+        self.slot: int | None = None  # the engine's slot it was last sent to (``slotmap``)
         self.shares: Shares | None = None  # where what it used counts for its turn (``fair``)
         self.charged = 0  # what it counted there when first sent (its prompt, estimated)
         self.started: float | None = None  # when it was routed; None: it was not
@@ -296,6 +298,8 @@ class Record:
             sent += f" waited={self.prompt_wait:.3f}s"
         if self.routed:  # why affinity chose where it first went
             sent += f" route={self.routed}"
+        if self.slot is not None:  # the slot of its engine the router chose for it
+            sent += f" slot={self.slot}"
         access_log.info(
             "%s %s %s status=%d key=%s tenant=%s model=%s replica=%s time=%.3fs ttft=%s "
             "tokens=%d cached=%s end=%s%s",

@@ -47,10 +47,8 @@ def ask(body: bytes) -> tuple[bytes, bool]:
     client had not asked (its usage is to be taken out of what it gets). A body that
     is not a JSON object goes as it came (the engine will say what is wrong)."""
     if _OPTIONS not in body:  # the common case: no decoding
-        start = body.find(b"{")
-        if start < 0 or body[start + 1 :].lstrip()[:1] in (b"}", b""):
-            return body, False
-        return body[: start + 1] + _ASK + body[start + 1 :], True
+        asking = lead(body, _ASK)
+        return asking, asking is not body
     try:
         decoded = _decoder.decode(body)
     except msgspec.DecodeError:
@@ -59,6 +57,16 @@ def ask(body: bytes) -> tuple[bytes, bool]:
         return body, False
     ask_of(decoded)
     return _encoder.encode(decoded), True
+
+
+def lead(body: bytes, member: bytes) -> bytes:
+    """``body`` with ``member`` (``"name":value,``) first in its JSON object, undecoded;
+    a body that is not a JSON object with members goes as it came. A member of the same
+    name in the body still counts: the last one read wins."""
+    start = body.find(b"{")
+    if start < 0 or body[start + 1 :].lstrip()[:1] in (b"}", b""):
+        return body
+    return body[: start + 1] + member + body[start + 1 :]
 
 
 def ask_of(body: dict[str, Any]) -> None:

@@ -95,6 +95,7 @@ class CountingAdapter:
     usage_path: str | None = None
     sleeps: bool = False
     slot_cache: bool = False
+    slot_field: str | None = None
 
     def validate(self, spec: ShardSpec) -> list[str]:
         problems = [

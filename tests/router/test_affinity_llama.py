@@ -9,10 +9,12 @@ import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import trio
 
+from llmgw.engines.llamacpp import slots_usage
 from llmgw.http import Request, Response
 from llmgw.router.app import RouterApp
 from llmgw.router.balancer import Endpoint
@@ -220,3 +222,64 @@ async def test_a_second_request_of_a_prompt_in_its_prefill_waits_and_finds_it_ca
     assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
     labels = {"model": "m", "replica": "a", "outcome": "freed"}
     assert apps[0].metrics.registry.get_sample_value("llmgw_router_prompt_waits_total", labels) == 1
+
+
+SLOT = re.compile(r" slot=(\d+)")
+
+
+@needs_server
+@pytest.mark.parametrize("only", [True, False], ids=["only-router", "one-of-several"])
+async def test_a_request_waits_for_the_busy_slot_that_holds_its_prompt(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, only: bool
+) -> None:
+    """One user of a system prompt generating a long reply in one slot, another user
+    of it arriving after the other slot's short request ended: llama-server gives the
+    second the idle slot and computes the whole prompt again there. The fleet's only
+    router sends it to the slot holding the prompt (``id_slot``), the engine waits for
+    that slot, and reuses the prompt; where several routers share the fleet none pins
+    (what one sent a slot, another does not know), and the engine chooses."""
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+    model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
+    apps: list[RouterApp] = []
+    system = "The harbor lantern burns all night and the keeper writes it down. " * 18
+    async with llama_server(model, tmp_path, context=4096, parallel=2) as url:
+        client = await front(nursery, url, apps=apps)
+        table = apps[0].table
+        table.only = only  # as ``RoutingTable`` judges it each scrape
+        replica = table.endpoints["m"][0]
+        async with httpx.AsyncClient() as http:  # the slots, as a scrape reads them
+            replica.load = slots_usage((await http.get(f"{url}/slots")).content)
+
+        async def ask(system: str, question: str, max_tokens: int) -> None:
+            await client.chat.completions.create(
+                model="m",
+                messages=[
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+                max_tokens=max_tokens,
+            )
+
+        with trio.fail_after(90):
+            async with trio.open_nursery() as users:
+                users.start_soon(ask, "Answer in one word. " * 40, "Which way is north?", 2)
+                while not replica.in_flight:
+                    await trio.sleep(0.005)
+                users.start_soon(ask, system, "Who keeps the lantern?", 48)
+                while replica.in_flight == 2:  # until the short one ends
+                    await trio.sleep(0.005)
+                users.start_soon(ask, system, "When is it lit?", 4)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
+    assert len(lines) == 3, lines
+    by_tokens = {int(re.findall(r" tokens=(\d+)", line)[0]): line for line in lines}
+    short, first, second = (by_tokens[n] for n in (2, 48, 4))
+    found = CACHED.search(second)
+    assert found, lines
+    cached, prompt = (int(g) for g in found.groups())
+    if only:
+        assert SLOT.findall(first) == SLOT.findall(second) != SLOT.findall(short), lines
+        assert "waited=" not in second, lines  # the engine waited, not the router
+        assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
+    else:  # the engine's own choice, which the test is about: the idle slot, computed again
+        assert not any(SLOT.search(line) for line in lines), lines
+        assert cached < prompt // 2, f"the engine reused the prompt by itself: {second}"
