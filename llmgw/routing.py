@@ -299,7 +299,8 @@ class TrafficView(msgspec.Struct, kw_only=True):
     prefill_ms_per_token: float | None = None
     slot_s: float | None = None
     # requests that waited for a slot of it holding the prompt they shared with requests
-    # in flight there, rather than compute it again in another (``router.computing``)
+    # in flight there, rather than compute it again in another: in the router
+    # (``router.computing``), or in the engine for the slot it chose (``router.slotmap``)
     prompt_waits: int = 0
 
 

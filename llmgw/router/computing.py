@@ -42,6 +42,10 @@ Bounded, so that waiting never costs more than computing again would:
 A request that went on while every copy was busy computes one more (counted, up
 to the replica's slots).
 
+Where the router picks the slot itself (``llmgw.router.slotmap``: it is the fleet's
+only router, and the engine says its slots), the request goes at once to the slot
+it picks, and the engine waits for that slot: none waits here.
+
 Pure: no I/O, no clock.
 """
 
@@ -89,7 +93,7 @@ class Computing:
         self._copies: OrderedDict[int, int] = OrderedDict()
         # called (once each) when one ends or has its first token
         self._listeners: list[Callable[[], None]] = []
-        self.waits = 0  # requests that waited here, ever (``ctl replicas``)
+        self.waits = 0  # requests that waited for a copy, ever, here or in the engine (``ctl``)
 
     def __len__(self) -> int:
         return len(self._users)

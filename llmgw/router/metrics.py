@@ -271,6 +271,16 @@ class RouterMetrics:
             ["model", "replica", "outcome"],
             registry=r,
         )
+        self.slot_pins = Counter(
+            "llmgw_router_slot_pins",
+            "Requests this router sent to a slot of its choosing on a llama.cpp replica "
+            "(it is the fleet's only router), by why: the idle slot holding their prompt "
+            "(idle), the busy one, which the engine waits for (waits), another, computing "
+            "the prompt again as waiting would cost more (again), or the least busy, none "
+            "holding it (new)",
+            ["model", "replica", "outcome"],
+            registry=r,
+        )
         self.prompt_wait_seconds = Histogram(
             "llmgw_router_prompt_wait_seconds",
             "Time a request waited for a slot holding the prompt it shares with requests "
@@ -323,6 +333,7 @@ class RouterMetrics:
                 self.estimated_tokens,
                 self.evicted,
                 self.prompt_waits,
+                self.slot_pins,
             ):
                 counter.remove_by_labels({"replica": replica})
 

@@ -280,7 +280,7 @@ class Proxy:
             if place is not None and len(room):
                 room.wake()  # it took room: the next in turn looks (there may be more)
             try:
-                if key is not None and key.blocks and choice.affinity is not None:
+                if key is not None and choice.affinity is not None:
                     held_blocks = choice.affinity.held
                     lease.entry = await _enter(
                         lease, endpoints, key, held_blocks, stream, record, pin=self.table.only
@@ -482,28 +482,32 @@ async def _enter(
     long as computing that again would cost by the replica's pace (its own, else its
     model's). None: its engine shares what is cached between running requests (or is
     not known), and the request goes at once. ``pin``: this router sends every request
-    the replica has, and where its engine takes a slot for a request
-    (``llmgw.router.slotmap``) the request goes at once to the slot it chooses
-    (``lease.pin``), and the engine waits for that slot in place of the router."""
+    the replica has, and where its engine takes a slot for a request it goes to the
+    slot ``llmgw.router.slotmap`` chooses (``lease.pin``): the one holding its prompt,
+    or, where it would not wait for one, the least busy."""
     ep = lease.endpoint
     engine = adapter(ep.engine)
     if engine is None or not engine.slot_cache:
         return None
     slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
-    pace = fleet(ep.pace, (e.pace for e in endpoints))
+    entry: Entry | None = None
+    if not key.blocks:  # a prompt shorter than a block: nothing to wait for, or to hold
+        idle = True
+    elif ep.computing.free(key.blocks, held):  # the common case: nothing to wait for
+        now = trio.current_time()
+        entry, idle = ep.computing.enter(key.blocks, held, now, streamed=stream, slots=slots), True
+    else:
+        pace = fleet(ep.pace, (e.pace for e in endpoints))
+        budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
+        entry, waited, idle = await waits.enter(
+            ep.computing, key.blocks, held, budget, streamed=stream, slots=slots
+        )
+        if waited:
+            ep.computing.waits += 1
+            record.waited(ep.key, waited, idle=idle)
     if pin and engine.slot_field and slots > 1:
-        lease.pin = ep.slot_map.choose(key.blocks, slots, pace, key.size, ep.prefix.kept)
-        record.slot = lease.pin.slot
-    if lease.pin is not None or ep.computing.free(key.blocks, held):
-        now = trio.current_time()  # the common case: nothing to wait for
-        return ep.computing.enter(key.blocks, held, now, streamed=stream, slots=slots)
-    budget = FLEET * pace.saved_s(held_bytes(held, key.size, ep.prefix.kept))
-    entry, waited, idle = await waits.enter(
-        ep.computing, key.blocks, held, budget, streamed=stream, slots=slots
-    )
-    if waited:
-        ep.computing.waits += 1
-        record.waited(ep.key, waited, idle=idle)
+        lease.pin = ep.slot_map.choose(key.blocks, slots, trio.current_time(), again=not idle)
+        record.pinned(ep.key, lease.pin.slot, lease.pin.outcome)
     return entry
 
 

@@ -168,6 +168,12 @@ class Record:
         self.metrics.prompt_waits.labels(self.model, replica, outcome).inc()
         self.metrics.prompt_wait_seconds.labels(self.model).observe(seconds)
 
+    def pinned(self, replica: str, slot: int, outcome: str) -> None:
+        """It was sent to ``slot`` of ``replica``'s engine, for ``outcome``
+        (``slotmap.OUTCOMES``)."""
+        self.slot = slot
+        self.metrics.slot_pins.labels(self.model, replica, outcome).inc()
+
     def upstream_error(self, replica: str, kind: str) -> None:
         """An attempt failed at the replica (``kind``: the metric's label)."""
         self.metrics.upstream_errors.labels(self.model, replica, kind).inc()

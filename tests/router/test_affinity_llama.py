@@ -229,20 +229,25 @@ SLOT = re.compile(r" slot=(\d+)")
 
 @needs_server
 @pytest.mark.parametrize("only", [True, False], ids=["only-router", "one-of-several"])
-async def test_a_request_waits_for_the_busy_slot_that_holds_its_prompt(
+async def test_a_request_let_go_for_its_prompts_slot_gets_that_slot(
     tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, only: bool
 ) -> None:
-    """One user of a system prompt generating a long reply in one slot, another user
-    of it arriving after the other slot's short request ended: llama-server gives the
-    second the idle slot and computes the whole prompt again there. The fleet's only
-    router sends it to the slot holding the prompt (``id_slot``), the engine waits for
-    that slot, and reuses the prompt; where several routers share the fleet none pins
-    (what one sent a slot, another does not know), and the engine chooses."""
+    """Two prompts generating in the two slots, a third prompt's request queued in the
+    engine for whichever frees first, and a second user of the prompt that finishes
+    first waiting in the router for its slot: when that slot frees, llama-server hands
+    it to the queued request, and the second user, let go a moment later, computes its
+    prompt again in the other slot (no host cache here to keep it). The fleet's only
+    router sends each request to a slot it chooses (``id_slot``): the queued one to the
+    slot that frees first by what it sent there, the second user to its prompt's slot,
+    where it finds its prompt. Where several routers share the fleet none chooses (what
+    one sent a slot another does not know), and the engine does as it does."""
     caplog.set_level(logging.INFO, "llmgw.router.access")
     model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
     apps: list[RouterApp] = []
-    system = "The harbor lantern burns all night and the keeper writes it down. " * 18
-    async with llama_server(model, tmp_path, context=4096, parallel=2) as url:
+    system = "The harbor lantern burns all night and the keeper writes it down. " * 12
+    async with llama_server(
+        model, tmp_path, context=4096, parallel=2, args=("--cache-ram", "0")
+    ) as url:
         client = await front(nursery, url, apps=apps)
         table = apps[0].table
         table.only = only  # as ``RoutingTable`` judges it each scrape
@@ -251,35 +256,50 @@ async def test_a_request_waits_for_the_busy_slot_that_holds_its_prompt(
             replica.load = slots_usage((await http.get(f"{url}/slots")).content)
 
         async def ask(system: str, question: str, max_tokens: int) -> None:
-            await client.chat.completions.create(
+            chunks = await client.chat.completions.create(
                 model="m",
                 messages=[
                     {"role": "system", "content": system},
                     {"role": "user", "content": question},
                 ],
                 max_tokens=max_tokens,
+                stream=True,
             )
+            _ = [c async for c in chunks]
+
+        async def sent(n: int) -> None:
+            while replica.in_flight < n:
+                await trio.sleep(0.005)
 
         with trio.fail_after(90):
             async with trio.open_nursery() as users:
-                users.start_soon(ask, "Answer in one word. " * 40, "Which way is north?", 2)
-                while not replica.in_flight:
-                    await trio.sleep(0.005)
-                users.start_soon(ask, system, "Who keeps the lantern?", 48)
-                while replica.in_flight == 2:  # until the short one ends
-                    await trio.sleep(0.005)
+                users.start_soon(ask, "Answer in one word. " * 30, "Which way is north?", 40)
+                await sent(1)
+                users.start_soon(ask, system, "Who keeps the lantern?", 8)
+                await sent(2)
+                users.start_soon(ask, "Count the stars. " * 20, "How many?", 2)
+                await sent(3)
                 users.start_soon(ask, system, "When is it lit?", 4)
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
-    assert len(lines) == 3, lines
+    assert len(lines) == 4, lines
     by_tokens = {int(re.findall(r" tokens=(\d+)", line)[0]): line for line in lines}
-    short, first, second = (by_tokens[n] for n in (2, 48, 4))
+    north, first, stars, second = (by_tokens[n] for n in (40, 8, 2, 4))
+    assert "waited=" in second, lines  # the router held it for its prompt's slot
     found = CACHED.search(second)
     assert found, lines
     cached, prompt = (int(g) for g in found.groups())
     if only:
-        assert SLOT.findall(first) == SLOT.findall(second) != SLOT.findall(short), lines
-        assert "waited=" not in second, lines  # the engine waited, not the router
+        assert SLOT.findall(second) == SLOT.findall(first) != SLOT.findall(north), lines
+        assert SLOT.findall(stars) == SLOT.findall(north), lines  # the one first to free
         assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
-    else:  # the engine's own choice, which the test is about: the idle slot, computed again
+        registry = apps[0].metrics.registry
+        pins = {
+            outcome: registry.get_sample_value(
+                "llmgw_router_slot_pins_total", {"model": "m", "replica": "a", "outcome": outcome}
+            )
+            for outcome in ("new", "idle")
+        }
+        assert pins == {"new": 3, "idle": 1}, pins
+    else:  # the engine's own choice, which the test is about: the slot taken, computed again
         assert not any(SLOT.search(line) for line in lines), lines
-        assert cached < prompt // 2, f"the engine reused the prompt by itself: {second}"
+        assert cached < prompt // 2, f"the engine kept the prompt's slot by itself: {second}"
