@@ -508,6 +508,7 @@ async def _enter(
     if pin and engine.slot_field and slots > 1:
         lease.pin = ep.slot_map.choose(key.blocks, slots, trio.current_time(), again=not idle)
         record.pinned(ep.key, lease.pin.slot, lease.pin.outcome)
+        ep.computing.waits += lease.pin.outcome == "waits"  # in the engine (``ctl replicas``)
     return entry
 
 
