@@ -115,6 +115,11 @@ class Computing:
         held) and none waits for one."""
         return self.busy(blocks, held) is None and not (held and blocks[held - 1] in self._lines)
 
+    def awaited(self, blocks: tuple[int, ...]) -> bool:
+        """A request waits for a copy of some of ``blocks`` (a slot holding them)."""
+        lines = self._lines
+        return bool(lines) and any(block in lines for block in blocks)
+
     def holding(self, blocks: tuple[int, ...], held: int) -> int:
         """The requests on the replica, in flight or waiting for a copy, of the prompt
         whose first ``held`` of ``blocks`` it holds."""

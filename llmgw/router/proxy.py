@@ -366,8 +366,10 @@ class Proxy:
         unasked = False
         if transcript is None and stream and request.path in _STREAMED:
             body, unasked = usage.ask(body)  # what it used, for its tenant's limits
-        if lease.pin is not None and (engine := adapter(ep.engine)) and engine.slot_field:
-            body = usage.lead(body, b'"%s":%d,' % (engine.slot_field.encode(), lease.pin.slot))
+        pin = lease.pin  # the slot the router chose, if it did (``llmgw.router.slotmap``)
+        field = engine.slot_field if (engine := adapter(ep.engine)) is not None else None
+        if pin is not None and pin.slot is not None and field:
+            body = usage.lead(body, b'"%s":%d,' % (field.encode(), pin.slot))
         waiting = _Attempt()
         ep.streams.add(waiting)
         try:
@@ -506,7 +508,9 @@ async def _enter(
             ep.computing.waits += 1
             record.waited(ep.key, waited, idle=idle)
     if pin and engine.slot_field and slots > 1:
-        lease.pin = ep.slot_map.choose(key.blocks, slots, trio.current_time(), again=not idle)
+        lease.pin = ep.slot_map.choose(
+            key.blocks, slots, trio.current_time(), again=not idle, awaited=ep.computing.awaited
+        )
         record.pinned(ep.key, lease.pin.slot, lease.pin.outcome)
         ep.computing.waits += lease.pin.outcome == "waits"  # in the engine (``ctl replicas``)
     return entry

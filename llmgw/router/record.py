@@ -168,7 +168,7 @@ class Record:
         self.metrics.prompt_waits.labels(self.model, replica, outcome).inc()
         self.metrics.prompt_wait_seconds.labels(self.model).observe(seconds)
 
-    def pinned(self, replica: str, slot: int, outcome: str) -> None:
+    def pinned(self, replica: str, slot: int | None, outcome: str) -> None:
         """It was sent to ``slot`` of ``replica``'s engine, for ``outcome``
         (``slotmap.OUTCOMES``)."""
         self.slot = slot

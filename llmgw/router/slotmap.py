@@ -61,6 +61,9 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+
 import attrs
 
 
@@ -81,64 +84,106 @@ class _Slot:
 OUTCOMES = {
     "idle": "the idle slot holding its prompt",
     "waits": "the busy slot holding its prompt, which the engine waits for",
-    "again": "the slot first to free, computing the prompt again: waiting would cost more",
-    "new": "the slot first to free: none holds its prompt",
+    "again": "another slot, computing the prompt again: waiting would cost more",
+    "new": "an idle slot, or one no waiter in the router waits for: none holds its prompt",
+    "first": "none: every slot busy and none waited for, the engine's first to free",
 }
 
 
 class Pin:
-    """One request sent to one slot: counted there until it ends (once)."""
+    """One request sent to one slot (or, ``slot`` None, to the engine's first to free,
+    which it takes when a slot with nothing else sent to it frees): counted there until
+    it ends (once)."""
 
-    __slots__ = ("_sent", "_slot", "outcome", "slot")
+    __slots__ = ("_map", "_sent", "_slot", "blocks", "outcome", "slot")
 
-    def __init__(self, slot: _Slot, index: int, outcome: str, sent: float) -> None:
-        self._slot: _Slot | None = slot
+    def __init__(self, owner: SlotMap, blocks: tuple[int, ...], outcome: str, sent: float) -> None:
+        self._map = owner
+        self._slot: _Slot | None = None
         self._sent = sent
-        self.slot = index  # the slot's id, as the engine numbers them
+        self.blocks = blocks
+        self.slot: int | None = None  # the slot's id, as the engine numbers them
         self.outcome = outcome  # why it went there (``OUTCOMES``' key)
+
+    def take(self, slot: _Slot, index: int, used: int) -> None:
+        self._slot, self.slot = slot, index
+        slot.blocks, slot.used = self.blocks, used
+        slot.sent.append(self._sent)
 
     def end(self) -> None:
         if self._slot is not None:
             self._slot.sent.remove(self._sent)
-            self._slot = None
+            slot, self._slot = self._slot, None
+            self._map.freed(slot)
+        else:
+            self._map.gone(self)
 
 
 class SlotMap:
     """What this router sent each slot of one replica (see the module docstring)."""
 
-    __slots__ = ("_slots", "_used")
+    __slots__ = ("_first", "_slots", "_used")
 
     def __init__(self) -> None:
         self._slots: list[_Slot] = []
+        self._first: deque[Pin] = deque()  # sent to the engine's first slot to free
         self._used = 0
 
     def choose(
-        self, blocks: tuple[int, ...], slots: int, now: float, *, again: bool = False
+        self,
+        blocks: tuple[int, ...],
+        slots: int,
+        now: float,
+        *,
+        again: bool = False,
+        awaited: Callable[[tuple[int, ...]], bool] = lambda _: False,
     ) -> Pin:
         """Send a request whose prompt has ``blocks`` to one of the replica's ``slots``
-        at ``now``: the one holding the most of it (of those, the least busy);
-        ``again``: the router would not wait for a slot holding it
-        (``llmgw.router.computing``), and it goes to the slot first to free
-        (``_Slot.frees``), of those the one holding the most of it, then the least
-        recently given one; a prompt no slot holds, the same."""
+        at ``now``: the one holding the most of it; ``again`` (the router would not wait
+        for a slot holding it, ``llmgw.router.computing``) or a prompt no slot holds, an
+        idle slot, else one whose prompt no request in the router waits for
+        (``awaited``), first to free as far as the router can tell (``_Slot.frees``),
+        else the engine's first to free (no slot)."""
         if len(self._slots) != slots:  # first sight, or the engine came back with others
             self._slots = [_Slot() for _ in range(slots)]
+            self._first.clear()
         state = self._slots
         held = [_common(s.blocks, blocks) for s in state]
         best = max(range(slots), key=lambda i: (held[i], -len(state[i].sent), -i))
+        pin = Pin(self, blocks, "", now)
+        index: int | None = best
         if held[best] and not again:
-            index = best
+            pin.outcome = "waits" if state[best].sent else "idle"
         else:
-            index = min(range(slots), key=lambda i: (state[i].frees(), -held[i], state[i].used))
-        slot = state[index]
-        if held[index]:
-            outcome = "waits" if slot.sent else "idle"
+            pin.outcome = "again" if held[best] else "new"
+            order = sorted(range(slots), key=lambda i: (state[i].frees(), -held[i], state[i].used))
+            free = [i for i in order if not awaited(state[i].blocks)]  # none waits for it
+            idle = [i for i in free if not state[i].sent]
+            if idle:
+                index = idle[0]
+            elif len(free) == len(order) and state[order[0]].sent:
+                index, pin.outcome = None, "first"  # every slot busy, none waited for
+            else:  # one a waiter is not about to be let go to, where there is one
+                index = free[0] if free else order[0]
+        if index is not None and held[index]:  # it holds the prompt after all
+            pin.outcome = "waits" if state[index].sent else "idle"
+        if index is None:
+            self._first.append(pin)
         else:
-            outcome = "again" if held[best] else "new"
-        self._used += 1
-        slot.blocks, slot.used = blocks, self._used
-        slot.sent.append(now)
-        return Pin(slot, index, outcome, now)
+            self._used += 1
+            pin.take(state[index], index, self._used)
+        return pin
+
+    def freed(self, slot: _Slot) -> None:
+        """A request on ``slot`` ended: with nothing else sent to it, the engine gives
+        it the first of those sent to its first slot to free."""
+        if not slot.sent and self._first and slot in self._slots:
+            self._used += 1
+            self._first.popleft().take(slot, self._slots.index(slot), self._used)
+
+    def gone(self, pin: Pin) -> None:
+        if pin in self._first:
+            self._first.remove(pin)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -168,30 +168,31 @@ async def test_reuse_in_the_same_read_as_the_last_token_is_read(
     assert CACHED.findall(caplog.text) == [("120", "128")], caplog.text
 
 
+async def ask(client: openai.AsyncOpenAI, system: str, question: str, max_tokens: int) -> None:
+    """A user's question behind ``system``, streamed to its end."""
+    chunks = await client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        max_tokens=max_tokens,
+        stream=True,
+    )
+    _ = [c async for c in chunks]
+
+
 async def two_users(
     client: openai.AsyncOpenAI, replica: Endpoint, system: str, *, max_tokens: int
 ) -> None:
     """Two users behind one system prompt, streamed: the second sent as soon as the
     first is in flight on ``replica`` (its only one)."""
-
-    async def ask(question: str) -> None:
-        chunks = await client.chat.completions.create(
-            model="m",
-            messages=[
-                {"role": "system", "content": system},
-                {"role": "user", "content": question},
-            ],
-            max_tokens=max_tokens,
-            stream=True,
-        )
-        _ = [c async for c in chunks]
-
     with trio.fail_after(60):
         async with trio.open_nursery() as users:
-            users.start_soon(ask, "Who keeps the lantern?")
+            users.start_soon(ask, client, system, "Who keeps the lantern?", max_tokens)
             while not replica.in_flight:  # the first is on its way to the engine
                 await trio.sleep(0.005)
-            users.start_soon(ask, "When is it lit?")
+            users.start_soon(ask, client, system, "When is it lit?", max_tokens)
 
 
 @needs_server
@@ -232,15 +233,16 @@ SLOT = re.compile(r" slot=(\d+)")
 async def test_a_request_let_go_for_its_prompts_slot_gets_that_slot(
     tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture, only: bool
 ) -> None:
-    """Two prompts generating in the two slots, a third prompt's request queued in the
-    engine for whichever frees first, and a second user of the prompt that finishes
-    first waiting in the router for its slot: when that slot frees, llama-server hands
-    it to the queued request, and the second user, let go a moment later, computes its
-    prompt again in the other slot (no host cache here to keep it). The fleet's only
-    router sends each request to a slot it chooses (``id_slot``): the queued one to the
-    slot that frees first by what it sent there, the second user to its prompt's slot,
-    where it finds its prompt. Where several routers share the fleet none chooses (what
-    one sent a slot another does not know), and the engine does as it does."""
+    """Two prompts generating in the two slots, a second user of the one that finishes
+    first waiting in the router for its slot, and a third prompt's request queued in
+    the engine for whichever slot frees first: when the lantern's slot frees,
+    llama-server hands it to the queued request, and the second user, let go a moment
+    later, computes its prompt again in the other slot (no host cache here to keep
+    it). The fleet's only router sends each request to a slot it chooses
+    (``id_slot``): the queued one to the slot nobody in the router waits for, the
+    second user to its prompt's slot, where it finds its prompt. Where several routers
+    share the fleet none chooses (what one sent a slot another does not know), and the
+    engine does as it does."""
     caplog.set_level(logging.INFO, "llmgw.router.access")
     model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
     apps: list[RouterApp] = []
@@ -255,31 +257,20 @@ async def test_a_request_let_go_for_its_prompts_slot_gets_that_slot(
         async with httpx.AsyncClient() as http:  # the slots, as a scrape reads them
             replica.load = slots_usage((await http.get(f"{url}/slots")).content)
 
-        async def ask(system: str, question: str, max_tokens: int) -> None:
-            chunks = await client.chat.completions.create(
-                model="m",
-                messages=[
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": question},
-                ],
-                max_tokens=max_tokens,
-                stream=True,
-            )
-            _ = [c async for c in chunks]
-
         async def sent(n: int) -> None:
             while replica.in_flight < n:
                 await trio.sleep(0.005)
 
         with trio.fail_after(90):
             async with trio.open_nursery() as users:
-                users.start_soon(ask, "Answer in one word. " * 30, "Which way is north?", 40)
+                one_word = "Answer in one word. " * 30
+                users.start_soon(ask, client, one_word, "Which way is north?", 40)
                 await sent(1)
-                users.start_soon(ask, system, "Who keeps the lantern?", 8)
+                users.start_soon(ask, client, system, "Who keeps the lantern?", 8)
                 await sent(2)
-                users.start_soon(ask, "Count the stars. " * 20, "How many?", 2)
-                await sent(3)
-                users.start_soon(ask, system, "When is it lit?", 4)
+                users.start_soon(ask, client, system, "When is it lit?", 4)
+                await sent(3)  # waiting in the router for the lantern's slot
+                users.start_soon(ask, client, "Count the stars. " * 20, "How many?", 2)
     lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
     assert len(lines) == 4, lines
     by_tokens = {int(re.findall(r" tokens=(\d+)", line)[0]): line for line in lines}
@@ -290,7 +281,7 @@ async def test_a_request_let_go_for_its_prompts_slot_gets_that_slot(
     cached, prompt = (int(g) for g in found.groups())
     if only:
         assert SLOT.findall(second) == SLOT.findall(first) != SLOT.findall(north), lines
-        assert SLOT.findall(stars) == SLOT.findall(north), lines  # the one first to free
+        assert SLOT.findall(stars) == SLOT.findall(north), lines  # the one none waits for
         assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
         registry = apps[0].metrics.registry
         pins = {
