@@ -273,11 +273,12 @@ class RouterMetrics:
         )
         self.slot_pins = Counter(
             "llmgw_router_slot_pins",
-            "Requests this router sent to a slot of its choosing on a llama.cpp replica "
-            "(it is the fleet's only router), by why: the idle slot holding their prompt "
-            "(idle), the busy one, which the engine waits for (waits), another, computing "
-            "the prompt again as waiting would cost more (again), or the least busy, none "
-            "holding it (new)",
+            "Requests this router sent to a llama.cpp replica whose slots it chooses (it is "
+            "the fleet's only router), by where: the idle slot holding their prompt (idle), "
+            "the busy one, which the engine waits for (waits), another, computing the "
+            "prompt again as waiting would cost more (again), one for a prompt no slot "
+            "holds (new), or the engine's first slot to free, every slot busy and none "
+            "waited for in the router (first)",
             ["model", "replica", "outcome"],
             registry=r,
         )

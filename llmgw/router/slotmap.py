@@ -31,25 +31,30 @@ before, whether a request waits for a slot holding its prompt to come free
 (``llmgw.router.computing``); ``choose`` then picks which slot it goes to:
 
 - once it need not wait (a slot holding its prompt is idle), the slot holding the
-  most of it: a request queued in the engine was sent to a slot of its own, and
-  cannot take this one first;
+  most of it;
 - where it would not wait (waiting would cost more than computing the prompt
-  again), and for a prompt no slot holds, the slot first to free as far as the
-  router can tell (the fewest in flight, then the oldest of them sent first: the
-  engine's own choice is whichever frees first), of those the one holding the most
-  of it, then the least recently given one.
+  again), and for a prompt no slot holds: an idle slot (of those the one holding
+  the most of it, then the least recently given one); where none is idle, the
+  engine's own choice, whichever frees first (no slot is named), unless a request
+  in the router waits for one of the slots' prompts: then a slot none waits for
+  (the fewest in flight, then the oldest of them sent first), so that it cannot
+  take the waited slot as it frees. The map follows the requests the engine
+  places: each takes the first slot that frees with nothing else sent to it.
 
 Measured on twelve seeds of ``tools/bench_goodput.py``'s shared system prompts at
-4.47 requests a second, each beside the code before (93,143 prompt tokens computed,
-1.71 good/s, 14 prompts computed again on the replica holding them): 89,427 tokens,
-1.53 good/s (within a sweep's noise), 9. Two other ways measured worse. With the
-engine waiting in place of the router (a request sent at once to the busy slot
-holding its prompt, the wait bounded as the router bounds its own), 104,753 tokens
-at 0.64 good/s: in the engine the requests of a prompt do not go one at a time as
-the router's waiters do, and those the bound sent to the other slot took it from the
-prompt it held, whose next request then computed that again. With the least busy
-slot in place of the first to free (the least recently given of equally busy ones),
-88,953 tokens but 1.13 good/s: a new prompt waited for a slot that freed later.
+4.47 requests a second, beside the code before (93,143 prompt tokens computed,
+1.71 good/s, 14 prompts computed again on the replica holding them). Three ways
+that pinned every request measured worse or only half as good. With the engine
+waiting in place of the router (a request sent at once to the busy slot holding its
+prompt, the wait bounded as the router bounds its own): 104,753 tokens at 0.64
+good/s; in the engine the requests of a prompt do not go one at a time as the
+router's waiters do, and those the bound sent to the other slot took it from the
+prompt it held, whose next request then computed that again. After the router's
+wait, every other request to the least busy slot: 88,953 tokens but 1.13 good/s (a
+new prompt waited for a slot that freed later); to the slot first to free as the
+router guesses it: 89,427 tokens at 1.53 good/s, but on prompts nothing shares
+0.89x load-only routing's goodput and 1.15x its TTFT p95, where llama-server's own
+queue gives a request whichever slot frees first.
 
 The request then carries the slot (``EngineAdapter.slot_field``; llama.cpp's
 ``id_slot``). Where several routers share the fleet each knows only its own

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from llmgw.router.slotmap import Pin, SlotMap
 from llmgw.router.usage import lead
 
@@ -12,9 +14,16 @@ class Clocked(SlotMap):
 
     now = 0.0
 
-    def choose_at(self, blocks: tuple[int, ...], slots: int, *, again: bool = False) -> Pin:
+    def choose_at(
+        self,
+        blocks: tuple[int, ...],
+        slots: int,
+        *,
+        again: bool = False,
+        awaited: Callable[[tuple[int, ...]], bool] = lambda _: False,
+    ) -> Pin:
         self.now += 1.0
-        return self.choose(blocks, slots, self.now, again=again)
+        return self.choose(blocks, slots, self.now, again=again, awaited=awaited)
 
 
 P = (11, 12, 13)  # a system prompt's blocks
@@ -62,6 +71,34 @@ def test_a_request_that_would_not_wait_goes_to_the_least_busy_slot() -> None:
     p2.end()  # P in both now, P's first slot idle, the other busy
     p4 = slots.choose_at((*P, 5), 2, again=True)
     assert (p4.slot, p4.outcome) == (p1.slot, "idle")
+
+
+def test_with_every_slot_busy_a_new_prompt_goes_to_the_first_to_free_unless_one_is_awaited() -> (
+    None
+):
+    """Every slot busy: a new prompt's request names no slot (the engine gives it the
+    first to free, and the map follows: it takes the first slot that frees with
+    nothing else sent to it); but while a request in the router waits for one slot's
+    prompt, it goes to the other, so as not to take the waited slot as it frees."""
+    slots = Clocked()
+    p1 = slots.choose_at((*P, 1), 2)
+    q1 = slots.choose_at((*Q, 2), 2)
+    r1 = slots.choose_at((71, 72), 2)
+    assert (r1.slot, r1.outcome) == (None, "first")
+    q1.end()  # Q's slot frees first: the engine gives it to R
+    assert r1.slot == q1.slot
+    q2 = slots.choose_at((*Q, 3), 2)
+    assert (q2.slot, q2.outcome) == (None, "first")  # Q's slot holds R now, none idle
+    r1.end()
+    assert q2.slot == q1.slot  # it took R's slot as it freed
+    q2.end()
+    waited = set(P)  # a request in the router waits for P's slot
+    s1 = slots.choose_at((81, 82), 2, awaited=lambda blocks: bool(waited & set(blocks)))
+    assert s1.slot == q1.slot != p1.slot and s1.outcome == "new"
+    left = slots.choose_at((91, 92), 2)  # every slot busy again: the engine's first
+    left.end()  # its client left before a slot freed: out of the engine's line
+    s1.end()
+    assert left.slot is None
 
 
 def test_a_slot_count_that_changes_starts_the_map_again() -> None:
