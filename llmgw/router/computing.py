@@ -43,8 +43,10 @@ A request that went on while every copy was busy computes one more (counted, up
 to the replica's slots).
 
 Where the router picks the slot itself (``llmgw.router.slotmap``: it is the fleet's
-only router, and the engine says its slots), the request goes at once to the slot
-it picks, and the engine waits for that slot: none waits here.
+only router, and the engine says its slots), a request goes, once it is through
+here, to the slot it picks: one let go to an idle copy to that copy's slot, so that
+a request the engine queued meanwhile cannot take it first (``awaited`` says which
+slots' prompts have requests waiting here).
 
 Pure: no I/O, no clock.
 """

@@ -484,9 +484,8 @@ async def _enter(
     long as computing that again would cost by the replica's pace (its own, else its
     model's). None: its engine shares what is cached between running requests (or is
     not known), and the request goes at once. ``pin``: this router sends every request
-    the replica has, and where its engine takes a slot for a request it goes to the
-    slot ``llmgw.router.slotmap`` chooses (``lease.pin``): the one holding its prompt,
-    or, where it would not wait for one, the least busy."""
+    the replica has, and where its engine takes a slot for a request, the slot
+    ``llmgw.router.slotmap`` chooses is named in it (``lease.pin``)."""
     ep = lease.endpoint
     engine = adapter(ep.engine)
     if engine is None or not engine.slot_cache:

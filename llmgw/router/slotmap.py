@@ -72,7 +72,7 @@ from collections.abc import Callable
 import attrs
 
 
-@attrs.define
+@attrs.define(eq=False)  # each slot is itself: two idle ones alike are still two
 class _Slot:
     blocks: tuple[int, ...] = ()  # of the prompt last sent there
     # when each request sent there still in flight (running or waiting for it) was sent
@@ -182,9 +182,10 @@ class SlotMap:
     def freed(self, slot: _Slot) -> None:
         """A request on ``slot`` ended: with nothing else sent to it, the engine gives
         it the first of those sent to its first slot to free."""
-        if not slot.sent and self._first and slot in self._slots:
+        index = next((i for i, s in enumerate(self._slots) if s is slot), None)
+        if not slot.sent and self._first and index is not None:  # not of a map started again
             self._used += 1
-            self._first.popleft().take(slot, self._slots.index(slot), self._used)
+            self._first.popleft().take(slot, index, self._used)
 
     def gone(self, pin: Pin) -> None:
         if pin in self._first:
