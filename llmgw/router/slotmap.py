@@ -74,6 +74,7 @@ import attrs
 
 @attrs.define(eq=False)  # each slot is itself: two idle ones alike are still two
 class _Slot:
+    index: int  # its id, as the engine numbers them
     blocks: tuple[int, ...] = ()  # of the prompt last sent there
     # when each request sent there still in flight (running or waiting for it) was sent
     sent: list[float] = attrs.Factory(list)
@@ -110,8 +111,8 @@ class Pin:
         self.slot: int | None = None  # the slot's id, as the engine numbers them
         self.outcome = outcome  # why it went there (``OUTCOMES``' key)
 
-    def take(self, slot: _Slot, index: int, used: int) -> None:
-        self._slot, self.slot = slot, index
+    def take(self, slot: _Slot, used: int) -> None:
+        self._slot, self.slot = slot, slot.index
         slot.blocks, slot.used = self.blocks, used
         slot.sent.append(self._sent)
 
@@ -150,7 +151,7 @@ class SlotMap:
         (``awaited``), first to free as far as the router can tell (``_Slot.frees``),
         else the engine's first to free (no slot)."""
         if len(self._slots) != slots:  # first sight, or the engine came back with others
-            self._slots = [_Slot() for _ in range(slots)]
+            self._slots = [_Slot(i) for i in range(slots)]
             self._first.clear()
         state = self._slots
         held = [_common(s.blocks, blocks) for s in state]
@@ -176,16 +177,16 @@ class SlotMap:
             self._first.append(pin)
         else:
             self._used += 1
-            pin.take(state[index], index, self._used)
+            pin.take(state[index], self._used)
         return pin
 
     def freed(self, slot: _Slot) -> None:
         """A request on ``slot`` ended: with nothing else sent to it, the engine gives
         it the first of those sent to its first slot to free."""
-        index = next((i for i, s in enumerate(self._slots) if s is slot), None)
-        if not slot.sent and self._first and index is not None:  # not of a map started again
+        mapped = slot.index < len(self._slots) and self._slots[slot.index] is slot
+        if not slot.sent and self._first and mapped:  # not of a map started again
             self._used += 1
-            self._first.popleft().take(slot, index, self._used)
+            self._first.popleft().take(slot, self._used)
 
     def gone(self, pin: Pin) -> None:
         if pin in self._first:
