@@ -3,7 +3,10 @@ the tests start: ``python -m llmgw ...`` daemons, llama-servers, other routers, 
 
 A ``Proc`` is one command (an argv) run in a working directory with its stdout and
 stderr appended to ``workdir/NAME.log``; started again, it appends, so the log keeps
-what every run said. What each caller needed is an option, read when it starts:
+what every run said. What it reads of its log (``log()``, the waits) is what its own
+runs wrote: a folder used again holds an earlier ``Proc``'s log of that name, whose
+lines (a llama-server's port) would otherwise answer a wait for this one's. What
+each caller needed is an option, read when it starts:
 ``env`` (added to this process's environment; ``PYTHONUNBUFFERED=1`` always, so a
 Python child's lines reach its log as it writes them), ``session`` (a session and
 process group of its own: Ctrl-C reaches the caller only, which stops it, and a stop
@@ -147,6 +150,7 @@ class Process:
         self.fresh = fresh  # its log emptied when it starts, not appended to
         self.grace_s = grace_s
         self.log_path = workdir / f"{name}.log"
+        self._since = 0  # where in the log its first start (or a fresh one) began writing
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Self:
@@ -162,6 +166,8 @@ class Process:
         log: IO[bytes] | None = None
         if self.output != "terminal":
             log = self.log_path.open("wb" if self.fresh else "ab")
+            if self.fresh or self.proc is None:
+                self._since = log.tell()  # the end: an earlier Proc's lines are not its own
         try:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -198,7 +204,12 @@ class Process:
         return self.popen.pid
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        """What its runs wrote to its log (not an earlier ``Proc``'s of the same name)."""
+        if not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(self._since)
+            return f.read().decode(errors="replace")
 
     def tail(self) -> str:
         """The end of its log, as much as a failure shows (``shown`` characters)."""
