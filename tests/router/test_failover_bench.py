@@ -17,13 +17,15 @@ def test_no_stream_is_lost_when_an_engine_is_killed_or_stopped(tmp_path: Path) -
     results = {}
     for event in ("unbroken", "kill", "stop"):
         # on a busy machine the tiny model can finish every stream between two reads
-        # of its slots, before the fault: such a run says nothing of a fault, so again
+        # of its slots, before the fault, or finish the faulted engine's streams between
+        # the read and the signal (every stream intact, none resumed): such a run says
+        # nothing of a fault, so again
         for attempt in range(3):
             workdir = tmp_path / f"{event}-{attempt}"
             workdir.mkdir()
-            results[event] = bf.run_event(event, model, workdir, reference)
-            print(bf.table([results[event]]))
-            if event == "unbroken" or results[event].faulted:
+            r = results[event] = bf.run_event(event, model, workdir, reference)
+            print(bf.table([r]))
+            if event == "unbroken" or (r.faulted and (r.resumed or r.intact < bf.STREAMS)):
                 break
     assert len(reference) == bf.STREAMS
     for event, r in results.items():
