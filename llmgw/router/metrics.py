@@ -275,8 +275,8 @@ class RouterMetrics:
             "llmgw_router_slot_pins",
             "Requests this router sent to a llama.cpp replica whose slots it chooses (it is "
             "the fleet's only router), by where: the idle slot holding their prompt (idle), "
-            "the busy one, which the engine waits for (waits), another, computing the "
-            "prompt again as waiting would cost more (again), one for a prompt no slot "
+            "the busy one, which the engine waits for (waits), another, idle one, computing "
+            "the prompt again as waiting would cost more (again), one for a prompt no slot "
             "holds (new), or the engine's first slot to free, every slot busy and none "
             "waited for in the router (first)",
             ["model", "replica", "outcome"],

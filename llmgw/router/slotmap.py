@@ -34,12 +34,15 @@ before, whether a request waits for a slot holding its prompt to come free
   most of it;
 - where it would not wait (waiting would cost more than computing the prompt
   again), and for a prompt no slot holds: an idle slot (of those the one holding
-  the most of it, then the least recently given one); where none is idle, the
-  engine's own choice, whichever frees first (no slot is named), unless a request
-  in the router waits for one of the slots' prompts: then a slot none waits for
-  (the fewest in flight, then the oldest of them sent first), so that it cannot
-  take the waited slot as it frees. The map follows the requests the engine
-  places: each takes the first slot that frees with nothing else sent to it.
+  the most of it, then the least recently given one). Where none is idle, a
+  request whose prompt a slot holds waits for that slot: it waits in the engine
+  either way, and in whichever slot frees first it would compute the prompt again.
+  A prompt no slot holds gets the engine's own choice, whichever frees first (no
+  slot is named), unless a request in the router waits for one of the slots'
+  prompts: then a slot none waits for (the fewest in flight, then the oldest of
+  them sent first), so that it cannot take the waited slot as it frees. The map
+  follows the requests the engine places: each takes the first slot that frees
+  with nothing else sent to it.
 
 Measured on twelve seeds of ``tools/bench_goodput.py``'s shared system prompts at
 4.47 requests a second, beside the code before (93,143 prompt tokens computed,
@@ -90,7 +93,7 @@ class _Slot:
 OUTCOMES = {
     "idle": "the idle slot holding its prompt",
     "waits": "the busy slot holding its prompt, which the engine waits for",
-    "again": "another slot, computing the prompt again: waiting would cost more",
+    "again": "another, idle slot, computing the prompt again: waiting would cost more",
     "new": "an idle slot, or one no waiter in the router waits for: none holds its prompt",
     "first": "none: every slot busy and none waited for, the engine's first to free",
 }
@@ -147,9 +150,10 @@ class SlotMap:
         """Send a request whose prompt has ``blocks`` to one of the replica's ``slots``
         at ``now``: the one holding the most of it; ``again`` (the router would not wait
         for a slot holding it, ``llmgw.router.computing``) or a prompt no slot holds, an
-        idle slot, else one whose prompt no request in the router waits for
-        (``awaited``), first to free as far as the router can tell (``_Slot.frees``),
-        else the engine's first to free (no slot)."""
+        idle slot, else the one holding the most of it; for a prompt none holds, one whose
+        prompt no request in the router waits for (``awaited``), first to free as far as
+        the router can tell (``_Slot.frees``), else the engine's first to free (no
+        slot)."""
         if len(self._slots) != slots:  # first sight, or the engine came back with others
             self._slots = [_Slot(i) for i in range(slots)]
             self._first.clear()
@@ -167,6 +171,8 @@ class SlotMap:
             idle = [i for i in free if not state[i].sent]
             if idle:
                 index = idle[0]
+            elif held[best]:  # it waits in the engine either way: for its prompt's slot
+                index = best
             elif len(free) == len(order) and state[order[0]].sent:
                 index, pin.outcome = None, "first"  # every slot busy, none waited for
             else:  # one a waiter is not about to be let go to, where there is one

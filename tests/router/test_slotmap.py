@@ -73,6 +73,20 @@ def test_a_request_that_would_not_wait_goes_to_the_least_busy_slot() -> None:
     assert (p4.slot, p4.outcome) == (p1.slot, "idle")
 
 
+def test_a_request_that_gave_up_waiting_with_no_slot_idle_waits_for_its_prompts_slot() -> None:
+    """The router gave up waiting for P's slot (``again``) and every slot is busy: the
+    request waits in the engine either way, so it waits for P's slot, not for whichever
+    frees first, where it would compute P again."""
+    slots = Clocked()
+    p1 = slots.choose_at((*P, 1), 2)
+    q1 = slots.choose_at((*Q, 2), 2)
+    p2 = slots.choose_at((*P, 3), 2, again=True)
+    assert (p2.slot, p2.outcome) == (p1.slot, "waits")
+    q1.end()  # Q's slot frees first: P's request is not the engine's to place there
+    q2 = slots.choose_at((*Q, 4), 2)
+    assert (q2.slot, q2.outcome) == (q1.slot, "idle")
+
+
 def test_with_every_slot_busy_a_new_prompt_goes_to_the_first_to_free_unless_one_is_awaited() -> (
     None
 ):
