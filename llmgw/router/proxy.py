@@ -492,6 +492,7 @@ async def _enter(
         return None
     slots = math.floor(ep.load.slots) if ep.load is not None and ep.load.slots else 0
     entry: Entry | None = None
+    waited = 0.0
     if not key.blocks:  # a prompt shorter than a block: nothing to wait for, or to hold
         idle = True
     elif ep.computing.free(key.blocks, held):  # the common case: nothing to wait for
@@ -511,7 +512,9 @@ async def _enter(
             key.blocks, slots, trio.current_time(), again=not idle, awaited=ep.computing.awaited
         )
         record.pinned(ep.key, lease.pin.slot, lease.pin.outcome)
-        ep.computing.waits += lease.pin.outcome == "waits"  # in the engine (``ctl replicas``)
+        # in the engine (``ctl replicas``), once: a request that gave up waiting in the
+        # router, and waits in the engine for its prompt's slot, counted when it waited
+        ep.computing.waits += lease.pin.outcome == "waits" and not waited
     return entry
 
 

@@ -182,6 +182,18 @@ async def ask(client: openai.AsyncOpenAI, system: str, question: str, max_tokens
     _ = [c async for c in chunks]
 
 
+async def whole(client: openai.AsyncOpenAI, system: str, question: str, max_tokens: int) -> None:
+    """A user's question behind ``system``, answered whole (not streamed)."""
+    await client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+        max_tokens=max_tokens,
+    )
+
+
 async def two_users(
     client: openai.AsyncOpenAI, replica: Endpoint, system: str, *, max_tokens: int
 ) -> None:
@@ -294,3 +306,59 @@ async def test_a_request_let_go_for_its_prompts_slot_gets_that_slot(
     else:  # the engine's own choice, which the test is about: the slot taken, computed again
         assert not any(SLOT.search(line) for line in lines), lines
         assert cached < prompt // 2, f"the engine kept the prompt's slot by itself: {second}"
+
+
+@needs_server
+async def test_a_request_that_would_not_wait_and_finds_no_slot_idle_waits_for_its_prompts_slot(
+    tmp_path: Path, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The lantern's prompt generating in one slot for a request not streamed, a
+    short request of another prompt in the other, and a second user of the lantern's:
+    the router does not hold it for the lantern's slot (a request not streamed says
+    no time to its first token to bound the wait by), and llama-server would give it
+    whichever slot frees first, the short one's, and compute the lantern's prompt
+    again there. It waits in the engine either way; the fleet's only router names the
+    lantern's slot, and the second user finds its prompt there."""
+    caplog.set_level(logging.INFO, "llmgw.router.access")
+    model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
+    apps: list[RouterApp] = []
+    system = "The harbor lantern burns all night and the keeper writes it down. " * 12
+    async with llama_server(
+        model, tmp_path, context=4096, parallel=2, args=("--cache-ram", "0")
+    ) as url:
+        client = await front(nursery, url, apps=apps)
+        table = apps[0].table
+        table.only = True  # as ``RoutingTable`` judges it each scrape
+        replica = table.endpoints["m"][0]
+        async with httpx.AsyncClient() as http:  # the slots, as a scrape reads them
+            replica.load = slots_usage((await http.get(f"{url}/slots")).content)
+
+        async def sent(n: int) -> None:
+            while replica.in_flight < n:
+                await trio.sleep(0.005)
+
+        with trio.fail_after(90):
+            async with trio.open_nursery() as users:
+                users.start_soon(whole, client, system, "Who keeps the lantern?", 40)
+                await sent(1)
+                users.start_soon(ask, client, "Answer in one word. " * 30, "North?", 2)
+                await sent(2)
+                await whole(client, system, "When is it lit?", 4)
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
+    assert len(lines) == 3, lines
+    by_tokens = {int(re.findall(r" tokens=(\d+)", line)[0]): line for line in lines}
+    first, short, second = (by_tokens[n] for n in (40, 2, 4))
+    assert "waited=" not in second, lines  # not held in the router
+    assert SLOT.findall(second) == SLOT.findall(first) != SLOT.findall(short), lines
+    found = CACHED.search(second)
+    assert found, lines
+    cached, prompt = (int(g) for g in found.groups())
+    assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
+    pins = {
+        outcome: apps[0].metrics.registry.get_sample_value(
+            "llmgw_router_slot_pins_total", {"model": "m", "replica": "a", "outcome": outcome}
+        )
+        for outcome in ("new", "waits")
+    }
+    assert pins == {"new": 2, "waits": 1}, pins
+    assert replica.computing.waits == 1  # ``ctl replicas``: one waited, in the engine
