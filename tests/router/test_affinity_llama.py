@@ -4,6 +4,7 @@ stream whose last token and last event arrive in one read."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -238,6 +239,53 @@ async def test_a_second_request_of_a_prompt_in_its_prefill_waits_and_finds_it_ca
 
 
 SLOT = re.compile(r" slot=(\d+)")
+LANTERN = "The harbor lantern burns all night and the keeper writes it down. " * 12
+
+
+@contextlib.asynccontextmanager
+async def two_slots(
+    tmp_path: Path, nursery: trio.Nursery, *, only: bool
+) -> AsyncIterator[tuple[openai.AsyncOpenAI, RouterApp, Endpoint]]:
+    """A real llama-server of the slow model with two slots and no host cache, a
+    router in front (the fleet's only one, or one of several), and its replica with
+    the slots read as a scrape reads them."""
+    model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
+    apps: list[RouterApp] = []
+    async with llama_server(
+        model, tmp_path, context=4096, parallel=2, args=("--cache-ram", "0")
+    ) as url:
+        client = await front(nursery, url, apps=apps)
+        table = apps[0].table
+        table.only = only  # as ``RoutingTable`` judges it each scrape
+        replica = table.endpoints["m"][0]
+        async with httpx.AsyncClient() as http:
+            replica.load = slots_usage((await http.get(f"{url}/slots")).content)
+        yield client, apps[0], replica
+
+
+async def sent(replica: Endpoint, n: int) -> None:
+    """Until ``n`` requests are on their way to ``replica``'s engine."""
+    while replica.in_flight < n:
+        await trio.sleep(0.005)
+
+
+def by_tokens(caplog: pytest.LogCaptureFixture, *tokens: int) -> tuple[list[str], list[str]]:
+    """The access log's lines, and the line of each request by its reply's ``tokens``
+    (one request each)."""
+    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
+    assert len(lines) == len(tokens), lines
+    found = {int(re.findall(r" tokens=(\d+)", line)[0]): line for line in lines}
+    return lines, [found[n] for n in tokens]
+
+
+def pins(app: RouterApp, *outcomes: str) -> dict[str, float | None]:
+    """``llmgw_router_slot_pins_total`` of replica ``a`` by outcome."""
+    labels = {"model": "m", "replica": "a"}
+    registry = app.metrics.registry
+    return {
+        o: registry.get_sample_value("llmgw_router_slot_pins_total", {**labels, "outcome": o})
+        for o in outcomes
+    }
 
 
 @needs_server
@@ -256,37 +304,19 @@ async def test_a_request_let_go_for_its_prompts_slot_gets_that_slot(
     share the fleet none chooses (what one sent a slot another does not know), and the
     engine does as it does."""
     caplog.set_level(logging.INFO, "llmgw.router.access")
-    model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
-    apps: list[RouterApp] = []
-    system = "The harbor lantern burns all night and the keeper writes it down. " * 12
-    async with llama_server(
-        model, tmp_path, context=4096, parallel=2, args=("--cache-ram", "0")
-    ) as url:
-        client = await front(nursery, url, apps=apps)
-        table = apps[0].table
-        table.only = only  # as ``RoutingTable`` judges it each scrape
-        replica = table.endpoints["m"][0]
-        async with httpx.AsyncClient() as http:  # the slots, as a scrape reads them
-            replica.load = slots_usage((await http.get(f"{url}/slots")).content)
-
-        async def sent(n: int) -> None:
-            while replica.in_flight < n:
-                await trio.sleep(0.005)
-
+    system = LANTERN
+    async with two_slots(tmp_path, nursery, only=only) as (client, app, replica):
         with trio.fail_after(90):
             async with trio.open_nursery() as users:
                 one_word = "Answer in one word. " * 30
                 users.start_soon(ask, client, one_word, "Which way is north?", 40)
-                await sent(1)
+                await sent(replica, 1)
                 users.start_soon(ask, client, system, "Who keeps the lantern?", 8)
-                await sent(2)
+                await sent(replica, 2)
                 users.start_soon(ask, client, system, "When is it lit?", 4)
-                await sent(3)  # waiting in the router for the lantern's slot
+                await sent(replica, 3)  # waiting in the router for the lantern's slot
                 users.start_soon(ask, client, "Count the stars. " * 20, "How many?", 2)
-    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
-    assert len(lines) == 4, lines
-    by_tokens = {int(re.findall(r" tokens=(\d+)", line)[0]): line for line in lines}
-    north, first, stars, second = (by_tokens[n] for n in (40, 8, 2, 4))
+    lines, (north, first, stars, second) = by_tokens(caplog, 40, 8, 2, 4)
     assert "waited=" in second, lines  # the router held it for its prompt's slot
     found = CACHED.search(second)
     assert found, lines
@@ -295,14 +325,7 @@ async def test_a_request_let_go_for_its_prompts_slot_gets_that_slot(
         assert SLOT.findall(second) == SLOT.findall(first) != SLOT.findall(north), lines
         assert SLOT.findall(stars) == SLOT.findall(north), lines  # the one none waits for
         assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
-        registry = apps[0].metrics.registry
-        pins = {
-            outcome: registry.get_sample_value(
-                "llmgw_router_slot_pins_total", {"model": "m", "replica": "a", "outcome": outcome}
-            )
-            for outcome in ("new", "idle")
-        }
-        assert pins == {"new": 3, "idle": 1}, pins
+        assert pins(app, "new", "idle") == {"new": 3, "idle": 1}
     else:  # the engine's own choice, which the test is about: the slot taken, computed again
         assert not any(SLOT.search(line) for line in lines), lines
         assert cached < prompt // 2, f"the engine kept the prompt's slot by itself: {second}"
@@ -320,45 +343,21 @@ async def test_a_request_that_would_not_wait_and_finds_no_slot_idle_waits_for_it
     again there. It waits in the engine either way; the fleet's only router names the
     lantern's slot, and the second user finds its prompt there."""
     caplog.set_level(logging.INFO, "llmgw.router.access")
-    model = write_slow_model(tmp_path / "slow.gguf", context_length=2048)
-    apps: list[RouterApp] = []
-    system = "The harbor lantern burns all night and the keeper writes it down. " * 12
-    async with llama_server(
-        model, tmp_path, context=4096, parallel=2, args=("--cache-ram", "0")
-    ) as url:
-        client = await front(nursery, url, apps=apps)
-        table = apps[0].table
-        table.only = True  # as ``RoutingTable`` judges it each scrape
-        replica = table.endpoints["m"][0]
-        async with httpx.AsyncClient() as http:  # the slots, as a scrape reads them
-            replica.load = slots_usage((await http.get(f"{url}/slots")).content)
-
-        async def sent(n: int) -> None:
-            while replica.in_flight < n:
-                await trio.sleep(0.005)
-
+    system = LANTERN
+    async with two_slots(tmp_path, nursery, only=True) as (client, app, replica):
         with trio.fail_after(90):
             async with trio.open_nursery() as users:
                 users.start_soon(whole, client, system, "Who keeps the lantern?", 40)
-                await sent(1)
+                await sent(replica, 1)
                 users.start_soon(ask, client, "Answer in one word. " * 30, "North?", 2)
-                await sent(2)
+                await sent(replica, 2)
                 await whole(client, system, "When is it lit?", 4)
-    lines = [r.getMessage() for r in caplog.records if r.name == "llmgw.router.access"]
-    assert len(lines) == 3, lines
-    by_tokens = {int(re.findall(r" tokens=(\d+)", line)[0]): line for line in lines}
-    first, short, second = (by_tokens[n] for n in (40, 2, 4))
+    lines, (first, short, second) = by_tokens(caplog, 40, 2, 4)
     assert "waited=" not in second, lines  # not held in the router
     assert SLOT.findall(second) == SLOT.findall(first) != SLOT.findall(short), lines
     found = CACHED.search(second)
     assert found, lines
     cached, prompt = (int(g) for g in found.groups())
     assert cached >= prompt // 2, f"the second computed its prompt again: {second}"
-    pins = {
-        outcome: apps[0].metrics.registry.get_sample_value(
-            "llmgw_router_slot_pins_total", {"model": "m", "replica": "a", "outcome": outcome}
-        )
-        for outcome in ("new", "waits")
-    }
-    assert pins == {"new": 2, "waits": 1}, pins
+    assert pins(app, "new", "waits") == {"new": 2, "waits": 1}
     assert replica.computing.waits == 1  # ``ctl replicas``: one waited, in the engine
