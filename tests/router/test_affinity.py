@@ -488,6 +488,41 @@ def test_a_prompt_whose_own_requests_fill_its_replica_spreads_past_the_bound() -
     assert "its slots full of this prompt's requests" in moved.reason
 
 
+def test_the_only_router_spills_to_the_least_loaded_of_those_holding_none_of_it() -> None:
+    """A popular prompt's replica is full of its own requests, and the prompt spreads.
+    Where several routers share the fleet, each sends it on down the spill key's
+    rendezvous order, which they all compute alike, to a replica within its share even
+    if another is idler. The fleet's only router sends it to the least loaded of those
+    holding none of it: in the benchmark's shared system prompts, a spill by rendezvous
+    landed on a replica already computing another prompt, and the requests queued
+    behind both met their TTFT SLO less often (see ``llmgw.router.affinity``)."""
+    endpoints = fleet()
+    for e in endpoints:
+        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
+        for _ in range(READINGS):
+            e.pace.observe(Timings(1000, 3500.0, 500.0), 1000, 1400)
+    system = {"role": "system", "content": "Rules. " * 400}
+    keys = [
+        prompt_key(body([system, {"role": "user", "content": f"question {i}"}]), "prefix")
+        for i in range(4)
+    ]
+    home = send(endpoints, keys[0]).endpoint  # type: ignore[arg-type]
+    assert home is not None
+    held = home.prefix.held(keys[1].blocks)  # type: ignore[union-attr]
+    home.in_flight = home.in_flight_at_load = 3
+    home.load = LoadSignals(running=2, waiting=1, slots=2)
+    for k in keys[2:]:
+        home.computing.enter(k.blocks, held, NOW, streamed=True, slots=2)  # type: ignore[union-attr]
+    by_rendezvous = choose(endpoints, NOW, admission=OPEN, key=keys[1]).endpoint  # type: ignore[arg-type]
+    assert by_rendezvous is not home and by_rendezvous is not None
+    by_rendezvous.in_flight = 1  # busier than the other two, within its share
+    several = choose(endpoints, NOW, admission=OPEN, key=keys[1])  # type: ignore[arg-type]
+    assert several.endpoint is by_rendezvous, several.reason
+    only = choose(endpoints, NOW, admission=OPEN, key=keys[1], only=True)  # type: ignore[arg-type]
+    assert only.endpoint not in (home, by_rendezvous), only.reason
+    assert only.affinity is not None and only.affinity.route == "spill:full", only.reason
+
+
 def test_new_conversations_are_placed_evenly_by_the_only_router() -> None:
     """Sixteen conversations started one after another on an idle fleet of four: their
     anchors' rendezvous winners split them unevenly (these seeds: 5/5/3/3), and a
