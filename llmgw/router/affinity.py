@@ -25,9 +25,10 @@ The order of preference, from the request's ``PromptKey``:
    prompt's second replica was whichever that order put first, often one already
    computing another prompt, and the requests queued behind both met their TTFT SLO
    less often: on twelve seeds of ``tools/bench_goodput.py``'s shared system
-   prompts at 3.7 requests a second, two sweeps each, in turn, 1.89 and 2.06 good/s
-   by the spill key against 2.12 and 2.36 by load, the prompt tokens computed alike
-   (85-91 against 85-87 thousand).
+   prompts at 3.7 requests a second, four sweeps each, run in pairs one after the
+   other, by load was ahead in every pair (by 2-15%: 1.55-2.06 good/s by the spill
+   key, 1.62-2.36 by load, the machine's speed drifting between pairs), the prompt
+   tokens computed alike (85-91 against 85-88 thousand).
 
 Knowledge (1) agrees with the rendezvous (2) unless load moved the
 conversation, which is what lets a router that has never seen a conversation
