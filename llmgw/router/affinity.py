@@ -134,7 +134,7 @@ Pure: no I/O, no clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -347,10 +347,11 @@ def _order(
         key=lambda i: (-held[i], tie(i), -anchor[i]),
     )
     rest = [i for i in range(len(entries)) if i != top and i not in known]
-    if key.spill != key.anchor:
-        spill = {i: rendezvous(key.spill, entries[i][1].key, entries[i][1].weight) for i in rest}
-    else:
-        spill = {i: anchor[i] for i in rest}
+    spill: Mapping[int, float] | list[float] = (
+        {i: rendezvous(key.spill, entries[i][1].key, entries[i][1].weight) for i in rest}
+        if key.spill != key.anchor
+        else anchor
+    )
     # those holding none of it: the only router's spill goes where it waits least, and
     # what it sent there is known at the prompt's next request; where several routers
     # are, each spills as the others do (a moved turn is known only to its sender)

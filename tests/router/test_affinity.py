@@ -454,12 +454,10 @@ def test_patience_is_bounded_so_that_a_hot_prompt_still_spreads() -> None:
     assert choose(endpoints, NOW, admission=OPEN, key=key).endpoint is not home
 
 
-def test_a_prompt_whose_own_requests_fill_its_replica_spreads_past_the_bound() -> None:
-    """Patience waits for a replica's other work to drain. Where the requests filling
-    its slots are the prompt's own (users behind one popular system prompt), its queue
-    never drains by waiting: past the load bound, the prompt goes to a second replica
-    (and computes it there once), where the same queue of other prompts' requests
-    would have kept it home."""
+def popular_prompt() -> tuple[list[Endpoint], list[PromptKey], Endpoint, int]:
+    """Four paced replicas with two slots each; one holds a long system prompt (sent
+    it by its first user) and has three requests on it. Returns the replicas, four
+    users' keys behind that prompt, the replica holding it and the blocks it holds."""
     endpoints = fleet()
     for e in endpoints:
         e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
@@ -474,15 +472,30 @@ def test_a_prompt_whose_own_requests_fill_its_replica_spreads_past_the_bound() -
     home = send(endpoints, keys[0]).endpoint  # type: ignore[arg-type]
     assert home is not None
     held = home.prefix.held(keys[1].blocks)  # type: ignore[union-attr]
-    assert held and home.pace.patience(held_bytes(held, keys[1].size, 1.0), 2) >= 2  # type: ignore[union-attr]
     home.in_flight = home.in_flight_at_load = 3
     home.load = LoadSignals(running=2, waiting=1, slots=2)
-    # three of other prompts ahead: it waits
-    assert choose(endpoints, NOW, admission=OPEN, key=keys[1]).endpoint is home  # type: ignore[arg-type]
-    # two of its own among them, in the two slots: it spreads
+    return endpoints, keys, home, held  # type: ignore[return-value]
+
+
+def fill(home: Endpoint, keys: list[PromptKey], held: int) -> None:
+    """Two of the prompt's own requests in ``home``'s two slots."""
     for k in keys[2:]:
-        home.computing.enter(k.blocks, held, NOW, streamed=True, slots=2)  # type: ignore[union-attr]
-    moved = choose(endpoints, NOW, admission=OPEN, key=keys[1])  # type: ignore[arg-type]
+        home.computing.enter(k.blocks, held, NOW, streamed=True, slots=2)
+
+
+def test_a_prompt_whose_own_requests_fill_its_replica_spreads_past_the_bound() -> None:
+    """Patience waits for a replica's other work to drain. Where the requests filling
+    its slots are the prompt's own (users behind one popular system prompt), its queue
+    never drains by waiting: past the load bound, the prompt goes to a second replica
+    (and computes it there once), where the same queue of other prompts' requests
+    would have kept it home."""
+    endpoints, keys, home, held = popular_prompt()
+    assert held and home.pace.patience(held_bytes(held, keys[1].size, 1.0), 2) >= 2
+    # three of other prompts ahead: it waits
+    assert choose(endpoints, NOW, admission=OPEN, key=keys[1]).endpoint is home
+    # two of its own among them, in the two slots: it spreads
+    fill(home, keys, held)
+    moved = choose(endpoints, NOW, admission=OPEN, key=keys[1])
     assert moved.endpoint is not home and moved.affinity.overruled  # type: ignore[union-attr]
     assert moved.affinity.route == "spill:full", moved.reason  # type: ignore[union-attr]
     assert "its slots full of this prompt's requests" in moved.reason
@@ -496,29 +509,14 @@ def test_the_only_router_spills_to_the_least_loaded_of_those_holding_none_of_it(
     holding none of it: in the benchmark's shared system prompts, a spill by rendezvous
     landed on a replica already computing another prompt, and the requests queued
     behind both met their TTFT SLO less often (see ``llmgw.router.affinity``)."""
-    endpoints = fleet()
-    for e in endpoints:
-        e.load, e.load_at = LoadSignals(running=0, waiting=0, slots=2), NOW
-        for _ in range(READINGS):
-            e.pace.observe(Timings(1000, 3500.0, 500.0), 1000, 1400)
-    system = {"role": "system", "content": "Rules. " * 400}
-    keys = [
-        prompt_key(body([system, {"role": "user", "content": f"question {i}"}]), "prefix")
-        for i in range(4)
-    ]
-    home = send(endpoints, keys[0]).endpoint  # type: ignore[arg-type]
-    assert home is not None
-    held = home.prefix.held(keys[1].blocks)  # type: ignore[union-attr]
-    home.in_flight = home.in_flight_at_load = 3
-    home.load = LoadSignals(running=2, waiting=1, slots=2)
-    for k in keys[2:]:
-        home.computing.enter(k.blocks, held, NOW, streamed=True, slots=2)  # type: ignore[union-attr]
-    by_rendezvous = choose(endpoints, NOW, admission=OPEN, key=keys[1]).endpoint  # type: ignore[arg-type]
+    endpoints, keys, home, held = popular_prompt()
+    fill(home, keys, held)
+    by_rendezvous = choose(endpoints, NOW, admission=OPEN, key=keys[1]).endpoint
     assert by_rendezvous is not home and by_rendezvous is not None
     by_rendezvous.in_flight = 1  # busier than the other two, within its share
-    several = choose(endpoints, NOW, admission=OPEN, key=keys[1])  # type: ignore[arg-type]
+    several = choose(endpoints, NOW, admission=OPEN, key=keys[1])
     assert several.endpoint is by_rendezvous, several.reason
-    only = choose(endpoints, NOW, admission=OPEN, key=keys[1], only=True)  # type: ignore[arg-type]
+    only = choose(endpoints, NOW, admission=OPEN, key=keys[1], only=True)
     assert only.endpoint not in (home, by_rendezvous), only.reason
     assert only.affinity is not None and only.affinity.route == "spill:full", only.reason
 
