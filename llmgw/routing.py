@@ -357,12 +357,14 @@ class LeaseDenied(msgspec.Struct, kw_only=True, frozen=True):
 
 class LeaseHold(msgspec.Struct, kw_only=True, frozen=True):
     """What a router holds of a limit and has not spent (in flight: slots not in
-    use); ``units`` 0 in ``LeaseAnswer.contended``."""
+    use), and of tokens what its requests in flight reserved (``reserved``: what they
+    do not use comes back to it); ``units`` 0 in ``LeaseAnswer.contended``."""
 
     scope: str
     owner: str
     kind: str
     units: int = 0
+    reserved: int = 0
 
 
 class LeaseExchange(msgspec.Struct, kw_only=True, frozen=True):

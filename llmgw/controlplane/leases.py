@@ -33,10 +33,15 @@ hold: what it reserved and did not use comes back to it, but never more than
 it was granted). A request whose need does not fit what is left is denied for
 good (``final``) only when what the other routers may hold unspent would not
 make it fit either (in flight: their slots not in use when they last said, a
-second ago at most); otherwise the limit is ``contended`` for
+second ago at most), nor, for a budget, what requests in flight reserved at any
+router (``reserved``: a request reserves its worst case, and what it does not
+use comes back at its end; a budget refused is refused until the period ends,
+so it waits for them); otherwise the limit is ``contended`` for
 ``CONTENDED_S``: every router told so in its next exchange (within a second)
 gives back what it does not need now and asks for nothing ahead, and the
-waiting request asks again. A limit that becomes contended is logged, once a
+waiting request asks again. A router holding anything says so every second
+(``router.leases``); what one not heard from for ``HELD_S`` said it holds is
+counted no more (it was killed: what it held is lost, counted as spent). A limit that becomes contended is logged, once a
 minute at most (``TELL_S``); ``stats``, ``contended`` and ``routers`` are for
 the metrics (``llmgw_leases_*``).
 
@@ -79,6 +84,7 @@ WINDOW_S = 60.0  # the minute of a per-minute limit
 LEASE_S = 10.0  # how long a router may spend a per-minute grant
 COUNTED_S = WINDOW_S + LEASE_S  # how long a per-minute grant counts here
 GONE_S = 30.0  # a router not heard from this long holds no slots
+HELD_S = 5.0  # what a router not heard from this long said it holds may not come back
 CONTENDED_S = 3.0  # routers keep nothing ahead of a limit another waits on, this long
 TELL_S = 60.0  # a limit's contention is logged once in this long at most
 DAY = 86400
@@ -161,8 +167,10 @@ class LeaseBank:
         self.path = path
         self._pots: dict[str, _Pot] = {}
         self._seen: dict[str, float] = {}
-        # what each router said it holds unspent, by limit; and limits another waits on
+        # what each router said it holds unspent, and its requests in flight reserved,
+        # by limit; and limits another waits on
         self._unspent: dict[str, dict[str, int]] = {}
+        self._reserved: dict[str, dict[str, int]] = {}
         self._contended: dict[str, float] = {}  # until (wall)
         self._told: dict[str, float] = {}  # when each limit's contention was logged
         self.stats = LeaseStats()
@@ -220,12 +228,13 @@ class LeaseBank:
         self.stats.exchanges += 1
         self._seen[ex.router] = wall
         self._forget(wall)
-        for unspent in self._unspent.values():
-            unspent.pop(ex.router, None)
+        for said in (*self._unspent.values(), *self._reserved.values()):
+            said.pop(ex.router, None)
         for hold in ex.holds:
-            self._unspent.setdefault(f"{hold.scope}/{hold.owner}/{hold.kind}", {})[ex.router] = (
-                hold.units
-            )
+            key = f"{hold.scope}/{hold.owner}/{hold.kind}"
+            self._unspent.setdefault(key, {})[ex.router] = hold.units
+            if hold.reserved:
+                self._reserved.setdefault(key, {})[ex.router] = hold.reserved
         for back in ex.backs:
             pot = self._pots.get(f"{back.scope}/{back.owner}/{back.kind}")
             if pot is None or back.units == 0:
@@ -257,8 +266,7 @@ class LeaseBank:
             key = f"{ask.scope}/{ask.owner}/{ask.kind}"
             free = limit - self.used(ask.scope, ask.owner, ask.kind, wall)
             if ask.needed and free < ask.needed:
-                elsewhere = self._unspent.get(key, {})
-                others = sum(n for r, n in elsewhere.items() if r != ex.router)
+                others = self._may_come_back(key, ex.router, wall)
                 final = free + others < ask.needed
                 if not final:  # held unspent elsewhere: they give it back
                     self._contend(key, limit, others, wall)
@@ -317,6 +325,17 @@ class LeaseBank:
         ]
         return LeaseAnswer(grants=grants, denied=denied, contended=contended)
 
+    def _may_come_back(self, key: str, router: str, wall: float) -> int:
+        """What routers heard from lately hold of a limit and may give back: the others'
+        unspent, and for a budget what requests in flight reserved at any (``router``'s
+        own come back to it)."""
+        live = {r for r, at in self._seen.items() if at > wall - HELD_S}
+        unspent = self._unspent.get(key, {})
+        back = sum(n for r, n in unspent.items() if r != router and r in live)
+        if key.rsplit("/", 1)[1] in BUDGETS:
+            back += sum(n for r, n in self._reserved.get(key, {}).items() if r in live)
+        return back
+
     def _contend(self, key: str, limit: int, others: int, wall: float) -> None:
         """A request waits on a limit that other routers hold unspent: they are told to
         give it back (for ``CONTENDED_S``), and the operator once a minute at most."""
@@ -325,8 +344,9 @@ class LeaseBank:
             scope, owner, kind = key.split("/")
             log.info(
                 "%s %r: its %s limit (%d) is contended: a request waits while other routers "
-                "hold %d of it unspent; they give it back within a second (routers that "
-                "share a tenant's traffic unevenly do this; see `llmgw ctl tenant show %s`)",
+                "hold %d of it unspent or reserved by requests in flight; they give back what "
+                "they do not use within a second (routers that share a tenant's traffic "
+                "unevenly, or a budget nearly spent, do this; see `llmgw ctl tenant show %s`)",
                 scope,
                 owner,
                 kind,
@@ -363,11 +383,12 @@ class LeaseBank:
             for pot in self._pots.values():
                 if pot.slots.pop(router, 0):
                     self._changes += 1
-            for unspent in self._unspent.values():
-                unspent.pop(router, None)
+            for said in (*self._unspent.values(), *self._reserved.values()):
+                said.pop(router, None)
         self._contended = {k: t for k, t in self._contended.items() if t > wall}
         self._told = {k: t for k, t in self._told.items() if t > wall - TELL_S}
         self._unspent = {k: held for k, held in self._unspent.items() if held}
+        self._reserved = {k: held for k, held in self._reserved.items() if held}
         for key, pot in list(self._pots.items()):
             kind = key.rsplit("/", 1)[1]
             oldest = period_start(kind, wall) if kind in BUDGETS else wall - COUNTED_S

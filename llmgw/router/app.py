@@ -60,6 +60,8 @@ from llmgw.routing import LeaseAnswer, LeaseExchange
 __all__ = ["ROUTES", "RouterApp", "error_body"]
 
 ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+# /healthz before the routing table came: not ready
+UNHEARD_HEALTH = b'{"status":"starting","why":"no routing table from the control plane yet"}'
 
 
 T = TypeVar("T")
@@ -142,6 +144,8 @@ class RouterApp:
     def _head(self, request: Request, record: Record) -> Response | ApiKey:
         """What the head alone decides: an answer, or the key of a request to route."""
         path = request.path
+        if not self.table.heard.is_set() and (path in ROUTES or path.startswith("/v1/models")):
+            return self._unheard()
         if path in ROUTES:
             if request.method != "POST":
                 return openai_error(405, f"{path} takes POST")
@@ -157,6 +161,8 @@ class RouterApp:
                 )
             return self._admit(key, record)
         if path == "/healthz":
+            if not self.table.heard.is_set():  # not ready: a load balancer sends it nothing
+                return Response(503, [("content-type", "application/json")], UNHEARD_HEALTH)
             return Response(200, [("content-type", "application/json")], b'{"status":"ok"}')
         if path == "/v1/models" and request.method == "GET":
             key = self._key(request, record)
@@ -278,7 +284,7 @@ class RouterApp:
         if refusal.budget:  # OpenAI's word for a quota spent
             r = openai_error(429, refusal.message, "insufficient_quota", code="insufficient_quota")
         else:
-            kind = "tokens" if refusal.limit == "tpm" else "requests"
+            kind = "requests" if refusal.limit in ("rpm", "in_flight") else "tokens"
             r = openai_error(429, refusal.message, kind, code="rate_limit_exceeded")
         r.headers.append(("retry-after", str(max(1, math.ceil(refusal.retry_after_s)))))
         r.headers.extend(ratelimit_headers(refusal))
@@ -292,6 +298,19 @@ class RouterApp:
             f" (it may use: {', '.join(sorted(key.models))})",
             code="model_not_allowed",
         )
+
+    def _unheard(self) -> Response:
+        """503 while the routing table has not come from the control plane yet: the
+        models and the tenants' keys are not known, and a good key is not refused."""
+        r = openai_error(
+            503,
+            "this router has not received the routing table from the control plane yet "
+            "(it has just started, or cannot reach its admin_url): try again in a second",
+            "server_error",
+            code="router_starting",
+        )
+        r.headers.append(("retry-after", "1"))
+        return r
 
     def _unauthorized(self) -> Response:
         return openai_error(

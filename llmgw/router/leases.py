@@ -10,8 +10,10 @@ standalone router, a call for the one inside ``llmgw server``):
 - at once when a request waits on a limit this router holds too little of
   (``fill``); every request waiting meanwhile rides on the same exchange;
 - every ``EVERY_S`` while it holds anything, to ask ahead of need, give back
-  what it did not spend, and be heard from (the control plane frees the slots
-  of a router it has not heard from for a while);
+  what it did not spend, and be heard from: what it holds unspent and what its
+  requests in flight reserved (the control plane waits for those to come back
+  before it refuses a request for good, and stops counting on them, and frees
+  the slots, of a router it has not heard from for a while);
 - when it stops: everything it holds, given back (``close``).
 
 A request waits at most ``WAIT_S`` in all. An exchange that fails (the control
@@ -83,7 +85,7 @@ class LeaseClient:
                 await self._exchange(self.quotas.everything_back(self.router, trio.current_time()))
 
     async def _exchange(self, ex: LeaseExchange) -> None:
-        if not ex.asks and not ex.backs:
+        if not ex.asks and not ex.backs and not ex.holds:
             return self._end("")
         sent = trio.current_time()
         try:

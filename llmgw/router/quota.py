@@ -99,6 +99,7 @@ class _Pot:
     chunks: deque[_Chunk] = attrs.Factory(deque)
     slots: int = 0  # in flight: held
     in_use: int = 0  # in flight: taken by requests
+    reserved: int = 0  # tokens: reserved by requests in flight (what they do not use returns)
     needed: int = 0  # units requests wait on now
     spent: deque[tuple[float, int]] = attrs.Factory(deque)  # recent spending
     touched: float = -math.inf
@@ -233,12 +234,20 @@ class _Pot:
 
     def unspent(self, now: float) -> LeaseHold | None:
         have = self.have(now)
-        if have <= 0:
+        if have <= 0 and not self.reserved:
             return None
-        return LeaseHold(scope=self.scope, owner=self.owner, kind=self.kind, units=have)
+        return LeaseHold(
+            scope=self.scope,
+            owner=self.owner,
+            kind=self.kind,
+            units=max(have, 0),
+            reserved=self.reserved,
+        )
 
     def holds(self) -> bool:
-        return bool(self.slots or self.chunks or self.back or self.needed or self.in_use)
+        return bool(
+            self.slots or self.chunks or self.back or self.needed or self.in_use or self.reserved
+        )
 
 
 @attrs.frozen
@@ -253,10 +262,14 @@ class Refusal:
     tenant: str
     asked: int = 0  # tokens the request reserved
     why: str = ""  # said instead of the limit's words (the control plane away)
+    # not spent but held for now: by other routers, or reserved by requests in flight
+    # (what they do not use comes back); a budget so held is not said to be used up
+    held: bool = False
 
     @property
     def budget(self) -> bool:
-        return self.limit in BUDGETS
+        """A budget used up: OpenAI's ``insufficient_quota``."""
+        return self.limit in BUDGETS and not self.held
 
     @property
     def message(self) -> str:
@@ -270,6 +283,13 @@ class Refusal:
                 f"more than {about}'s limit of {self.value} {what}: lower max_tokens"
             )
         show = f"(llmgw ctl tenant show {self.tenant} shows its limits)"
+        if self.held:
+            noun = "budget" if self.limit in BUDGETS else "limit"
+            return (
+                f"{about}: its {noun} of {self.value} {what} is held for now by other "
+                f"routers and by its requests in flight, which give back what they do not "
+                f"use: try again in a second {show}"
+            )
         if self.budget:
             return (
                 f"{about} has used its budget of {self.value} {what}: it resets in "
@@ -305,10 +325,13 @@ class Short:
         return any(pot.soft is not None for pot, _, _ in self.needs)
 
     def denied(self) -> Refusal | None:
-        """Out of time, waiting for other routers to give back: the limit refuses it."""
+        """Out of time, waiting for other routers to give back: the limit refuses it,
+        for now (what they hold, or requests in flight reserved, may come back)."""
         for pot, units, limit in self.needs:
             if pot.soft is not None:
-                return Refusal(pot.kind, pot.scope, pot.owner, limit, 1.0, self.tenant, units)
+                return Refusal(
+                    pot.kind, pot.scope, pot.owner, limit, 1.0, self.tenant, units, held=True
+                )
         return None
 
     def refusal(self, failure: str) -> Refusal:
@@ -356,6 +379,7 @@ class Ticket:
             self.tally.answered(self.tenant, self.model, prompt or self.prompt, completion)
             self.tally = None
         for pot, taken in self.reserved:
+            pot.reserved = max(0, pot.reserved - self.asked)
             if used < self.asked:
                 pot.refund(self.asked - used, now, taken)
             elif used > self.asked:
@@ -466,6 +490,8 @@ class Quotas:
         if not isinstance(judged, list):
             return judged
         ticket.reserved = [(pot, pot.take(ticket.asked, now)) for pot in judged]
+        for pot in judged:
+            pot.reserved += ticket.asked
         ticket.headers_ += self._shown(ticket, "tpm", "tokens", now)
         return None
 

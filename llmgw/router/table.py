@@ -49,7 +49,9 @@ class RoutingTable:
 
     ``initial`` is applied at once (inside ``llmgw server``, the publisher's
     current snapshot, so the endpoint never serves from an empty table); a
-    standalone router starts empty and routes as soon as its watch answers.
+    standalone router starts empty and routes once its watch answers (``heard``):
+    until then it knows neither the models nor the tenants' keys, and says so
+    rather than refuse a good key (``router.app``).
     """
 
     def __init__(
@@ -66,6 +68,9 @@ class RoutingTable:
         alone: Callable[[], bool] | None = None,
     ) -> None:
         self.watch = watch  # None: fed by ``apply`` alone (tests)
+        self.heard = trio.Event()  # set by the first snapshot applied (or with no watch)
+        if watch is None:
+            self.heard.set()
         # whether this is the fleet's only router (the server's, while no standalone
         # router reports); None: a standalone router, which never is (the server's
         # routes too). Read each scrape: ``only``
@@ -165,6 +170,7 @@ class RoutingTable:
             self._keys = keys
             self.on_keys(keys)
         self.rooms.wake_all()  # a replica may be Ready, back from draining, or new
+        self.heard.set()
 
     def _say_carried(self, keep: frozenset[str], listed: set[str], snap: Snapshot) -> None:
         """One line when the routes kept for nodes not heard from change."""

@@ -48,6 +48,8 @@ from llmgw.telemetry import daemon_registry
 
 log = logging.getLogger("llmgw.router")
 
+FIRST_TABLE_S = 5.0  # a router starting waits this long for its routing table
+
 
 def router_app(
     config: RouterConfig,
@@ -274,6 +276,18 @@ async def serve(
             await nursery.start(table.run)
             await nursery.start(reporter.run)
             await nursery.start(leases.run)
+            # connections wait in the listener's backlog until the routing table comes
+            # (the models, the tenants' keys), within FIRST_TABLE_S
+            with trio.move_on_after(FIRST_TABLE_S):
+                await table.heard.wait()
+            if not table.heard.is_set() and worker == 0:
+                log.warning(
+                    "router: no routing table from the control plane at %s within %.0f s: "
+                    "serving, and answering 503 until it comes (is the server up, and the "
+                    "admin token right?)",
+                    config.admin_url,
+                    FIRST_TABLE_S,
+                )
             await nursery.start(server.serve, listeners)
             where = ", ".join(
                 f"http://{x.socket.getsockname()[0]}:{x.socket.getsockname()[1]}/v1"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 import trio
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.cluster.procs import Daemon, workers_route
+from tests.cluster.procs import Daemon, listening, workers_route
 from tests.cluster.test_router_processes import reserved_port, stopped_with_sigterm
 from tests.conftest import Pki
 from tests.engines.test_tinymodel import llama_server
@@ -323,6 +324,104 @@ async def test_a_tenants_limits_hold_across_every_router_process(tmp_path: Path,
                 refused = r.json()["error"]["message"]
                 assert "cannot ask for more" in refused and "control plane" in refused, refused
         assert codes.count(200) <= 30, codes  # what they held: a few seconds' worth
+
+
+async def test_a_budget_nearly_spent_waits_for_what_a_stream_in_flight_reserved(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A stream reserves its worst case (its max_tokens) of its tenant's budget until it
+    ends. A request through another router that fits only in what the stream will not
+    use waits for it (the stream cut a moment later gives it back) and is served,
+    rather than told the budget is used up for the day; the count stays within it."""
+    async with fleet(tmp_path, pki) as (gw, edge):
+        await gw.server.ctl("tenant", "create", "nearly", "--budget-day", "5000")
+        key = str((await ctl_json(gw, "key", "create", "--tenant", "nearly"))["key"])
+        await status_within([gw.base, edge], key, 200, within=1.0, times=1)
+        headers = {"authorization": f"Bearer {key}"}
+        body = {"model": "m", "messages": HI, "max_tokens": 4000, "stream": True}
+        answers: list[httpx.Response] = []
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            client.stream(
+                "POST", gw.base + "/chat/completions", json=body, headers=headers
+            ) as stream,
+        ):
+            assert stream.status_code == 200
+            lines = stream.aiter_lines()
+            assert (await anext(lines)).startswith("data:")
+            await trio.sleep(1.2)  # the in-process router has said what it reserved
+
+            async def fits_once_the_stream_ends() -> None:
+                answers.append(await chat(edge, key, max_tokens=1500))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fits_once_the_stream_ends)
+                await trio.sleep(0.5)
+                assert not answers, answers[0].text  # it waits, while the stream runs
+                async for line in lines:  # still running: nothing it reserved came back
+                    assert '"finish_reason":"length"' not in line
+                    break
+                await stream.aclose()
+        [answer] = answers
+        assert answer.status_code == 200, answer.text
+        shown = (await gw.server.ctl("tenant", "show", "nearly")).stdout.decode()
+        counted = re.search(r"counted\s+budget_day (\d+)/5000", shown)
+        assert counted and int(counted.group(1)) <= 5000, shown
+
+
+async def test_a_router_starting_refuses_no_good_key_while_its_table_comes(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A standalone router (re)started holds its clients' connections until the control
+    plane's routing table comes, with the tenants' keys, rather than answer a good key
+    401 (the control plane held still a second here). One that hears nothing within
+    5 s serves, answering 503 that says why, /healthz not ready, until it comes."""
+    async with fleet(tmp_path, pki) as (gw, edge):
+        await gw.server.ctl("tenant", "create", "t")
+        key = str((await ctl_json(gw, "key", "create", "--tenant", "t"))["key"])
+        await status_within([gw.base, edge], key, 200, within=1.0, times=1)
+        held = reserved_port()
+        port = held.getsockname()[1]
+        base = f"http://127.0.0.1:{port}/v1"
+        (tmp_path / "late.toml").write_text(
+            f'admin_url = "{gw.server.admin_url}"\nadmin_token_file = "state/admin-token"\n'
+            f'[router]\nlisten = "127.0.0.1:{port}"\n'
+        )
+        answers: list[httpx.Response] = []
+
+        async def first_request() -> None:
+            while not listening(port):
+                await trio.sleep(0.01)
+            answers.append(await chat(base, key))
+
+        gw.server.send_signal(signal.SIGSTOP)
+        try:
+            late = Daemon("late", ["router", "--config", "late.toml"], tmp_path).start()
+            async with stopped_with_sigterm(late), trio.open_nursery() as nursery:
+                nursery.start_soon(first_request)
+                await trio.sleep(1.0)
+                assert not answers, answers[0].text  # held, not refused
+                gw.server.send_signal(signal.SIGCONT)
+            [answer] = answers
+            assert answer.status_code == 200, answer.text
+
+            gw.server.send_signal(signal.SIGSTOP)  # and now for longer than it waits
+            late = Daemon("late", ["router", "--config", "late.toml"], tmp_path).start()
+            async with stopped_with_sigterm(late):
+                await late.wait_log(r"no routing table from the control plane at .* within 5 s")
+                unheard = await chat(base, key)
+                assert unheard.status_code == 503, unheard.text
+                assert unheard.json()["error"]["code"] == "router_starting"
+                assert "not received the routing table" in unheard.json()["error"]["message"]
+                assert unheard.headers["retry-after"] == "1"
+                async with httpx.AsyncClient(timeout=5) as client:
+                    health = await client.get(f"http://127.0.0.1:{port}/healthz")
+                assert health.status_code == 503 and "starting" in health.text
+                gw.server.send_signal(signal.SIGCONT)
+                await status_within([base], key, 200, within=10.0, times=1)
+        finally:
+            gw.server.send_signal(signal.SIGCONT)
+            held.close()
 
 
 async def test_tenant_commands_say_what_is_wrong_in_one_line(tmp_path: Path, pki: Pki) -> None:

@@ -12,7 +12,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.controlplane.leases import COUNTED_S, GONE_S, LeaseBank, LeaseRefused, period_end
+from llmgw.controlplane.leases import COUNTED_S, GONE_S, HELD_S, LeaseBank, LeaseRefused, period_end
 from llmgw.router.keys import ApiKey
 from llmgw.router.quota import Quotas, Refusal, Short, Ticket
 from llmgw.routing import LeaseAsk, LeaseBack, LeaseExchange, LeaseHold, Limits
@@ -199,6 +199,85 @@ def test_a_killed_router_loses_its_budget_lease_and_no_more() -> None:
             served += 100
     # the rest of the budget, all but what is too little for one more request
     assert 10_000 - granted - 100 < served <= 10_000 - granted
+
+
+def reserved(fleet: Fleet, i: int, now: float, tokens: int) -> Ticket:
+    """Router ``i`` admits a request reserving ``tokens`` and keeps it in flight."""
+    q = fleet.quotas[i]
+    ticket = fleet.ask(i, now, lambda t: q.admit(KEY, fleet.limits, t))
+    assert isinstance(ticket, Ticket)
+    assert fleet.ask(i, now, lambda t: q.reserve(ticket, 0, tokens - 1, t)) is None
+    return ticket
+
+
+def short_of(fleet: Fleet, i: int, now: float, tokens: int) -> Short:
+    """Router ``i``'s request reserving ``tokens``, after one exchange that asked for it."""
+    q = fleet.quotas[i]
+    ticket = fleet.ask(i, now, lambda t: q.admit(KEY, fleet.limits, t))
+    assert isinstance(ticket, Ticket)
+    got = q.reserve(ticket, 0, tokens - 1, now)
+    assert isinstance(got, Short), got
+    q.wait(got, 1)
+    fleet.exchange(i, now)
+    q.wait(got, -1)
+    return got
+
+
+def test_a_budget_waits_for_what_requests_in_flight_reserved_rather_than_refuse_it() -> None:
+    """A request reserves its worst case and gives back what it did not use at its end:
+    a budget refused is refused until the day ends, so a need that what requests in
+    flight reserved could meet waits for them (at any router, its own too) rather
+    than being told the budget is used up."""
+    fleet = Fleet(Limits(budget_day=1000), 2)
+    long = reserved(fleet, 0, 0, 900)  # a long answer in flight at router 0
+    fleet.tick(1)  # router 0 says what it holds: 900 reserved, and a little ahead
+    assert fleet.bank.used("tenant", "acme", "budget_day", WALL + 1) >= 900
+    waits = short_of(fleet, 1, 1.1, 200)
+    assert waits.waits(), fleet.bank.stats.denied  # not refused: it may come back
+    assert fleet.bank.stats.denied == {("budget_day", "held_elsewhere"): 1}
+    long.settle(prompt=1, completion=99, now=1.2)  # used 100 of its 900
+    long.release(1.2)
+    q1 = fleet.quotas[1]
+    served = fleet.ask(1, 1.3, lambda t: q1.admit(KEY, fleet.limits, t))
+    assert isinstance(served, Ticket)
+    assert fleet.ask(1, 1.3, lambda t: q1.reserve(served, 0, 199, t)) is None
+
+    # its own requests in flight too, at a router of its own; and once they used what
+    # they reserved, a need past the budget is refused for good, saying so
+    alone = Fleet(Limits(budget_day=1000), 1)
+    long = reserved(alone, 0, 0, 900)
+    alone.tick(1)
+    assert short_of(alone, 0, 1.1, 200).waits()
+    long.settle(prompt=1, completion=899, now=1.2)  # used all it reserved
+    long.release(1.2)
+    q = alone.quotas[0]
+    refused = alone.ask(0, 1.3, lambda t: q.reserve(reserved_ticket(alone, 0, 1.3), 0, 199, t))
+    assert isinstance(refused, Refusal) and refused.budget, refused
+
+
+def reserved_ticket(fleet: Fleet, i: int, now: float) -> Ticket:
+    q = fleet.quotas[i]
+    ticket = fleet.ask(i, now, lambda t: q.admit(KEY, fleet.limits, t))
+    assert isinstance(ticket, Ticket)
+    return ticket
+
+
+def test_what_a_killed_router_reserved_is_waited_for_no_longer_than_it_is_heard_from() -> None:
+    fleet = Fleet(Limits(budget_day=1000), 2)
+    reserved(fleet, 0, 0, 900)
+    fleet.tick(1)
+    fleet.quotas[0] = Quotas()  # killed, with its request: the 900 are lost, counted
+    waits = short_of(fleet, 1, 2, 200)
+    assert waits.waits()
+    # out of time meanwhile (the app waits 5 s at most): refused for now, not for the day
+    held = waits.denied()
+    assert held is not None and held.held and not held.budget and held.retry_after_s == 1
+    assert "its budget of 1000 tokens a day is held for now by other routers" in held.message
+    later = 1 + HELD_S + 0.5  # router 0 not heard from since 1: nothing may come back
+    q1 = fleet.quotas[1]
+    refused = fleet.ask(1, later, lambda t: q1.reserve(reserved_ticket(fleet, 1, later), 0, 199, t))
+    assert isinstance(refused, Refusal) and refused.budget and not refused.held, refused
+    assert "has used its budget of 1000 tokens a day" in refused.message
 
 
 def test_a_budget_is_held_for_its_period_and_refused_with_when_it_resets() -> None:
