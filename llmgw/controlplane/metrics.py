@@ -60,7 +60,8 @@ class _LeasesCollector(Collector):
             "llmgw_leases_denied",
             "Asks for a waiting request denied, by kind of limit and why: limit (the "
             "limit is spent: the request is refused) or held_elsewhere (other routers "
-            "hold it unspent and give it back; the request asks again)",
+            "hold it unspent and give it back, or for a budget requests in flight "
+            "reserved it and give back what they do not use; the request asks again)",
             labels=["kind", "why"],
         )
         for (kind, why), n in sorted(stats.denied.items()):
