@@ -23,9 +23,9 @@ import msgspec
 import pytest
 import trio
 
-from llmgw.agent.procs import alive, environ, identity
+from llmgw.agent.procs import alive, environ
 from llmgw.protocol.messages import Register, ShardSpec, ShardStatus, StartShard, StopShard
-from tests.cluster.procs import Daemon, http_server, listening, write_agent_config
+from tests.cluster.procs import Daemon, http_server, lasting, listening, write_agent_config
 from tests.conftest import Pki
 from tests.realparts import LLAMA_SERVER, needs_server
 from tests.stream.harness import Plane, control_plane, wait_for
@@ -213,7 +213,7 @@ async def test_a_restarted_agent_adopts_every_engine_and_can_stop_them(
         readies = {s: await f.status(s, "ready") for s in ("s1", "s2")}
         pids = {s: r.pid for s, r in readies.items()}
         keys = {s: r.engine_key for s, r in readies.items()}
-        before = {s: identity(pid) for s, pid in pids.items() if pid}
+        before = {s: lasting(pid) for s, pid in pids.items() if pid}
 
         await agent.stop(signal.SIGKILL)
         await chat(one.port, keys["s1"])  # the engines keep serving without their agent
@@ -225,7 +225,7 @@ async def test_a_restarted_agent_adopts_every_engine_and_can_stop_them(
         assert {s: r.state for s, r in reports.items()} == {"s1": "ready", "s2": "ready"}
         assert {s: r.pid for s, r in reports.items()} == pids  # adopted, not restarted
         assert {s: r.engine_key for s, r in reports.items()} == keys  # from their records
-        assert {s: identity(p) for s, p in pids.items() if p} == before
+        assert {s: lasting(p) for s, p in pids.items() if p} == before
         await agent.wait_log(r"adopted shard s1 \(pid \d+\) left running by a previous agent")
         assert "earlier output is gone" in agent.log()
         await chat(two.port, keys["s2"])
@@ -257,7 +257,7 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
         ready = await f.status("s1", "ready")
         pid = ready.pid
         assert pid is not None
-        before = identity(pid)
+        before = lasting(pid)
         shards = tmp_path / "agent-n1" / "shards"
         record = shards / "s1.json"
 
@@ -269,7 +269,7 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
         reports = {r.spec.shard_id: r for r in f.registers[-1].shards}
         assert {s: (r.state, r.pid) for s, r in reports.items()} == {"s1": ("ready", pid)}
         await agent.wait_log(r"shard s1: using the previous copy of its record")
-        assert identity(pid) == before
+        assert lasting(pid) == before
         assert msgspec.json.decode(record.read_bytes())["pid"] == pid  # whole again
         await chat(spec.port, ready.engine_key)
 
@@ -285,7 +285,7 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
         # registered: the strays on the engine ports were dealt with before that
         await wait_for(lambda: bool(f.registers), timeout=30)
         assert f.registers[-1].shards == []  # it cannot say what the engine serves
-        assert identity(pid) == before
+        assert lasting(pid) == before
         assert "killing pid" not in agent.log()
         await chat(spec.port, ready.engine_key)
         # placed again on its port, the shard is refused with what to do
@@ -296,7 +296,7 @@ async def test_an_engine_whose_record_is_spoiled_keeps_serving(
             f"s1 that no readable record describes; stop it (kill -TERM -- -{pid}) to free "
             "the port"
         )
-        assert identity(pid) == before
+        assert lasting(pid) == before
 
 
 async def test_an_engine_nobody_can_describe_is_killed(tmp_path: Path, pki: Pki) -> None:

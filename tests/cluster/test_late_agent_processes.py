@@ -11,7 +11,8 @@ from pathlib import Path
 
 import trio
 
-from llmgw.agent.procs import alive, identity
+from llmgw.agent.procs import alive
+from tests.cluster.procs import lasting
 from tests.cluster.test_control_plane_processes import chat, cluster, engine_pid
 from tests.conftest import Pki
 from tests.realparts import needs_server
@@ -28,7 +29,7 @@ async def test_a_late_agent_keeps_its_serving_engine_and_the_replacement_goes(
         assert serving["shards"][0]["node_id"] == "n1"
         shard_id = serving["shards"][0]["shard_id"]
         pid = engine_pid(tmp_path, "n1", shard_id)
-        start = identity(pid)
+        start = lasting(pid)
         c.agent("n2")
         await c.server.wait_node("n2", "Ready")
 
@@ -51,6 +52,6 @@ async def test_a_late_agent_keeps_its_serving_engine_and_the_replacement_goes(
         assert replacement["replica_id"] not in replicas, f"{replicas}\n{c.server.log()}"
         kept = replicas[serving["replica_id"]]
         assert kept["state"] == "Ready" and not kept["leaving"], replicas
-        assert alive(pid) and identity(pid) == start  # the engine that served was not touched
+        assert alive(pid) and lasting(pid) == start  # the engine that served was not touched
         await chat(tmp_path, kept["shards"][0])
         assert list(replicas) == [serving["replica_id"]]

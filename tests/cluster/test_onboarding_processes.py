@@ -20,8 +20,7 @@ import openai
 import pytest
 import trio
 
-from llmgw.agent.procs import identity
-from tests.cluster.procs import Daemon, Server
+from tests.cluster.procs import Daemon, Server, lasting
 from tests.cluster.test_control_plane_processes import BASE
 from tests.ports import own_port
 from tests.realparts import LLAMA_SERVER, needs_server
@@ -403,7 +402,7 @@ async def test_the_default_install_serves_through_a_server_restart(tmp_path: Pat
                 await trio.sleep(0.2)
         [record] = (tmp_path / "agent-state" / "shards").glob("*.json")
         pid = json.loads(record.read_text())["pid"]
-        engine = identity(pid)
+        engine = lasting(pid)
         ok, failed = 0, []
         stop = trio.Event()
 
@@ -434,7 +433,7 @@ async def test_the_default_install_serves_through_a_server_restart(tmp_path: Pat
             stop.set()
         assert failed == [], f"{len(failed)} of {ok + len(failed)} failed: {failed[:5]}"
         assert ok > 20
-        assert identity(pid) == engine  # the engine served on, never restarted
+        assert lasting(pid) == engine  # the engine served on, never restarted
     finally:
         if router.returncode() is None and router.proc is not None:
             with trio.move_on_after(5):  # SIGTERM: its first worker stops the other

@@ -23,13 +23,13 @@ import attrs
 import pytest
 import trio
 
-from llmgw.agent.procs import identity, terminate_group
+from llmgw.agent.procs import terminate_group
 from llmgw.controlplane.nodes import LivenessPolicy
 from llmgw.controlplane.service import ControlPlane
 from llmgw.controlplane.stream import AgentStreamServer, StreamLimits
 from llmgw.protocol.messages import Register, StartShard
 from llmgw.tls import issue_server, load_ca, server_context
-from tests.cluster.procs import Daemon, write_agent_config
+from tests.cluster.procs import Daemon, lasting, write_agent_config
 from tests.cluster.test_engine_processes import chat, fleet, llama_spec, tiny  # noqa: F401 (fixture)
 from tests.conftest import Pki
 from tests.ports import own_port
@@ -49,7 +49,7 @@ async def test_a_second_agent_for_the_node_with_another_state_dir_refuses_and_ki
         await f.send("n1", StartShard(spec=spec))
         ready = await f.status("s1", "ready")
         assert ready.pid is not None
-        engine = identity(ready.pid)
+        engine = lasting(ready.pid)
         # by hand, beside it: the same agent.toml, with the state dir a unit would not use
         config = tmp_path / "agent-n1.toml"
         by_hand = Daemon(
@@ -72,7 +72,7 @@ async def test_a_second_agent_for_the_node_with_another_state_dir_refuses_and_ki
             " from each other and kill each other's engines"
         ]
         assert not (tmp_path / "by-hand-state").exists()  # refused before it made anything
-        assert identity(ready.pid) == engine
+        assert lasting(ready.pid) == engine
         await chat(spec.port, ready.engine_key)
         assert [s.state for _, s in f.statuses] == ["starting", "ready"]
         assert "closed the stream" not in first.log()
