@@ -41,9 +41,10 @@ so it waits for them); otherwise the limit is ``contended`` for
 gives back what it does not need now and asks for nothing ahead, and the
 waiting request asks again. A router holding anything says so every second
 (``router.leases``); what one not heard from for ``HELD_S`` said it holds is
-counted no more (it was killed: what it held is lost, counted as spent). A limit that becomes contended is logged, once a
-minute at most (``TELL_S``); ``stats``, ``contended`` and ``routers`` are for
-the metrics (``llmgw_leases_*``).
+counted on no more (it was killed: what it held is lost, counted as spent). A
+limit that becomes contended is logged, once a minute at most (``TELL_S``);
+``stats``, ``contended`` and ``routers`` are for the metrics
+(``llmgw_leases_*``).
 
 The counts live in ``leases.json`` in the state directory, written
 (``files.write_atomic``) before an answer that grants anything leaves: a

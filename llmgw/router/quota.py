@@ -283,12 +283,15 @@ class Refusal:
                 f"more than {about}'s limit of {self.value} {what}: lower max_tokens"
             )
         show = f"(llmgw ctl tenant show {self.tenant} shows its limits)"
-        if self.held:
-            noun = "budget" if self.limit in BUDGETS else "limit"
+        if self.held:  # a budget's requests in flight give back too (``leases``)
+            noun, by = (
+                ("budget", "other routers and by its requests in flight")
+                if self.limit in BUDGETS
+                else ("limit", "other routers")
+            )
             return (
-                f"{about}: its {noun} of {self.value} {what} is held for now by other "
-                f"routers and by its requests in flight, which give back what they do not "
-                f"use: try again in a second {show}"
+                f"{about}: its {noun} of {self.value} {what} is held for now by {by}, "
+                f"which give back what they do not use: try again in a second {show}"
             )
         if self.budget:
             return (
