@@ -201,11 +201,24 @@ def test_a_killed_router_loses_its_budget_lease_and_no_more() -> None:
     assert 10_000 - granted - 100 < served <= 10_000 - granted
 
 
-def reserved(fleet: Fleet, i: int, now: float, tokens: int) -> Ticket:
-    """Router ``i`` admits a request reserving ``tokens`` and keeps it in flight."""
+def admitted(fleet: Fleet, i: int, now: float) -> Ticket:
+    """A request router ``i`` admits, its tokens not reserved yet."""
     q = fleet.quotas[i]
     ticket = fleet.ask(i, now, lambda t: q.admit(KEY, fleet.limits, t))
     assert isinstance(ticket, Ticket)
+    return ticket
+
+
+def reserving(fleet: Fleet, i: int, now: float, tokens: int) -> object:
+    """What router ``i`` answers a request reserving ``tokens``, exchanging as it needs:
+    None (reserved; the ticket is ``admitted``'s) or the refusal."""
+    q, ticket = fleet.quotas[i], admitted(fleet, i, now)
+    return fleet.ask(i, now, lambda t: q.reserve(ticket, 0, tokens - 1, t))
+
+
+def reserved(fleet: Fleet, i: int, now: float, tokens: int) -> Ticket:
+    """Router ``i`` admits a request reserving ``tokens`` and keeps it in flight."""
+    q, ticket = fleet.quotas[i], admitted(fleet, i, now)
     assert fleet.ask(i, now, lambda t: q.reserve(ticket, 0, tokens - 1, t)) is None
     return ticket
 
@@ -213,9 +226,7 @@ def reserved(fleet: Fleet, i: int, now: float, tokens: int) -> Ticket:
 def short_of(fleet: Fleet, i: int, now: float, tokens: int) -> Short:
     """Router ``i``'s request reserving ``tokens``, after one exchange that asked for it."""
     q = fleet.quotas[i]
-    ticket = fleet.ask(i, now, lambda t: q.admit(KEY, fleet.limits, t))
-    assert isinstance(ticket, Ticket)
-    got = q.reserve(ticket, 0, tokens - 1, now)
+    got = q.reserve(admitted(fleet, i, now), 0, tokens - 1, now)
     assert isinstance(got, Short), got
     q.wait(got, 1)
     fleet.exchange(i, now)
@@ -237,10 +248,7 @@ def test_a_budget_waits_for_what_requests_in_flight_reserved_rather_than_refuse_
     assert fleet.bank.stats.denied == {("budget_day", "held_elsewhere"): 1}
     long.settle(prompt=1, completion=99, now=1.2)  # used 100 of its 900
     long.release(1.2)
-    q1 = fleet.quotas[1]
-    served = fleet.ask(1, 1.3, lambda t: q1.admit(KEY, fleet.limits, t))
-    assert isinstance(served, Ticket)
-    assert fleet.ask(1, 1.3, lambda t: q1.reserve(served, 0, 199, t)) is None
+    reserved(fleet, 1, 1.3, 200)  # served from what came back
 
     # its own requests in flight too, at a router of its own; and once they used what
     # they reserved, a need past the budget is refused for good, saying so
@@ -250,16 +258,8 @@ def test_a_budget_waits_for_what_requests_in_flight_reserved_rather_than_refuse_
     assert short_of(alone, 0, 1.1, 200).waits()
     long.settle(prompt=1, completion=899, now=1.2)  # used all it reserved
     long.release(1.2)
-    q = alone.quotas[0]
-    refused = alone.ask(0, 1.3, lambda t: q.reserve(reserved_ticket(alone, 0, 1.3), 0, 199, t))
+    refused = reserving(alone, 0, 1.3, 200)
     assert isinstance(refused, Refusal) and refused.budget, refused
-
-
-def reserved_ticket(fleet: Fleet, i: int, now: float) -> Ticket:
-    q = fleet.quotas[i]
-    ticket = fleet.ask(i, now, lambda t: q.admit(KEY, fleet.limits, t))
-    assert isinstance(ticket, Ticket)
-    return ticket
 
 
 def test_what_a_killed_router_reserved_is_waited_for_no_longer_than_it_is_heard_from() -> None:
@@ -274,8 +274,7 @@ def test_what_a_killed_router_reserved_is_waited_for_no_longer_than_it_is_heard_
     assert held is not None and held.held and not held.budget and held.retry_after_s == 1
     assert "its budget of 1000 tokens a day is held for now by other routers" in held.message
     later = 1 + HELD_S + 0.5  # router 0 not heard from since 1: nothing may come back
-    q1 = fleet.quotas[1]
-    refused = fleet.ask(1, later, lambda t: q1.reserve(reserved_ticket(fleet, 1, later), 0, 199, t))
+    refused = reserving(fleet, 1, later, 200)
     assert isinstance(refused, Refusal) and refused.budget and not refused.held, refused
     assert "has used its budget of 1000 tokens a day" in refused.message
 
